@@ -1,0 +1,400 @@
+"""Tests for train_gpt.py. CPU only; run with `python -m pytest -q test_train.py`.
+
+Each test checks a property against a reference written here: a plain softmax attention,
+hand-computed controller steps, FlopCounterMode, shards written by the test, a one-process
+run against a two-process one.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt as tg
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+warnings.filterwarnings("ignore", message=".*flex_attention.*")  # eager Flex on CPU warns
+
+
+def tiny(**kw) -> tg.Hyperparameters:
+    base = dict(vocab_size=97, n_layers=4, dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16,
+                compile=False, attn_impl="sdpa")
+    return replace(tg.Hyperparameters(), **{**base, **kw})
+
+
+def reference_attention(q, k, v, log_g):
+    """Plain causal softmax with ln g added on the key axis, GQA by repeating kv heads."""
+    rep = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    T = q.size(2)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))  # (B, H, T_q, T_k)
+    if log_g is not None:
+        scores = scores + log_g[:, None, None, :]  # key j gets ln g_j
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def random_qkv_logg(B=2, H=4, Hkv=2, T=24, hd=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, T, hd, generator=gen) for h in (H, Hkv, Hkv))
+    g = torch.rand(B, T, generator=gen)
+    g[:, ::5] = 0.0  # some fully gated keys
+    g[:, 1::7] = 1.0
+    return q, k, v, torch.log(g.clamp(min=1e-6))
+
+
+# ---------------------------------------------------------------------------- model
+
+def test_zero_gate_parameters_give_the_dense_model():
+    torch.manual_seed(0)
+    dense = tg.GPT(tiny(gated=False))
+    gated = tg.GPT(tiny(gated=True))
+    missing, unexpected = gated.load_state_dict(dense.state_dict(), strict=False)
+    assert unexpected == [] and all(k.startswith("gates.") for k in missing) and missing
+    assert all((p == 0).all() for p in gated.gates.parameters())
+    idx = torch.randint(0, 97, (3, 16))
+    ld, gd, _ = dense(idx)
+    lg, gg, _ = gated(idx)
+    assert gd is None and torch.equal(gg, torch.ones_like(gg))
+    assert (ld - lg).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+def test_attention_matches_reference_softmax(impl):
+    q, k, v, log_g = random_qkv_logg()
+    ref = reference_attention(q, k, v, log_g)
+    out = tg.gated_attention(q, k, v, log_g, impl)
+    assert (out - ref).abs().max().item() < 1e-5
+    dense = tg.gated_attention(q, k, v, None, impl)
+    assert (dense - reference_attention(q, k, v, None)).abs().max().item() < 1e-5
+    assert (dense - out).abs().max().item() > 1e-2  # the gate term really changes the output
+
+
+def test_sdpa_and_flex_paths_agree():
+    q, k, v, log_g = random_qkv_logg(T=40, seed=3)
+    a = tg.gated_attention(q, k, v, log_g, "sdpa")
+    b = tg.gated_attention(q, k, v, log_g, "flex")
+    assert (a - b).abs().max().item() < 1e-5
+
+
+def test_sdpa_gradients_match_reference():
+    q, k, v, log_g = random_qkv_logg(seed=1)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, log_g)]
+    ref_ins = [t.clone().requires_grad_() for t in (q, k, v, log_g)]
+    w = torch.randn(2, 4, 24, 8)
+    (tg.gated_attention(*ins, "sdpa") * w).sum().backward()
+    (reference_attention(*ref_ins) * w).sum().backward()
+    for a, b in zip(ins, ref_ins):
+        assert (a.grad - b.grad).abs().max().item() < 1e-5
+    assert ins[3].grad.abs().sum() > 0  # ln g is differentiable: gates learn from attention
+
+
+def test_zero_gate_key_has_no_influence_on_other_tokens():
+    q, k, v, log_g = random_qkv_logg(B=1, T=12, seed=2)
+    j, others = 4, [i for i in range(12) if i != 4]
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, j] += 0.5
+    v2[0, :, j] += 3.0
+    change = {}
+    for gate in (0.0, 1.0):
+        lg = log_g.clone()
+        lg[0, j] = math.log(max(gate, 1e-6))
+        before = tg.gated_attention(q, k, v, lg, "sdpa")
+        after = tg.gated_attention(q, k2, v2, lg, "sdpa")
+        change[gate] = (after - before)[:, :, others].abs().max().item()
+    assert change[1.0] > 1e-2  # an open key does influence later tokens
+    # a closed key acts only through the 1e-6 floor on g: about a millionth of the effect
+    assert change[0.0] < 1e-4 * change[1.0]
+
+
+def test_block_leaves_gated_token_untouched():
+    hp = tiny()
+    torch.manual_seed(0)
+    block = tg.Block(hp)
+    x = torch.randn(1, 10, hp.dim)
+    g = torch.rand(1, 10, 1) * 0.9 + 0.1
+    g[0, 3] = 0.0
+    y = block(x, g, "sdpa")
+    assert torch.equal(y[0, 3], x[0, 3])  # g = 0: the residual passes through unchanged
+    x2 = x.clone()
+    x2[0, 3] += 5.0
+    y2 = block(x2, g, "sdpa")
+    others = [i for i in range(10) if i != 3]
+    assert (y2 - y)[0, others].abs().max().item() < 1e-4
+
+
+def test_gate_parameters_receive_gradient_inside_the_open_interval():
+    torch.manual_seed(0)
+    model = tg.GPT(tiny())
+    for gate in model.gates:
+        torch.nn.init.normal_(gate.weight, std=0.02)
+        torch.nn.init.constant_(gate.bias, 0.3)
+    idx = torch.randint(0, 97, (2, 16))
+    logits, gates, _ = model(idx)
+    assert ((gates > 0) & (gates < 1)).float().mean() > 0.9
+    F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+    for gate in model.gates:
+        assert gate.weight.grad.abs().sum() > 0 and gate.bias.grad.abs().sum() > 0
+
+
+def test_zero_initialised_gates_are_not_stuck():
+    # deviation in the docstring: relu'(0) = 0 would leave zero-initialised gates at 1 forever
+    torch.manual_seed(0)
+    model = tg.GPT(tiny())
+    _, gates, _ = model(torch.randint(0, 97, (2, 16)))
+    gates.mean().backward()  # what the controller's alpha * mean term differentiates
+    assert all(gate.bias.grad.item() != 0 for gate in model.gates)
+
+
+def test_mirrored_blocks_share_a_gate():
+    assert [tg.mirror(i, 6) for i in range(6)] == [0, 1, 2, 2, 1, 0]
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(n_layers=6))
+    assert len(model.gates) == 3
+    for gate in model.gates:
+        torch.nn.init.normal_(gate.weight, std=0.1)
+        torch.nn.init.constant_(gate.bias, 0.2)
+    _, gates, _ = model(torch.randint(0, 97, (2, 16)))
+    for layer in range(6):
+        assert torch.equal(gates[layer], gates[5 - layer])
+    assert not torch.equal(gates[0], gates[1])
+    assert (gates[1] <= gates[0]).all() and (gates[2] <= gates[1]).all()  # S only grows
+
+
+def test_odd_layer_count_is_rejected_when_gated():
+    with pytest.raises(tg.UserError, match="even"):
+        tg.validate(tiny(n_layers=3), 1)
+    tg.validate(tiny(n_layers=3, gated=False, batch_size=32, device_batch_size=32,
+                     train_tokens=32 * 16, val_tokens=32 * 16), 1)
+
+
+# ---------------------------------------------------------------------------- controller
+
+def controller(kind, **kw):
+    hp = tiny(controller=kind, mu_start=1.0, mu_end=0.5, gamma=0.1, delta=0.05, fixed_coef=0.3,
+              **kw)
+    return tg.GateController(hp)
+
+
+def test_mean_and_variance_targets():
+    c = controller("proportional_tol", n_layers=6)
+    assert c.mu.tolist() == pytest.approx([1.0, 0.75, 0.5, 0.5, 0.75, 1.0])
+    assert c.var.tolist() == pytest.approx([0.0, 0.1875, 0.25, 0.25, 0.1875, 0.0])
+
+
+def test_controller_updates_match_hand_computed_steps():
+    mean = torch.tensor([0.98, 0.70, 0.40, 0.40])  # targets 1.0, 0.5, 0.5, 1.0
+    var = torch.tensor([0.01, 0.22, 0.32, 0.02])   # targets 0, 0.25, 0.25, 0
+    # deviations: mean -0.02, 0.20, -0.10, -0.60; var 0.01, -0.03, 0.07, 0.02
+    c = controller("proportional_tol")
+    c.update(mean, var)
+    assert c.alpha.tolist() == pytest.approx([0.0, 0.02, -0.01, -0.06])  # |dev| > 0.05 only
+    assert c.beta.tolist() == pytest.approx([0.0, 0.0, 0.007, 0.0])
+    c.update(mean, var)
+    assert c.alpha.tolist() == pytest.approx([0.0, 0.04, -0.02, -0.12])
+    c = controller("proportional")
+    c.update(mean, var)
+    assert c.alpha.tolist() == pytest.approx([-0.002, 0.02, -0.01, -0.06])
+    assert c.beta.tolist() == pytest.approx([0.001, -0.003, 0.007, 0.002])
+    c = controller("adaptive")
+    c.update(mean, var)
+    assert c.alpha.tolist() == pytest.approx([-0.1, 0.1, -0.1, -0.1])
+    assert c.beta.tolist() == pytest.approx([0.1, -0.1, 0.1, 0.1])
+    for kind in ("sparsity", "sparsity_variance", "sparsity_variance_l2", "none"):
+        c = controller(kind)
+        before = (c.alpha.clone(), c.beta.clone())
+        c.update(mean, var)
+        assert torch.equal(c.alpha, before[0]) and torch.equal(c.beta, before[1])
+
+
+def test_controller_losses_match_hand_computed_values():
+    gates = torch.tensor([[[1.0, 1.0], [1.0, 1.0]],
+                          [[0.0, 1.0], [0.5, 0.5]],
+                          [[0.0, 1.0], [0.5, 0.5]],
+                          [[1.0, 1.0], [1.0, 1.0]]])  # (L=4, B=2, T=2)
+    # per layer mean 1, .5, .5, 1; population variance 0, .125, .125, 0
+    c = controller("sparsity")
+    assert c.loss(gates).item() == pytest.approx(0.3 * (1 + 0.5 + 0.5 + 1) / 4)
+    c = controller("sparsity_variance")
+    assert c.loss(gates).item() == pytest.approx(0.3 * (3 + 0.25) / 4)
+    c = controller("sparsity_variance_l2")  # targets mean 1, .5, .5, 1; var 0, .25, .25, 0
+    assert c.loss(gates).item() == pytest.approx(0.3 * (2 * 0.125 ** 2) / 4)
+    c = controller("proportional_tol")
+    assert c.loss(gates).item() == 0.0  # coefficients start at zero
+    c.alpha[:] = torch.tensor([1.0, 2.0, 2.0, 1.0], dtype=torch.float64)
+    c.beta[:] = torch.tensor([0.0, -4.0, -4.0, 0.0], dtype=torch.float64)
+    assert c.loss(gates).item() == pytest.approx((1 + 1 + 1 + 1 - 0.5 - 0.5) / 4)
+    assert controller("none").loss(gates).item() == 0.0
+
+
+# ---------------------------------------------------------------------------- data
+
+def write_shard(path, tokens, magic=20240520, version=1, count=None):
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (magic, version, len(tokens) if count is None else count)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+def test_loader_reads_what_the_test_wrote(tmp_path):
+    tokens = np.arange(1000) % 50257
+    write_shard(tmp_path / "d_000.bin", tokens)
+    assert np.array_equal(tg.load_shard(str(tmp_path / "d_000.bin")), tokens)
+    # two ranks, 2 sequences of 8 each: rank 1 starts after rank 0's 16 tokens
+    loaders = [tg.DistributedLoader(str(tmp_path / "d_*.bin"), 2, 8, r, 2) for r in (0, 1)]
+    for step in range(3):
+        for r, loader in enumerate(loaders):
+            x, y = loader.next_batch()
+            start = step * 32 + r * 16
+            assert x.flatten().tolist() == list(range(start, start + 16))
+            assert y.flatten().tolist() == list(range(start + 1, start + 17))
+
+
+def test_loader_rejects_bad_magic_and_truncation(tmp_path):
+    write_shard(tmp_path / "bad.bin", range(100), magic=1234)
+    with pytest.raises(tg.UserError, match="magic"):
+        tg.load_shard(str(tmp_path / "bad.bin"))
+    write_shard(tmp_path / "short.bin", range(100), count=200)
+    with pytest.raises(tg.UserError, match="truncated"):
+        tg.load_shard(str(tmp_path / "short.bin"))
+    (tmp_path / "tiny.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(tg.UserError, match="truncated"):
+        tg.load_shard(str(tmp_path / "tiny.bin"))
+    with pytest.raises(tg.UserError, match="no shards"):
+        tg.find_shards(str(tmp_path / "missing_*.bin"))
+
+
+def test_embedded_sample_is_valid():
+    for name in ("sample_train_000001.bin", "sample_val_000000.bin"):
+        tokens = tg.load_shard(os.path.join(HERE, "data", "sample", name))
+        assert len(tokens) > 5000 and tokens.max() <= 50256 and tokens[0] == 50256
+
+
+# ---------------------------------------------------------------------------- FLOPs
+
+def math_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
+    """Stand-in for SDPA made of matmuls, so that FlopCounterMode sees the attention."""
+    rep = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    T = q.size(2)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def test_dense_flops_match_flop_counter(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+    hp = tiny(gated=False, vocab_size=1000, dim=128, n_layers=2, max_seq_len=256)
+    model = tg.GPT(hp)
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, 1000, (1, 256)))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    T = hp.max_seq_len
+    attention = sum(n for op, n in counts.items() if "bmm" in op)
+    # the counter charges all T^2 query-key pairs; a causal kernel computes T(T+1)/2 of them
+    reference = counter.get_total_flops() - attention + attention * (T + 1) / (2 * T)
+    assert attention > 0.05 * reference  # the attention term matters in this configuration
+    assert tg.forward_flops(hp) == pytest.approx(reference, rel=0.02)
+
+
+def test_sparse_flops_scale_with_active_fraction():
+    hp = tiny(n_layers=4)
+    full = tg.forward_flops(hp, [1, 1, 1, 1])
+    assert full == tg.forward_flops(hp)
+    assert tg.forward_flops(hp, [1, 0, 0, 1]) < full
+    dense = tg.forward_flops(replace(hp, gated=False))
+    assert full - dense == 2 * 16 * 2 * (32 + 1)  # only the two gate linears differ
+
+
+def test_lr_schedule():
+    hp = tiny(lr=1.0, warmup_frac=0.1, warmup_start=0.1)
+    assert tg.lr_at(hp, 0, 100) == pytest.approx(0.1)
+    assert tg.lr_at(hp, 5, 100) == pytest.approx(0.55)
+    assert tg.lr_at(hp, 10, 100) == pytest.approx(1.0)
+    assert tg.lr_at(hp, 55, 100) == pytest.approx(0.5)
+    assert tg.lr_at(hp, 100, 100) == pytest.approx(0.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------- end to end
+
+TINY_RUN = ["--preset=smoke", "--n_layers=2", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
+            "--max_seq_len=64"]
+
+
+def run_script(args, nproc=1, cwd=HERE):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc == 1:
+        cmd = [sys.executable, "train_gpt.py", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "train_gpt.py", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_script(TINY_RUN + ["--train_tokens=30720", "--val_every=15", f"--run_dir={run_dir}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("train.log", "config.json", "metrics.jsonl"):
+        assert (run_dir / name).exists()
+    log = (run_dir / "train.log").read_text()
+    assert "class GPT(nn.Module)" in log and "torch " in log and "step:60/60 val_loss:" in log
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["n_layers"] == 2 and config["num_steps"] == 60 and config["grad_accum"] == 2
+    metrics = read_metrics(run_dir)
+    val = [m for m in metrics if m["kind"] == "val"]
+    train = [m for m in metrics if m["kind"] == "train"]
+    assert len(train) == 60 and [m["step"] for m in val] == [0, 15, 30, 45, 60]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 2.0
+    for key in ("sparsity", "gate_mean", "gate_zero", "resid_norm", "flops", "flops_dense"):
+        assert key in val[-1]
+    assert len(val[-1]["gate_mean"]) == 2 and set(train[0]) == {"kind", "step", "train_loss",
+                                                                 "step_ms"}
+
+
+def test_two_processes_match_one(tmp_path):
+    args = TINY_RUN + ["--dim=32", "--max_seq_len=32", "--batch_size=8", "--device_batch_size=2",
+                       "--train_tokens=768", "--val_every=0", "--val_tokens=256"]
+    one = run_script(args + [f"--run_dir={tmp_path / 'one'}"])
+    two = run_script(args + [f"--run_dir={tmp_path / 'two'}"], nproc=2)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    m1, m2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["grad_accum"] == 2
+    assert len(m1) == len(m2) == 4  # 3 train steps and the final validation
+    for a, b in zip(m1, m2):
+        key = "train_loss" if a["kind"] == "train" else "val_loss"
+        assert abs(a[key] - b[key]) < 1e-4, (a, b)
+    assert m1[-1]["gate_mean"] == pytest.approx(m2[-1]["gate_mean"], abs=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nope=1"], "unknown field 'nope'; valid fields: train_files"),
+    (["--n_layers=three"], "--n_layers=three: expected int"),
+    (["--preset=smoke", "--n_layers=3"], "even number of layers"),
+    (["--preset=smoke", "--mu_end=1.5"], "must lie in [0, 1]"),
+    (["--preset=smoke", "--device_batch_size=3"], "not divisible"),
+    (["--train_files=/nonexistent/x_*.bin", "--compile=0"], "no shards match"),
+])
+def test_bad_input_gives_one_error_line(args, message, tmp_path):
+    r = run_script(args + [f"--run_dir={tmp_path / 'r'}"])
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert message in r.stderr
+    assert not (tmp_path / "r").exists()  # nothing written before the check

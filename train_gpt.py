@@ -1,0 +1,786 @@
+"""Train the skip-middle gated Transformer (Lawson & Aitchison, 2025) on FineWeb shards.
+
+One file, read top to bottom: components, gated attention and block, model, sparsity
+controller, data, FLOPs, hyperparameters, setup, training loop, main(). Importing it has no
+side effects; tests import the pieces.
+
+    python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
+    torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
+
+Every Hyperparameters field can be overridden as --field=value.
+
+Deviations from Llama 3 (the paper's base model, Section 3.1):
+  - Sandwich ("peri") norm x + Norm(Module(Norm(x))) instead of pre-norm (paper Section 2.3);
+    `sandwich_norm=False` gives pre-norm for ablation.
+  - An RMSNorm right after the token embedding as well as before the head; untied head.
+  - SwiGLU hidden size is ffn_mult * dim (3072 at dim 768), as in the authors' released
+    models, not Llama's 2/3 rule.
+  - All weights normal(0, 0.02), norms 1, no biases anywhere except the gate linears.
+
+Deviations from the paper, and choices where it is ambiguous:
+  - The gate's ln g term is added to the logit of the *key* position j (eq. 3: the weight
+    g_j multiplies exp(q_i k_j)). The authors' released code indexes it by the query, which
+    softmax cancels, so their attention was never actually gated.
+  - ReLU in eq. 1 is written clamp(z, min=0): the same forward, but with subgradient 1 at
+    z = 0 instead of torch.relu's 0. With gate parameters initialised to zero (as the paper
+    says) every z is exactly 0, and with relu's convention no gradient would ever reach them:
+    the gates would stay at 1 for the whole run.
+  - The gate of block l < L/2 reads the residual stream entering block l (the paper's
+    h^(i,l) notation is ambiguous between a block's input and its output).
+  - The tolerance of eq. 6 is applied to |deviation| (both directions, as the authors'
+    code does), so coefficients can fall as well as rise; beta uses the same rule with the
+    variance targets mu*(1 - mu*). Batch variance is the population variance of eq. 4.
+  - Gate statistics for the controller are over the whole global batch (all micro-steps,
+    all ranks), so every rank applies the identical update; the differentiable regulariser
+    in each micro-step uses that micro-batch's statistics.
+  - FLOPs are counted for a causal kernel: T(T+1)/2 query-key pairs, not T^2.
+"""
+
+import contextlib
+import glob
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class UserError(Exception):
+    """Bad input from the user: main() prints `error: <message>` and exits with status 2."""
+
+
+# -----------------------------------------------------------------------------
+# Components: RMSNorm, rotary embeddings, SwiGLU
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()  # normalise in fp32 under autocast, as Llama does
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight).type_as(x)
+
+
+class Rotary(nn.Module):
+    """RoPE (Su et al. 2024) with Llama's interleaved pairs, table precomputed up to max_seq_len."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)  # (T_max, hd/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):  # x: (B, H, T, hd)
+        T = x.size(2)
+        cos, sin = self.cos[:T], self.sin[:T]  # (T, hd/2) per position
+        x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # even / odd features
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        return out.type_as(x)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate branch
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # value branch
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down projection
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# -----------------------------------------------------------------------------
+# Gated attention (eq. 3) and the gated block (Section 2)
+
+@lru_cache(maxsize=8)
+def causal_block_mask(T: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device=device)
+
+
+@lru_cache(maxsize=1)
+def compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+    # flex_attention only produces a fused kernel (and a backward) when compiled; on CPU we
+    # call it eagerly, which is forward-only and used by the tests.
+    return torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+
+
+def gated_attention(q, k, v, log_g, impl: str):
+    """Causal softmax attention with ln g_j added to the logit of every key j (eq. 3).
+
+    q: (B, H, T, hd); k, v: (B, H_kv, T, hd); log_g: (B, T) per *key*, or None (dense).
+    impl 'flex': FlexAttention with a score_mod and a causal block mask (logits in fp32
+    accumulators). impl 'sdpa': scaled_dot_product_attention with an additive fp32 mask;
+    exact, differentiable on CPU, and used wherever Flex cannot run backward.
+    """
+    gqa = q.size(1) != k.size(1)
+    if impl == "flex":
+        flex = compiled_flex_attention()
+        block_mask = causal_block_mask(q.size(2), str(q.device))
+        score_mod = None
+        if log_g is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + log_g[b, kv_idx]  # key index: indexing by q_idx is a no-op
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+    if impl != "sdpa":
+        raise ValueError(f"unknown attention impl {impl!r}")
+    if log_g is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    T = q.size(2)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    bias = torch.zeros(T, T, device=q.device).masked_fill(~causal, float("-inf"))
+    bias = bias + log_g.float()[:, None, None, :]  # (B, 1, T_q, T_k): ln g on the key axis
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
+                                         enable_gqa=gqa)
+    return out.type_as(q)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional gating of keys."""
+
+    def __init__(self, hp: "Hyperparameters"):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = hp.n_heads, hp.n_kv_heads
+        self.head_dim = hp.dim // hp.n_heads
+        self.wq = nn.Linear(hp.dim, hp.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(hp.n_heads * self.head_dim, hp.dim, bias=False)
+        self.rotary = Rotary(self.head_dim, hp.max_seq_len, hp.rope_theta)
+
+    def forward(self, x, log_g, impl):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        y = gated_attention(self.rotary(q), self.rotary(k), v, log_g, impl)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2 and 2.3).
+
+    g is (B, T, 1) in [0, 1], or None for a dense block. Without sandwich_norm the output
+    norms are identities (pre-norm ablation).
+    """
+
+    def __init__(self, hp: "Hyperparameters"):
+        super().__init__()
+        self.attn = Attention(hp)
+        self.ffn = SwiGLU(hp.dim, hp.ffn_mult * hp.dim)
+        self.attn_in, self.ffn_in = RMSNorm(hp.dim, hp.norm_eps), RMSNorm(hp.dim, hp.norm_eps)
+        out_norm = (lambda: RMSNorm(hp.dim, hp.norm_eps)) if hp.sandwich_norm else nn.Identity
+        self.attn_out, self.ffn_out = out_norm(), out_norm()
+        self.gate_eps = hp.gate_eps
+
+    def forward(self, x, g, impl):
+        if g is None:
+            x = x + self.attn_out(self.attn(self.attn_in(x), None, impl))
+            return x + self.ffn_out(self.ffn(self.ffn_in(x)))
+        log_g = torch.log(g.squeeze(-1).float().clamp(min=self.gate_eps))  # (B, T) per key
+        x = x + g * self.attn_out(self.attn(self.attn_in(x), log_g, impl))
+        return x + g * self.ffn_out(self.ffn(self.ffn_in(x)))
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+def mirror(layer: int, n_layers: int) -> int:
+    """Index of the gate used by block `layer`: its own in the first half, block L-1-l's after."""
+    return layer if layer < n_layers // 2 else n_layers - 1 - layer
+
+
+class GPT(nn.Module):
+    def __init__(self, hp: "Hyperparameters"):
+        super().__init__()
+        self.hp = hp
+        self.embed = nn.Embedding(hp.vocab_size, hp.dim)
+        self.embed_norm = RMSNorm(hp.dim, hp.norm_eps)
+        self.blocks = nn.ModuleList(Block(hp) for _ in range(hp.n_layers))
+        # eq. (1): one linear d -> 1 per block of the first half; the second half reuses them
+        n_gates = hp.n_layers // 2 if hp.gated else 0
+        self.gates = nn.ModuleList(nn.Linear(hp.dim, 1, bias=True) for _ in range(n_gates))
+        self.head_norm = RMSNorm(hp.dim, hp.norm_eps)
+        self.head = nn.Linear(hp.dim, hp.vocab_size, bias=False)
+        self.attn_impl = "flex" if hp.attn_impl == "auto" and torch.cuda.is_available() else \
+            ("sdpa" if hp.attn_impl == "auto" else hp.attn_impl)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=hp.init_std)
+        for gate in self.gates:  # all zero: every g is exactly 1, the dense Transformer
+            nn.init.zeros_(gate.weight)
+            nn.init.zeros_(gate.bias)
+
+    def forward(self, idx):
+        """idx: (B, T) token ids -> logits (B, T, V) fp32, gates (L, B, T) or None,
+        resid_norms (L,) mean L2 norm of the residual stream after each block (detached)."""
+        L = self.hp.n_layers
+        x = self.embed_norm(self.embed(idx))
+        gates, S, resid = [], 0.0, []
+        for layer, block in enumerate(self.blocks):
+            g = None
+            if self.hp.gated:
+                if layer < L // 2:
+                    # eq. (1): s = ReLU(w.h + b), written as clamp so d/dz at z=0 is 1 (see top)
+                    S = S + self.gates[layer](x).float().clamp(min=0.0)  # (B, T, 1) running sum
+                    gates.append(1.0 - S.clamp(0.0, 1.0))  # eq. (2)
+                else:
+                    gates.append(gates[mirror(layer, L)])
+                g = gates[-1].type_as(x)
+            x = block(x, g, self.attn_impl)
+            resid.append(x.detach().float().norm(dim=-1).mean())
+        logits = self.head(self.head_norm(x)).float()
+        gates = torch.stack(gates).squeeze(-1) if gates else None  # (L, B, T)
+        return logits, gates, torch.stack(resid)
+
+
+# -----------------------------------------------------------------------------
+# Sparsity controller (Section 2.4, eqs. 4-6, Table 1)
+
+CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "sparsity_variance",
+               "sparsity_variance_l2", "none")
+
+
+def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
+    """(L,) per layer: linspace(mu_start, mu_end) over the first half, mirrored (Section 2.4)."""
+    half = torch.linspace(hp.mu_start, hp.mu_end, hp.n_layers // 2, dtype=torch.float64)
+    return torch.cat([half, half.flip(0)])
+
+
+class GateController:
+    """Regularisation loss on the per-layer gate mean and variance, and the coefficient update.
+
+    proportional_tol: eq. (5) loss, eq. (6) update (the paper's method).
+    proportional / adaptive: eq. (5) loss, update gamma * dev / gamma * sign(dev) (Table 1).
+    sparsity / sparsity_variance / sparsity_variance_l2: fixed coefficients (Table 1).
+    none: no loss. Coefficients (alpha, beta) are training state.
+    """
+
+    def __init__(self, hp: "Hyperparameters", device="cpu"):
+        self.kind, self.gamma, self.delta = hp.controller, hp.gamma, hp.delta
+        self.mu = mean_targets(hp).to(device)  # (L,) mean targets
+        self.var = self.mu * (1 - self.mu)      # (L,) Bernoulli variance targets
+        adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
+        init = 0.0 if adaptive else hp.fixed_coef
+        self.alpha = torch.full_like(self.mu, init)
+        self.beta = torch.full_like(self.mu, init if self.kind != "sparsity" else 0.0)
+
+    def loss(self, gates):
+        """gates: (L, B, T) -> scalar; eq. (4) statistics over this micro-batch."""
+        if self.kind == "none":
+            return gates.new_zeros(())
+        mean = gates.mean(dim=(1, 2))
+        var = gates.var(dim=(1, 2), unbiased=False)
+        a, b = self.alpha.to(gates.dtype), self.beta.to(gates.dtype)
+        if self.kind == "sparsity_variance_l2":
+            terms = a * (mean - self.mu.to(gates.dtype)) ** 2 + b * (var - self.var.to(gates.dtype)) ** 2
+        else:
+            terms = a * mean + b * var
+        return terms.mean()  # (1/L) sum over layers
+
+    def update(self, mean, var):
+        """mean, var: (L,) statistics of the whole global batch, identical on every rank."""
+        for coef, dev in ((self.alpha, mean.double() - self.mu), (self.beta, var.double() - self.var)):
+            if self.kind == "proportional_tol":
+                coef += self.gamma * dev * (dev.abs() > self.delta)  # eq. (6)
+            elif self.kind == "proportional":
+                coef += self.gamma * dev
+            elif self.kind == "adaptive":
+                coef += self.gamma * torch.sign(dev)
+
+    def state_dict(self):
+        return {"alpha": self.alpha.clone(), "beta": self.beta.clone()}
+
+    def load_state_dict(self, state):
+        self.alpha.copy_(state["alpha"])
+        self.beta.copy_(state["beta"])
+
+
+# -----------------------------------------------------------------------------
+# Data: modded-nanogpt shards (256 int32 header, then uint16 tokens)
+
+SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
+
+
+def load_shard(path: str) -> np.ndarray:
+    """Read one shard, checking magic, version and that the size matches the token count."""
+    size = os.path.getsize(path)
+    if size < HEADER_INTS * 4:
+        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the header)")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise UserError(f"{path}: bad magic number {header[0]} (expected {SHARD_MAGIC})")
+    if header[1] != SHARD_VERSION:
+        raise UserError(f"{path}: unsupported shard version {header[1]}")
+    n = int(header[2])
+    if size != HEADER_INTS * 4 + 2 * n:
+        raise UserError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) "
+                        f"but the file has {size} bytes (truncated or corrupt)")
+    return np.fromfile(path, dtype=np.uint16, count=n, offset=HEADER_INTS * 4)
+
+
+def find_shards(pattern: str) -> list:
+    files = sorted(glob.glob(pattern))
+    if not files:
+        hint = ("fetch FineWeb with `python data/cached_fineweb10B.py`" if "fineweb" in pattern
+                else "check the path")
+        raise UserError(f"no shards match {pattern}: {hint}, or train on the embedded "
+                        f"sample with --preset=smoke")
+    return files
+
+
+class DistributedLoader:
+    """Walks the shards in order, cycling at the end. Each step takes one contiguous global
+    batch of B_global * T (+1) tokens; rank r gets sequences [r * B_local, (r + 1) * B_local),
+    so the union over ranks is the same global batch for every world size."""
+
+    def __init__(self, pattern: str, B_local: int, T: int, rank: int, world: int):
+        self.files = find_shards(pattern)
+        self.B, self.T, self.rank, self.world = B_local, T, rank, world
+        self.reset()
+
+    def reset(self):
+        self.shard = 0
+        self.tokens = load_shard(self.files[0])
+        self.pos = 0
+        self._check_fits()
+
+    def _check_fits(self):
+        need = self.B * self.T * self.world + 1
+        if len(self.tokens) < need:
+            raise UserError(f"{self.files[self.shard]}: {len(self.tokens)} tokens, fewer than "
+                            f"one global batch ({need})")
+
+    def next_batch(self):
+        """-> x, y: (B_local, T) int64, inputs and next-token targets."""
+        start = self.pos + self.rank * self.B * self.T
+        buf = torch.from_numpy(self.tokens[start:start + self.B * self.T + 1].astype(np.int64))
+        self.pos += self.B * self.T * self.world
+        if self.pos + self.B * self.T * self.world + 1 > len(self.tokens):
+            self.shard = (self.shard + 1) % len(self.files)
+            self.tokens, self.pos = load_shard(self.files[self.shard]), 0
+            self._check_fits()
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+
+# -----------------------------------------------------------------------------
+# FLOPs: forward pass of one max_seq_len sequence, 2 per multiply-add
+
+def forward_flops(hp: "Hyperparameters", active=None) -> float:
+    """active: per-layer fraction of tokens whose gate is non-zero (None: all). Skipped tokens
+    cost nothing in that block (the paper's Figure 2 assumption): projections and FFN scale
+    with the active fraction a, attention with the active query-key pairs, a^2 T(T+1)/2."""
+    T, d, hd = hp.max_seq_len, hp.dim, hp.dim // hp.n_heads
+    kv = hp.n_kv_heads * hd
+    per_token = 2 * (2 * d * d + 2 * d * kv + 3 * d * hp.ffn_mult * d)  # q,o + k,v + SwiGLU
+    pairs = T * (T + 1) / 2  # causal query-key pairs
+    attn = 2 * 2 * hp.n_heads * hd * pairs  # scores q.k and the weighted sum of v
+    total = 2 * T * d * hp.vocab_size  # head
+    for layer in range(hp.n_layers):
+        a = 1.0 if active is None else float(active[layer])
+        total += a * T * per_token + a * a * attn
+    if hp.gated:
+        total += (hp.n_layers // 2) * T * 2 * (d + 1)  # gate linears, all tokens
+    return total
+
+
+# -----------------------------------------------------------------------------
+# Hyperparameters
+
+@dataclass
+class Hyperparameters:
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
+    # model (paper Table 2)
+    vocab_size: int = 50257      # GPT-2 BPE
+    n_layers: int = 12           # L; must be even when gated
+    dim: int = 768               # model width d
+    n_heads: int = 12            # query heads
+    n_kv_heads: int = 12         # key/value heads (GQA when < n_heads)
+    ffn_mult: int = 4            # SwiGLU hidden = ffn_mult * dim (3072 at 768)
+    norm_eps: float = 1e-5       # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    max_seq_len: int = 1024      # training sequence length T and RoPE table size
+    init_std: float = 0.02       # normal init of every weight matrix
+    sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
+    attn_impl: str = "auto"      # auto (flex on CUDA, sdpa on CPU) | flex | sdpa
+    # gates and sparsity control (Section 2.4)
+    gated: bool = True           # False: the dense baseline, no gate parameters at all
+    gate_eps: float = 1e-6       # floor on g inside ln g (Section 2.2)
+    controller: str = "proportional_tol"  # one of CONTROLLERS (Table 1)
+    mu_start: float = 1.0        # mean-gate target at block 0
+    mu_end: float = 0.5          # mean-gate target at block L/2 - 1, linear in between
+    gamma: float = 1e-3          # coefficient update multiplier (eq. 6)
+    delta: float = 1e-2          # tolerance on |deviation| (eq. 6)
+    fixed_coef: float = 0.1      # alpha = beta for the fixed-coefficient controllers
+    # optimisation (Table 2)
+    lr: float = 1e-3             # AdamW peak learning rate, one for all parameters
+    beta1: float = 0.8
+    beta2: float = 0.95
+    adam_eps: float = 1e-10
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.1     # linear warm-up over this fraction of steps ...
+    warmup_start: float = 0.1    # ... from this fraction of lr, then cosine decay to 0
+    batch_size: int = 512        # global batch, sequences (512 x 1024 = 524,288 tokens)
+    device_batch_size: int = 32  # sequences per forward; grad accumulation is derived
+    train_tokens: int = 10_000_000_000  # token budget; steps = budget / global batch
+    # evaluation and logging
+    val_every: int = 250         # steps between validations (0: only at the end)
+    val_tokens: int = 10_485_760  # validation tokens per evaluation, split over ranks
+    peak_flops: float = 989e12   # per-GPU dense bf16 peak for MFU (H100 SXM)
+    # system
+    compile: bool = True         # torch.compile the model (CUDA only)
+    seed: int = 0
+    run_dir: str = ""            # default: records/<timestamp>_<preset or run>/
+    preset: str = ""             # smoke: small gated model on the embedded sample, CPU
+
+
+PRESETS = {
+    # ~3 minutes on 2 CPU cores; 4 layers so that both halves and the mirror are exercised
+    "smoke": dict(train_files="data/sample/sample_train_*.bin",
+                  val_files="data/sample/sample_val_*.bin",
+                  n_layers=4, dim=128, n_heads=4, n_kv_heads=2, max_seq_len=128,
+                  batch_size=8, device_batch_size=4, train_tokens=8 * 128 * 120,
+                  val_every=20, val_tokens=4 * 128 * 8, compile=False,
+                  lr=3e-3),  # 3x the paper's lr so the fall is plain within 120 steps
+}
+
+
+def _parse_value(name, text, default):
+    kind = type(default)
+    try:
+        if kind is bool:
+            if text.lower() in ("1", "true", "yes"):
+                return True
+            if text.lower() in ("0", "false", "no"):
+                return False
+            raise ValueError
+        if kind is int:
+            value = float(text.replace("_", ""))
+            if not value.is_integer():
+                raise ValueError
+            return int(value)
+        return kind(text)
+    except ValueError:
+        raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
+
+
+def parse_args(argv) -> Hyperparameters:
+    """--field=value overrides, typed against the defaults; --preset applies first."""
+    defaults = Hyperparameters()
+    valid = [f.name for f in fields(Hyperparameters)]
+    overrides = {}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise UserError(f"bad argument {arg!r}: use --field=value")
+        name, text = arg[2:].split("=", 1)
+        if name not in valid:
+            raise UserError(f"unknown field {name!r}; valid fields: {', '.join(valid)}")
+        overrides[name] = _parse_value(name, text, getattr(defaults, name))
+    preset = overrides.get("preset", "")
+    if preset and preset not in PRESETS:
+        raise UserError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    hp = replace(defaults, **PRESETS.get(preset, {}))
+    return replace(hp, **overrides)
+
+
+def validate(hp: Hyperparameters, world: int):
+    if hp.gated and hp.n_layers % 2:
+        raise UserError(f"n_layers={hp.n_layers}: a gated model needs an even number of layers")
+    if hp.n_layers < 1 or hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
+        raise UserError("need n_layers >= 1, dim divisible by n_heads, n_heads by n_kv_heads")
+    if (hp.dim // hp.n_heads) % 2:
+        raise UserError("head dim (dim / n_heads) must be even for RoPE")
+    if not (0 <= hp.mu_start <= 1 and 0 <= hp.mu_end <= 1):
+        raise UserError("mean targets mu_start and mu_end must lie in [0, 1]")
+    if hp.controller not in CONTROLLERS:
+        raise UserError(f"controller={hp.controller!r}; choose from {', '.join(CONTROLLERS)}")
+    if hp.attn_impl not in ("auto", "flex", "sdpa"):
+        raise UserError(f"attn_impl={hp.attn_impl!r}; choose auto, flex or sdpa")
+    if hp.batch_size % (hp.device_batch_size * world):
+        raise UserError(f"batch_size={hp.batch_size} is not divisible by device_batch_size "
+                        f"({hp.device_batch_size}) x world size ({world})")
+    if num_steps(hp) < 1:
+        raise UserError("train_tokens is less than one global batch")
+    if hp.val_tokens < hp.device_batch_size * hp.max_seq_len * world:
+        raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
+                        f"({hp.device_batch_size * hp.max_seq_len * world} tokens)")
+
+
+def num_steps(hp: Hyperparameters) -> int:
+    return hp.train_tokens // (hp.batch_size * hp.max_seq_len)
+
+
+def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
+    """Linear warm-up from warmup_start * lr over warmup_frac of the steps, then cosine to 0."""
+    warmup = max(1, int(hp.warmup_frac * total))
+    if step < warmup:
+        return hp.lr * (hp.warmup_start + (1 - hp.warmup_start) * step / warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return hp.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# -----------------------------------------------------------------------------
+# Setup: distributed state, device, logging
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    device: str = "cpu"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
+def setup_distributed() -> Dist:
+    """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return Dist(device="cuda" if cuda else "cpu")
+    d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(d.device)
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return d
+
+
+def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+def describe_system() -> str:
+    lines = [f"python {sys.version.split()[0]}  torch {torch.__version__}  "
+             f"cuda {torch.version.cuda}  numpy {np.__version__}",
+             f"platform {platform.platform()}  cpus {os.cpu_count()}"]
+    if torch.cuda.is_available():
+        lines.append(f"gpu {torch.cuda.get_device_name()} x {torch.cuda.device_count()}")
+        with contextlib.suppress(Exception):
+            lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                        timeout=20).stdout)
+    return "\n".join(lines)
+
+
+def fmt_list(xs) -> str:
+    return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
+
+
+class RunLog:
+    """train.log (source, system, config, step lines), config.json and metrics.jsonl; rank 0 only."""
+
+    def __init__(self, run_dir: str, hp: Hyperparameters, extra: dict, active: bool):
+        self.active, self.run_dir = active, run_dir
+        if not active:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        config = {**asdict(hp), **extra}
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        self.log = open(os.path.join(run_dir, "train.log"), "w")
+        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+        with open(__file__) as f:
+            self.log.write(f.read())
+        self.log.write("=" * 100 + "\n" + describe_system() + "\n")
+        self.log.write("hyperparameters: " + json.dumps(config) + "\n" + "=" * 100 + "\n")
+        self.log.flush()
+
+    def print(self, line: str):
+        if self.active:
+            print(line, flush=True)
+            self.log.write(line + "\n")
+            self.log.flush()
+
+    def record(self, obj: dict):
+        if self.active:
+            self.metrics.write(json.dumps(obj) + "\n")
+            self.metrics.flush()
+
+    def close(self):
+        if self.active:
+            self.log.close()
+            self.metrics.close()
+
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+@torch.no_grad()
+def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast):
+    """Mean val loss and gate statistics over val_tokens, all-reduced over ranks."""
+    model.eval()
+    loader.reset()
+    L = hp.n_layers
+    steps = hp.val_tokens // (hp.device_batch_size * hp.max_seq_len * d.world)
+    # sums: loss, tokens, per-layer gate sum, per-layer zero count, per-layer resid norm
+    acc = torch.zeros(2 + 3 * L, dtype=torch.float64, device=d.device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        x, y = x.to(d.device), y.to(d.device)
+        with autocast:
+            logits, gates, resid = model(x)
+        n = y.numel()
+        acc[0] += F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+        acc[1] += n
+        if gates is not None:
+            acc[2:2 + L] += gates.sum(dim=(1, 2)).double()
+            acc[2 + L:2 + 2 * L] += (gates == 0).sum(dim=(1, 2)).double()
+        else:
+            acc[2:2 + L] += n
+        acc[2 + 2 * L:] += resid.double() * n
+    all_reduce(acc)
+    model.train()
+    tokens = acc[1]
+    zero = (acc[2 + L:2 + 2 * L] / tokens).tolist()
+    return dict(val_loss=(acc[0] / tokens).item(), sparsity=sum(zero) / L,
+                gate_mean=(acc[2:2 + L] / tokens).tolist(), gate_zero=zero,
+                resid_norm=(acc[2 + 2 * L:] / tokens).tolist(),
+                flops=forward_flops(hp, [1 - z for z in zero]),
+                flops_dense=forward_flops(replace(hp, gated=False)))
+
+
+def train(hp: Hyperparameters, d: Dist):
+    validate(hp, d.world)
+    torch.manual_seed(hp.seed)
+    cuda = d.device.startswith("cuda")
+    accum = hp.batch_size // (hp.device_batch_size * d.world)
+    steps = num_steps(hp)
+    train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
+                                     hp.max_seq_len, d.rank, d.world)
+    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.max_seq_len,
+                                   d.rank, d.world)
+    run_dir = hp.run_dir or os.path.join(
+        "records", time.strftime("%Y-%m-%d_%H%M%S") + "_" + (hp.preset or "run"))
+    extra = dict(world_size=d.world, grad_accum=accum, num_steps=steps, run_dir=run_dir,
+                 device=d.device)
+    log = RunLog(run_dir, hp, extra, d.master)
+
+    raw = GPT(hp).to(d.device)
+    model = raw
+    if hp.compile and cuda:
+        model = torch.compile(model)
+    if d.world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
+    ctrl = GateController(hp, d.device)
+    opt = torch.optim.AdamW(raw.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2),
+                            eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=cuda)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    n_params = sum(p.numel() for p in raw.parameters())
+    log.print(f"params:{n_params} steps:{steps} grad_accum:{accum} world:{d.world} "
+              f"attn:{raw.attn_impl} run_dir:{run_dir}")
+    flops_dense = forward_flops(replace(hp, gated=False))
+    tokens_per_step = hp.batch_size * hp.max_seq_len
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    train_ms, L = 0.0, hp.n_layers
+    for step in range(steps + 1):
+        last = step == steps
+        if last or (hp.val_every > 0 and step % hp.val_every == 0):
+            sync()
+            v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
+            avg = train_ms / max(step, 1)
+            log.print(f"step:{step}/{steps} val_loss:{v['val_loss']:.4f} "
+                      f"sparsity:{v['sparsity']:.4f} flops:{v['flops']:.4g} "
+                      f"flops_dense:{v['flops_dense']:.4g} train_time:{train_ms:.0f}ms "
+                      f"step_avg:{avg:.2f}ms")
+            if hp.gated:
+                log.print(f"  gate_mean:{fmt_list(v['gate_mean'])} "
+                          f"gate_zero:{fmt_list(v['gate_zero'])}")
+                log.print(f"  alpha:{fmt_list(ctrl.alpha.tolist())} "
+                          f"beta:{fmt_list(ctrl.beta.tolist())}")
+            log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
+            log.record({"kind": "val", "step": step, **v})
+        if last:
+            break
+
+        sync()
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(hp, step, steps)
+        x_all, y_all = train_loader.next_batch()  # (accum * B, T) for this rank
+        stats = torch.zeros(3, L, dtype=torch.float64, device=d.device)  # sum g, sum g^2, n
+        lm_loss = torch.zeros((), device=d.device)
+        for micro in range(accum):
+            sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
+            x, y = x_all[sl].to(d.device), y_all[sl].to(d.device)
+            # only the last micro-step all-reduces gradients
+            no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
+            with no_sync:
+                with autocast:
+                    logits, gates, _ = model(x)
+                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                    reg = ctrl.loss(gates) if gates is not None else 0.0
+                ((loss + reg) / accum).backward()
+            lm_loss += loss.detach() / accum
+            if gates is not None:
+                g = gates.detach().double()
+                stats[0] += g.sum(dim=(1, 2))
+                stats[1] += (g * g).sum(dim=(1, 2))
+                stats[2] += g[0].numel()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if hp.gated:
+            all_reduce(stats)
+            mean = stats[0] / stats[2]
+            ctrl.update(mean, stats[1] / stats[2] - mean * mean)
+        lm_loss = all_reduce(lm_loss) / d.world
+        sync()
+        step_ms = 1000 * (time.perf_counter() - t0)
+        train_ms += step_ms
+        line = (f"step:{step + 1}/{steps} train_loss:{lm_loss.item():.4f} "
+                f"train_time:{train_ms:.0f}ms step_avg:{train_ms / (step + 1):.2f}ms "
+                f"tok/s:{tokens_per_step / step_ms * 1000:.0f}")
+        if cuda:  # 3x forward FLOPs for forward + backward, dense count
+            mfu = 3 * flops_dense * hp.batch_size / (step_ms / 1000) / (hp.peak_flops * d.world)
+            line += f" mfu:{100 * mfu:.1f}%"
+        log.print(line)
+        log.record({"kind": "train", "step": step + 1, "train_loss": lm_loss.item(),
+                    "step_ms": step_ms})
+    if cuda:
+        log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
+    log.close()
+    return run_dir
+
+
+# -----------------------------------------------------------------------------
+# main
+
+def main(argv=None):
+    try:
+        hp = parse_args(sys.argv[1:] if argv is None else argv)
+        d = setup_distributed()
+        try:
+            train(hp, d)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
