@@ -398,3 +398,12 @@ def test_bad_input_gives_one_error_line(args, message, tmp_path):
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert message in r.stderr
     assert not (tmp_path / "r").exists()  # nothing written before the check
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    (tmp_path / "train.log").write_text("an earlier run\n")
+    r = run_script(["--preset=smoke", f"--run_dir={tmp_path}"])
+    assert r.returncode == 2 and r.stderr == f"error: {tmp_path} already holds a run; " \
+        "choose another --run_dir\n"
+    assert (tmp_path / "train.log").read_text() == "an earlier run\n"
+    assert not (tmp_path / "metrics.jsonl").exists()

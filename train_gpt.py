@@ -112,12 +112,12 @@ def causal_block_mask(T: int, device: str):
     return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device=device)
 
 
-@lru_cache(maxsize=1)
-def compiled_flex_attention():
+@lru_cache(maxsize=2)
+def flex_attention_fn(compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
-    # flex_attention only produces a fused kernel (and a backward) when compiled; on CPU we
-    # call it eagerly, which is forward-only and used by the tests.
-    return torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+    # Flex only produces a fused kernel (and a backward) when compiled; on CPU we call it
+    # eagerly, which is forward-only and serves the tests.
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
 def gated_attention(q, k, v, log_g, impl: str):
@@ -130,7 +130,7 @@ def gated_attention(q, k, v, log_g, impl: str):
     """
     gqa = q.size(1) != k.size(1)
     if impl == "flex":
-        flex = compiled_flex_attention()
+        flex = flex_attention_fn(compiled=q.is_cuda)
         block_mask = causal_block_mask(q.size(2), str(q.device))
         score_mod = None
         if log_g is not None:
@@ -184,8 +184,8 @@ class Block(nn.Module):
         self.attn = Attention(hp)
         self.ffn = SwiGLU(hp.dim, hp.ffn_mult * hp.dim)
         self.attn_in, self.ffn_in = RMSNorm(hp.dim, hp.norm_eps), RMSNorm(hp.dim, hp.norm_eps)
-        out_norm = (lambda: RMSNorm(hp.dim, hp.norm_eps)) if hp.sandwich_norm else nn.Identity
-        self.attn_out, self.ffn_out = out_norm(), out_norm()
+        self.attn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
+        self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
     def forward(self, x, g, impl):
@@ -217,8 +217,6 @@ class GPT(nn.Module):
         self.gates = nn.ModuleList(nn.Linear(hp.dim, 1, bias=True) for _ in range(n_gates))
         self.head_norm = RMSNorm(hp.dim, hp.norm_eps)
         self.head = nn.Linear(hp.dim, hp.vocab_size, bias=False)
-        self.attn_impl = "flex" if hp.attn_impl == "auto" and torch.cuda.is_available() else \
-            ("sdpa" if hp.attn_impl == "auto" else hp.attn_impl)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=hp.init_std)
@@ -230,6 +228,9 @@ class GPT(nn.Module):
         """idx: (B, T) token ids -> logits (B, T, V) fp32, gates (L, B, T) or None,
         resid_norms (L,) mean L2 norm of the residual stream after each block (detached)."""
         L = self.hp.n_layers
+        impl = self.hp.attn_impl
+        if impl == "auto":  # Flex needs CUDA for its backward; SDPA is the exact CPU path
+            impl = "flex" if idx.is_cuda else "sdpa"
         x = self.embed_norm(self.embed(idx))
         gates, S, resid = [], 0.0, []
         for layer, block in enumerate(self.blocks):
@@ -242,7 +243,7 @@ class GPT(nn.Module):
                 else:
                     gates.append(gates[mirror(layer, L)])
                 g = gates[-1].type_as(x)
-            x = block(x, g, self.attn_impl)
+            x = block(x, g, impl)
             resid.append(x.detach().float().norm(dim=-1).mean())
         logits = self.head(self.head_norm(x)).float()
         gates = torch.stack(gates).squeeze(-1) if gates else None  # (L, B, T)
@@ -671,6 +672,10 @@ def train(hp: Hyperparameters, d: Dist):
                                    d.rank, d.world)
     run_dir = hp.run_dir or os.path.join(
         "records", time.strftime("%Y-%m-%d_%H%M%S") + "_" + (hp.preset or "run"))
+    if os.path.exists(os.path.join(run_dir, "train.log")):
+        raise UserError(f"{run_dir} already holds a run; choose another --run_dir")
+    if dist.is_initialized():
+        dist.barrier()  # every rank has checked before rank 0 creates anything
     extra = dict(world_size=d.world, grad_accum=accum, num_steps=steps, run_dir=run_dir,
                  device=d.device)
     log = RunLog(run_dir, hp, extra, d.master)
@@ -687,7 +692,7 @@ def train(hp: Hyperparameters, d: Dist):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     n_params = sum(p.numel() for p in raw.parameters())
     log.print(f"params:{n_params} steps:{steps} grad_accum:{accum} world:{d.world} "
-              f"attn:{raw.attn_impl} run_dir:{run_dir}")
+              f"attn:{hp.attn_impl} device:{d.device} run_dir:{run_dir}")
     flops_dense = forward_flops(replace(hp, gated=False))
     tokens_per_step = hp.batch_size * hp.max_seq_len
 
