@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +22,10 @@ import torch.nn.functional as F
 import train_gpt as tg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the GPT-2 BPE offline, as .ci/run sets it; online, tiktoken downloads it instead
+_BPE_CACHE = os.path.join(HERE, "..", "shared", "tiktoken")
+if os.path.isdir(_BPE_CACHE):
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.abspath(_BPE_CACHE))
 warnings.filterwarnings("ignore", message=".*flex_attention.*")  # eager Flex on CPU warns
 
 
@@ -407,3 +412,127 @@ def test_existing_run_is_not_overwritten(tmp_path):
         "choose another --run_dir\n"
     assert (tmp_path / "train.log").read_text() == "an earlier run\n"
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------- data scripts
+
+def run_data_script(script, args, **env):
+    return subprocess.run([sys.executable, os.path.join("data", script), *args], cwd=HERE,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+
+
+def fake_hub_cache(root, files):
+    """A Hugging Face cache holding `files` (name -> tokens) for the FineWeb dataset repo."""
+    repo = root / "datasets--kjj0--fineweb10B-gpt2"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name, tokens in files.items():
+        write_shard(snap / name, tokens)
+    return snap
+
+
+def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
+    snap = fake_hub_cache(tmp_path / "hub", {"fineweb_val_000000.bin": range(100),
+                                             "fineweb_train_000001.bin": range(50, 300)})
+    out = tmp_path / "data"
+    env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    r = run_data_script("cached_fineweb10B.py", ["1", f"--out={out}"], **env)
+    assert r.returncode == 0, r.stderr
+    for name in ("fineweb_val_000000.bin", "fineweb_train_000001.bin"):
+        assert (out / name).read_bytes() == (snap / name).read_bytes()
+    assert "250 tokens" in r.stdout
+    r = run_data_script("cached_fineweb10B.py", ["1", f"--out={out}"], **env)
+    assert r.returncode == 0 and r.stdout.count("present, skipped") == 2
+    # a damaged file in the data folder is noticed and fetched again
+    # (a new file: the good one may be a hard link to the cache, which must stay intact)
+    damaged = (out / "fineweb_train_000001.bin").read_bytes()[:1200]
+    (out / "fineweb_train_000001.bin").unlink()
+    (out / "fineweb_train_000001.bin").write_bytes(damaged)
+    r = run_data_script("cached_fineweb10B.py", ["1", f"--out={out}"], **env)
+    assert r.returncode == 0 and "fetching it again" in r.stdout
+    assert (out / "fineweb_train_000001.bin").read_bytes() == \
+        (snap / "fineweb_train_000001.bin").read_bytes()
+    # a file neither online nor cached: one clear line, exit 2, nothing under its name
+    r = run_data_script("cached_fineweb10B.py", ["2", f"--out={out}"], **env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: 1 of 3 files missing (fineweb_train_000002.bin")
+    assert "Rerun `python data/cached_fineweb10B.py 2`" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["fineweb_train_000001.bin",
+                                                     "fineweb_val_000000.bin"]
+
+
+def gpt2():
+    import tiktoken
+    return tiktoken.get_encoding("r50k_base")
+
+
+def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
+    docs = ["The quick brown fox.", "Ünïcödé and emoji 🙂 too", "", "line one\nline two\n",
+            "<|endoftext|> is plain text here"]
+    (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8")
+    with open(tmp_path / "b.jsonl", "w", encoding="utf-8") as f:
+        for d in docs[1:]:
+            f.write(json.dumps({"text": d, "id": 1}) + "\n")
+    out = tmp_path / "shards"
+    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
+                                               f"--out={out}", "--name=t", "--shard_tokens=7",
+                                               "--workers=2"])
+    assert r.returncode == 0, r.stderr
+    enc = gpt2()
+    expected = [t for d in docs for t in [50256] + enc.encode_ordinary(d)]
+    files = sorted(out.iterdir())
+    assert files[-1].name == "t_val_000000.bin"  # sorted: train shards come first
+    assert [f.name for f in files[:-1]] == [f"t_train_{i:06d}.bin" for i in range(1, len(files))]
+    got = np.concatenate([tg.load_shard(str(out / "t_val_000000.bin"))] +
+                         [tg.load_shard(str(f)) for f in files[:-1]])
+    assert got.tolist() == expected
+    assert all(len(tg.load_shard(str(f))) == 7 for f in files[:-2])
+    loader = tg.DistributedLoader(str(out / "t_train_*.bin"), 1, 3, 0, 1)
+    x, y = loader.next_batch()
+    assert x.flatten().tolist() == expected[7:10] and y.flatten().tolist() == expected[8:11]
+
+
+def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
+    (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
+    out = tmp_path / "shards"
+    for name, message in (("c.jsonl", "c.jsonl:2: not a JSON object with a \"text\" field"),
+                          ("d.txt", "d.txt: not valid UTF-8")):
+        r = run_data_script("tokenize_corpus.py", [str(tmp_path / name), f"--out={out}",
+                                                   "--shard_tokens=1"])
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
+        assert r.stderr.count("\n") == 1
+        assert list(out.iterdir()) == []
+
+
+def test_sample_regenerates_byte_for_byte(tmp_path):
+    made_with = "3.11.7"  # data/sample/README.md: pydoc_data.topics changes between versions
+    if sys.version.split()[0] != made_with:
+        pytest.skip(f"the sample was made with Python {made_with}")
+    r = run_data_script("tokenize_corpus.py", [f"--out={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    for name in ("sample_train_000001.bin", "sample_val_000000.bin"):
+        assert (tmp_path / name).read_bytes() == (Path(HERE) / "data" / "sample" / name).read_bytes()
+
+
+def test_check_command_counts_and_rejects(tmp_path):
+    r = run_data_script("tokenize_corpus.py", ["--check=data/sample"])
+    total = sum(len(tg.load_shard(p)) for p in tg.find_shards("data/sample/*.bin"))
+    assert r.returncode == 0 and f"2 shards, {total:,} tokens, all valid" in r.stdout
+    write_shard(tmp_path / "x_000000.bin", range(10))
+    write_shard(tmp_path / "x_000001.bin", [5, 60000])
+    r = run_data_script("tokenize_corpus.py", [f"--check={tmp_path}"])
+    assert r.returncode == 2 and "x_000001.bin: token id 60000 is outside the vocabulary" in r.stderr
+
+
+def test_training_refuses_a_malformed_shard_before_starting(tmp_path):
+    write_shard(tmp_path / "s_000001.bin", range(5000))
+    write_shard(tmp_path / "s_000002.bin", range(5000), count=6000)  # truncated
+    r = run_script(["--preset=smoke", f"--train_files={tmp_path}/s_*.bin",
+                    f"--run_dir={tmp_path / 'run'}"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"error: {tmp_path}/s_000002.bin: header says 6000 tokens")
+    assert not (tmp_path / "run").exists()

@@ -318,8 +318,8 @@ class GateController:
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
 
 
-def load_shard(path: str) -> np.ndarray:
-    """Read one shard, checking magic, version and that the size matches the token count."""
+def shard_tokens(path: str) -> int:
+    """Token count of a shard, after checking magic, version and that the size matches."""
     size = os.path.getsize(path)
     if size < HEADER_INTS * 4:
         raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the header)")
@@ -332,7 +332,17 @@ def load_shard(path: str) -> np.ndarray:
     if size != HEADER_INTS * 4 + 2 * n:
         raise UserError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) "
                         f"but the file has {size} bytes (truncated or corrupt)")
-    return np.fromfile(path, dtype=np.uint16, count=n, offset=HEADER_INTS * 4)
+    return n
+
+
+def load_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
+    """Read one shard: header and size checked, every token id below vocab_size."""
+    n = shard_tokens(path)
+    tokens = np.fromfile(path, dtype=np.uint16, count=n, offset=HEADER_INTS * 4)
+    if n and int(tokens.max()) >= vocab_size:
+        raise UserError(f"{path}: token id {int(tokens.max())} is outside the vocabulary "
+                        f"(vocab_size={vocab_size})")
+    return tokens
 
 
 def find_shards(pattern: str) -> list:
@@ -348,23 +358,29 @@ def find_shards(pattern: str) -> list:
 class DistributedLoader:
     """Walks the shards in order, cycling at the end. Each step takes one contiguous global
     batch of B_global * T (+1) tokens; rank r gets sequences [r * B_local, (r + 1) * B_local),
-    so the union over ranks is the same global batch for every world size."""
+    so the union over ranks is the same global batch for every world size. Every shard's
+    header is checked up front, so a bad shard stops the run before it starts, not hours in;
+    token ids are checked as each shard is loaded."""
 
-    def __init__(self, pattern: str, B_local: int, T: int, rank: int, world: int):
+    def __init__(self, pattern: str, B_local: int, T: int, rank: int, world: int,
+                 vocab_size: int = 2**16):
         self.files = find_shards(pattern)
-        self.B, self.T, self.rank, self.world = B_local, T, rank, world
+        for path in self.files:
+            shard_tokens(path)
+        self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
+        self.shard = None
         self.reset()
 
     def reset(self):
-        self.shard = 0
-        self.tokens = load_shard(self.files[0])
-        self.pos = 0
-        self._check_fits()
+        self._load(0)
 
-    def _check_fits(self):
+    def _load(self, shard: int):
+        if shard != self.shard:  # the validation shard stays in memory between evaluations
+            self.tokens = load_shard(self.files[shard], self.vocab_size)
+        self.shard, self.pos = shard, 0
         need = self.B * self.T * self.world + 1
         if len(self.tokens) < need:
-            raise UserError(f"{self.files[self.shard]}: {len(self.tokens)} tokens, fewer than "
+            raise UserError(f"{self.files[shard]}: {len(self.tokens)} tokens, fewer than "
                             f"one global batch ({need})")
 
     def next_batch(self):
@@ -373,9 +389,7 @@ class DistributedLoader:
         buf = torch.from_numpy(self.tokens[start:start + self.B * self.T + 1].astype(np.int64))
         self.pos += self.B * self.T * self.world
         if self.pos + self.B * self.T * self.world + 1 > len(self.tokens):
-            self.shard = (self.shard + 1) % len(self.files)
-            self.tokens, self.pos = load_shard(self.files[self.shard]), 0
-            self._check_fits()
+            self._load((self.shard + 1) % len(self.files))
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 
 
@@ -667,9 +681,9 @@ def train(hp: Hyperparameters, d: Dist):
     accum = hp.batch_size // (hp.device_batch_size * d.world)
     steps = num_steps(hp)
     train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
-                                     hp.max_seq_len, d.rank, d.world)
+                                     hp.max_seq_len, d.rank, d.world, hp.vocab_size)
     val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.max_seq_len,
-                                   d.rank, d.world)
+                                   d.rank, d.world, hp.vocab_size)
     run_dir = hp.run_dir or os.path.join(
         "records", time.strftime("%Y-%m-%d_%H%M%S") + "_" + (hp.preset or "run"))
     if os.path.exists(os.path.join(run_dir, "train.log")):

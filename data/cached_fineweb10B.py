@@ -1,33 +1,108 @@
-"""Download pre-tokenized FineWeb shards (GPT-2 BPE, modded-nanogpt format) into data/fineweb10B/.
+"""Fetch pre-tokenized FineWeb (GPT-2 BPE, modded-nanogpt shards) into data/fineweb10B/.
 
-    python data/cached_fineweb10B.py        # validation shard + all 103 training shards (~20 GB)
-    python data/cached_fineweb10B.py 8      # validation shard + the first 8 (~1.6 GB, 800M tokens)
+    python data/cached_fineweb10B.py        # validation shard + all 103 training shards
+    python data/cached_fineweb10B.py 8      # validation shard + the first 8 training shards
 
-Each shard holds 100M tokens. Shards already present are skipped.
+Source: the public Hugging Face dataset kjj0/fineweb10B-gpt2. Each shard holds 100M tokens,
+about 200 MB; all 104 are about 20.8 GB (10.3B training tokens, 100M validation). Files go
+through the Hugging Face cache (HF_HOME / HF_HUB_CACHE) and are hard-linked into the data
+folder when both are on one filesystem, so they take the space once; otherwise they are
+copied. Set HF_HUB_CACHE next to the data folder if you want to be sure.
+
+A file already in the data folder with a valid header and size is skipped, so an interrupted
+fetch resumes where it stopped. Every file is checked after download (magic, version, token
+count against the file size) before it takes its final name; a bad one is reported and fetched
+again. Several files download at once (--workers, default 8).
 """
 
 import os
+import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from train_gpt import UserError, shard_tokens  # noqa: E402
 
 REPO = "kjj0/fineweb10B-gpt2"
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fineweb10B")
+N_TRAIN = 103
 
 
-def fetch(name: str) -> None:
+def valid(path: str) -> bool:
+    try:
+        shard_tokens(path)
+        return True
+    except UserError as e:
+        print(f"{os.path.basename(path)}: {e}; fetching it again", flush=True)
+        return False
+
+
+def place(src: str, dest: str) -> None:
+    """Put src at dest atomically: hard link (or copy) to a temporary name, then rename."""
+    tmp = dest + ".part"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    try:
+        os.link(os.path.realpath(src), tmp)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)
+
+
+def fetch(name: str, out: str, counter: str) -> str:
+    """Returns None on success, or a short reason for the failure."""
     from huggingface_hub import hf_hub_download
-    if os.path.exists(os.path.join(OUT, name)):
-        print(f"{name}: present, skipped")
-        return
-    hf_hub_download(repo_id=REPO, filename=name, repo_type="dataset", local_dir=OUT)
-    print(f"{name}: downloaded")
+    dest = os.path.join(out, name)
+    if os.path.exists(dest) and valid(dest):
+        print(f"{counter} {name}: present, skipped", flush=True)
+        return None
+    for force in (False, True):  # a bad file in the cache is downloaded once more
+        try:
+            cached = hf_hub_download(REPO, name, repo_type="dataset", force_download=force)
+        except Exception as e:  # offline, not cached, or the hub is unreachable
+            return f"{type(e).__name__}"
+        if valid(cached):
+            place(cached, dest)
+            print(f"{counter} {name}: {shard_tokens(dest):,} tokens, "
+                  f"{os.path.getsize(dest) / 2**20:,.0f} MiB", flush=True)
+            return None
+    return "malformed after a fresh download"
 
 
 def main(argv) -> None:
-    n = int(argv[0]) if argv else 103
-    fetch("fineweb_val_000000.bin")
-    for i in range(1, n + 1):
-        fetch(f"fineweb_train_{i:06d}.bin")
+    out, workers, count = os.path.join(HERE, "fineweb10B"), 8, None
+    for arg in argv:
+        if arg.startswith("--out="):
+            out = arg[len("--out="):]
+        elif arg.startswith("--workers=") and arg[len("--workers="):].isdigit():
+            workers = max(1, int(arg[len("--workers="):]))
+        elif arg.isdigit() and count is None:
+            count = int(arg)
+        else:
+            raise UserError(f"bad argument {arg!r}; usage: python data/cached_fineweb10B.py "
+                            f"[N train shards, 0..{N_TRAIN}] [--out=DIR] [--workers=K]")
+    count = N_TRAIN if count is None else count
+    if count > N_TRAIN:
+        raise UserError(f"there are only {N_TRAIN} training shards")
+    names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
+    os.makedirs(out, exist_ok=True)
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]") for i, n in enumerate(names)]
+        failed = [(n, f.result()) for n, f in zip(names, futures) if f.result() is not None]
+    if failed:
+        listed = ", ".join(n for n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
+        raise UserError(f"{len(failed)} of {len(names)} files missing ({listed}; "
+                        f"{failed[0][1]}): no network and not in the Hugging Face cache? "
+                        f"Rerun `python data/cached_fineweb10B.py {count}` when online; "
+                        f"files already fetched are kept")
+    print(f"{len(names)} files in {out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,245 @@
+"""Turn text into training shards, regenerate the embedded sample, or check a folder of shards.
+
+    python data/tokenize_corpus.py a.txt b.jsonl --out=data/mycorpus   # your own corpus
+    python data/tokenize_corpus.py                                     # the embedded sample
+    python data/tokenize_corpus.py --check=data/fineweb10B             # verify shards
+
+Input: .txt files (each file one document, UTF-8) and .jsonl files (one JSON object per line,
+its "text" field one document). Each document is encoded with the GPT-2 BPE (tiktoken) and
+preceded by <|endoftext|> (50256), as in FineWeb. Tokens go into shards of --shard_tokens
+tokens (the last one shorter) in the modded-nanogpt format that train_gpt.py reads; the first
+shard is named as validation: NAME_val_000000.bin, then NAME_train_000001.bin, ... Shards are
+written under temporary names and renamed only when the whole corpus encoded, so a failed run
+leaves nothing that looks finished. Encoding uses --workers processes.
+
+With no input it regenerates data/sample/ from CPython's `pydoc_data.topics`, split by document
+(every 10th topic, in sorted order, to validation). That text depends on the Python version:
+the committed sample was made with the version in data/sample/README.md.
+
+Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~200 MB).
+"""
+
+import glob
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from train_gpt import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UserError, load_shard  # noqa: E402
+
+EOT = 50256
+GPT2_VOCAB = 50257
+
+
+def gpt2_encoding():
+    """GPT-2 BPE. "r50k_base" is the same vocabulary as "gpt2" and loads offline from
+    TIKTOKEN_CACHE_DIR; online, tiktoken downloads and caches it once."""
+    import tiktoken
+    errors = []
+    for name in ("r50k_base", "gpt2"):
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:  # no network and no cache: try the next name, then give up
+            errors.append(f"{name}: {type(e).__name__}")
+    raise UserError("cannot load the GPT-2 BPE from tiktoken (" + "; ".join(errors) + "); "
+                    "connect to the internet once, or set TIKTOKEN_CACHE_DIR to a folder "
+                    "holding the cached r50k_base file")
+
+
+def write_shard(path: str, tokens) -> None:
+    """Header (magic, version, count) then uint16 tokens; via a temporary file and rename."""
+    tokens = np.asarray(tokens)
+    if tokens.dtype != np.uint16:
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
+            raise UserError(f"{path}: token ids must fit uint16")
+        tokens = tokens.astype(np.uint16)
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- reading documents
+
+def documents(paths):
+    """Yield (name, text) for every document; a malformed one is an error naming it."""
+    for path in paths:
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8", errors="strict") as f:
+                for i, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    name = f"{path}:{i}"
+                    try:
+                        text = json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise UserError(f"{name}: not a JSON object with a \"text\" field") from None
+                    if not isinstance(text, str):
+                        raise UserError(f"{name}: \"text\" is not a string")
+                    yield name, text
+        else:
+            try:
+                with open(path, encoding="utf-8", errors="strict") as f:
+                    yield path, f.read()
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+_enc = None
+
+
+def _encode(item):
+    """Worker: (name, text) -> (name, uint16 array of [EOT] + ids) or (name, error message)."""
+    global _enc
+    if _enc is None:
+        _enc = gpt2_encoding()
+    name, text = item
+    try:
+        ids = _enc.encode_ordinary(text)
+    except Exception as e:  # e.g. lone surrogates that cannot become UTF-8
+        return name, f"cannot be encoded: {type(e).__name__}: {e}"
+    if ids and max(ids) >= 2**16:
+        return name, "token ids do not fit uint16"
+    return name, np.array([EOT] + ids, dtype=np.uint16)
+
+
+class Progress:
+    """One status line on stderr, redrawn at most every half second."""
+    open_line = False  # a redrawn line is pending: an error message must start on a new one
+
+    def __init__(self):
+        self.t0 = self.last = time.time()
+
+    def update(self, docs, tokens, shards, final=False):
+        now = time.time()
+        if final or now - self.last > 0.5:
+            self.last = now
+            rate = tokens / max(now - self.t0, 1e-9)
+            print(f"\r{docs:,} docs  {tokens:,} tokens  {shards} shards  {rate:,.0f} tok/s",
+                  end="\n" if final else "", file=sys.stderr, flush=True)
+            Progress.open_line = not final
+
+
+def tokenize(paths, out, name, shard_tokens, workers):
+    """Encode every document in order and write shards; returns the shard paths."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise UserError(f"{path}: no such file")
+    os.makedirs(out, exist_ok=True)
+    gpt2_encoding()  # fail early, with the clear message, before any worker starts
+    written, n_docs, n_tokens = [], 0, 0
+    shard, fill = np.empty(shard_tokens, dtype=np.uint16), 0  # 2 bytes a token, not a list
+    progress = Progress()
+
+    def flush_shard(tokens):
+        split = "val" if not written else "train"
+        final = os.path.join(out, f"{name}_{split}_{len(written):06d}.bin")
+        write_shard(final + ".part", tokens)
+        written.append(final)
+
+    pool = mp.Pool(workers) if workers > 1 else None
+    try:
+        results = pool.imap(_encode, documents(paths), chunksize=16) if pool else \
+            map(_encode, documents(paths))
+        for doc_name, ids in results:
+            if isinstance(ids, str):
+                raise UserError(f"{doc_name}: {ids}")
+            n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+            while len(ids):  # a long document may span several shards
+                take = min(len(ids), shard_tokens - fill)
+                shard[fill:fill + take], fill, ids = ids[:take], fill + take, ids[take:]
+                if fill == shard_tokens:
+                    flush_shard(shard)
+                    fill = 0
+            progress.update(n_docs, n_tokens, len(written))
+        if fill:
+            flush_shard(shard[:fill])
+        for path in written:  # all encoded: now the shards take their real names
+            os.replace(path + ".part", path)
+    except BaseException:
+        for path in written:
+            if os.path.exists(path + ".part"):
+                os.remove(path + ".part")
+        raise
+    finally:
+        if pool:
+            pool.terminate()
+    progress.update(n_docs, n_tokens, len(written), final=True)
+    return written
+
+
+def make_sample(out):
+    """The embedded sample: pydoc_data.topics, every 10th topic (sorted) to validation."""
+    from pydoc_data.topics import topics
+    enc = gpt2_encoding()
+    train, val = [], []
+    for i, key in enumerate(sorted(topics)):
+        (val if i % 10 == 0 else train).extend([EOT] + enc.encode_ordinary(topics[key]))
+    os.makedirs(out, exist_ok=True)
+    write_shard(os.path.join(out, "sample_val_000000.bin"), val)
+    write_shard(os.path.join(out, "sample_train_000001.bin"), train)
+    print(f"python {sys.version.split()[0]}: {len(train):,} train and {len(val):,} val tokens "
+          f"written to {out}")
+
+
+def check(folder, vocab_size=GPT2_VOCAB):
+    """Verify every *.bin shard in folder: header, size, token range. Prints the counts."""
+    files = sorted(glob.glob(os.path.join(folder, "*.bin")))
+    if not files:
+        raise UserError(f"{folder}: no .bin shards")
+    total = 0
+    for path in files:
+        n = len(load_shard(path, vocab_size))
+        total += n
+        print(f"{os.path.basename(path)}: {n:,} tokens")
+    print(f"{len(files)} shards, {total:,} tokens, all valid")
+    return total
+
+
+def main(argv):
+    opts = {"out": None, "name": "corpus", "shard_tokens": "100000000",
+            "workers": str(max(1, (os.cpu_count() or 1) - 1)), "check": None}
+    paths = []
+    for arg in argv:
+        if arg.startswith("--"):
+            key, _, value = arg[2:].partition("=")
+            if key not in opts or not value:
+                raise UserError(f"bad option {arg!r}; options: "
+                                + ", ".join(f"--{k}=..." for k in opts))
+            opts[key] = value
+        else:
+            paths.append(arg)
+    try:
+        shard_tokens, workers = int(opts["shard_tokens"]), int(opts["workers"])
+    except ValueError:
+        raise UserError("--shard_tokens and --workers take integers") from None
+    if shard_tokens < 1 or workers < 1:
+        raise UserError("--shard_tokens and --workers must be at least 1")
+    if opts["check"]:
+        check(opts["check"])
+    elif not paths:
+        make_sample(opts["out"] or os.path.join(HERE, "sample"))
+    else:
+        if not opts["out"]:
+            raise UserError("give --out=DIR for the shards")
+        tokenize(paths, opts["out"], opts["name"], shard_tokens, workers)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        print(("\n" if Progress.open_line else "") + f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
