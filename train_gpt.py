@@ -38,10 +38,12 @@ Deviations from the paper, and choices where it is ambiguous:
 
 import contextlib
 import glob
+import io
 import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -374,6 +376,13 @@ class DistributedLoader:
     def reset(self):
         self._load(0)
 
+    def state(self) -> dict:
+        return {"shard": self.shard, "pos": self.pos}
+
+    def restore(self, shard: int, pos: int):
+        self._load(shard)
+        self.pos = pos
+
     def _load(self, shard: int):
         if shard != self.shard:  # the validation shard stays in memory between evaluations
             self.tokens = load_shard(self.files[shard], self.vocab_size)
@@ -431,7 +440,7 @@ class Hyperparameters:
     ffn_mult: int = 4            # SwiGLU hidden = ffn_mult * dim (3072 at 768)
     norm_eps: float = 1e-5       # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base
-    max_seq_len: int = 1024      # training sequence length T and RoPE table size
+    max_seq_len: int = 1024      # RoPE table size (longest context); FLOPs are quoted at it
     init_std: float = 0.02       # normal init of every weight matrix
     sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
     attn_impl: str = "auto"      # auto (flex on CUDA, sdpa on CPU) | flex | sdpa
@@ -454,11 +463,17 @@ class Hyperparameters:
     warmup_start: float = 0.1    # ... from this fraction of lr, then cosine decay to 0
     batch_size: int = 512        # global batch, sequences (512 x 1024 = 524,288 tokens)
     device_batch_size: int = 32  # sequences per forward; grad accumulation is derived
+    seq_len: int = 1024          # training and validation sequence length, <= max_seq_len
     train_tokens: int = 10_000_000_000  # token budget; steps = budget / global batch
     # evaluation and logging
     val_every: int = 250         # steps between validations (0: only at the end)
     val_tokens: int = 10_485_760  # validation tokens per evaluation, split over ranks
     peak_flops: float = 989e12   # per-GPU dense bf16 peak for MFU (H100 SXM)
+    # long runs
+    save_every: int = 250        # steps between checkpoints (0: only at the end)
+    stop_step: int = 0           # end this job after this step, with a checkpoint (0: run on)
+    max_bad_steps: int = 0       # non-finite losses to skip (no update) before stopping
+    resume: str = ""             # RUN_DIR: continue that run from its checkpoint, in place
     # system
     compile: bool = True         # torch.compile the model (CUDA only)
     seed: int = 0
@@ -471,8 +486,8 @@ PRESETS = {
     "smoke": dict(train_files="data/sample/sample_train_*.bin",
                   val_files="data/sample/sample_val_*.bin",
                   n_layers=4, dim=128, n_heads=4, n_kv_heads=2, max_seq_len=128,
-                  batch_size=8, device_batch_size=4, train_tokens=8 * 128 * 120,
-                  val_every=20, val_tokens=4 * 128 * 8, compile=False,
+                  seq_len=128, batch_size=8, device_batch_size=4, train_tokens=8 * 128 * 120,
+                  val_every=20, val_tokens=4 * 128 * 8, save_every=60, compile=False,
                   lr=3e-3),  # 3x the paper's lr so the fall is plain within 120 steps
 }
 
@@ -496,8 +511,8 @@ def _parse_value(name, text, default):
         raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
 
 
-def parse_args(argv) -> Hyperparameters:
-    """--field=value overrides, typed against the defaults; --preset applies first."""
+def parse_overrides(argv) -> dict:
+    """--field=value pairs, each typed against its default; unknown fields are errors."""
     defaults = Hyperparameters()
     valid = [f.name for f in fields(Hyperparameters)]
     overrides = {}
@@ -511,7 +526,12 @@ def parse_args(argv) -> Hyperparameters:
     preset = overrides.get("preset", "")
     if preset and preset not in PRESETS:
         raise UserError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
-    hp = replace(defaults, **PRESETS.get(preset, {}))
+    return overrides
+
+
+def resolve(overrides: dict, base: Hyperparameters = None) -> Hyperparameters:
+    """base (the defaults, or a resumed run's settings), then the preset, then the overrides."""
+    hp = replace(base or Hyperparameters(), **PRESETS.get(overrides.get("preset", ""), {}))
     return replace(hp, **overrides)
 
 
@@ -531,15 +551,18 @@ def validate(hp: Hyperparameters, world: int):
     if hp.batch_size % (hp.device_batch_size * world):
         raise UserError(f"batch_size={hp.batch_size} is not divisible by device_batch_size "
                         f"({hp.device_batch_size}) x world size ({world})")
+    if hp.seq_len > hp.max_seq_len:
+        raise UserError(f"seq_len={hp.seq_len} is beyond the RoPE table "
+                        f"(max_seq_len={hp.max_seq_len})")
     if num_steps(hp) < 1:
         raise UserError("train_tokens is less than one global batch")
-    if hp.val_tokens < hp.device_batch_size * hp.max_seq_len * world:
+    if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
         raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
-                        f"({hp.device_batch_size * hp.max_seq_len * world} tokens)")
+                        f"({hp.device_batch_size * hp.seq_len * world} tokens)")
 
 
 def num_steps(hp: Hyperparameters) -> int:
-    return hp.train_tokens // (hp.batch_size * hp.max_seq_len)
+    return hp.train_tokens // (hp.batch_size * hp.seq_len)
 
 
 def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
@@ -601,21 +624,51 @@ def fmt_list(xs) -> str:
     return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
 
 
-class RunLog:
-    """train.log (source, system, config, step lines), config.json and metrics.jsonl; rank 0 only."""
+def write_atomically(path: str, data: bytes):
+    """Temporary file, flush, fsync, rename: a crash leaves the old file or the new one."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
 
-    def __init__(self, run_dir: str, hp: Hyperparameters, extra: dict, active: bool):
+
+class RunLog:
+    """train.log (source, system, config, step lines), config.json and metrics.jsonl; rank 0
+    only. A resumed run appends to train.log and keeps the metrics up to its checkpoint, so
+    metrics.jsonl holds each step once even after a crash."""
+
+    def __init__(self, run_dir: str, hp: Hyperparameters, extra: dict, active: bool,
+                 resumed_at: int = None):
         self.active, self.run_dir = active, run_dir
         if not active:
             return
         os.makedirs(run_dir, exist_ok=True)
         config = {**asdict(hp), **extra}
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        self.log = open(os.path.join(run_dir, "train.log"), "w")
-        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w")
-        with open(__file__) as f:
-            self.log.write(f.read())
+        write_atomically(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        if resumed_at is None:
+            self.log = open(os.path.join(run_dir, "train.log"), "w")
+            with open(__file__) as f:
+                self.log.write(f.read())
+        else:
+            self.log = open(os.path.join(run_dir, "train.log"), "a")
+            self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
+            kept = b""
+            if os.path.exists(metrics):
+                with open(metrics, "rb") as f:
+                    for line in f:
+                        with contextlib.suppress(ValueError):  # a line cut by a crash
+                            if json.loads(line)["step"] <= resumed_at:
+                                kept += line
+            write_atomically(metrics, kept)
+        self.metrics = open(metrics, "a")
         self.log.write("=" * 100 + "\n" + describe_system() + "\n")
         self.log.write("hyperparameters: " + json.dumps(config) + "\n" + "=" * 100 + "\n")
         self.log.flush()
@@ -638,6 +691,78 @@ class RunLog:
 
 
 # -----------------------------------------------------------------------------
+# Checkpoints and stopping
+
+CHECKPOINT = "checkpoint.pt"
+# fields that change the parameters or the function: a resumed run may not change them
+MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_mult", "gated",
+                "sandwich_norm")
+
+
+class RunStopped(Exception):
+    """The run cannot go on (non-finite loss): main() prints `error: ...`, exit status 1."""
+
+
+def save_checkpoint(run_dir: str, state: dict) -> str:
+    """One file, replaced atomically: the previous checkpoint stays until the new one is whole."""
+    path = os.path.join(run_dir, CHECKPOINT)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_atomically(path, buf.getvalue())
+    return path
+
+
+def load_checkpoint(run_dir: str) -> dict:
+    path = os.path.join(run_dir, CHECKPOINT)
+    if not os.path.isfile(path):
+        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) to resume from")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        Hyperparameters(**state["hp"])
+        return state
+    except Exception as e:  # truncated, overwritten, or from an incompatible version
+        raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
+
+
+def resume_settings(overrides: dict) -> tuple:
+    """-> (hp, checkpoint): the checkpoint's hyperparameters with the overrides on top."""
+    run_dir = overrides["resume"]
+    ckpt = load_checkpoint(run_dir)
+    base = Hyperparameters(**ckpt["hp"])
+    hp = resolve(overrides, base)
+    changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in MODEL_FIELDS
+               if getattr(base, k) != getattr(hp, k)]
+    if changed:
+        raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
+    if overrides.get("run_dir", run_dir) != run_dir:
+        raise UserError("--resume continues in its own directory; drop --run_dir")
+    return replace(hp, run_dir=run_dir), ckpt
+
+
+class StopSignal:
+    """SIGTERM / SIGINT (what schedulers and Ctrl-C send) ask for a checkpoint at the next step
+    boundary; a second signal stops at once."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {}
+
+    def __call__(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# -----------------------------------------------------------------------------
 # Training loop
 
 @torch.no_grad()
@@ -646,7 +771,7 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     model.eval()
     loader.reset()
     L = hp.n_layers
-    steps = hp.val_tokens // (hp.device_batch_size * hp.max_seq_len * d.world)
+    steps = hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)
     # sums: loss, tokens, per-layer gate sum, per-layer zero count, per-layer resid norm
     acc = torch.zeros(2 + 3 * L, dtype=torch.float64, device=d.device)
     for _ in range(steps):
@@ -674,114 +799,173 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
                 flops_dense=forward_flops(replace(hp, gated=False)))
 
 
-def train(hp: Hyperparameters, d: Dist):
+def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
+    """Train (or, given a checkpoint, go on training) and return the run directory."""
     validate(hp, d.world)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
     accum = hp.batch_size // (hp.device_batch_size * d.world)
     steps = num_steps(hp)
     train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
-                                     hp.max_seq_len, d.rank, d.world, hp.vocab_size)
-    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.max_seq_len,
+                                     hp.seq_len, d.rank, d.world, hp.vocab_size)
+    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
                                    d.rank, d.world, hp.vocab_size)
     run_dir = hp.run_dir or os.path.join(
         "records", time.strftime("%Y-%m-%d_%H%M%S") + "_" + (hp.preset or "run"))
-    if os.path.exists(os.path.join(run_dir, "train.log")):
-        raise UserError(f"{run_dir} already holds a run; choose another --run_dir")
+    if ckpt is None and os.path.exists(os.path.join(run_dir, "train.log")):
+        raise UserError(f"{run_dir} already holds a run; choose another --run_dir, "
+                        f"or continue it with --resume={run_dir}")
     if dist.is_initialized():
         dist.barrier()  # every rank has checked before rank 0 creates anything
-    extra = dict(world_size=d.world, grad_accum=accum, num_steps=steps, run_dir=run_dir,
-                 device=d.device)
-    log = RunLog(run_dir, hp, extra, d.master)
 
     raw = GPT(hp).to(d.device)
-    model = raw
-    if hp.compile and cuda:
-        model = torch.compile(model)
-    if d.world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
     ctrl = GateController(hp, d.device)
     opt = torch.optim.AdamW(raw.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2),
                             eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=cuda)
+    start, train_ms, bad_steps = 0, 0.0, 0
+    if ckpt is not None:  # the lr schedule is a function of the step: the step is its state
+        raw.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        ctrl.load_state_dict(ckpt["controller"])
+        train_loader.restore(**ckpt["loader"])
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        if cuda and ckpt["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        start, train_ms, bad_steps = ckpt["step"], ckpt["train_ms"], ckpt["bad_steps"]
+    model = torch.compile(raw) if hp.compile and cuda else raw
+    if d.world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
+    extra = dict(world_size=d.world, grad_accum=accum, num_steps=steps, run_dir=run_dir,
+                 device=d.device)
+    log = RunLog(run_dir, hp, extra, d.master, resumed_at=start if ckpt else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    n_params = sum(p.numel() for p in raw.parameters())
-    log.print(f"params:{n_params} steps:{steps} grad_accum:{accum} world:{d.world} "
-              f"attn:{hp.attn_impl} device:{d.device} run_dir:{run_dir}")
+    log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
+              f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
+              f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     flops_dense = forward_flops(replace(hp, gated=False))
-    tokens_per_step = hp.batch_size * hp.max_seq_len
+    launcher = f"torchrun --nproc_per_node={d.world} train_gpt.py" if d.world > 1 else \
+        "python train_gpt.py"
+    last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none yet"
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    train_ms, L = 0.0, hp.n_layers
-    for step in range(steps + 1):
-        last = step == steps
-        if last or (hp.val_every > 0 and step % hp.val_every == 0):
-            sync()
-            v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
-            avg = train_ms / max(step, 1)
-            log.print(f"step:{step}/{steps} val_loss:{v['val_loss']:.4f} "
-                      f"sparsity:{v['sparsity']:.4f} flops:{v['flops']:.4g} "
-                      f"flops_dense:{v['flops_dense']:.4g} train_time:{train_ms:.0f}ms "
-                      f"step_avg:{avg:.2f}ms")
-            if hp.gated:
-                log.print(f"  gate_mean:{fmt_list(v['gate_mean'])} "
-                          f"gate_zero:{fmt_list(v['gate_zero'])}")
-                log.print(f"  alpha:{fmt_list(ctrl.alpha.tolist())} "
-                          f"beta:{fmt_list(ctrl.beta.tolist())}")
-            log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
-            log.record({"kind": "val", "step": step, **v})
-        if last:
-            break
+    def checkpoint(step):
+        if d.master:
+            save_checkpoint(run_dir, {
+                "step": step, "train_ms": train_ms, "bad_steps": bad_steps, "hp": asdict(hp),
+                "world_size": d.world, "model": raw.state_dict(), "optimizer": opt.state_dict(),
+                "controller": ctrl.state_dict(),
+                "loader": train_loader.state(),  # global position: each rank derives its offset
+                "rng": {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if cuda else []}})
+        return f"{os.path.join(run_dir, CHECKPOINT)} (step {step})"
 
-        sync()
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(hp, step, steps)
-        x_all, y_all = train_loader.next_batch()  # (accum * B, T) for this rank
-        stats = torch.zeros(3, L, dtype=torch.float64, device=d.device)  # sum g, sum g^2, n
-        lm_loss = torch.zeros((), device=d.device)
-        for micro in range(accum):
-            sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
-            x, y = x_all[sl].to(d.device), y_all[sl].to(d.device)
-            # only the last micro-step all-reduces gradients
-            no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
-            with no_sync:
-                with autocast:
-                    logits, gates, _ = model(x)
-                    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-                    reg = ctrl.loss(gates) if gates is not None else 0.0
-                ((loss + reg) / accum).backward()
-            lm_loss += loss.detach() / accum
-            if gates is not None:
-                g = gates.detach().double()
-                stats[0] += g.sum(dim=(1, 2))
-                stats[1] += (g * g).sum(dim=(1, 2))
-                stats[2] += g[0].numel()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if hp.gated:
-            all_reduce(stats)
-            mean = stats[0] / stats[2]
-            ctrl.update(mean, stats[1] / stats[2] - mean * mean)
-        lm_loss = all_reduce(lm_loss) / d.world
-        sync()
-        step_ms = 1000 * (time.perf_counter() - t0)
-        train_ms += step_ms
-        line = (f"step:{step + 1}/{steps} train_loss:{lm_loss.item():.4f} "
-                f"train_time:{train_ms:.0f}ms step_avg:{train_ms / (step + 1):.2f}ms "
-                f"tok/s:{tokens_per_step / step_ms * 1000:.0f}")
-        if cuda:  # 3x forward FLOPs for forward + backward, dense count
-            mfu = 3 * flops_dense * hp.batch_size / (step_ms / 1000) / (hp.peak_flops * d.world)
-            line += f" mfu:{100 * mfu:.1f}%"
-        log.print(line)
-        log.record({"kind": "train", "step": step + 1, "train_loss": lm_loss.item(),
-                    "step_ms": step_ms})
-    if cuda:
-        log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
-    log.close()
+    step = start
+    try:
+        with StopSignal() as stop:
+            while True:
+                # every rank must agree to stop at the same boundary, or the others would hang
+                signalled = bool(all_reduce(torch.tensor(float(stop.signum), device=d.device),
+                                            dist.ReduceOp.MAX if dist.is_initialized() else None))
+                last = step == steps
+                ending = last or signalled or (step == hp.stop_step and step > start)
+                due = last or (hp.val_every > 0 and step % hp.val_every == 0)
+                if due and not signalled and not (ckpt and step == start):
+                    sync()
+                    v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
+                    log_validation(log, hp, ctrl, v, step, steps, train_ms)
+                if step > start and (ending or (hp.save_every and step % hp.save_every == 0)):
+                    last_ckpt = checkpoint(step)
+                if ending:
+                    break
+
+                sync()
+                t0 = time.perf_counter()
+                lm_loss, total, stats = train_step(model, hp, ctrl, opt, train_loader, d,
+                                                   autocast, accum, lr_at(hp, step, steps))
+                step += 1
+                if not math.isfinite(total):
+                    bad_steps += 1
+                    if bad_steps > hp.max_bad_steps:
+                        raise RunStopped(f"non-finite loss at step {step}; no update was applied;"
+                                         f" last good checkpoint: {last_ckpt}")
+                    log.print(f"step:{step}/{steps} skipped: non-finite loss "
+                              f"({bad_steps} of max_bad_steps={hp.max_bad_steps})")
+                    continue
+                if hp.gated:
+                    mean = stats[0] / stats[2]
+                    ctrl.update(mean, stats[1] / stats[2] - mean * mean)
+                sync()
+                step_ms = 1000 * (time.perf_counter() - t0)
+                train_ms += step_ms
+                line = (f"step:{step}/{steps} train_loss:{lm_loss:.4f} "
+                        f"train_time:{train_ms:.0f}ms step_avg:{train_ms / (step - start):.2f}ms "
+                        f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
+                if cuda:  # 3x forward FLOPs for forward + backward, dense count
+                    mfu = 3 * flops_dense * hp.batch_size / (step_ms / 1000) / \
+                        (hp.peak_flops * d.world)
+                    line += f" mfu:{100 * mfu:.1f}%"
+                log.print(line)
+                log.record({"kind": "train", "step": step, "train_loss": lm_loss,
+                            "step_ms": step_ms})
+        if step < steps:
+            why = f"signal {signal.Signals(stop.signum).name}" if signalled else "stop_step"
+            log.print(f"stopped by {why} at step {step}; checkpoint: {last_ckpt}; "
+                      f"resume with: {launcher} --resume={run_dir}")
+        if cuda:
+            log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
+    except RunStopped as e:
+        log.print(f"error: {e}")
+        raise
+    finally:
+        log.close()
     return run_dir
+
+
+def train_step(model, hp, ctrl, opt, loader, d, autocast, accum, lr):
+    """One optimiser step over the global batch. -> (mean LM loss, mean total loss, gate
+    sums (3, L): sum g, sum g^2, count), all summed over ranks. The update is applied only
+    when the loss is finite."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    x_all, y_all = loader.next_batch()  # (accum * B, T) for this rank
+    stats = torch.zeros(3, hp.n_layers, dtype=torch.float64, device=d.device)
+    losses = torch.zeros(2, device=d.device)  # LM loss, LM + regulariser
+    for micro in range(accum):
+        sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
+        x, y = x_all[sl].to(d.device), y_all[sl].to(d.device)
+        # only the last micro-step all-reduces gradients
+        no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
+        with no_sync:
+            with autocast:
+                logits, gates, _ = model(x)
+                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+                reg = ctrl.loss(gates) if gates is not None else torch.zeros_like(loss)
+            ((loss + reg) / accum).backward()
+        losses += torch.stack([loss.detach(), (loss + reg).detach()]) / accum
+        if gates is not None:
+            g = gates.detach().double()
+            stats[0] += g.sum(dim=(1, 2))
+            stats[1] += (g * g).sum(dim=(1, 2))
+            stats[2] += g[0].numel()
+    lm_loss, total = (all_reduce(losses) / d.world).tolist()
+    if math.isfinite(total):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return lm_loss, total, all_reduce(stats)
+
+
+def log_validation(log, hp, ctrl, v, step, steps, train_ms):
+    log.print(f"step:{step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
+              f"flops:{v['flops']:.4g} flops_dense:{v['flops_dense']:.4g} "
+              f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
+    if hp.gated:
+        log.print(f"  gate_mean:{fmt_list(v['gate_mean'])} gate_zero:{fmt_list(v['gate_zero'])}")
+        log.print(f"  alpha:{fmt_list(ctrl.alpha.tolist())} beta:{fmt_list(ctrl.beta.tolist())}")
+    log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
+    log.record({"kind": "val", "step": step, **v})
 
 
 # -----------------------------------------------------------------------------
@@ -789,16 +973,27 @@ def train(hp: Hyperparameters, d: Dist):
 
 def main(argv=None):
     try:
-        hp = parse_args(sys.argv[1:] if argv is None else argv)
+        overrides = parse_overrides(sys.argv[1:] if argv is None else argv)
+        ckpt = None
+        if overrides.get("resume"):
+            hp, ckpt = resume_settings(overrides)
+        else:
+            hp = resolve(overrides)
         d = setup_distributed()
         try:
-            train(hp, d)
+            train(hp, d, ckpt)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("error: interrupted by a second signal; the last checkpoint is kept", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
