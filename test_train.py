@@ -708,3 +708,111 @@ def test_every_bad_input_gives_one_error_line_and_status_2(tmp_path, capsys):
         assert message in out.err, (args, out.err)
         assert out.out == "" and not run_dir.exists()  # nothing written before the check
     assert (tmp_path / "corrupt_run" / "checkpoint.pt").read_bytes() == b"not a checkpoint"
+
+
+# ---------------------------------------------------------------------------- compacted path
+
+def mixed_gates(B, T, seed=0):
+    """(B, T, 1) gates: about a third exactly 0, a third in (0, 1), a third exactly 1; row 1
+    has every token before position 5 skipped, row 2 is all skipped, row 3 none."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(B, T, generator=gen)
+    g = torch.where(u < 0.33, 0.0, torch.where(u < 0.66, torch.rand(B, T, generator=gen), 1.0))
+    g[1, :5], g[1, 5] = 0.0, 0.7
+    g[2] = 0.0
+    g[3] = torch.rand(T, generator=gen) * 0.9 + 0.1
+    return g[..., None]
+
+
+def grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def assert_close_rel(a, b, tol):
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-12)
+    assert (a - b).abs().max().item() <= tol * scale
+
+
+def test_compact_block_matches_the_dense_masked_block():
+    hp = tiny(dim=48, n_heads=4, n_kv_heads=2, max_seq_len=24, seq_len=24)
+    torch.manual_seed(0)
+    block = tg.Block(hp)
+    x = torch.randn(4, 24, hp.dim)
+    g = mixed_gates(4, 24)
+    w = torch.randn(4, 24, hp.dim)
+    results = []
+    for compact in (False, True):
+        block.zero_grad()
+        xi, gi = x.clone().requires_grad_(), g.clone().requires_grad_()
+        y = block(xi, gi, "sdpa", compact)
+        (y * w).sum().backward()
+        results.append((y.detach(), grads(block), xi.grad, gi.grad))
+    (y0, p0, x0, g0), (y1, p1, x1, g1) = results
+    assert_close_rel(y0, y1, 1e-4)
+    assert p0.keys() == p1.keys()
+    for name in p0:
+        assert_close_rel(p0[name], p1[name], 1e-4)
+    assert_close_rel(x0, x1, 1e-4)
+    open_ = g > 0  # at g = 0 the dense path has d/dg = the unused block output; the clamp
+    assert_close_rel(g0[open_], g1[open_], 1e-4)  # upstream zeroes it in the model
+    assert torch.equal(y1[2], x[2])  # a row with every token skipped is untouched
+
+
+def test_compact_model_matches_dense_logits_and_gradients():
+    torch.manual_seed(0)
+    hp = tiny(n_layers=6, dim=48, max_seq_len=32, seq_len=32)
+    models = [tg.GPT(hp), tg.GPT(replace(hp, compact=True))]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:  # gates spread so that S > 1 (g = 0), 0 < S < 1 and S = 0 (g = 1) all occur
+        for gate in m.gates:
+            torch.manual_seed(1)
+            torch.nn.init.normal_(gate.weight, std=0.15)
+            torch.nn.init.constant_(gate.bias, 0.1)
+    idx = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
+    out = []
+    for m in models:
+        logits, gates, _ = m(idx)
+        (F.cross_entropy(logits.flatten(0, 1), idx.flatten()) + gates.mean()).backward()
+        out.append((logits.detach(), gates.detach(), grads(m)))
+    (l0, g0, p0), (l1, g1, p1) = out
+    zero, mid = (g0 == 0).float().mean().item(), ((g0 > 0) & (g0 < 1)).float().mean().item()
+    assert 0.1 < zero < 0.9 and mid > 0.05 and (g0 == 1).any()
+    assert torch.equal(g0 == 0, g1 == 0) and (g0 - g1).abs().max().item() < 1e-5
+    assert (l0 - l1).abs().max().item() < 1e-4
+    for name in p0:
+        assert_close_rel(p0[name], p1[name], 1e-4)
+
+
+def test_incremental_decoding_matches_a_full_forward_pass():
+    torch.manual_seed(0)
+    hp = tiny(n_layers=4, dim=48, max_seq_len=24, seq_len=24, compact=True)
+    model = tg.GPT(hp).eval()
+    for gate in model.gates:
+        torch.nn.init.normal_(gate.weight, std=0.15)
+        torch.nn.init.constant_(gate.bias, 0.1)
+    idx = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, gates, _ = model(idx)
+        dense_masked = tg.GPT(replace(hp, compact=False)).eval()
+        dense_masked.load_state_dict(model.state_dict())
+        masked, _, _ = dense_masked(idx)
+    cache = tg.KVCache(hp, "cpu")
+    for pos in range(24):
+        with torch.no_grad():
+            step, _, _ = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache)
+        assert (step[0, -1] - full[0, pos]).abs().max().item() < 1e-4
+        assert (step[0, -1] - masked[0, pos]).abs().max().item() < 1e-4
+    # each block keeps K/V only for the tokens whose gate there is non-zero
+    assert cache.n == [(gates[layer, 0] > 0).sum().item() for layer in range(4)]
+    assert sum(cache.n) < 4 * 24 and min(cache.n) > 0
+
+
+def test_generate_samples_reproducibly_and_reports_the_cache():
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(n_layers=2, max_seq_len=16, seq_len=16))
+    a, cache = tg.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
+    b, _ = tg.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
+    assert a == b and len(a) == 13 and a[:3] == [1, 2, 3] and all(0 <= t < 97 for t in a)
+    assert cache.n == [12, 12]  # zero gates: every token runs every block (the last is not fed)
+    with pytest.raises(tg.UserError):
+        tg.generate(model, [1] * 10, 10)

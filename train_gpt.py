@@ -86,9 +86,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x):  # x: (B, H, T, hd)
-        T = x.size(2)
-        cos, sin = self.cos[:T], self.sin[:T]  # (T, hd/2) per position
+    def forward(self, x, pos=None):
+        """x: (B, H, T, hd); pos: (B, T) original positions (packed or cached tokens), or
+        None for 0..T-1."""
+        if pos is None:
+            cos, sin = self.cos[:x.size(2)], self.sin[:x.size(2)]  # (T, hd/2) per position
+        else:
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, T, hd/2)
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # even / odd features
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return out.type_as(x)
@@ -165,12 +169,21 @@ class Attention(nn.Module):
         self.wo = nn.Linear(hp.n_heads * self.head_dim, hp.dim, bias=False)
         self.rotary = Rotary(self.head_dim, hp.max_seq_len, hp.rope_theta)
 
-    def forward(self, x, log_g, impl):
+    def forward(self, x, log_g, impl, pos=None, cache=None):
+        """x: (B, T, d); log_g: (B, T) per key or None; pos: (B, T) positions or None.
+        cache: (KVCache, layer) to decode one token (B = T = 1) against the cached keys."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        y = gated_attention(self.rotary(q), self.rotary(k), v, log_g, impl)
+        q, k = self.rotary(q, pos), self.rotary(k, pos)
+        if cache is None:
+            y = gated_attention(q, k, v, log_g, impl)
+        else:  # every cached key is earlier (or this token): no causal mask needed
+            k, v, key_log_g = cache[0].append(cache[1], k, v, log_g)
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                               attn_mask=key_log_g.float()[None, None, None, :],
+                                               enable_gqa=q.size(1) != k.size(1)).type_as(q)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -190,13 +203,38 @@ class Block(nn.Module):
         self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
-    def forward(self, x, g, impl):
+    def forward(self, x, g, impl, compact=False, pos=None, cache=None):
+        """compact: run attention and FFN on the active tokens (g > 0) only; exact, because a
+        token with g = 0 adds nothing to its residual and is invisible as a key."""
+        if compact and g is not None:
+            return self.forward_compact(x, g, impl)
         if g is None:
-            x = x + self.attn_out(self.attn(self.attn_in(x), None, impl))
+            x = x + self.attn_out(self.attn(self.attn_in(x), None, impl, pos, cache))
             return x + self.ffn_out(self.ffn(self.ffn_in(x)))
         log_g = torch.log(g.squeeze(-1).float().clamp(min=self.gate_eps))  # (B, T) per key
-        x = x + g * self.attn_out(self.attn(self.attn_in(x), log_g, impl))
+        x = x + g * self.attn_out(self.attn(self.attn_in(x), log_g, impl, pos, cache))
         return x + g * self.ffn_out(self.ffn(self.ffn_in(x)))
+
+    def forward_compact(self, x, g, impl):
+        """Gather each sequence's active tokens to the front, in order (B, Tc), run the block
+        with their original positions, scatter the results back. Order is kept, so causality
+        by packed index is causality by position; the padding sits after every active token,
+        so no active query sees it, and its g = 0 leaves it unchanged."""
+        B, T, d = x.shape
+        active = g.squeeze(-1) > 0  # (B, T)
+        counts = active.sum(dim=1)  # (B,)
+        Tc = int(counts.max())  # one host sync per block
+        if Tc == 0:
+            return x
+        if x.is_cuda:  # a few padded lengths, so compiled kernels and block masks are reused
+            Tc = min(T, -(-Tc // 128) * 128)
+        # stable sort puts active tokens first, in their original order; (B, Tc) positions
+        pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tc]
+        valid = torch.arange(Tc, device=x.device)[None, :] < counts[:, None]  # (B, Tc)
+        index = pos[..., None].expand(B, Tc, d)
+        xc = x.gather(1, index)
+        gc = g.gather(1, pos[..., None]) * valid[..., None]  # padding: g = 0
+        return x.scatter(1, index, self.forward(xc, gc, impl, pos=pos))
 
 
 # -----------------------------------------------------------------------------
@@ -226,9 +264,11 @@ class GPT(nn.Module):
             nn.init.zeros_(gate.weight)
             nn.init.zeros_(gate.bias)
 
-    def forward(self, idx):
+    def forward(self, idx, pos=None, cache=None):
         """idx: (B, T) token ids -> logits (B, T, V) fp32, gates (L, B, T) or None,
-        resid_norms (L,) mean L2 norm of the residual stream after each block (detached)."""
+        resid_norms (L,) mean L2 norm of the residual stream after each block (detached).
+        With a KVCache, idx is one token (1, 1) at position pos (1, 1); a block whose gate is
+        0 for it is skipped outright and keeps no K/V for it."""
         L = self.hp.n_layers
         impl = self.hp.attn_impl
         if impl == "auto":  # Flex needs CUDA for its backward; SDPA is the exact CPU path
@@ -245,11 +285,60 @@ class GPT(nn.Module):
                 else:
                     gates.append(gates[mirror(layer, L)])
                 g = gates[-1].type_as(x)
-            x = block(x, g, impl)
+            if cache is not None:
+                if g is not None and not bool(g.any()):
+                    resid.append(x.detach().float().norm(dim=-1).mean())
+                    continue
+                x = block(x, g, impl, pos=pos, cache=(cache, layer))
+            else:
+                x = block(x, g, impl, self.hp.compact)
             resid.append(x.detach().float().norm(dim=-1).mean())
         logits = self.head(self.head_norm(x)).float()
         gates = torch.stack(gates).squeeze(-1) if gates else None  # (L, B, T)
         return logits, gates, torch.stack(resid)
+
+
+class KVCache:
+    """Keys, values and ln g per block for one sequence being decoded. A token skipped at a
+    block stores nothing there, so middle blocks hold fewer entries than outer ones."""
+
+    def __init__(self, hp: "Hyperparameters", device):
+        hd = hp.dim // hp.n_heads
+        self.k = torch.zeros(hp.n_layers, hp.n_kv_heads, hp.max_seq_len, hd, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.log_g = torch.zeros(hp.n_layers, hp.max_seq_len, device=device)  # per cached key
+        self.n = [0] * hp.n_layers  # entries per block
+
+    def append(self, layer, k, v, log_g):
+        """k, v: (1, H_kv, 1, hd); log_g: (1, 1) or None -> the block's cached keys and values
+        (1, H_kv, n, hd) and their ln g (n,)."""
+        n = self.n[layer]
+        self.k[layer, :, n], self.v[layer, :, n] = k[0, :, 0], v[0, :, 0]
+        self.log_g[layer, n] = 0.0 if log_g is None else log_g.reshape(())
+        self.n[layer] = n + 1
+        return self.k[layer, :, :n + 1][None], self.v[layer, :, :n + 1][None], self.log_g[layer, :n + 1]
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: list, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0):
+    """Sample after `prompt` (token ids) one token at a time with a KVCache. The prompt goes
+    through the same incremental path. -> (all tokens, the cache)."""
+    hp, device = model.hp, next(model.parameters()).device
+    if not prompt or len(prompt) + max_new_tokens > hp.max_seq_len:
+        raise UserError(f"need 1 <= prompt + new tokens <= max_seq_len ({hp.max_seq_len})")
+    model.eval()
+    cache, tokens = KVCache(hp, device), list(prompt)
+    rng = torch.Generator(device=device).manual_seed(seed)
+    for pos in range(len(prompt) + max_new_tokens - 1):
+        logits = model(torch.tensor([[tokens[pos]]], device=device),
+                       pos=torch.tensor([[pos]], device=device), cache=cache)[0][0, -1]
+        if pos == len(tokens) - 1:  # past the prompt: sample the next token
+            logits = logits / max(temperature, 1e-6)
+            if top_k:
+                logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float("inf")
+            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=rng)))
+    return tokens, cache
 
 
 # -----------------------------------------------------------------------------
@@ -446,6 +535,7 @@ class Hyperparameters:
     attn_impl: str = "auto"      # auto (flex on CUDA, sdpa on CPU) | flex | sdpa
     # gates and sparsity control (Section 2.4)
     gated: bool = True           # False: the dense baseline, no gate parameters at all
+    compact: bool = False        # run gated blocks on their active tokens only (exact)
     gate_eps: float = 1e-6       # floor on g inside ln g (Section 2.2)
     controller: str = "proportional_tol"  # one of CONTROLLERS (Table 1)
     mu_start: float = 1.0        # mean-gate target at block 0
