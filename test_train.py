@@ -687,7 +687,7 @@ def bad_inputs(tmp_path):
         (smoke + [f"--train_files={tmp_path}/magic_*.bin"], "magic_000001.bin: bad magic number 7"),
         (smoke + [f"--train_files={tmp_path}/oov_*.bin"],
          "oov_000001.bin: token id 60000 is outside the vocabulary (vocab_size=50257)"),
-        ([f"--resume={tmp_path}/empty_run"], "empty_run: no checkpoint (checkpoint.pt)"),
+        ([f"--resume={tmp_path}/empty_run"], "empty_run: no checkpoint (checkpoint.pt) in it"),
         ([f"--resume={tmp_path}/corrupt_run"], "corrupt_run/checkpoint.pt: corrupt or incompatible"),
         (smoke + ["--val_tokens=100"], "val_tokens=100 is fewer than one validation batch"),
     ]

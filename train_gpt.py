@@ -34,6 +34,8 @@ Deviations from the paper, and choices where it is ambiguous:
     all ranks), so every rank applies the identical update; the differentiable regulariser
     in each micro-step uses that micro-batch's statistics.
   - FLOPs are counted for a causal kernel: T(T+1)/2 query-key pairs, not T^2.
+  - With compact=True (skipped tokens really skipped) a key with g = 0 gets weight exactly 0
+    rather than the paper's 1e-6 floor, and so does the KV-cached decoder.
 """
 
 import contextlib
@@ -436,6 +438,22 @@ def load_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
     return tokens
 
 
+def gpt2_encoding():
+    """GPT-2 BPE via tiktoken (only the data scripts and sample.py need it). "r50k_base" is the
+    same vocabulary as "gpt2" and loads offline from TIKTOKEN_CACHE_DIR; online, tiktoken
+    downloads and caches it once."""
+    import tiktoken
+    errors = []
+    for name in ("r50k_base", "gpt2"):
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:  # no network and no cache: try the next name, then give up
+            errors.append(f"{name}: {type(e).__name__}")
+    raise UserError("cannot load the GPT-2 BPE from tiktoken (" + "; ".join(errors) + "); "
+                    "connect to the internet once, or set TIKTOKEN_CACHE_DIR to a folder "
+                    "holding the cached r50k_base file")
+
+
 def find_shards(pattern: str) -> list:
     files = sorted(glob.glob(pattern))
     if not files:
@@ -805,7 +823,7 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
 def load_checkpoint(run_dir: str) -> dict:
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isfile(path):
-        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) to resume from")
+        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         Hyperparameters(**state["hp"])

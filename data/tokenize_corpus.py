@@ -30,25 +30,11 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from train_gpt import HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UserError, load_shard  # noqa: E402
+from train_gpt import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UserError,  # noqa: E402
+                       gpt2_encoding, load_shard)
 
 EOT = 50256
 GPT2_VOCAB = 50257
-
-
-def gpt2_encoding():
-    """GPT-2 BPE. "r50k_base" is the same vocabulary as "gpt2" and loads offline from
-    TIKTOKEN_CACHE_DIR; online, tiktoken downloads and caches it once."""
-    import tiktoken
-    errors = []
-    for name in ("r50k_base", "gpt2"):
-        try:
-            return tiktoken.get_encoding(name)
-        except Exception as e:  # no network and no cache: try the next name, then give up
-            errors.append(f"{name}: {type(e).__name__}")
-    raise UserError("cannot load the GPT-2 BPE from tiktoken (" + "; ".join(errors) + "); "
-                    "connect to the internet once, or set TIKTOKEN_CACHE_DIR to a folder "
-                    "holding the cached r50k_base file")
 
 
 def write_shard(path: str, tokens) -> None:

@@ -1,0 +1,165 @@
+"""Measure what skipping saves: dense-masked vs compacted gated blocks at forced sparsity.
+
+    python bench.py --size=smoke --size=mid            # CPU tables
+    python bench.py --size=paper --device=cuda --compile=1
+    options: --repeats=3 --out=records/DIR (default: a new dated folder under records/)
+
+For each sparsity level p in 0, 0.25, 0.5, 0.75 the first gate is set so that a fraction p
+of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so every block sees
+the same fraction skipped; g is 1 or 0 for all but a sliver of tokens). Both paths then run
+the same model on the same batch, side by side, forward (no grad) and forward+backward; the
+median of --repeats timed runs after one warm-up is reported. The ideal speedup is
+forward_flops at the measured per-layer sparsity (the validation metric `flops`) against the
+dense count, and efficiency = measured / ideal speedup.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+import torch.nn.functional as F
+
+import train_gpt as tg
+
+SIZES = {  # (hyperparameter overrides, batch size)
+    "smoke": (dict(tg.PRESETS["smoke"]), 8),
+    "mid": (dict(n_layers=8, dim=384, n_heads=6, n_kv_heads=6, max_seq_len=512, seq_len=512), 2),
+    "paper": (dict(), 32),  # Table 2: 12 layers, dim 768, 1024 tokens
+}
+SPARSITY = (0.0, 0.25, 0.5, 0.75)
+
+
+def force_sparsity(model, idx, p, seed=0):
+    """Set gate 0 to s = ReLU(a (z - t)) along a random direction, with t the (1-p) quantile
+    of z over this batch and a steep slope: a fraction ~p of tokens get S > 1, g = 0."""
+    for gate in model.gates:
+        torch.nn.init.zeros_(gate.weight)
+        torch.nn.init.zeros_(gate.bias)
+    if p == 0:
+        return
+    with torch.no_grad():
+        x = model.embed_norm(model.embed(idx)).float()  # what gate 0 reads
+        u = torch.randn(x.size(-1), generator=torch.Generator().manual_seed(seed)).to(x.device)
+        z = x @ u
+        t = torch.quantile(z.flatten().cpu(), 1 - p).item()
+        a = 1e4 / z.std().item()
+        model.gates[0].weight.copy_((a * u)[None])
+        model.gates[0].bias.fill_(-a * t)
+
+
+def timed(fn, repeats, sync):
+    fn()  # warm-up (and compilation)
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_size(name, device, repeats, compile_):
+    overrides, batch = SIZES[name]
+    hp = replace(tg.Hyperparameters(), **{**overrides, "compile": compile_})
+    torch.manual_seed(0)
+    model = tg.GPT(hp).to(device)
+    cuda = device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, hp.vocab_size, (batch, hp.seq_len), generator=gen).to(device)
+    run = torch.compile(model) if compile_ and cuda else model
+    rows = []
+    for p in SPARSITY:
+        force_sparsity(model, idx, p)
+        with torch.no_grad(), autocast:
+            _, gates, _ = model(idx)
+        zero = (gates == 0).float().mean(dim=(1, 2)).tolist()
+        ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
+        row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)
+        for compact in (False, True):
+            model.hp = replace(hp, compact=compact)
+
+            def forward():
+                with torch.no_grad(), autocast:
+                    run(idx)
+
+            def forward_backward():
+                with autocast:
+                    logits, _, _ = run(idx)
+                    loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            key = "compact" if compact else "masked"
+            row[f"fwd_{key}"] = timed(forward, repeats, sync)
+            row[f"fb_{key}"] = timed(forward_backward, repeats, sync)
+        model.hp = hp
+        for kind in ("fwd", "fb"):
+            row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
+            row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return hp, batch, rows
+
+
+HEADER = ("| size | sparsity | fwd masked ms | fwd compact ms | fwd speedup | fwd+bwd masked ms "
+          "| fwd+bwd compact ms | fwd+bwd speedup | ideal (FLOPs) | fwd eff | fwd+bwd eff |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_row(r):
+    return (f"| {r['size']} | {r['sparsity']:.3f} | {1e3 * r['fwd_masked']:.1f} | "
+            f"{1e3 * r['fwd_compact']:.1f} | {r['fwd_speedup']:.2f} | {1e3 * r['fb_masked']:.1f} | "
+            f"{1e3 * r['fb_compact']:.1f} | {r['fb_speedup']:.2f} | {r['ideal']:.2f} | "
+            f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} |")
+
+
+def main(argv):
+    sizes, device, repeats, compile_, out = [], "cpu", 3, False, ""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "--size" and value in SIZES:
+            sizes.append(value)
+        elif key == "--device" and value:
+            device = value
+        elif key == "--repeats" and value.isdigit() and int(value) > 0:
+            repeats = int(value)
+        elif key == "--compile" and value in ("0", "1"):
+            compile_ = value == "1"
+        elif key == "--out" and value:
+            out = value
+        else:
+            raise tg.UserError(f"bad option {arg!r}; options: --size={{{','.join(SIZES)}}} "
+                               "--device=cpu|cuda --repeats=N --compile=0|1 --out=DIR")
+    out = out or os.path.join("records", time.strftime("%Y-%m-%d_%H%M%S") + "_skip_bench_" +
+                              device.split(":")[0])
+    print(tg.describe_system())
+    print(HEADER)
+    results = []
+    for name in sizes or ["smoke"]:
+        hp, batch, rows = bench_size(name, device, repeats, compile_)
+        results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
+    os.makedirs(out, exist_ok=True)
+    sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
+    table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(f"    python bench.py {' '.join(argv)}\n\n{tg.describe_system()}\n\n"
+                f"batch per size: {sizes_line}; "
+                f"median of {repeats} after one warm-up\n\n{table}\n")
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(dict(argv=argv, repeats=repeats, device=device, results=results), f, indent=1)
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except tg.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
