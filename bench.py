@@ -78,7 +78,7 @@ def bench_size(name, device, repeats, compile_):
     for p in SPARSITY:
         force_sparsity(model, idx, p)
         with torch.no_grad(), autocast:
-            _, gates, _ = model(idx)
+            gates = model(idx).gates
         zero = (gates == 0).float().mean(dim=(1, 2)).tolist()
         ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
         row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)
@@ -91,7 +91,7 @@ def bench_size(name, device, repeats, compile_):
 
             def forward_backward():
                 with autocast:
-                    logits, _, _ = run(idx)
+                    logits = run(idx).logits
                     loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
                 loss.backward()
                 model.zero_grad(set_to_none=True)

@@ -63,14 +63,14 @@ def random_qkv_logg(B=2, H=4, Hkv=2, T=24, hd=8, seed=0):
 
 def test_zero_gate_parameters_give_the_dense_model():
     torch.manual_seed(0)
-    dense = tg.GPT(tiny(gated=False))
-    gated = tg.GPT(tiny(gated=True))
+    dense = tg.GPT(tiny(router="none"))
+    gated = tg.GPT(tiny(router="skip_middle"))
     missing, unexpected = gated.load_state_dict(dense.state_dict(), strict=False)
     assert unexpected == [] and all(k.startswith("gates.") for k in missing) and missing
     assert all((p == 0).all() for p in gated.gates.parameters())
     idx = torch.randint(0, 97, (3, 16))
-    ld, gd, _ = dense(idx)
-    lg, gg, _ = gated(idx)
+    ld, gd = dense(idx)[:2]
+    lg, gg = gated(idx)[:2]
     assert gd is None and torch.equal(gg, torch.ones_like(gg))
     assert (ld - lg).abs().max().item() <= 1e-6
 
@@ -146,7 +146,7 @@ def test_gate_parameters_receive_gradient_inside_the_open_interval():
         torch.nn.init.normal_(gate.weight, std=0.02)
         torch.nn.init.constant_(gate.bias, 0.3)
     idx = torch.randint(0, 97, (2, 16))
-    logits, gates, _ = model(idx)
+    logits, gates = model(idx)[:2]
     assert ((gates > 0) & (gates < 1)).float().mean() > 0.9
     F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
     for gate in model.gates:
@@ -157,7 +157,7 @@ def test_zero_initialised_gates_are_not_stuck():
     # deviation in the docstring: relu'(0) = 0 would leave zero-initialised gates at 1 forever
     torch.manual_seed(0)
     model = tg.GPT(tiny())
-    _, gates, _ = model(torch.randint(0, 97, (2, 16)))
+    _, gates = model(torch.randint(0, 97, (2, 16)))[:2]
     gates.mean().backward()  # what the controller's alpha * mean term differentiates
     assert all(gate.bias.grad.item() != 0 for gate in model.gates)
 
@@ -170,7 +170,7 @@ def test_mirrored_blocks_share_a_gate():
     for gate in model.gates:
         torch.nn.init.normal_(gate.weight, std=0.1)
         torch.nn.init.constant_(gate.bias, 0.2)
-    _, gates, _ = model(torch.randint(0, 97, (2, 16)))
+    _, gates = model(torch.randint(0, 97, (2, 16)))[:2]
     for layer in range(6):
         assert torch.equal(gates[layer], gates[5 - layer])
     assert not torch.equal(gates[0], gates[1])
@@ -180,7 +180,7 @@ def test_mirrored_blocks_share_a_gate():
 def test_odd_layer_count_is_rejected_when_gated():
     with pytest.raises(tg.UserError, match="even"):
         tg.validate(tiny(n_layers=3), 1)
-    tg.validate(tiny(n_layers=3, gated=False, batch_size=32, device_batch_size=32,
+    tg.validate(tiny(n_layers=3, router="none", batch_size=32, device_batch_size=32,
                      train_tokens=32 * 16, val_tokens=32 * 16), 1)
 
 
@@ -301,7 +301,7 @@ def math_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
 
 def test_dense_flops_match_flop_counter(monkeypatch):
     from torch.utils.flop_counter import FlopCounterMode
-    hp = tiny(gated=False, vocab_size=1000, dim=128, n_layers=2, max_seq_len=256)
+    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256)
     model = tg.GPT(hp)
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
@@ -320,7 +320,7 @@ def test_sparse_flops_scale_with_active_fraction():
     full = tg.forward_flops(hp, [1, 1, 1, 1])
     assert full == tg.forward_flops(hp)
     assert tg.forward_flops(hp, [1, 0, 0, 1]) < full
-    dense = tg.forward_flops(replace(hp, gated=False))
+    dense = tg.forward_flops(replace(hp, router="none"))
     assert full - dense == 2 * 16 * 2 * (32 + 1)  # only the two gate linears differ
 
 
@@ -676,7 +676,7 @@ def bad_inputs(tmp_path):
     return [
         (["--nope=1"], "unknown field 'nope'; valid fields: train_files"),
         (["--n_layers=three"], "--n_layers=three: expected int"),
-        (["--gated=maybe"], "--gated=maybe: expected bool"),
+        (["--compact=maybe"], "--compact=maybe: expected bool"),
         (smoke + ["--n_layers=3"], "even number of layers"),
         (smoke + ["--mu_end=1.5"], "must lie in [0, 1]"),
         (smoke + ["--mu_start=-0.1"], "must lie in [0, 1]"),
@@ -771,7 +771,7 @@ def test_compact_model_matches_dense_logits_and_gradients():
     idx = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
     out = []
     for m in models:
-        logits, gates, _ = m(idx)
+        logits, gates = m(idx)[:2]
         (F.cross_entropy(logits.flatten(0, 1), idx.flatten()) + gates.mean()).backward()
         out.append((logits.detach(), gates.detach(), grads(m)))
     (l0, g0, p0), (l1, g1, p1) = out
@@ -792,14 +792,14 @@ def test_incremental_decoding_matches_a_full_forward_pass():
         torch.nn.init.constant_(gate.bias, 0.1)
     idx = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        full, gates, _ = model(idx)
+        full, gates = model(idx)[:2]
         dense_masked = tg.GPT(replace(hp, compact=False)).eval()
         dense_masked.load_state_dict(model.state_dict())
-        masked, _, _ = dense_masked(idx)
+        masked, _ = dense_masked(idx)[:2]
     cache = tg.KVCache(hp, "cpu")
     for pos in range(24):
         with torch.no_grad():
-            step, _, _ = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache)
+            step, _ = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache)[:2]
         assert (step[0, -1] - full[0, pos]).abs().max().item() < 1e-4
         assert (step[0, -1] - masked[0, pos]).abs().max().item() < 1e-4
     # each block keeps K/V only for the tokens whose gate there is non-zero
@@ -816,3 +816,149 @@ def test_generate_samples_reproducibly_and_reports_the_cache():
     assert cache.n == [12, 12]  # zero gates: every token runs every block (the last is not fed)
     with pytest.raises(tg.UserError):
         tg.generate(model, [1] * 10, 10)
+
+
+# ---------------------------------------------------------------------------- DLO
+
+def test_zero_router_scores_are_one_and_the_model_is_dense():
+    torch.manual_seed(0)
+    dense = tg.GPT(tiny(router="none"))
+    dlo = tg.GPT(tiny(router="dlo"))
+    missing, unexpected = dlo.load_state_dict(dense.state_dict(), strict=False)
+    assert not unexpected and missing == [f"routers.{i}.weight" for i in range(4)]
+    idx = torch.randint(0, 97, (3, 16))
+    ref = dense(idx).logits
+    for model, skip_rates in ((dlo.eval(), None), (dlo.train(), [0.0] * 4)):
+        out = model(idx, skip_rates=skip_rates)
+        assert torch.equal(out.gates, torch.ones_like(out.gates))  # r = 1, every MLP runs
+        assert (out.logits - ref).abs().max().item() <= 1e-6
+
+
+def test_dlo_training_runs_the_top_tokens_by_score():
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(router="dlo", n_layers=2))
+    for router in model.routers:
+        torch.nn.init.normal_(router.weight, std=0.5)
+    out = model(torch.randint(0, 97, (3, 16)), skip_rates=[0.5, 0.25])
+    runs = (out.gates > 0).sum(dim=2)  # (L, B) tokens running the MLP per sequence
+    assert runs[0].tolist() == [8, 8, 8] and runs[1].tolist() == [12, 12, 12]
+    r = 1 + (2 * torch.sigmoid(out.router_logits) - 1) * 0.05 / 2  # eq. (1), beta = 2
+    for layer in range(2):
+        ran, skipped = r[layer][out.gates[layer] > 0], r[layer][out.gates[layer] == 0]
+        assert torch.allclose(out.gates[layer][out.gates[layer] > 0], ran)  # scaled by r
+        for b in range(3):
+            assert r[layer, b][out.gates[layer, b] > 0].min() >= r[layer, b][out.gates[layer, b] == 0].max()
+    assert 0.975 < r.min() and r.max() < 1.025
+
+
+def test_dlo_compact_evaluation_matches():
+    torch.manual_seed(0)
+    hp = tiny(router="dlo")
+    models = [tg.GPT(hp).eval(), tg.GPT(replace(hp, compact=True)).eval()]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:
+        for i, router in enumerate(m.routers):
+            torch.manual_seed(i)
+            torch.nn.init.normal_(router.weight, std=0.5)
+    idx = torch.randint(0, 97, (3, 16))
+    a, b = models[0](idx), models[1](idx)
+    assert 0.2 < (a.gates == 0).float().mean() < 0.8
+    assert torch.equal(a.gates, b.gates) and (a.logits - b.logits).abs().max() < 1e-5
+
+
+def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
+    sim = torch.tensor([[[0.9, 0.1, 0.5]], [[0.2, 0.8, 0.3]]])  # (L=2, B=1, T=3)
+    labels = tg.DLOState.labels(sim, 0.5)  # floor(0.5 * 6) = 3 least similar run: .1 .2 .3
+    assert labels.squeeze(1).tolist() == [[0, 1, 0], [1, 0, 1]]
+    assert tg.DLOState.labels(sim, 0.0).sum() == 6 and tg.DLOState.labels(sim, 0.9).sum() == 0
+    z = torch.tensor([[[0.0, 2.0, -1.0]], [[1.0, -2.0, 0.5]]])
+    sig = lambda t: 1 / (1 + math.exp(-t))  # noqa: E731
+    expected = -(math.log(1 - sig(0.0)) + math.log(sig(2.0)) + math.log(1 - sig(-1.0)) +
+                 math.log(sig(1.0)) + math.log(1 - sig(-2.0)) + math.log(sig(0.5))) / 6
+    assert tg.DLOState.loss(z, labels).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_dlo_annealing_rates_and_layer_learning_rates():
+    state = tg.DLOState(tiny(router="dlo", n_layers=2, dlo_rho=0.4, dlo_anneal_steps=4))
+    assert [state.overall(s) for s in (0, 1, 3, 10)] == pytest.approx([0.1, 0.2, 0.4, 0.4])
+    assert state.rates.tolist() == pytest.approx([0.1, 0.1])  # rho_{i,1}: step 1's rate
+    assert state.lr_scales(0) == pytest.approx([1.0, 1.0])
+    state.update(torch.tensor([6.0, 2.0]), 8)  # eq. (8): 6 of 8 tokens labelled to run
+    assert state.rates.tolist() == pytest.approx([0.25, 0.75])
+    assert state.lr_scales(3) == pytest.approx([0.75 / 0.6, 0.25 / 0.6])  # eq. (10)
+    model = tg.GPT(tiny(router="dlo", n_layers=2))
+    groups = tg.param_groups(model)
+    assert len(groups) == 3 and any(p is model.routers[1].weight for p in groups[2]["params"])
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+def expanded(init, R=4, P=2, q=1, tau=2):
+    torch.manual_seed(0)
+    src = tg.GPT(tiny(router="none", n_layers=R))
+    state = tg.expand_state(src.state_dict(), R, P, q, init, tau)
+    return src, state
+
+
+def test_identity_expansion_keeps_the_function():
+    src, state = expanded("identity")
+    idx = torch.randint(0, 97, (2, 16))
+    for router in ("none", "dlo"):
+        big = tg.GPT(tiny(router=router, n_layers=6)).eval()
+        missing, unexpected = big.load_state_dict(state, strict=False)
+        assert not unexpected and all(k.startswith("routers.") for k in missing)
+        assert (big(idx).logits - src(idx).logits).abs().max().item() < 1e-5
+    # groups of 2 become groups of 3: originals 0, 1 -> 0, 1; new 2; originals 2, 3 -> 3, 4
+    assert torch.equal(state["blocks.3.attn.wq.weight"], src.state_dict()["blocks.2.attn.wq.weight"])
+    assert torch.equal(state["blocks.2.attn.wq.weight"], src.state_dict()["blocks.1.attn.wq.weight"])
+    assert not state["blocks.2.attn.wo.weight"].any() and not state["blocks.5.ffn.w2.weight"].any()
+
+
+def test_other_expansion_initialisations():
+    src, copy = expanded("copy")
+    old = src.state_dict()
+    assert all(torch.equal(copy[f"blocks.2.{k}"], old[f"blocks.1.{k}"])
+               for k in ("attn.wo.weight", "ffn.w2.weight", "attn_in.weight"))
+    _, linear = expanded("linear")
+    w = "attn.wq.weight"
+    assert torch.allclose(linear[f"blocks.2.{w}"], (old[f"blocks.0.{w}"] + old[f"blocks.1.{w}"]) / 2)
+    _, slerp = expanded("slerp")
+    u, v = old[f"blocks.1.{w}"], old[f"blocks.0.{w}"]
+    omega = math.acos((u.flatten() @ v.flatten() / (u.norm() * v.norm())).item())
+    ref = math.sin(omega / 2) / math.sin(omega) * (u + v)  # SLERP(u, v, 1/2)
+    assert torch.allclose(slerp[f"blocks.2.{w}"], ref, atol=1e-6)
+    assert torch.equal(slerp["blocks.2.attn_in.weight"], old["blocks.1.attn_in.weight"])  # parallel
+    _, rand = expanded("random")
+    bound = math.sqrt(6 / (32 + 32))  # Xavier uniform, fan_in = fan_out = 32
+    assert rand[f"blocks.2.{w}"].abs().max() <= bound and rand[f"blocks.2.{w}"].std() > bound / 3
+    assert torch.equal(rand["blocks.2.ffn_in.weight"], torch.ones(32))
+
+
+def test_dlo_flops_count_only_executed_mlps():
+    hp = tiny(router="dlo", n_layers=2)
+    dense = tg.forward_flops(replace(hp, router="none"))
+    half = tg.forward_flops(hp, None, [0.5, 0.5])
+    ffn = 2 * 3 * 32 * 4 * 32 * 16  # SwiGLU FLOPs per layer and sequence
+    routers = 2 * 16 * 2 * 32
+    assert dense - half == pytest.approx(2 * 0.5 * ffn - routers)
+
+
+def test_train_dense_expand_and_continue_with_dlo(tmp_path):
+    base = ["--preset=smoke", "--max_seq_len=32", "--seq_len=32", "--batch_size=8",
+            "--device_batch_size=4", "--val_tokens=512", "--val_every=10"]
+    shape = ["--n_layers=2", "--dim=32", "--n_heads=4", "--n_kv_heads=2"]
+    r = run_script(base + shape + ["--router=none", "--train_tokens=5120",
+                                   f"--run_dir={tmp_path / 'dense'}"])
+    assert r.returncode == 0, r.stderr
+    # the shape comes from the checkpoint: P = 1 group of 2 layers, q = 2 new ones
+    r = run_script(base + [f"--expand_from={tmp_path / 'dense'}", "--expand_per_group=2",
+                           "--router=dlo", "--dlo_rho=0.5", "--dlo_anneal_steps=10",
+                           "--train_tokens=7680", f"--run_dir={tmp_path / 'dlo'}"])
+    assert r.returncode == 0, r.stderr
+    dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
+    dlo = [m for m in read_metrics(tmp_path / "dlo") if m["kind"] == "val"]
+    assert json.loads((tmp_path / "dlo" / "config.json").read_text())["n_layers"] == 4
+    # identity expansion: the expanded model starts exactly where the dense one ended
+    assert dlo[0]["val_loss"] == pytest.approx(dense[-1]["val_loss"], abs=1e-4)
+    assert dlo[-1]["val_loss"] < dlo[0]["val_loss"]
+    assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
+    assert dlo[-1]["flops"] < dlo[-1]["flops_dense"]

@@ -51,6 +51,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -205,17 +206,24 @@ class Block(nn.Module):
         self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
+    def attend(self, x, g, impl, pos=None, cache=None):
+        """x + g * Norm(Attn(Norm(x))); g: (B, T, 1) or None (an ungated block)."""
+        if g is None:
+            return x + self.attn_out(self.attn(self.attn_in(x), None, impl, pos, cache))
+        log_g = torch.log(g.squeeze(-1).float().clamp(min=self.gate_eps))  # (B, T) per key
+        return x + g * self.attn_out(self.attn(self.attn_in(x), log_g, impl, pos, cache))
+
+    def mlp(self, x):
+        """The FFN branch Norm(FFN(Norm(x))), without the residual."""
+        return self.ffn_out(self.ffn(self.ffn_in(x)))
+
     def forward(self, x, g, impl, compact=False, pos=None, cache=None):
         """compact: run attention and FFN on the active tokens (g > 0) only; exact, because a
         token with g = 0 adds nothing to its residual and is invisible as a key."""
         if compact and g is not None:
             return self.forward_compact(x, g, impl)
-        if g is None:
-            x = x + self.attn_out(self.attn(self.attn_in(x), None, impl, pos, cache))
-            return x + self.ffn_out(self.ffn(self.ffn_in(x)))
-        log_g = torch.log(g.squeeze(-1).float().clamp(min=self.gate_eps))  # (B, T) per key
-        x = x + g * self.attn_out(self.attn(self.attn_in(x), log_g, impl, pos, cache))
-        return x + g * self.ffn_out(self.ffn(self.ffn_in(x)))
+        x = self.attend(x, g, impl, pos, cache)
+        return x + (self.mlp(x) if g is None else g * self.mlp(x))
 
     def forward_compact(self, x, g, impl):
         """Gather each sequence's active tokens to the front, in order (B, Tc), run the block
@@ -247,6 +255,16 @@ def mirror(layer: int, n_layers: int) -> int:
     return layer if layer < n_layers // 2 else n_layers - 1 - layer
 
 
+class Output(NamedTuple):
+    logits: torch.Tensor         # (B, T, V) fp32
+    gates: torch.Tensor          # (L, B, T): the factor on each block's MLP branch, 0 = skipped
+                                 # (skip_middle: g; dlo: r on tokens that run the MLP); None dense
+    resid: torch.Tensor          # (L,) mean L2 norm of the residual after each block (detached)
+    router_logits: torch.Tensor  # dlo: (L, B, T) h W of eq. 1, else None
+    similarity: torch.Tensor     # dlo: (L, B, T) cosine of the MLP's input and output residuals
+                                 # (eq. 4, detached), else None
+
+
 class GPT(nn.Module):
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -257,6 +275,9 @@ class GPT(nn.Module):
         # eq. (1): one linear d -> 1 per block of the first half; the second half reuses them
         n_gates = hp.n_layers // 2 if hp.gated else 0
         self.gates = nn.ModuleList(nn.Linear(hp.dim, 1, bias=True) for _ in range(n_gates))
+        # DLO eq. (1): one router d -> 1 (no bias) per block, zero-initialised so r = 1
+        n_routers = hp.n_layers if hp.router == "dlo" else 0
+        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(n_routers))
         self.head_norm = RMSNorm(hp.dim, hp.norm_eps)
         self.head = nn.Linear(hp.dim, hp.vocab_size, bias=False)
         for m in self.modules():
@@ -265,39 +286,70 @@ class GPT(nn.Module):
         for gate in self.gates:  # all zero: every g is exactly 1, the dense Transformer
             nn.init.zeros_(gate.weight)
             nn.init.zeros_(gate.bias)
+        for router in self.routers:  # all zero: every r is exactly beta/2 = 1 (DLO Section 3.2)
+            nn.init.zeros_(router.weight)
 
-    def forward(self, idx, pos=None, cache=None):
-        """idx: (B, T) token ids -> logits (B, T, V) fp32, gates (L, B, T) or None,
-        resid_norms (L,) mean L2 norm of the residual stream after each block (detached).
-        With a KVCache, idx is one token (1, 1) at position pos (1, 1); a block whose gate is
-        0 for it is skipped outright and keeps no K/V for it."""
-        L = self.hp.n_layers
-        impl = self.hp.attn_impl
+    def forward(self, idx, pos=None, cache=None, skip_rates=None) -> Output:
+        """idx: (B, T) token ids. With a KVCache, idx is one token (1, 1) at position pos
+        (1, 1); a block whose gate is 0 for it is skipped outright and keeps no K/V for it.
+        skip_rates: DLO training, per-layer fraction of each sequence that skips the MLP
+        (top-k by r); None applies the inference rule r >= beta/2."""
+        hp, L = self.hp, self.hp.n_layers
+        impl = hp.attn_impl
         if impl == "auto":  # Flex needs CUDA for its backward; SDPA is the exact CPU path
             impl = "flex" if idx.is_cuda else "sdpa"
         x = self.embed_norm(self.embed(idx))
-        gates, S, resid = [], 0.0, []
+        gates, S, resid, router_logits, similarity = [], 0.0, [], [], []
         for layer, block in enumerate(self.blocks):
-            g = None
-            if self.hp.gated:
-                if layer < L // 2:
-                    # eq. (1): s = ReLU(w.h + b), written as clamp so d/dz at z=0 is 1 (see top)
-                    S = S + self.gates[layer](x).float().clamp(min=0.0)  # (B, T, 1) running sum
-                    gates.append(1.0 - S.clamp(0.0, 1.0))  # eq. (2)
-                else:
-                    gates.append(gates[mirror(layer, L)])
-                g = gates[-1].type_as(x)
-            if cache is not None:
-                if g is not None and not bool(g.any()):
-                    resid.append(x.detach().float().norm(dim=-1).mean())
-                    continue
-                x = block(x, g, impl, pos=pos, cache=(cache, layer))
+            kv = None if cache is None else (cache, layer)
+            if hp.router == "dlo":
+                x = self.dlo_block(layer, block, x, impl, pos, kv, skip_rates,
+                                   gates, router_logits, similarity)
             else:
-                x = block(x, g, impl, self.hp.compact)
+                g = None
+                if hp.router == "skip_middle":
+                    if layer < L // 2:
+                        # eq. (1): s = ReLU(w.h + b) as clamp, so d/dz at z = 0 is 1 (see top)
+                        S = S + self.gates[layer](x).float().clamp(min=0.0)  # (B, T, 1) sum
+                        gates.append(1.0 - S.clamp(0.0, 1.0))  # eq. (2)
+                    else:
+                        gates.append(gates[mirror(layer, L)])
+                    g = gates[-1].type_as(x)
+                if cache is None:
+                    x = block(x, g, impl, hp.compact)
+                elif g is None or bool(g.any()):  # decoding a skipped token: nothing at all
+                    x = block(x, g, impl, pos=pos, cache=kv)
             resid.append(x.detach().float().norm(dim=-1).mean())
-        logits = self.head(self.head_norm(x)).float()
-        gates = torch.stack(gates).squeeze(-1) if gates else None  # (L, B, T)
-        return logits, gates, torch.stack(resid)
+        stack = lambda xs: torch.stack(xs).squeeze(-1) if xs else None  # noqa: E731 (L, B, T)
+        return Output(self.head(self.head_norm(x)).float(), stack(gates), torch.stack(resid),
+                      stack(router_logits), stack(similarity))
+
+    def dlo_block(self, layer, block, x, impl, pos, kv, skip_rates, gates, router_logits,
+                  similarity):
+        """DLO (Tan et al. 2024, Section 3.2): attention always runs; the MLP runs for the
+        tokens the router picks, its output scaled by r (eqs. 1-2)."""
+        hp = self.hp
+        z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
+        r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
+        a = block.attend(x, None, impl, pos, kv)
+        if skip_rates is None:  # inference rule: run the MLP iff r >= beta / 2
+            run = r >= hp.dlo_beta / 2
+        else:  # training: the top floor((1 - rho_i) S) tokens of each sequence by r
+            k = math.floor((1 - skip_rates[layer]) * x.size(1))
+            top = r.squeeze(-1).topk(k, dim=1).indices  # (B, k)
+            run = torch.zeros_like(r.squeeze(-1), dtype=torch.bool).scatter(1, top, True)[..., None]
+        factor = r * run  # (B, T, 1): r where the MLP runs, 0 where it is skipped
+        if hp.compact and skip_rates is None:  # MLP on the running tokens only, no labels
+            flat_a = a.reshape(-1, a.size(-1))
+            rows = run.reshape(-1).nonzero().squeeze(1)
+            f = torch.zeros_like(flat_a).index_copy(0, rows, block.mlp(flat_a[rows])).view_as(a)
+        else:
+            f = block.mlp(a)
+            similarity.append(F.cosine_similarity(a.detach().float(),
+                                                  (a + f).detach().float(), dim=-1)[..., None])
+        gates.append(factor)
+        router_logits.append(z)
+        return a + factor.type_as(f) * f
 
 
 class KVCache:
@@ -344,8 +396,9 @@ def generate(model: GPT, prompt: list, max_new_tokens: int, temperature: float =
 
 
 # -----------------------------------------------------------------------------
-# Sparsity controller (Section 2.4, eqs. 4-6, Table 1)
+# Routing control: the sparsity controller (Section 2.4, eqs. 4-6, Table 1) and DLO's state
 
+ROUTERS = ("none", "skip_middle", "dlo")
 CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "sparsity_variance",
                "sparsity_variance_l2", "none")
 
@@ -403,6 +456,56 @@ class GateController:
     def load_state_dict(self, state):
         self.alpha.copy_(state["alpha"])
         self.beta.copy_(state["beta"])
+
+
+class DLOState:
+    """DLO's training-time routing state (Tan et al. 2024, Section 3.3): the annealed overall
+    skip rate (eq. 9), similarity-induced labels (eq. 5), the skip loss (eq. 6), layer-wise
+    skip rates (eq. 8) and layer-wise learning-rate scales (eq. 10)."""
+
+    def __init__(self, hp: "Hyperparameters"):
+        self.rho, self.anneal = hp.dlo_rho, hp.dlo_anneal_steps
+        # rho_{i,1}: the annealed rate of step 1 in every layer (the paper starts at rho; with
+        # annealing from 0 that would skip the most in exactly the step meant to skip least)
+        self.rates = torch.full((hp.n_layers,), self.overall(0), dtype=torch.float64)
+
+    def overall(self, step: int) -> float:
+        """eq. (9) with rho_bar = 0, at training step t = step + 1."""
+        t = step + 1
+        return self.rho if self.anneal == 0 or t > self.anneal else self.rho * t / self.anneal
+
+    @staticmethod
+    def labels(similarity, rho_t: float):
+        """eq. (5): in each sequence, the floor((1 - rho_t) R' S) (layer, token) positions with
+        the least similar MLP input and output are labelled 1 (run). (L, B, T) -> (L, B, T)."""
+        L, B, T = similarity.shape
+        k = math.floor((1 - rho_t) * L * T)
+        flat = similarity.permute(1, 0, 2).reshape(B, L * T)
+        labels = torch.zeros_like(flat)
+        if k:
+            labels.scatter_(1, flat.topk(k, dim=1, largest=False).indices, 1.0)
+        return labels.view(B, L, T).permute(1, 0, 2)
+
+    @staticmethod
+    def loss(router_logits, labels):
+        """eq. (6): BCE of sigmoid(h W) against the labels, mean over layers and tokens."""
+        return F.binary_cross_entropy_with_logits(router_logits, labels)
+
+    def update(self, label_sums, count):
+        """eq. (8) as a skip rate: the share of each layer's tokens labelled 0 (skip). The
+        paper writes the share labelled 1, which contradicts its own use as rho_i in top-k and
+        eq. (10); label_sums: (L,) over the global batch."""
+        self.rates = 1 - label_sums.double().cpu() / count
+
+    def lr_scales(self, step: int) -> list:
+        """eq. (10): zeta_i / zeta_bar = (1 - rho_i,t) / (1 - rho^t)."""
+        return ((1 - self.rates) / (1 - self.overall(step))).tolist()
+
+    def state_dict(self):
+        return {"rates": self.rates.clone()}
+
+    def load_state_dict(self, state):
+        self.rates = state["rates"].clone()
 
 
 # -----------------------------------------------------------------------------
@@ -512,21 +615,27 @@ class DistributedLoader:
 # -----------------------------------------------------------------------------
 # FLOPs: forward pass of one max_seq_len sequence, 2 per multiply-add
 
-def forward_flops(hp: "Hyperparameters", active=None) -> float:
-    """active: per-layer fraction of tokens whose gate is non-zero (None: all). Skipped tokens
-    cost nothing in that block (the paper's Figure 2 assumption): projections and FFN scale
-    with the active fraction a, attention with the active query-key pairs, a^2 T(T+1)/2."""
+def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None) -> float:
+    """active: per-layer fraction of tokens whose gate is non-zero (None: all); mlp_active:
+    per-layer fraction that runs the MLP (None: the same as active; DLO skips only MLPs).
+    Skipped tokens cost nothing in that block (the paper's Figure 2 assumption): projections
+    and FFN scale with the active fraction a, attention with the active query-key pairs,
+    a^2 T(T+1)/2."""
     T, d, hd = hp.max_seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
-    per_token = 2 * (2 * d * d + 2 * d * kv + 3 * d * hp.ffn_mult * d)  # q,o + k,v + SwiGLU
+    proj = 2 * (2 * d * d + 2 * d * kv)  # q, o and k, v per token
+    ffn = 2 * 3 * d * hp.ffn_mult * d  # SwiGLU per token
     pairs = T * (T + 1) / 2  # causal query-key pairs
     attn = 2 * 2 * hp.n_heads * hd * pairs  # scores q.k and the weighted sum of v
     total = 2 * T * d * hp.vocab_size  # head
     for layer in range(hp.n_layers):
         a = 1.0 if active is None else float(active[layer])
-        total += a * T * per_token + a * a * attn
+        m = a if mlp_active is None else float(mlp_active[layer])
+        total += a * T * proj + a * a * attn + m * T * ffn
     if hp.gated:
         total += (hp.n_layers // 2) * T * 2 * (d + 1)  # gate linears, all tokens
+    if hp.router == "dlo":
+        total += hp.n_layers * T * 2 * d  # routers, all tokens
     return total
 
 
@@ -552,7 +661,7 @@ class Hyperparameters:
     sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
     attn_impl: str = "auto"      # auto (flex on CUDA, sdpa on CPU) | flex | sdpa
     # gates and sparsity control (Section 2.4)
-    gated: bool = True           # False: the dense baseline, no gate parameters at all
+    router: str = "skip_middle"  # depth router: none (dense) | skip_middle (the paper) | dlo
     compact: bool = False        # run gated blocks on their active tokens only (exact)
     gate_eps: float = 1e-6       # floor on g inside ln g (Section 2.2)
     controller: str = "proportional_tol"  # one of CONTROLLERS (Table 1)
@@ -561,6 +670,17 @@ class Hyperparameters:
     gamma: float = 1e-3          # coefficient update multiplier (eq. 6)
     delta: float = 1e-2          # tolerance on |deviation| (eq. 6)
     fixed_coef: float = 0.1      # alpha = beta for the fixed-coefficient controllers
+    # DLO router (Tan et al. 2024, Section 3)
+    dlo_rho: float = 0.25        # target share of MLP calls skipped, rho
+    dlo_anneal_steps: int = 500  # T': the skip rate rises linearly from 0 to rho (eq. 9)
+    dlo_beta: float = 2.0        # score r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)
+    dlo_gamma: float = 0.05
+    # depth expansion (DLO Section 3.1): start from a checkpoint with more layers per group
+    expand_from: str = ""        # RUN_DIR of the checkpoint to expand; a new run starts
+    expand_groups: int = 1       # P: its R layers form P groups of Q = R / P
+    expand_per_group: int = 1    # q: new layers appended to each group
+    expand_init: str = "identity"  # random | copy | identity | linear | slerp
+    expand_tau: int = 2          # layers merged by linear and slerp
     # optimisation (Table 2)
     lr: float = 1e-3             # AdamW peak learning rate, one for all parameters
     beta1: float = 0.8
@@ -587,6 +707,10 @@ class Hyperparameters:
     seed: int = 0
     run_dir: str = ""            # default: records/<timestamp>_<preset or run>/
     preset: str = ""             # smoke: small gated model on the embedded sample, CPU
+
+    @property
+    def gated(self) -> bool:  # the skip-middle gates of the paper
+        return self.router == "skip_middle"
 
 
 PRESETS = {
@@ -644,6 +768,10 @@ def resolve(overrides: dict, base: Hyperparameters = None) -> Hyperparameters:
 
 
 def validate(hp: Hyperparameters, world: int):
+    if hp.router not in ROUTERS:
+        raise UserError(f"router={hp.router!r}; choose from {', '.join(ROUTERS)}")
+    if not 0 <= hp.dlo_rho < 1:
+        raise UserError(f"dlo_rho={hp.dlo_rho} must lie in [0, 1)")
     if hp.gated and hp.n_layers % 2:
         raise UserError(f"n_layers={hp.n_layers}: a gated model needs an even number of layers")
     if hp.n_layers < 1 or hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
@@ -803,7 +931,7 @@ class RunLog:
 
 CHECKPOINT = "checkpoint.pt"
 # fields that change the parameters or the function: a resumed run may not change them
-MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_mult", "gated",
+MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_mult", "router",
                 "sandwich_norm")
 
 
@@ -847,6 +975,94 @@ def resume_settings(overrides: dict) -> tuple:
     return replace(hp, run_dir=run_dir), ckpt
 
 
+EXPAND_INITS = ("random", "copy", "identity", "linear", "slerp")
+
+
+def new_layer(layers: list, init: str, tau: int, gen: torch.Generator) -> dict:
+    """Weights of one added layer from its group's layers (state dicts, oldest first), by the
+    policies of DLO Section 3.1. identity keeps the function: wo = 0 and w2 = 0 make both
+    residual branches exactly 0 (an RMSNorm of zeros is zero)."""
+    last = layers[-1]
+    if init in ("copy", "identity"):
+        out = {k: v.clone() for k, v in last.items()}
+        if init == "identity":
+            out["attn.wo.weight"].zero_()
+            out["ffn.w2.weight"].zero_()
+        return out
+    if init == "random":  # Xavier uniform for matrices, 1 for norm weights
+        out = {}
+        for k, v in last.items():
+            if v.dim() < 2:
+                out[k] = torch.ones_like(v)
+            else:
+                bound = math.sqrt(6 / (v.size(0) + v.size(1)))
+                out[k] = (torch.rand(v.shape, generator=gen) * 2 - 1).to(v) * bound
+        return out
+    if init == "linear":  # equal weights alpha_k = 1 / tau on the last tau layers
+        return {k: sum(layer[k] for layer in layers[-tau:]) / tau for k in last}
+    out = {}  # slerp halfway between the last layer and the tau-th from last, per tensor
+    for k, u in last.items():
+        v = layers[-tau][k]
+        cos = (u.flatten() @ v.flatten() / (u.norm() * v.norm()).clamp(min=1e-12)).clamp(-1, 1)
+        omega = torch.arccos(cos)
+        if omega.abs() < 1e-6:  # parallel: slerp is the linear mean
+            out[k] = (u + v) / 2
+        else:
+            out[k] = (torch.sin(omega / 2) * u + torch.sin(omega / 2) * v) / torch.sin(omega)
+    return out
+
+
+def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int = 0):
+    """A model state with R layers in P groups of Q -> P groups of Q + q: each group's new
+    layers come after its originals. DLO routers move with their layers; new ones are left
+    out (their zero initialisation is the model's own)."""
+    Q, gen = R // P, torch.Generator().manual_seed(seed)
+    out = {k: v for k, v in state.items() if not k.startswith(("blocks.", "routers."))}
+
+    def layer_state(prefix, i):
+        return {k[len(f"{prefix}.{i}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{i}.")}
+
+    j = 0
+    for p in range(P):
+        group = [layer_state("blocks", p * Q + i) for i in range(Q)]
+        for i, layer in enumerate(group):
+            out.update({f"blocks.{j}.{k}": v for k, v in layer.items()})
+            out.update({f"routers.{j}.{k}": v for k, v in layer_state("routers", p * Q + i).items()})
+            j += 1
+        for _ in range(q):
+            out.update({f"blocks.{j}.{k}": v for k, v in new_layer(group, init, tau, gen).items()})
+            j += 1
+    return out
+
+
+def expand_settings(overrides: dict) -> tuple:
+    """-> (hp, expanded weights) for a new run from --expand_from's checkpoint. The model's
+    shape comes from the checkpoint; n_layers is derived: P * (R / P + q)."""
+    src = load_checkpoint(overrides["expand_from"])
+    base = Hyperparameters(**src["hp"])
+    if base.router == "skip_middle":
+        raise UserError("expand a dense or DLO checkpoint: skip_middle gates are tied to the "
+                        "layer count")
+    fixed = [k for k in MODEL_FIELDS if k not in ("router", "n_layers")]
+    changed = [f"{k} {getattr(base, k)} -> {overrides[k]}" for k in fixed
+               if k in overrides and overrides[k] != getattr(base, k)]
+    if changed:
+        raise UserError("an expanded model keeps the checkpoint's shape: " + ", ".join(changed))
+    hp = resolve(overrides, replace(base, run_dir="", resume="", stop_step=0))
+    R, P, q = base.n_layers, hp.expand_groups, hp.expand_per_group
+    if P < 1 or R % P or q < 0:
+        raise UserError(f"cannot make {P} groups of {R} layers with {q} new per group")
+    if hp.expand_init not in EXPAND_INITS:
+        raise UserError(f"expand_init={hp.expand_init!r}; choose from {', '.join(EXPAND_INITS)}")
+    if hp.expand_init in ("linear", "slerp") and not 1 <= hp.expand_tau <= R // P:
+        raise UserError(f"expand_tau={hp.expand_tau} must lie in [1, {R // P}] (layers per group)")
+    n_layers = P * (R // P + q)
+    if "n_layers" in overrides and overrides["n_layers"] != n_layers:
+        raise UserError(f"n_layers is derived when expanding: {n_layers}, not {overrides['n_layers']}")
+    hp = replace(hp, n_layers=n_layers, **{k: getattr(base, k) for k in fixed if k != "n_layers"})
+    return hp, expand_state(src["model"], R, P, q, hp.expand_init, hp.expand_tau, hp.seed)
+
+
 class StopSignal:
     """SIGTERM / SIGINT (what schedulers and Ctrl-C send) ask for a checkpoint at the next step
     boundary; a second signal stops at once."""
@@ -886,7 +1102,7 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
         x, y = loader.next_batch()
         x, y = x.to(d.device), y.to(d.device)
         with autocast:
-            logits, gates, resid = model(x)
+            logits, gates, resid, _, _ = model(x)
         n = y.numel()
         acc[0] += F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
         acc[1] += n
@@ -900,15 +1116,28 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     model.train()
     tokens = acc[1]
     zero = (acc[2 + L:2 + 2 * L] / tokens).tolist()
+    mlp_active = [1 - z for z in zero]  # skip_middle skips whole blocks, DLO only MLPs
+    flops = forward_flops(hp, None, mlp_active) if hp.router == "dlo" else \
+        forward_flops(hp, mlp_active)
     return dict(val_loss=(acc[0] / tokens).item(), sparsity=sum(zero) / L,
                 gate_mean=(acc[2:2 + L] / tokens).tolist(), gate_zero=zero,
-                resid_norm=(acc[2 + 2 * L:] / tokens).tolist(),
-                flops=forward_flops(hp, [1 - z for z in zero]),
-                flops_dense=forward_flops(replace(hp, gated=False)))
+                mlp_active=mlp_active, resid_norm=(acc[2 + 2 * L:] / tokens).tolist(),
+                flops=flops, flops_dense=forward_flops(replace(hp, router="none")))
 
 
-def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
-    """Train (or, given a checkpoint, go on training) and return the run directory."""
+def param_groups(raw: GPT) -> list:
+    """AdamW groups: everything outside the blocks, then one group per block with its DLO
+    router, so that eq. (10) can give each layer its own learning rate."""
+    groups = [list(block.parameters()) + (list(raw.routers[i].parameters()) if raw.routers else [])
+              for i, block in enumerate(raw.blocks)]
+    inside = {id(p) for group in groups for p in group}
+    rest = [p for p in raw.parameters() if id(p) not in inside]
+    return [{"params": params} for params in [rest] + groups]
+
+
+def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = None) -> str:
+    """Train (or, given a checkpoint, go on training) and return the run directory.
+    init_state: starting weights (an expanded model), missing only zero-initialised routers."""
     validate(hp, d.world)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
@@ -927,14 +1156,20 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
         dist.barrier()  # every rank has checked before rank 0 creates anything
 
     raw = GPT(hp).to(d.device)
+    if init_state is not None:
+        missing, unexpected = raw.load_state_dict(init_state, strict=False)
+        assert not unexpected and all(k.startswith("routers.") for k in missing), (missing, unexpected)
     ctrl = GateController(hp, d.device)
-    opt = torch.optim.AdamW(raw.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2),
+    dlo = DLOState(hp) if hp.router == "dlo" else None
+    opt = torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
                             eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=cuda)
     start, train_ms, bad_steps = 0, 0.0, 0
     if ckpt is not None:  # the lr schedule is a function of the step: the step is its state
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         ctrl.load_state_dict(ckpt["controller"])
+        if dlo:
+            dlo.load_state_dict(ckpt["dlo"])
         train_loader.restore(**ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["cpu"])
         if cuda and ckpt["rng"]["cuda"]:
@@ -950,7 +1185,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
               f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
-    flops_dense = forward_flops(replace(hp, gated=False))
+    flops_dense = forward_flops(replace(hp, router="none"))
     launcher = f"torchrun --nproc_per_node={d.world} train_gpt.py" if d.world > 1 else \
         "python train_gpt.py"
     last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none yet"
@@ -964,7 +1199,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
             save_checkpoint(run_dir, {
                 "step": step, "train_ms": train_ms, "bad_steps": bad_steps, "hp": asdict(hp),
                 "world_size": d.world, "model": raw.state_dict(), "optimizer": opt.state_dict(),
-                "controller": ctrl.state_dict(),
+                "controller": ctrl.state_dict(), "dlo": dlo.state_dict() if dlo else {},
                 "loader": train_loader.state(),  # global position: each rank derives its offset
                 "rng": {"cpu": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if cuda else []}})
@@ -983,7 +1218,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
                 if due and not signalled and not (ckpt and step == start):
                     sync()
                     v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
-                    log_validation(log, hp, ctrl, v, step, steps, train_ms)
+                    log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms)
                 if step > start and (ending or (hp.save_every and step % hp.save_every == 0)):
                     last_ckpt = checkpoint(step)
                 if ending:
@@ -991,8 +1226,10 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
 
                 sync()
                 t0 = time.perf_counter()
-                lm_loss, total, stats = train_step(model, hp, ctrl, opt, train_loader, d,
-                                                   autocast, accum, lr_at(hp, step, steps))
+                scales = dlo.lr_scales(step) if dlo else [1.0] * hp.n_layers
+                lrs = [lr_at(hp, step, steps) * f for f in [1.0] + scales]  # per group
+                lm_loss, total, stats = train_step(model, hp, ctrl, dlo, opt, train_loader, d,
+                                                   autocast, accum, lrs, step)
                 step += 1
                 if not math.isfinite(total):
                     bad_steps += 1
@@ -1005,6 +1242,8 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
                 if hp.gated:
                     mean = stats[0] / stats[2]
                     ctrl.update(mean, stats[1] / stats[2] - mean * mean)
+                if dlo:
+                    dlo.update(stats[0], stats[2][0].item())
                 sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
                 train_ms += step_ms
@@ -1032,15 +1271,16 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> str:
     return run_dir
 
 
-def train_step(model, hp, ctrl, opt, loader, d, autocast, accum, lr):
-    """One optimiser step over the global batch. -> (mean LM loss, mean total loss, gate
-    sums (3, L): sum g, sum g^2, count), all summed over ranks. The update is applied only
-    when the loss is finite."""
-    for group in opt.param_groups:
+def train_step(model, hp, ctrl, dlo, opt, loader, d, autocast, accum, lrs, step):
+    """One optimiser step over the global batch. -> (mean LM loss, mean total loss, routing
+    sums (3, L), all summed over ranks: skip_middle: sum g, sum g^2, count; dlo: tokens
+    labelled to run, -, count). The update is applied only when the loss is finite."""
+    for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
     x_all, y_all = loader.next_batch()  # (accum * B, T) for this rank
     stats = torch.zeros(3, hp.n_layers, dtype=torch.float64, device=d.device)
     losses = torch.zeros(2, device=d.device)  # LM loss, LM + regulariser
+    skip_rates = dlo.rates.tolist() if dlo else None
     for micro in range(accum):
         sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
         x, y = x_all[sl].to(d.device), y_all[sl].to(d.device)
@@ -1048,16 +1288,24 @@ def train_step(model, hp, ctrl, opt, loader, d, autocast, accum, lr):
         no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
         with no_sync:
             with autocast:
-                logits, gates, _ = model(x)
-                loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-                reg = ctrl.loss(gates) if gates is not None else torch.zeros_like(loss)
+                out = model(x, skip_rates=skip_rates)
+                loss = F.cross_entropy(out.logits.view(-1, out.logits.size(-1)), y.view(-1))
+                reg = torch.zeros_like(loss)
+                if hp.gated:
+                    reg = ctrl.loss(out.gates)
+                elif dlo:  # eqs. (5)-(7): similarity labels and the skip loss
+                    labels = DLOState.labels(out.similarity, dlo.overall(step))
+                    reg = DLOState.loss(out.router_logits, labels)
             ((loss + reg) / accum).backward()
         losses += torch.stack([loss.detach(), (loss + reg).detach()]) / accum
-        if gates is not None:
-            g = gates.detach().double()
+        if hp.gated:
+            g = out.gates.detach().double()
             stats[0] += g.sum(dim=(1, 2))
             stats[1] += (g * g).sum(dim=(1, 2))
             stats[2] += g[0].numel()
+        elif dlo:
+            stats[0] += labels.sum(dim=(1, 2)).double()
+            stats[2] += labels[0].numel()
     lm_loss, total = (all_reduce(losses) / d.world).tolist()
     if math.isfinite(total):
         opt.step()
@@ -1065,13 +1313,16 @@ def train_step(model, hp, ctrl, opt, loader, d, autocast, accum, lr):
     return lm_loss, total, all_reduce(stats)
 
 
-def log_validation(log, hp, ctrl, v, step, steps, train_ms):
+def log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms):
     log.print(f"step:{step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
               f"flops:{v['flops']:.4g} flops_dense:{v['flops_dense']:.4g} "
               f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
     if hp.gated:
         log.print(f"  gate_mean:{fmt_list(v['gate_mean'])} gate_zero:{fmt_list(v['gate_zero'])}")
         log.print(f"  alpha:{fmt_list(ctrl.alpha.tolist())} beta:{fmt_list(ctrl.beta.tolist())}")
+    if dlo:
+        log.print(f"  mlp_active:{fmt_list(v['mlp_active'])} "
+                  f"train_skip_rates:{fmt_list(dlo.rates.tolist())} rho_t:{dlo.overall(step):.3f}")
     log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
     log.record({"kind": "val", "step": step, **v})
 
@@ -1082,14 +1333,16 @@ def log_validation(log, hp, ctrl, v, step, steps, train_ms):
 def main(argv=None):
     try:
         overrides = parse_overrides(sys.argv[1:] if argv is None else argv)
-        ckpt = None
+        ckpt = init_state = None
         if overrides.get("resume"):
             hp, ckpt = resume_settings(overrides)
+        elif overrides.get("expand_from"):
+            hp, init_state = expand_settings(overrides)
         else:
             hp = resolve(overrides)
         d = setup_distributed()
         try:
-            train(hp, d, ckpt)
+            train(hp, d, ckpt, init_state)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
