@@ -356,18 +356,18 @@ def read_metrics(run_dir):
 
 def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path):
     run_dir = tmp_path / "run"
-    r = run_script(TINY_RUN + ["--train_tokens=30720", "--val_every=15", f"--run_dir={run_dir}"])
+    r = run_script(TINY_RUN + ["--train_tokens=20480", "--val_every=10", f"--run_dir={run_dir}"])
     assert r.returncode == 0, r.stderr[-2000:]
     for name in ("train.log", "config.json", "metrics.jsonl"):
         assert (run_dir / name).exists()
     log = (run_dir / "train.log").read_text()
-    assert "class GPT(nn.Module)" in log and "torch " in log and "step:60/60 val_loss:" in log
+    assert "class GPT(nn.Module)" in log and "torch " in log and "step:40/40 val_loss:" in log
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["n_layers"] == 2 and config["num_steps"] == 60 and config["grad_accum"] == 2
+    assert config["n_layers"] == 2 and config["num_steps"] == 40 and config["grad_accum"] == 2
     metrics = read_metrics(run_dir)
     val = [m for m in metrics if m["kind"] == "val"]
     train = [m for m in metrics if m["kind"] == "train"]
-    assert len(train) == 60 and [m["step"] for m in val] == [0, 15, 30, 45, 60]
+    assert len(train) == 40 and [m["step"] for m in val] == [0, 10, 20, 30, 40]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 2.0
     for key in ("sparsity", "gate_mean", "gate_zero", "resid_norm", "flops", "flops_dense"):
         assert key in val[-1]
@@ -599,8 +599,8 @@ def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path):
 
 
 def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path):
-    # a model big enough (~50M parameters, ~600 MB with Adam) that a save takes a while
-    args = ["--preset=smoke", "--n_layers=2", "--dim=512", "--n_heads=4", "--n_kv_heads=4",
+    # a model big enough (~40M parameters, ~450 MB with Adam) that a save takes a while
+    args = ["--preset=smoke", "--n_layers=2", "--dim=384", "--n_heads=4", "--n_kv_heads=4",
             "--seq_len=16", "--batch_size=2", "--device_batch_size=2", "--train_tokens=160",
             "--val_tokens=32", "--val_every=0", "--save_every=1", f"--run_dir={tmp_path}"]
     proc = start_run(args)
