@@ -36,6 +36,21 @@ Deviations from the paper, and choices where it is ambiguous:
   - FLOPs are counted for a causal kernel: T(T+1)/2 query-key pairs, not T^2.
   - With compact=True (skipped tokens really skipped) a key with g = 0 gets weight exactly 0
     rather than the paper's 1e-6 floor, and so does the KV-cached decoder.
+
+Deviations from DLO (Tan et al. 2024), the second router (`router=dlo`), and choices:
+  - We pre-train from scratch or continue our own checkpoints on FineWeb; the paper
+    fine-tunes Llama 2 on instruction data. Expansion starts a new run (fresh AdamW state,
+    step 0) from the expanded weights: our analogue of its fine-tuning stage.
+  - The router reads the block's input h_i; r scales only the MLP branch of the residual.
+  - Eq. (8) is used as a skip rate, the share of a layer's tokens labelled 0: the paper's
+    formula counts the labels 1, which contradicts its use as rho_i in the top-k and eq. (10).
+    rho_{i,1} is the annealed rate of step 1, not rho (see DLOState).
+  - Labels (eq. 5) rank the L x S similarities within each sequence; the skip loss (eq. 6)
+    and the layer rates (eq. 8) average over the whole global batch (all ranks).
+  - In training the MLP runs for every token (the labels need every token's similarity) and
+    skipped tokens' outputs are dropped; only evaluation and decoding skip the work.
+  - Linear merge uses equal weights 1/tau; SLERP interpolates halfway (alpha = 1/2), per
+    tensor, between the last layer of the group and the tau-th from last.
 """
 
 import contextlib
