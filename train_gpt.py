@@ -274,7 +274,7 @@ class Output(NamedTuple):
     logits: torch.Tensor         # (B, T, V) fp32
     gates: torch.Tensor          # (L, B, T): the factor on each block's MLP branch, 0 = skipped
                                  # (skip_middle: g; dlo: r on tokens that run the MLP); None dense
-    resid: torch.Tensor          # (L,) mean L2 norm of the residual after each block (detached)
+    resid: torch.Tensor          # (L,) mean L2 norm of the residual after each block (eval only)
     router_logits: torch.Tensor  # dlo: (L, B, T) h W of eq. 1, else None
     similarity: torch.Tensor     # dlo: (L, B, T) cosine of the MLP's input and output residuals
                                  # (eq. 4, detached), else None
@@ -334,10 +334,12 @@ class GPT(nn.Module):
                     x = block(x, g, impl, hp.compact)
                 elif g is None or bool(g.any()):  # decoding a skipped token: nothing at all
                     x = block(x, g, impl, pos=pos, cache=kv)
-            resid.append(x.detach().float().norm(dim=-1).mean())
+            if not self.training:  # a statistic for validation, kept off the training path
+                resid.append(x.detach().float().norm(dim=-1).mean())
         stack = lambda xs: torch.stack(xs).squeeze(-1) if xs else None  # noqa: E731 (L, B, T)
-        return Output(self.head(self.head_norm(x)).float(), stack(gates), torch.stack(resid),
-                      stack(router_logits), stack(similarity))
+        return Output(self.head(self.head_norm(x)).float(), stack(gates),
+                      torch.stack(resid) if resid else None, stack(router_logits),
+                      stack(similarity))
 
     def dlo_block(self, layer, block, x, impl, pos, kv, skip_rates, gates, router_logits,
                   similarity):
