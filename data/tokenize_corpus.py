@@ -31,7 +31,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from train_gpt import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UserError,  # noqa: E402
-                       gpt2_encoding, load_shard)
+                       gpt2_encoding, load_shard, write_atomically)
 
 EOT = 50256
 GPT2_VOCAB = 50257
@@ -46,13 +46,7 @@ def write_shard(path: str, tokens) -> None:
         tokens = tokens.astype(np.uint16)
     header = np.zeros(HEADER_INTS, dtype=np.int32)
     header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, header.tobytes() + tokens.tobytes())
 
 
 # ---------------------------------------------------------------------------- reading documents
