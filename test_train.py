@@ -6,7 +6,10 @@ run against a two-process one.
 """
 
 import json
+import hashlib
+import re
 import math
+import shutil
 import os
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 import train_gpt as tg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sha256 = lambda data: hashlib.sha256(data).hexdigest()  # noqa: E731
 # the GPT-2 BPE offline, as .ci/run sets it; online, tiktoken downloads it instead
 _BPE_CACHE = os.path.join(HERE, "..", "shared", "tiktoken")
 if os.path.isdir(_BPE_CACHE):
@@ -64,7 +68,7 @@ def random_qkv_logg(B=2, H=4, Hkv=2, T=24, hd=8, seed=0):
 def test_zero_gate_parameters_give_the_dense_model():
     torch.manual_seed(0)
     dense = tg.GPT(tiny(router="none"))
-    gated = tg.GPT(tiny(router="skip_middle"))
+    gated = tg.GPT(tiny(router="skip_middle", gate_init="zero"))
     missing, unexpected = gated.load_state_dict(dense.state_dict(), strict=False)
     assert unexpected == [] and all(k.startswith("gates.") for k in missing) and missing
     assert all((p == 0).all() for p in gated.gates.parameters())
@@ -73,6 +77,22 @@ def test_zero_gate_parameters_give_the_dense_model():
     lg, gg = gated(idx)[:2]
     assert gd is None and torch.equal(gg, torch.ones_like(gg))
     assert (ld - lg).abs().max().item() <= 1e-6
+
+
+def test_paper_gate_init_closes_most_middle_gates_at_step_0():
+    # Section 3.1: every weight N(0, 0.02), the gate linears included; at the paper's width
+    # w.h has a spread of about 0.02 * sqrt(768) = 0.55, so S often passes 1 by the middle
+    torch.manual_seed(0)
+    hp = replace(tg.Hyperparameters(), vocab_size=1024, compile=False, attn_impl="sdpa")
+    assert (hp.dim, hp.n_layers, hp.gate_init) == (768, 12, "normal")
+    model = tg.GPT(hp).eval()
+    assert all(g.weight.std().item() == pytest.approx(0.02, rel=0.1) for g in model.gates)
+    assert all((g.bias == 0).all() for g in model.gates)
+    with torch.no_grad():
+        gates = model(torch.randint(0, 1024, (4, 128)))[1]  # (L, B, T)
+    middle = gates[hp.n_layers // 2 - 1]
+    assert (middle == 0).float().mean() > 0.5 and middle.mean() < 0.6  # far from all-ones
+    assert (gates[0] > 0).float().mean() > 0.5  # the first block still runs for most tokens
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
@@ -91,6 +111,41 @@ def test_sdpa_and_flex_paths_agree():
     a = tg.gated_attention(q, k, v, log_g, "sdpa")
     b = tg.gated_attention(q, k, v, log_g, "flex")
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+def test_query_axis_gate_is_cancelled_by_softmax(impl):
+    # the authors' released indexing: ln g_i on every logit of query row i, a constant per row
+    q, k, v, log_g = random_qkv_logg(seed=4)
+    ungated = reference_attention(q, k, v, None)
+    on_query = tg.gated_attention(q, k, v, log_g, impl, axis="query")
+    on_key = tg.gated_attention(q, k, v, log_g, impl, axis="key")
+    assert (on_query - ungated).abs().max().item() < 1e-5
+    assert (on_key - ungated).abs().max().item() > 1e-2
+
+
+def test_query_axis_block_attends_as_an_ungated_block():
+    hp = tiny(gate_axis="query")
+    torch.manual_seed(0)
+    block = tg.Block(hp)
+    x = block.attn_in(torch.randn(4, 12, hp.dim))
+    log_g = torch.log(mixed_gates(4, 12).squeeze(-1).clamp(min=1e-6))
+    ungated = block.attn(x, None, "sdpa")
+    assert (block.attn(x, log_g, "sdpa") - ungated).abs().max().item() < 1e-5
+    block.attn.gate_axis = "key"
+    assert (block.attn(x, log_g, "sdpa") - ungated).abs().max().item() > 1e-3
+
+
+def test_gate_settings_that_make_no_sense_are_refused():
+    ok = dict(batch_size=32, device_batch_size=32, train_tokens=32 * 16, val_tokens=32 * 16)
+    for kw, message in [(dict(gate_axis="query", compact=True), "compact=true needs gate_axis=key"),
+                        (dict(gate_axis="value"), "gate_axis='value'"),
+                        (dict(gate_init="uniform"), "gate_init='uniform'"),
+                        (dict(router="none", gate_init="zero"), "router=none has none"),
+                        (dict(router="dlo", gate_axis="query"), "router=dlo has none")]:
+        with pytest.raises(tg.UserError, match=re.escape(message)):
+            tg.validate(tiny(**ok, **kw), 1)
+    tg.validate(tiny(**ok, gate_axis="query", gate_init="zero"), 1)
 
 
 def test_sdpa_gradients_match_reference():
@@ -156,8 +211,9 @@ def test_gate_parameters_receive_gradient_inside_the_open_interval():
 def test_zero_initialised_gates_are_not_stuck():
     # deviation in the docstring: relu'(0) = 0 would leave zero-initialised gates at 1 forever
     torch.manual_seed(0)
-    model = tg.GPT(tiny())
+    model = tg.GPT(tiny(gate_init="zero"))
     _, gates = model(torch.randint(0, 97, (2, 16)))[:2]
+    assert torch.equal(gates, torch.ones_like(gates))
     gates.mean().backward()  # what the controller's alpha * mean term differentiates
     assert all(gate.bias.grad.item() != 0 for gate in model.gates)
 
@@ -299,20 +355,43 @@ def math_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
     return torch.softmax(s, -1) @ v
 
 
-def test_dense_flops_match_flop_counter(monkeypatch):
+def counted_flops(model, B, T, backward=False):
+    """FLOPs FlopCounterMode sees for a forward (and backward) pass of a (B, T) batch, with
+    the attention charged for the T(T+1)/2 pairs of a causal kernel instead of all T^2."""
     from torch.utils.flop_counter import FlopCounterMode
-    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256)
-    model = tg.GPT(hp)
-    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(torch.randint(0, 1000, (1, 256)))
+    idx = torch.randint(0, model.hp.vocab_size, (B, T))
+    with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(backward):
+        logits = model(idx).logits
+        if backward:
+            logits.sum().backward()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
-    T = hp.max_seq_len
     attention = sum(n for op, n in counts.items() if "bmm" in op)
-    # the counter charges all T^2 query-key pairs; a causal kernel computes T(T+1)/2 of them
-    reference = counter.get_total_flops() - attention + attention * (T + 1) / (2 * T)
-    assert attention > 0.05 * reference  # the attention term matters in this configuration
+    assert attention > 0.03 * counter.get_total_flops()  # the attention term matters here
+    return counter.get_total_flops() - attention + attention * (T + 1) / (2 * T)
+
+
+@pytest.mark.parametrize("seq_len", [64, 256])
+def test_dense_flops_per_token_match_flop_counter_at_the_trained_length(monkeypatch, seq_len):
+    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256,
+              seq_len=seq_len)
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    reference = counted_flops(tg.GPT(hp), 1, seq_len)
     assert tg.forward_flops(hp) == pytest.approx(reference, rel=0.02)
+    assert tg.flops_per_token(hp) == pytest.approx(reference / seq_len, rel=0.02)
+
+
+def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
+    # a global batch of 3 sequences of 64 tokens with a RoPE table of 256: the old count
+    # (a max_seq_len sequence per batch entry) would have overstated the MFU about 4x
+    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256,
+              seq_len=64, batch_size=3, peak_flops=1e12)
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    step_flops = counted_flops(tg.GPT(hp), 3, 64, backward=True)  # forward + backward
+    step_s = 0.25  # a made-up step time
+    assert tg.mfu(hp, step_s, 1) == pytest.approx(step_flops / step_s / 1e12, rel=0.02)
+    assert tg.mfu(hp, step_s, 2) == pytest.approx(tg.mfu(hp, step_s, 1) / 2)
+    sparse = tg.mfu(replace(hp, router="skip_middle"), step_s, 1, active=[0.5, 0.5])
+    assert sparse < 0.7 * tg.mfu(hp, step_s, 1)  # compact: only the work executed counts
 
 
 def test_sparse_flops_scale_with_active_fraction():
@@ -369,10 +448,22 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path):
     train = [m for m in metrics if m["kind"] == "train"]
     assert len(train) == 40 and [m["step"] for m in val] == [0, 10, 20, 30, 40]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 2.0
-    for key in ("sparsity", "gate_mean", "gate_zero", "resid_norm", "flops", "flops_dense"):
+    for key in ("sparsity", "gate_mean", "gate_zero", "resid_norm", "fwd_flops_per_token",
+                "fwd_flops_per_token_dense", "fwd_flops_per_seq", "train_time_ms"):
         assert key in val[-1]
-    assert len(val[-1]["gate_mean"]) == 2 and set(train[0]) == {"kind", "step", "train_loss",
-                                                                 "step_ms"}
+    assert val[-1]["train_flops_per_token"] == 3 * val[-1]["fwd_flops_per_token"]
+    assert val[-1]["fwd_flops_per_seq"] == 64 * val[-1]["fwd_flops_per_token"]
+    assert set(train[0]) == {"kind", "step", "tokens", "train_loss", "total_loss", "lr",
+                             "step_ms", "gate_mean", "gate_zero"}
+    assert [m["tokens"] for m in train] == [512 * m["step"] for m in train]  # 8 x 64 per step
+    assert train[0]["lr"] == pytest.approx(0.1 * 3e-3)  # the first step of the warm-up
+    assert all(len(m["gate_mean"]) == len(m["gate_zero"]) == 2 for m in train)
+    assert all(math.isfinite(m["total_loss"]) for m in train)
+    # provenance: command, commit, source hash, then the source itself
+    source = (Path(HERE) / "train_gpt.py").read_bytes()
+    assert log.startswith(source.decode())
+    assert "\ncommand: python train_gpt.py --preset=smoke --n_layers=2 " in log
+    assert "\ngit: " in log and f"\nsource: train_gpt.py sha256 {sha256(source)}\n" in log
 
 
 def test_two_processes_match_one(tmp_path):
@@ -382,7 +473,8 @@ def test_two_processes_match_one(tmp_path):
     two = run_script(args + [f"--run_dir={tmp_path / 'two'}"], nproc=2)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
-    m1, m2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    m1, m2 = ([m for m in read_metrics(tmp_path / run) if m["kind"] != "warmup"]
+              for run in ("one", "two"))
     assert json.loads((tmp_path / "two" / "config.json").read_text())["grad_accum"] == 2
     assert len(m1) == len(m2) == 4  # 3 train steps and the final validation
     for a, b in zip(m1, m2):
@@ -529,7 +621,11 @@ def test_training_refuses_a_malformed_shard_before_starting(tmp_path):
 RESUME_RUN = TINY_RUN + ["--dim=32", "--max_seq_len=32", "--seq_len=32", "--batch_size=8",
                          "--device_batch_size=4", "--train_tokens=2048", "--val_every=4",
                          "--val_tokens=256", "--save_every=0", "--gamma=0.05",
-                         "--mu_start=0.5"]  # 8 steps, an active controller
+                         "--mu_start=0.5", "--untimed_steps=1"]  # 8 steps, an active controller
+
+
+def timing(m):
+    return {k: v for k, v in m.items() if k not in ("step_ms", "train_time_ms")}
 
 
 def test_resume_is_bitwise_identical(tmp_path):
@@ -544,9 +640,19 @@ def test_resume_is_bitwise_identical(tmp_path):
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
     r = run_script([f"--resume={part}"])
     assert r.returncode == 0, r.stderr
-    strip = lambda ms: [{k: v for k, v in m.items() if k != "step_ms"} for m in ms]  # noqa: E731
+    strip = lambda ms: [timing(m) for m in ms if m["kind"] != "warmup"]  # noqa: E731
     a, b = strip(read_metrics(full)), strip(read_metrics(part))
     assert len(a) == 8 + 3 and a == b  # same floats, bit for bit (json keeps every bit)
+    # the clock spans both jobs: each left its first step untimed, so 6 of 8 steps are timed
+    lines = (part / "train.log").read_text().split("resumed at step 4")[1].splitlines()
+    last = [ln for ln in lines if ln.startswith("step:8/8 ")]
+    assert len(last) == 2 and "train_loss" in last[0] and "val_loss" in last[1]
+    clocks = [re.search(r"train_time:(\d+)ms step_avg:([\d.]+)ms", ln).groups() for ln in last]
+    assert clocks[0] == clocks[1]  # train and validation lines say the same
+    total, avg = float(clocks[0][0]), float(clocks[0][1])
+    assert avg == pytest.approx(total / 6, abs=0.2)
+    warm = [m for m in read_metrics(part) if m["kind"] == "warmup"]
+    assert [(m["step"], m["steps"]) for m in warm] == [(1, 1), (5, 1)]
     ca = torch.load(full / "checkpoint.pt", weights_only=True)
     cb = torch.load(part / "checkpoint.pt", weights_only=True)
     assert ca["step"] == cb["step"] == 8
@@ -566,6 +672,41 @@ def test_resume_refuses_a_different_model_shape(tmp_path):
     assert r.stderr == ("error: cannot resume with a different model shape: n_layers 2 -> 4, "
                         "dim 32 -> 64\n")
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_appends_the_source_when_it_changed(tmp_path):
+    # a copy of the trainer outside any git checkout, changed between the two jobs
+    src, run = tmp_path / "src", tmp_path / "run"
+    src.mkdir()
+    shutil.copy(os.path.join(HERE, "train_gpt.py"), src / "train_gpt.py")
+    data = [f"--train_files={HERE}/data/sample/sample_train_*.bin",
+            f"--val_files={HERE}/data/sample/sample_val_*.bin"]
+    r = run_script(RESUME_RUN + data + [f"--run_dir={run}", "--stop_step=1"], cwd=src)
+    assert r.returncode == 0, r.stderr
+    with open(src / "train_gpt.py", "a") as f:
+        f.write("# a local change\n")
+    r = run_script([f"--resume={run}"], cwd=src)
+    assert r.returncode == 0, r.stderr
+    log = (run / "train.log").read_text()
+    new = sha256((src / "train_gpt.py").read_bytes())
+    assert log.count("\ngit: not a git checkout\n") == 2
+    assert f"source changed since the last job (sha256 " in log and f"-> {new})" in log
+    assert log.count("class GPT(nn.Module)") == 2 and log.count("# a local change") == 1
+    assert log.count(f"\ncommand: python train_gpt.py --resume={run}\n") == 1
+
+
+def test_default_run_dirs_are_unique_within_a_second(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tg.time, "strftime", lambda fmt: "2026-01-01_000000")
+    hp = tiny(preset="smoke")
+    dirs = {tg.new_run_dir(hp, tg.Dist()) for _ in range(20)}
+    assert len(dirs) == 20 and all(d.startswith("logs/2026-01-01_000000_smoke_") for d in dirs)
+    assert all(os.path.isdir(d) for d in dirs)
+    # an existing folder is never reused: mkdir fails and another name is drawn
+    names = iter(["aaaaaa", "aaaaaa", "bbbbbb"])
+    monkeypatch.setattr(tg.os, "urandom", lambda n: bytes.fromhex(next(names)))
+    assert tg.new_run_dir(hp, tg.Dist()).endswith("_aaaaaa")
+    assert tg.new_run_dir(hp, tg.Dist()).endswith("_bbbbbb")
 
 
 def start_run(args):
@@ -783,9 +924,11 @@ def test_compact_model_matches_dense_logits_and_gradients():
         assert_close_rel(p0[name], p1[name], 1e-4)
 
 
-def test_incremental_decoding_matches_a_full_forward_pass():
+@pytest.mark.parametrize("axis", ["key", "query"])
+def test_incremental_decoding_matches_a_full_forward_pass(axis):
     torch.manual_seed(0)
-    hp = tiny(n_layers=4, dim=48, max_seq_len=24, seq_len=24, compact=True)
+    hp = tiny(n_layers=4, dim=48, max_seq_len=24, seq_len=24, compact=axis == "key",
+              gate_axis=axis)
     model = tg.GPT(hp).eval()
     for gate in model.gates:
         torch.nn.init.normal_(gate.weight, std=0.15)
@@ -802,6 +945,10 @@ def test_incremental_decoding_matches_a_full_forward_pass():
             step, _ = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache)[:2]
         assert (step[0, -1] - full[0, pos]).abs().max().item() < 1e-4
         assert (step[0, -1] - masked[0, pos]).abs().max().item() < 1e-4
+    assert (gates == 0).any()
+    if axis == "query":  # a skipped token is still attended to: every block keeps its K/V
+        assert cache.n == [24] * 4
+        return
     # each block keeps K/V only for the tokens whose gate there is non-zero
     assert cache.n == [(gates[layer, 0] > 0).sum().item() for layer in range(4)]
     assert sum(cache.n) < 4 * 24 and min(cache.n) > 0
@@ -809,7 +956,7 @@ def test_incremental_decoding_matches_a_full_forward_pass():
 
 def test_generate_samples_reproducibly_and_reports_the_cache():
     torch.manual_seed(0)
-    model = tg.GPT(tiny(n_layers=2, max_seq_len=16, seq_len=16))
+    model = tg.GPT(tiny(n_layers=2, max_seq_len=16, seq_len=16, gate_init="zero"))
     a, cache = tg.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
     b, _ = tg.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
     assert a == b and len(a) == 13 and a[:3] == [1, 2, 3] and all(0 <= t < 97 for t in a)
@@ -961,4 +1108,4 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
     assert dlo[0]["val_loss"] == pytest.approx(dense[-1]["val_loss"], abs=1e-4)
     assert dlo[-1]["val_loss"] < dlo[0]["val_loss"]
     assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
-    assert dlo[-1]["flops"] < dlo[-1]["flops_dense"]
+    assert dlo[-1]["fwd_flops_per_token"] < dlo[-1]["fwd_flops_per_token_dense"]

@@ -18,13 +18,18 @@ Deviations from Llama 3 (the paper's base model, Section 3.1):
   - All weights normal(0, 0.02), norms 1, no biases anywhere except the gate linears.
 
 Deviations from the paper, and choices where it is ambiguous:
+  - Gate linears are initialised like every other weight, N(0, init_std) with bias 0, as
+    Section 3.1 says and the authors' gated runs do (`gate_init=normal`). At the paper's width
+    that already closes most middle-block gates at step 0 (tested). `gate_init=zero` (every
+    g = 1 at step 0: exactly the dense model) is our earlier default, kept as an ablation.
   - The gate's ln g term is added to the logit of the *key* position j (eq. 3: the weight
     g_j multiplies exp(q_i k_j)). The authors' released code indexes it by the query, which
-    softmax cancels, so their attention was never actually gated.
+    softmax cancels, so their attention was never actually gated; `gate_axis=query`
+    reproduces that as an ablation (no compact path: there a skipped token is still a key).
   - ReLU in eq. 1 is written clamp(z, min=0): the same forward, but with subgradient 1 at
-    z = 0 instead of torch.relu's 0. With gate parameters initialised to zero (as the paper
-    says) every z is exactly 0, and with relu's convention no gradient would ever reach them:
-    the gates would stay at 1 for the whole run.
+    z = 0 instead of torch.relu's 0. It matters only for `gate_init=zero`, where every z is
+    exactly 0 at the start: with relu's convention no gradient would ever reach the gates and
+    they would stay at 1 for the whole run. With normal init z = 0 has probability zero.
   - The gate of block l < L/2 reads the residual stream entering block l (the paper's
     h^(i,l) notation is ambiguous between a block's input and its output).
   - The tolerance of eq. 6 is applied to |deviation| (both directions, as the authors'
@@ -33,7 +38,9 @@ Deviations from the paper, and choices where it is ambiguous:
   - Gate statistics for the controller are over the whole global batch (all micro-steps,
     all ranks), so every rank applies the identical update; the differentiable regulariser
     in each micro-step uses that micro-batch's statistics.
-  - FLOPs are counted for a causal kernel: T(T+1)/2 query-key pairs, not T^2.
+  - FLOPs are counted for a causal kernel: T(T+1)/2 query-key pairs, not T^2, once per
+    block, matmuls only, and reported per token at seq_len (the README relates this count to
+    the authors' estimator, which is about 1.9x ours at the paper's size).
   - With compact=True (skipped tokens really skipped) a key with g = 0 gets weight exactly 0
     rather than the paper's 1e-6 floor, and so does the KV-cached decoder.
 
@@ -55,11 +62,13 @@ Deviations from DLO (Tan et al. 2024), the second router (`router=dlo`), and cho
 
 import contextlib
 import glob
+import hashlib
 import io
 import json
 import math
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,10 +153,13 @@ def flex_attention_fn(compiled: bool):
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
-def gated_attention(q, k, v, log_g, impl: str):
-    """Causal softmax attention with ln g_j added to the logit of every key j (eq. 3).
+def gated_attention(q, k, v, log_g, impl: str, axis: str = "key"):
+    """Causal softmax attention with ln g added to the attention logits (eq. 3).
 
-    q: (B, H, T, hd); k, v: (B, H_kv, T, hd); log_g: (B, T) per *key*, or None (dense).
+    q: (B, H, T, hd); k, v: (B, H_kv, T, hd); log_g: (B, T) per position, or None (dense).
+    axis 'key': logit (i, j) gets ln g_j, the paper's eq. 3. axis 'query': it gets ln g_i, as
+    in the authors' released code; a constant per softmax row, so it cancels and the result
+    is the ungated attention (kept as an ablation, not as a shortcut).
     impl 'flex': FlexAttention with a score_mod and a causal block mask (logits in fp32
     accumulators). impl 'sdpa': scaled_dot_product_attention with an additive fp32 mask;
     exact, differentiable on CPU, and used wherever Flex cannot run backward.
@@ -157,9 +169,12 @@ def gated_attention(q, k, v, log_g, impl: str):
         flex = flex_attention_fn(compiled=q.is_cuda)
         block_mask = causal_block_mask(q.size(2), str(q.device))
         score_mod = None
-        if log_g is not None:
+        if log_g is not None and axis == "key":
             def score_mod(score, b, h, q_idx, kv_idx):
-                return score + log_g[b, kv_idx]  # key index: indexing by q_idx is a no-op
+                return score + log_g[b, kv_idx]
+        elif log_g is not None:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + log_g[b, q_idx]
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
     if impl != "sdpa":
         raise ValueError(f"unknown attention impl {impl!r}")
@@ -168,7 +183,8 @@ def gated_attention(q, k, v, log_g, impl: str):
     T = q.size(2)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     bias = torch.zeros(T, T, device=q.device).masked_fill(~causal, float("-inf"))
-    bias = bias + log_g.float()[:, None, None, :]  # (B, 1, T_q, T_k): ln g on the key axis
+    per = log_g.float()[:, None, None, :] if axis == "key" else log_g.float()[:, None, :, None]
+    bias = bias + per  # (B, 1, T_q, T_k)
     out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
                                          enable_gqa=gqa)
     return out.type_as(q)
@@ -186,9 +202,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(hp.n_heads * self.head_dim, hp.dim, bias=False)
         self.rotary = Rotary(self.head_dim, hp.max_seq_len, hp.rope_theta)
+        self.gate_axis = hp.gate_axis
 
     def forward(self, x, log_g, impl, pos=None, cache=None):
-        """x: (B, T, d); log_g: (B, T) per key or None; pos: (B, T) positions or None.
+        """x: (B, T, d); log_g: (B, T) per position or None; pos: (B, T) positions or None.
         cache: (KVCache, layer) to decode one token (B = T = 1) against the cached keys."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -196,9 +213,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rotary(q, pos), self.rotary(k, pos)
         if cache is None:
-            y = gated_attention(q, k, v, log_g, impl)
+            y = gated_attention(q, k, v, log_g, impl, self.gate_axis)
         else:  # every cached key is earlier (or this token): no causal mask needed
-            k, v, key_log_g = cache[0].append(cache[1], k, v, log_g)
+            # on the query axis ln g is one constant on this token's row: softmax cancels it
+            key_log_g = log_g if self.gate_axis == "key" else None
+            k, v, key_log_g = cache[0].append(cache[1], k, v, key_log_g)
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                attn_mask=key_log_g.float()[None, None, None, :],
                                                enable_gqa=q.size(1) != k.size(1)).type_as(q)
@@ -298,9 +317,10 @@ class GPT(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=hp.init_std)
-        for gate in self.gates:  # all zero: every g is exactly 1, the dense Transformer
-            nn.init.zeros_(gate.weight)
+        for gate in self.gates:  # weights N(0, init_std) as above (Section 3.1), bias 0
             nn.init.zeros_(gate.bias)
+            if hp.gate_init == "zero":  # ablation: every g is exactly 1, the dense Transformer
+                nn.init.zeros_(gate.weight)
         for router in self.routers:  # all zero: every r is exactly beta/2 = 1 (DLO Section 3.2)
             nn.init.zeros_(router.weight)
 
@@ -332,7 +352,9 @@ class GPT(nn.Module):
                     g = gates[-1].type_as(x)
                 if cache is None:
                     x = block(x, g, impl, hp.compact)
-                elif g is None or bool(g.any()):  # decoding a skipped token: nothing at all
+                elif g is None or hp.gate_axis == "query" or bool(g.any()):
+                    # a token skipped under key gating is invisible later: run nothing. Under
+                    # query gating later tokens still attend to it, so its K/V are computed.
                     x = block(x, g, impl, pos=pos, cache=kv)
             if not self.training:  # a statistic for validation, kept off the training path
                 resid.append(x.detach().float().norm(dim=-1).mean())
@@ -416,6 +438,7 @@ def generate(model: GPT, prompt: list, max_new_tokens: int, temperature: float =
 # Routing control: the sparsity controller (Section 2.4, eqs. 4-6, Table 1) and DLO's state
 
 ROUTERS = ("none", "skip_middle", "dlo")
+GATE_INITS, GATE_AXES = ("normal", "zero"), ("key", "query")
 CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "sparsity_variance",
                "sparsity_variance_l2", "none")
 
@@ -630,15 +653,16 @@ class DistributedLoader:
 
 
 # -----------------------------------------------------------------------------
-# FLOPs: forward pass of one max_seq_len sequence, 2 per multiply-add
+# FLOPs: forward pass of one sequence of seq_len tokens, 2 per multiply-add
 
-def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None) -> float:
-    """active: per-layer fraction of tokens whose gate is non-zero (None: all); mlp_active:
-    per-layer fraction that runs the MLP (None: the same as active; DLO skips only MLPs).
-    Skipped tokens cost nothing in that block (the paper's Figure 2 assumption): projections
-    and FFN scale with the active fraction a, attention with the active query-key pairs,
-    a^2 T(T+1)/2."""
-    T, d, hd = hp.max_seq_len, hp.dim, hp.dim // hp.n_heads
+def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None) -> float:
+    """Forward FLOPs of one sequence of T tokens (default: seq_len, the length trained and
+    validated on). active: per-layer fraction of tokens whose gate is non-zero (None: all);
+    mlp_active: per-layer fraction that runs the MLP (None: the same as active; DLO skips only
+    MLPs). Skipped tokens cost nothing in that block (the paper's Figure 2 assumption):
+    projections and FFN scale with the active fraction a, attention with the active
+    query-key pairs, a^2 T(T+1)/2."""
+    T, d, hd = T or hp.seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
     proj = 2 * (2 * d * d + 2 * d * kv)  # q, o and k, v per token
     ffn = 2 * 3 * d * hp.ffn_mult * d  # SwiGLU per token
@@ -654,6 +678,19 @@ def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None) -> float:
     if hp.router == "dlo":
         total += hp.n_layers * T * 2 * d  # routers, all tokens
     return total
+
+
+def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None) -> float:
+    """Forward FLOPs per token at seq_len; training (forward + backward) is 3x this."""
+    return forward_flops(hp, active, mlp_active) / hp.seq_len
+
+
+def mfu(hp: "Hyperparameters", step_s: float, world: int, active=None) -> float:
+    """Model FLOPs utilisation of one optimiser step over the real tokens it trained on
+    (batch_size x seq_len): 3x the forward FLOPs of the work executed, over the peak of all
+    devices. active: per-layer fraction of tokens the blocks actually ran (compact only)."""
+    tokens = hp.batch_size * hp.seq_len
+    return 3 * flops_per_token(hp, active) * tokens / step_s / (hp.peak_flops * world)
 
 
 # -----------------------------------------------------------------------------
@@ -673,13 +710,15 @@ class Hyperparameters:
     ffn_mult: int = 4            # SwiGLU hidden = ffn_mult * dim (3072 at 768)
     norm_eps: float = 1e-5       # RMSNorm epsilon
     rope_theta: float = 10000.0  # RoPE base
-    max_seq_len: int = 1024      # RoPE table size (longest context); FLOPs are quoted at it
+    max_seq_len: int = 1024      # RoPE table size (longest context for sampling)
     init_std: float = 0.02       # normal init of every weight matrix
     sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
     attn_impl: str = "auto"      # auto (flex on CUDA, sdpa on CPU) | flex | sdpa
     # gates and sparsity control (Section 2.4)
     router: str = "skip_middle"  # depth router: none (dense) | skip_middle (the paper) | dlo
     compact: bool = False        # run gated blocks on their active tokens only (exact)
+    gate_init: str = "normal"    # normal: weights N(0, init_std), bias 0 (Section 3.1) | zero
+    gate_axis: str = "key"       # ln g on each key's logit (eq. 3) | query (authors' code)
     gate_eps: float = 1e-6       # floor on g inside ln g (Section 2.2)
     controller: str = "proportional_tol"  # one of CONTROLLERS (Table 1)
     mu_start: float = 1.0        # mean-gate target at block 0
@@ -714,6 +753,7 @@ class Hyperparameters:
     val_every: int = 250         # steps between validations (0: only at the end)
     val_tokens: int = 10_485_760  # validation tokens per evaluation, split over ranks
     peak_flops: float = 989e12   # per-GPU dense bf16 peak for MFU (H100 SXM)
+    untimed_steps: int = 10      # first steps of each job kept off the clock (compile warm-up)
     # long runs
     save_every: int = 250        # steps between checkpoints (0: only at the end)
     stop_step: int = 0           # end this job after this step, with a checkpoint (0: run on)
@@ -722,7 +762,7 @@ class Hyperparameters:
     # system
     compile: bool = True         # torch.compile the model (CUDA only)
     seed: int = 0
-    run_dir: str = ""            # default: records/<timestamp>_<preset or run>/
+    run_dir: str = ""            # default: a new logs/<date_time>_<preset or run>_<hex>/
     preset: str = ""             # smoke: small gated model on the embedded sample, CPU
 
     @property
@@ -797,6 +837,18 @@ def validate(hp: Hyperparameters, world: int):
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
     if not (0 <= hp.mu_start <= 1 and 0 <= hp.mu_end <= 1):
         raise UserError("mean targets mu_start and mu_end must lie in [0, 1]")
+    if hp.gate_init not in GATE_INITS or hp.gate_axis not in GATE_AXES:
+        raise UserError(f"gate_init={hp.gate_init!r}, gate_axis={hp.gate_axis!r}; choose "
+                        f"gate_init from {', '.join(GATE_INITS)}, gate_axis from "
+                        f"{', '.join(GATE_AXES)}")
+    if not hp.gated and (hp.gate_init, hp.gate_axis) != ("normal", "key"):
+        raise UserError(f"gate_init and gate_axis set the skip_middle gates; router="
+                        f"{hp.router} has none")
+    if hp.compact and hp.gate_axis == "query":
+        raise UserError("compact=true needs gate_axis=key: with the gate on the query axis "
+                        "later tokens still attend to a skipped token, so it cannot be dropped")
+    if hp.untimed_steps < 0:
+        raise UserError(f"untimed_steps={hp.untimed_steps} must be >= 0")
     if hp.controller not in CONTROLLERS:
         raise UserError(f"controller={hp.controller!r}; choose from {', '.join(CONTROLLERS)}")
     if hp.attn_impl not in ("auto", "flex", "sdpa"):
@@ -892,10 +944,54 @@ def write_atomically(path: str, data: bytes):
         os.close(fd)
 
 
+def source_code() -> bytes:
+    with open(__file__, "rb") as f:
+        return f.read()
+
+
+def provenance() -> dict:
+    """The git commit of this file's checkout (and whether its tree differs from the commit)
+    and a hash of the source that actually ran, which is what counts when the tree is dirty."""
+    def git(*args):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            r = subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
+                               capture_output=True, text=True, timeout=20)
+            if r.returncode == 0:
+                return r.stdout.strip()
+        return None
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain")) if commit else None
+    return {"git_commit": commit, "git_dirty": dirty,
+            "source_sha256": hashlib.sha256(source_code()).hexdigest()}
+
+
+def new_run_dir(hp: "Hyperparameters", d: "Dist") -> str:
+    """A fresh logs/<date_time>_<preset or run>_<6 hex>/ made by rank 0 and broadcast. mkdir
+    fails on an existing folder, so two jobs started in the same second never share one."""
+    chosen = [""]
+    if d.master:
+        while not chosen[0]:
+            path = os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
+                                f"_{hp.preset or 'run'}_{os.urandom(3).hex()}")
+            try:
+                os.makedirs(path)
+                chosen[0] = path
+            except FileExistsError:
+                continue
+            except OSError as e:
+                chosen[0] = f"error: cannot create {path}: {e.strerror}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0].startswith("error: "):
+        raise UserError(chosen[0][len("error: "):])
+    return chosen[0]
+
+
 class RunLog:
-    """train.log (source, system, config, step lines), config.json and metrics.jsonl; rank 0
-    only. A resumed run appends to train.log and keeps the metrics up to its checkpoint, so
-    metrics.jsonl holds each step once even after a crash."""
+    """train.log (source, provenance, system, config, step lines), config.json and
+    metrics.jsonl; rank 0 only. A resumed run appends to train.log (and the source again if it
+    changed) and keeps the metrics up to its checkpoint, so metrics.jsonl holds each step once
+    even after a crash."""
 
     def __init__(self, run_dir: str, hp: Hyperparameters, extra: dict, active: bool,
                  resumed_at: int = None):
@@ -903,16 +999,25 @@ class RunLog:
         if not active:
             return
         os.makedirs(run_dir, exist_ok=True)
+        config_path = os.path.join(run_dir, "config.json")
+        previous = {}
+        if resumed_at is not None and os.path.exists(config_path):
+            with contextlib.suppress(ValueError, OSError), open(config_path) as f:
+                previous = json.load(f)
         config = {**asdict(hp), **extra}
-        write_atomically(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
+        write_atomically(config_path, json.dumps(config, indent=2).encode())
         metrics = os.path.join(run_dir, "metrics.jsonl")
         if resumed_at is None:
             self.log = open(os.path.join(run_dir, "train.log"), "w")
-            with open(__file__) as f:
-                self.log.write(f.read())
+            self.log.write(source_code().decode())
         else:
             self.log = open(os.path.join(run_dir, "train.log"), "a")
             self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
+            old = previous.get("source_sha256")
+            if old != extra["source_sha256"]:
+                self.log.write(f"source changed since the last job (sha256 {old} -> "
+                               f"{extra['source_sha256']}); the source now running:\n")
+                self.log.write(source_code().decode())
             kept = b""
             if os.path.exists(metrics):
                 with open(metrics, "rb") as f:
@@ -922,7 +1027,12 @@ class RunLog:
                                 kept += line
             write_atomically(metrics, kept)
         self.metrics = open(metrics, "a")
-        self.log.write("=" * 100 + "\n" + describe_system() + "\n")
+        dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
+        self.log.write("=" * 100 + "\n" + f"command: {extra['command']}\n"
+                       f"git: {extra['git_commit'] or 'not a git checkout'}"
+                       f"{dirty[extra['git_dirty']]}\n"
+                       f"source: train_gpt.py sha256 {extra['source_sha256']}\n"
+                       + describe_system() + "\n")
         self.log.write("hyperparameters: " + json.dumps(config) + "\n" + "=" * 100 + "\n")
         self.log.flush()
 
@@ -952,6 +1062,10 @@ MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_m
                 "sandwich_norm")
 
 
+CHECKPOINT_KEYS = ("step", "train_ms", "timed_steps", "tokens", "bad_steps", "hp", "world_size",
+                   "model", "optimizer", "controller", "dlo", "loader", "rng")
+
+
 class RunStopped(Exception):
     """The run cannot go on (non-finite loss): main() prints `error: ...`, exit status 1."""
 
@@ -972,9 +1086,13 @@ def load_checkpoint(run_dir: str) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         Hyperparameters(**state["hp"])
-        return state
     except Exception as e:  # truncated, overwritten, or from an incompatible version
         raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
+    missing = [k for k in CHECKPOINT_KEYS if k not in state]
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
+                        f"version of train_gpt.py?)")
+    return state
 
 
 def resume_settings(overrides: dict) -> tuple:
@@ -1134,12 +1252,14 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     tokens = acc[1]
     zero = (acc[2 + L:2 + 2 * L] / tokens).tolist()
     mlp_active = [1 - z for z in zero]  # skip_middle skips whole blocks, DLO only MLPs
-    flops = forward_flops(hp, None, mlp_active) if hp.router == "dlo" else \
-        forward_flops(hp, mlp_active)
+    fwd = flops_per_token(hp, None, mlp_active) if hp.router == "dlo" else \
+        flops_per_token(hp, mlp_active)
     return dict(val_loss=(acc[0] / tokens).item(), sparsity=sum(zero) / L,
                 gate_mean=(acc[2:2 + L] / tokens).tolist(), gate_zero=zero,
                 mlp_active=mlp_active, resid_norm=(acc[2 + 2 * L:] / tokens).tolist(),
-                flops=flops, flops_dense=forward_flops(replace(hp, router="none")))
+                fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
+                fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none")),
+                fwd_flops_per_seq=fwd * hp.seq_len)
 
 
 def param_groups(raw: GPT) -> list:
@@ -1152,25 +1272,27 @@ def param_groups(raw: GPT) -> list:
     return [{"params": params} for params in [rest] + groups]
 
 
-def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = None) -> str:
+def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = None,
+          argv: list = ()) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
-    init_state: starting weights (an expanded model), missing only zero-initialised routers."""
+    init_state: starting weights (an expanded model), missing only zero-initialised routers.
+    argv: the command-line arguments, for the record."""
     validate(hp, d.world)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
     accum = hp.batch_size // (hp.device_batch_size * d.world)
     steps = num_steps(hp)
+    tokens_per_step = hp.batch_size * hp.seq_len
     train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
                                      hp.seq_len, d.rank, d.world, hp.vocab_size)
     val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
                                    d.rank, d.world, hp.vocab_size)
-    run_dir = hp.run_dir or os.path.join(
-        "records", time.strftime("%Y-%m-%d_%H%M%S") + "_" + (hp.preset or "run"))
-    if ckpt is None and os.path.exists(os.path.join(run_dir, "train.log")):
-        raise UserError(f"{run_dir} already holds a run; choose another --run_dir, "
-                        f"or continue it with --resume={run_dir}")
+    if ckpt is None and hp.run_dir and os.path.exists(os.path.join(hp.run_dir, "train.log")):
+        raise UserError(f"{hp.run_dir} already holds a run; choose another --run_dir, "
+                        f"or continue it with --resume={hp.run_dir}")
     if dist.is_initialized():
         dist.barrier()  # every rank has checked before rank 0 creates anything
+    run_dir = hp.run_dir or new_run_dir(hp, d)
 
     raw = GPT(hp).to(d.device)
     if init_state is not None:
@@ -1180,7 +1302,9 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
     dlo = DLOState(hp) if hp.router == "dlo" else None
     opt = torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
                             eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=cuda)
-    start, train_ms, bad_steps = 0, 0.0, 0
+    # the clock: train_ms sums the timed steps of every job; the first untimed_steps of each
+    # job (compilation on CUDA) are kept off it, as modded-nanogpt does, and logged apart
+    start, train_ms, timed_steps, tokens, bad_steps = 0, 0.0, 0, 0, 0
     if ckpt is not None:  # the lr schedule is a function of the step: the step is its state
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -1192,19 +1316,22 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
         if cuda and ckpt["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         start, train_ms, bad_steps = ckpt["step"], ckpt["train_ms"], ckpt["bad_steps"]
+        timed_steps, tokens = ckpt["timed_steps"], ckpt["tokens"]
     model = torch.compile(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
+    launcher = f"torchrun --nproc_per_node={d.world} train_gpt.py" if d.world > 1 else \
+        "python train_gpt.py"
     extra = dict(world_size=d.world, grad_accum=accum, num_steps=steps, run_dir=run_dir,
-                 device=d.device)
+                 device=d.device, command=" ".join([launcher, *map(shlex.quote, argv)]),
+                 **provenance())
     log = RunLog(run_dir, hp, extra, d.master, resumed_at=start if ckpt else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
               f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
-    flops_dense = forward_flops(replace(hp, router="none"))
-    launcher = f"torchrun --nproc_per_node={d.world} train_gpt.py" if d.world > 1 else \
-        "python train_gpt.py"
+    log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
+              f"train_time and step_avg count the other steps of all jobs")
     last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none yet"
 
     def sync():
@@ -1214,7 +1341,8 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
     def checkpoint(step):
         if d.master:
             save_checkpoint(run_dir, {
-                "step": step, "train_ms": train_ms, "bad_steps": bad_steps, "hp": asdict(hp),
+                "step": step, "train_ms": train_ms, "timed_steps": timed_steps,
+                "tokens": tokens, "bad_steps": bad_steps, "hp": asdict(hp),
                 "world_size": d.world, "model": raw.state_dict(), "optimizer": opt.state_dict(),
                 "controller": ctrl.state_dict(), "dlo": dlo.state_dict() if dlo else {},
                 "loader": train_loader.state(),  # global position: each rank derives its offset
@@ -1222,7 +1350,13 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
                         "cuda": torch.cuda.get_rng_state_all() if cuda else []}})
         return f"{os.path.join(run_dir, CHECKPOINT)} (step {step})"
 
-    step = start
+    def end_warmup(step, warmup_ms):
+        log.print(f"warm-up: steps {start + 1}-{step} of this job untimed, {warmup_ms:.0f}ms"
+                  + (" (compilation included)" if hp.compile and cuda else ""))
+        log.record({"kind": "warmup", "step": step, "steps": step - start,
+                    "warmup_ms": warmup_ms})
+
+    step, warmup_ms = start, 0.0
     try:
         with StopSignal() as stop:
             while True:
@@ -1235,7 +1369,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
                 if due and not signalled and not (ckpt and step == start):
                     sync()
                     v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
-                    log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms)
+                    log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms, timed_steps)
                 if step > start and (ending or (hp.save_every and step % hp.save_every == 0)):
                     last_ckpt = checkpoint(step)
                 if ending:
@@ -1256,24 +1390,39 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
                     log.print(f"step:{step}/{steps} skipped: non-finite loss "
                               f"({bad_steps} of max_bad_steps={hp.max_bad_steps})")
                     continue
+                tokens += tokens_per_step
+                count = stats[2]
+                mean, zero = stats[0] / count, stats[3] / count  # (L,) over the global batch
                 if hp.gated:
-                    mean = stats[0] / stats[2]
-                    ctrl.update(mean, stats[1] / stats[2] - mean * mean)
+                    ctrl.update(mean, stats[1] / count - mean * mean)
                 if dlo:
-                    dlo.update(stats[0], stats[2][0].item())
+                    dlo.update(stats[4], count[0].item())
                 sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
-                train_ms += step_ms
+                if step - start <= hp.untimed_steps:
+                    warmup_ms += step_ms
+                    if step - start == hp.untimed_steps:
+                        end_warmup(step, warmup_ms)
+                else:
+                    train_ms += step_ms
+                    timed_steps += 1
                 line = (f"step:{step}/{steps} train_loss:{lm_loss:.4f} "
-                        f"train_time:{train_ms:.0f}ms step_avg:{train_ms / (step - start):.2f}ms "
-                        f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
-                if cuda:  # 3x forward FLOPs for forward + backward, dense count
-                    mfu = 3 * flops_dense * hp.batch_size / (step_ms / 1000) / \
-                        (hp.peak_flops * d.world)
-                    line += f" mfu:{100 * mfu:.1f}%"
+                        f"{clock(train_ms, timed_steps)} "
+                        f"tok/s:{tokens_per_step / step_ms * 1000:.0f}")
+                if cuda:  # executed work: all tokens, except what compact really skips
+                    active = (1 - zero).tolist() if hp.compact and hp.gated else None
+                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, active):.1f}%"
                 log.print(line)
-                log.record({"kind": "train", "step": step, "train_loss": lm_loss,
-                            "step_ms": step_ms})
+                record = {"kind": "train", "step": step, "tokens": tokens,
+                          "train_loss": lm_loss, "total_loss": total, "lr": lrs[0],
+                          "step_ms": step_ms}
+                if dlo:
+                    record["layer_lr"] = lrs[1:]
+                if hp.router != "none":  # the factor on each block's MLP branch (0: skipped)
+                    record.update(gate_mean=mean.tolist(), gate_zero=zero.tolist())
+                log.record(record)
+        if 0 < step - start < hp.untimed_steps:
+            end_warmup(step, warmup_ms)
         if step < steps:
             why = f"signal {signal.Signals(stop.signum).name}" if signalled else "stop_step"
             log.print(f"stopped by {why} at step {step}; checkpoint: {last_ckpt}; "
@@ -1288,14 +1437,21 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
     return run_dir
 
 
+def clock(train_ms: float, timed_steps: int) -> str:
+    """The timing fields of train and validation lines: the same figures in both."""
+    avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
+    return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
+
+
 def train_step(model, hp, ctrl, dlo, opt, loader, d, autocast, accum, lrs, step):
     """One optimiser step over the global batch. -> (mean LM loss, mean total loss, routing
-    sums (3, L), all summed over ranks: skip_middle: sum g, sum g^2, count; dlo: tokens
-    labelled to run, -, count). The update is applied only when the loss is finite."""
+    sums (5, L) over all micro-steps and ranks: sum f, sum f^2, token count, count of f = 0
+    and, for DLO, tokens labelled to run, where f is each block's MLP factor (skip_middle: g;
+    dlo: r where the MLP runs, else 0)). The update is applied only when the loss is finite."""
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
     x_all, y_all = loader.next_batch()  # (accum * B, T) for this rank
-    stats = torch.zeros(3, hp.n_layers, dtype=torch.float64, device=d.device)
+    stats = torch.zeros(5, hp.n_layers, dtype=torch.float64, device=d.device)
     losses = torch.zeros(2, device=d.device)  # LM loss, LM + regulariser
     skip_rates = dlo.rates.tolist() if dlo else None
     for micro in range(accum):
@@ -1315,14 +1471,14 @@ def train_step(model, hp, ctrl, dlo, opt, loader, d, autocast, accum, lrs, step)
                     reg = DLOState.loss(out.router_logits, labels)
             ((loss + reg) / accum).backward()
         losses += torch.stack([loss.detach(), (loss + reg).detach()]) / accum
-        if hp.gated:
+        stats[2] += y.numel()
+        if out.gates is not None:
             g = out.gates.detach().double()
             stats[0] += g.sum(dim=(1, 2))
             stats[1] += (g * g).sum(dim=(1, 2))
-            stats[2] += g[0].numel()
-        elif dlo:
-            stats[0] += labels.sum(dim=(1, 2)).double()
-            stats[2] += labels[0].numel()
+            stats[3] += (g == 0).sum(dim=(1, 2)).double()
+        if dlo:
+            stats[4] += labels.sum(dim=(1, 2)).double()
     lm_loss, total = (all_reduce(losses) / d.world).tolist()
     if math.isfinite(total):
         opt.step()
@@ -1330,10 +1486,10 @@ def train_step(model, hp, ctrl, dlo, opt, loader, d, autocast, accum, lrs, step)
     return lm_loss, total, all_reduce(stats)
 
 
-def log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms):
+def log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms, timed_steps):
     log.print(f"step:{step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
-              f"flops:{v['flops']:.4g} flops_dense:{v['flops_dense']:.4g} "
-              f"train_time:{train_ms:.0f}ms step_avg:{train_ms / max(step, 1):.2f}ms")
+              f"fwd_flops/token:{v['fwd_flops_per_token']:.4g} "
+              f"dense:{v['fwd_flops_per_token_dense']:.4g} {clock(train_ms, timed_steps)}")
     if hp.gated:
         log.print(f"  gate_mean:{fmt_list(v['gate_mean'])} gate_zero:{fmt_list(v['gate_zero'])}")
         log.print(f"  alpha:{fmt_list(ctrl.alpha.tolist())} beta:{fmt_list(ctrl.beta.tolist())}")
@@ -1341,7 +1497,7 @@ def log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms):
         log.print(f"  mlp_active:{fmt_list(v['mlp_active'])} "
                   f"train_skip_rates:{fmt_list(dlo.rates.tolist())} rho_t:{dlo.overall(step):.3f}")
     log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
-    log.record({"kind": "val", "step": step, **v})
+    log.record({"kind": "val", "step": step, "train_time_ms": train_ms, **v})
 
 
 # -----------------------------------------------------------------------------
@@ -1359,7 +1515,7 @@ def main(argv=None):
             hp = resolve(overrides)
         d = setup_distributed()
         try:
-            train(hp, d, ckpt, init_state)
+            train(hp, d, ckpt, init_state, sys.argv[1:] if argv is None else argv)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
