@@ -9,7 +9,7 @@ of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so ever
 the same fraction skipped; g is 1 or 0 for all but a sliver of tokens). Both paths then run
 the same model on the same batch, side by side, forward (no grad) and forward+backward; the
 median of --repeats timed runs after one warm-up is reported. The ideal speedup is
-forward_flops at the measured per-layer sparsity (the validation metric `flops`) against the
+forward_flops at the measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the
 dense count, and efficiency = measured / ideal speedup.
 """
 
