@@ -2,7 +2,8 @@
 
     python bench.py --size=smoke --size=mid            # CPU tables
     python bench.py --size=paper --device=cuda --compile=1
-    options: --repeats=3 --out=records/DIR (default: a new dated folder under records/)
+    options: --repeats=3 --out=DIR (default: a new dated folder under logs/; copy what you
+    keep to records/)
 
 For each sparsity level p in 0, 0.25, 0.5, 0.75 the first gate is set so that a fraction p
 of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so every block sees
@@ -127,7 +128,7 @@ def main(argv):
         if key == "--size" and value in SIZES:
             sizes.append(value)
         elif key == "--device" and value:
-            device = value
+            device = tg.check_device(value)
         elif key == "--repeats" and value.isdigit() and int(value) > 0:
             repeats = int(value)
         elif key == "--compile" and value in ("0", "1"):
@@ -137,8 +138,8 @@ def main(argv):
         else:
             raise tg.UserError(f"bad option {arg!r}; options: --size={{{','.join(SIZES)}}} "
                                "--device=cpu|cuda --repeats=N --compile=0|1 --out=DIR")
-    out = out or os.path.join("records", time.strftime("%Y-%m-%d_%H%M%S") + "_skip_bench_" +
-                              device.split(":")[0])
+    out = tg.writable_dir(out or os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
+                                              "_skip_bench_" + device.split(":")[0]))
     print(tg.describe_system())
     print(HEADER)
     results = []
@@ -158,8 +159,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except tg.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(tg.cli(main, sys.argv[1:]))

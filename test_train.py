@@ -5,6 +5,8 @@ hand-computed controller steps, FlopCounterMode, shards written by the test, a o
 run against a two-process one.
 """
 
+import glob
+import importlib.util
 import json
 import hashlib
 import re
@@ -485,10 +487,12 @@ def test_two_processes_match_one(tmp_path):
 
 def test_existing_run_is_not_overwritten(tmp_path):
     (tmp_path / "train.log").write_text("an earlier run\n")
+    (tmp_path / "checkpoint.pt").write_bytes(b"its checkpoint")
     r = run_script(["--preset=smoke", f"--run_dir={tmp_path}"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"error: {tmp_path} already holds a run")
     assert (tmp_path / "train.log").read_text() == "an earlier run\n"
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"its checkpoint"
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -576,14 +580,36 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
+    (tmp_path / "e.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     out = tmp_path / "shards"
     for name, message in (("c.jsonl", "c.jsonl:2: not a JSON object with a \"text\" field"),
-                          ("d.txt", "d.txt: not valid UTF-8")):
+                          ("d.txt", "d.txt: not valid UTF-8"),
+                          ("e.jsonl", "e.jsonl:2: not valid UTF-8")):
         r = run_data_script("tokenize_corpus.py", [str(tmp_path / name), f"--out={out}",
                                                    "--shard_tokens=1"])
         assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
         assert r.stderr.count("\n") == 1
         assert list(out.iterdir()) == []
+
+
+def test_retokenizing_into_a_used_folder_leaves_no_stale_shards(tmp_path):
+    big = "many words make many tokens " * 40
+    (tmp_path / "big.txt").write_text(big)
+    (tmp_path / "small.txt").write_text("few words")
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / "other_train_000001.bin").write_bytes(b"another corpus, kept")
+    n_big = -(-(1 + len(gpt2().encode_ordinary(big))) // 50)
+    assert n_big > 2
+    for name, shards in (("big.txt", n_big), ("small.txt", 1)):
+        r = run_data_script("tokenize_corpus.py", [str(tmp_path / name), f"--out={out}",
+                                                   "--shard_tokens=50", "--workers=1"])
+        assert r.returncode == 0, r.stderr
+        assert len(glob.glob(str(out / "corpus_*.bin"))) == shards
+    assert f"removed {n_big - 1} shard(s) of an earlier corpus named 'corpus'" in r.stderr
+    assert (out / "other_train_000001.bin").read_bytes() == b"another corpus, kept"
+    assert list(tg.load_shard(str(out / "corpus_val_000000.bin"))) == \
+        [50256] + gpt2().encode_ordinary("few words")
 
 
 def test_sample_regenerates_byte_for_byte(tmp_path):
@@ -699,14 +725,14 @@ def test_default_run_dirs_are_unique_within_a_second(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tg.time, "strftime", lambda fmt: "2026-01-01_000000")
     hp = tiny(preset="smoke")
-    dirs = {tg.new_run_dir(hp, tg.Dist()) for _ in range(20)}
+    dirs = {tg.new_run_dir(hp) for _ in range(20)}
     assert len(dirs) == 20 and all(d.startswith("logs/2026-01-01_000000_smoke_") for d in dirs)
     assert all(os.path.isdir(d) for d in dirs)
     # an existing folder is never reused: mkdir fails and another name is drawn
     names = iter(["aaaaaa", "aaaaaa", "bbbbbb"])
     monkeypatch.setattr(tg.os, "urandom", lambda n: bytes.fromhex(next(names)))
-    assert tg.new_run_dir(hp, tg.Dist()).endswith("_aaaaaa")
-    assert tg.new_run_dir(hp, tg.Dist()).endswith("_bbbbbb")
+    assert tg.new_run_dir(hp).endswith("_aaaaaa")
+    assert tg.new_run_dir(hp).endswith("_bbbbbb")
 
 
 def start_run(args):
@@ -814,7 +840,24 @@ def bad_inputs(tmp_path):
     (tmp_path / "corrupt_run").mkdir()
     (tmp_path / "corrupt_run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
     smoke = ["--preset=smoke"]
-    return [
+    (tmp_path / "dir_000001.bin").mkdir()
+    (tmp_path / "a_file").write_text("not a folder")
+    flex_cpu = [] if torch.cuda.is_available() else [
+        (smoke + ["--attn_impl=flex"], "attn_impl=flex cannot train on CPU")]
+    return flex_cpu + [
+        (smoke + [f"--train_files={tmp_path}/dir_*.bin"], "dir_000001.bin, which is not a shard"),
+        (smoke + [f"--run_dir={tmp_path}/a_file"], f"cannot use run_dir {tmp_path}/a_file"),
+        (smoke + [f"--run_dir={tmp_path}/a_file/run"], "cannot use run_dir"),
+        (smoke + ["--val_tokens=1e6"], "more than the validation shards hold"),
+        (smoke + ["--lr=inf"], "lr=inf must lie in (0, inf)"),
+        (smoke + ["--beta2=1"], "beta2=1.0 must lie in [0, 1)"),
+        (smoke + ["--dim=100000"], "these sizes need at least"),
+        (smoke + ["--router=moe"], "router='moe'; choose from"),
+        (smoke + ["--preset=huge"], "unknown preset 'huge'"),
+        (smoke + ["--expand_init=magic"], "expand_init='magic'; choose from"),
+        (smoke + [f"--expand_from={tmp_path}/empty_run"], "empty_run: no checkpoint"),
+        ([f"--resume={tmp_path}/corrupt_run", f"--expand_from={tmp_path}/empty_run"],
+         "--resume continues a run and --expand_from starts a new one"),
         (["--nope=1"], "unknown field 'nope'; valid fields: train_files"),
         (["--n_layers=three"], "--n_layers=three: expected int"),
         (["--compact=maybe"], "--compact=maybe: expected bool"),
@@ -839,7 +882,7 @@ def test_every_bad_input_gives_one_error_line_and_status_2(tmp_path, capsys):
     # a traceback here would surface as an exception instead of SystemExit(2)
     for args, message in bad_inputs(tmp_path):
         run_dir = tmp_path / "r"
-        if not args[0].startswith("--resume"):
+        if not args[0].startswith("--resume") and not any("--run_dir" in a for a in args):
             args = args + [f"--run_dir={run_dir}"]
         with pytest.raises(SystemExit) as exit_:
             tg.main(args)
@@ -849,6 +892,320 @@ def test_every_bad_input_gives_one_error_line_and_status_2(tmp_path, capsys):
         assert message in out.err, (args, out.err)
         assert out.out == "" and not run_dir.exists()  # nothing written before the check
     assert (tmp_path / "corrupt_run" / "checkpoint.pt").read_bytes() == b"not a checkpoint"
+    assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_every_field_has_a_checked_range(tmp_path):
+    # generated from the dataclass: a new numeric field without a range check fails here
+    strings = {"train_files", "val_files", "attn_impl", "router", "controller", "gate_init",
+               "gate_axis", "expand_from", "expand_init", "resume", "run_dir", "preset"}
+    bad_values = {"train_files": f"{tmp_path}/dir_*.bin", "val_files": "/nonexistent/v_*.bin",
+                  "attn_impl": "tpu", "router": "moe", "controller": "pid",
+                  "gate_init": "uniform", "gate_axis": "value", "expand_init": "magic",
+                  "preset": "huge"}  # the paths (resume, expand_from, run_dir): bad_inputs
+    (tmp_path / "dir_000001.bin").mkdir()
+    defaults = tg.Hyperparameters()
+    for f in tg.fields(tg.Hyperparameters):
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            candidates = ["maybe"]
+        elif isinstance(default, (int, float)):
+            candidates = ["-1", "nan", "1e30", "0"]
+        else:
+            assert f.name in strings, f"a new text field {f.name}: add its bad value here"
+            candidates = [bad_values[f.name]] if f.name in bad_values else []
+        refused = 0
+        for value in candidates:
+            try:
+                hp = tg.resolve(tg.parse_overrides(["--preset=smoke", f"--{f.name}={value}"]))
+                tg.validate(hp, 1)
+                tg.find_shards(hp.train_files), tg.find_shards(hp.val_files)
+            except tg.UserError:
+                refused += 1  # any other exception fails the test: a traceback for the user
+        assert refused or not candidates, f"--{f.name}: no out-of-range value is refused"
+
+
+def load_command(path):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, os.path.join(HERE, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
+    sample, bench = load_command("sample.py"), load_command("bench.py")
+    tokenize, fetch = load_command("data/tokenize_corpus.py"), load_command("data/cached_fineweb10B.py")
+    run = tmp_path / "run"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    a_file, text = tmp_path / "a_file", tmp_path / "t.txt"
+    a_file.write_text("x")
+    text.write_text("some text")
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
+    cases = [
+        (sample.main, [str(run), "--tokens=0"], "--tokens=0: expected int in [1,"),
+        (sample.main, [str(run), "--tokens=many"], "--tokens=many: expected int"),
+        (sample.main, [str(run), "--top_k=-1"], "--top_k=-1: expected int in [0,"),
+        (sample.main, [str(run), "--temperature=nan"], "--temperature=nan: expected float"),
+        (sample.main, [str(run), "--temperature=-1"], "--temperature=-1: expected float"),
+        (sample.main, [str(run), "--seed=-3"], "--seed=-3: expected int"),
+        (sample.main, [str(run), "--device=tpu"], "--device=tpu"),
+        (sample.main, [str(run), "--device=cuda:99"], "--device=cuda:99"),
+        (sample.main, [str(run), "--prompt=" + "word " * 40], "context holds 32, so no token could follow"),
+        (sample.main, [str(run), "--nope=1"], "bad option '--nope=1'"),
+        (sample.main, [str(tmp_path / "none")], "no checkpoint"),
+        (sample.main, [], "usage: python sample.py RUN_DIR"),
+        (bench.main, ["--size=huge"], "bad option '--size=huge'"),
+        (bench.main, ["--device=tpu"], "--device=tpu"),
+        (bench.main, ["--repeats=0"], "bad option '--repeats=0'"),
+        (bench.main, ["--compile=2"], "bad option '--compile=2'"),
+        (bench.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
+        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--shard_tokens=0"], "at least 1"),
+        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--workers=0"], "at least 1"),
+        (tokenize.main, [str(text), f"--out={a_file}"], f"cannot write shards to {a_file}"),
+        (tokenize.main, [str(tmp_path / "none.txt"), f"--out={tmp_path}/s"], "no such file"),
+        (tokenize.main, [str(tmp_path / "bad.jsonl"), f"--out={tmp_path}/s"], "not valid UTF-8"),
+        (tokenize.main, [str(text)], "give --out=DIR"),
+        (tokenize.main, [f"--check={tmp_path}/none"], "no .bin shards"),
+        (tokenize.main, ["--bogus=1"], "bad option '--bogus=1'"),
+        (fetch.main, ["104"], "only 103 training shards"),
+        (fetch.main, ["--workers=0"], "bad argument '--workers=0'"),
+        (fetch.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
+        (fetch.main, ["--bogus"], "bad argument '--bogus'"),
+    ]
+    for main, argv, message in cases:
+        code = tg.cli(main, argv)
+        out = capsys.readouterr()
+        assert code == 2 and out.err.startswith("error: "), (argv, out.err)
+        assert out.err.count("\n") == 1 and message in out.err, (argv, out.err)
+    assert not (tmp_path / "s").exists() or not list((tmp_path / "s").iterdir())
+    assert a_file.read_text() == "x"
+
+
+# ---------------------------------------------------------------------------- runs that survive
+
+def run_main(args, capsys):
+    """tg.main in this process -> (exit status, stdout, stderr)."""
+    try:
+        tg.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def val_steps(run_dir):
+    return [m["step"] for m in read_metrics(run_dir) if m["kind"] == "val"]
+
+
+def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    for more in (["--train_tokens=512"], ["--batch_size=32"]):  # 2 steps in all, 4 done
+        code, out, err = run_main([f"--resume={tmp_path}", *more], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith("error: the checkpoint is at step 4 but these settings make 2 steps")
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
+
+
+def test_a_run_directory_is_held_by_one_job(tmp_path):
+    tg.lock_run_dir(str(tmp_path))
+    try:
+        with pytest.raises(tg.UserError, match=f"is in use by pid {os.getpid()} on "):
+            tg.lock_run_dir(str(tmp_path))  # a second open file: flock refuses it too
+    finally:
+        tg._held_locks.pop().close()
+    tg.lock_run_dir(str(tmp_path))  # released: free again
+    tg._held_locks.pop().close()
+
+
+def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path):
+    args = RESUME_RUN + ["--train_tokens=1024000", "--save_every=1", f"--run_dir={tmp_path}"]
+    proc = start_run(args)
+    try:
+        wait_for_line(proc, "step:2/4000 train_loss")
+        metrics = (tmp_path / "metrics.jsonl").read_bytes()
+        for second in (args, [f"--resume={tmp_path}"]):
+            r = run_script(second)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+            assert r.stderr.startswith(f"error: {tmp_path} is in use by pid {proc.pid} on ")
+        assert (tmp_path / "metrics.jsonl").read_bytes().startswith(metrics)
+    finally:
+        proc.kill()
+        proc.wait()
+    step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
+    r = run_script([f"--resume={tmp_path}", f"--stop_step={step + 1}"])  # the lock is gone
+    assert r.returncode == 0, r.stderr
+    train = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
+    assert train == list(range(1, step + 2))  # each step once
+
+
+def test_a_non_finite_update_never_replaces_the_checkpoint(tmp_path, monkeypatch, capsys):
+    real = torch.optim.AdamW.step
+    calls = [0]
+
+    def poisoned(self, *args, **kwargs):  # the 3rd update makes one weight inf; losses stay finite
+        out = real(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            self.param_groups[1]["params"][0].data[0, 0] = float("inf")
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    code, _, err = run_main(RESUME_RUN + ["--save_every=1", f"--run_dir={tmp_path}"], capsys)
+    assert code == 1
+    ckpt = tmp_path / "checkpoint.pt"
+    assert err == (f"error: non-finite weights after step 3; the checkpoint was not replaced; "
+                   f"last good checkpoint: {ckpt} (step 2)\n")
+    state = torch.load(ckpt, weights_only=True)
+    assert state["step"] == 2 and all(v.isfinite().all() for v in state["model"].values())
+    monkeypatch.setattr(torch.optim.AdamW, "step", real)
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # it loads and trains
+    assert code == 0, err
+    assert torch.load(ckpt, weights_only=True)["step"] == 8
+
+
+def signal_during_step(monkeypatch, n):
+    """A SIGTERM that arrives while training step n runs (the flag the handler sets)."""
+    real = tg.train_step
+
+    def step(*args):
+        if args[-1] == n - 1:  # the 0-based step index is train_step's last argument
+            tg.STOP.signum = signal.SIGTERM
+        return real(*args)
+    monkeypatch.setattr(tg, "train_step", step)
+
+
+@pytest.mark.parametrize("n", [4, 8])  # a validation step, and the last step
+def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'ref'}"], capsys)
+    assert code == 0, err
+    with monkeypatch.context() as m:
+        signal_during_step(m, n)
+        code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 0, err
+    assert f"stopped by signal SIGTERM at step {n} (its validation is still owed)" in out
+    assert val_steps(tmp_path / "run") == [0, 4, 8][:n // 4]
+    code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
+    assert code == 0, err
+    ref, run = (read_metrics(tmp_path / r) for r in ("ref", "run"))
+    strip = lambda ms: [timing(m) for m in ms if m["kind"] != "warmup"]  # noqa: E731
+    assert val_steps(tmp_path / "run") == [0, 4, 8] and strip(ref) == strip(run)
+    code, out, _ = run_main([f"--resume={tmp_path / 'run'}"], capsys)  # nothing left to do
+    assert code == 0 and "the run is complete at step 8" in out
+    assert val_steps(tmp_path / "run") == [0, 4, 8]
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    import builtins
+    import errno
+    saves = [0]
+
+    class FullDisk:  # takes part of the data, then the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        if str(path).endswith("checkpoint.pt.tmp"):
+            saves[0] += 1
+            if saves[0] == 2:
+                return FullDisk(f)
+        return f
+    monkeypatch.setattr(tg, "open", fake_open, raising=False)
+    code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
+    assert code == 1
+    assert err == (f"error: cannot write the checkpoint of step 4 (No space left on device); "
+                   f"last good checkpoint: {tmp_path / 'checkpoint.pt'} (step 2)\n")
+    assert not (tmp_path / "checkpoint.pt.tmp").exists()  # the partial file is gone
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
+    monkeypatch.undo()  # space freed
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert code == 0, err
+    assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
+
+
+def test_a_checkpoint_from_another_run_or_shape_is_refused(tmp_path, capsys):
+    for name in ("a", "b"):
+        code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / name}", "--stop_step=2"],
+                                capsys)
+        assert code == 0, err
+    a, b = tmp_path / "a", tmp_path / "b"
+    metrics = (b / "metrics.jsonl").read_bytes()
+    (b / "checkpoint.pt").write_bytes((a / "checkpoint.pt").read_bytes())
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert code == 2 and out == "" and "belongs to another run" in err and err.count("\n") == 1
+    assert (b / "metrics.jsonl").read_bytes() == metrics
+    state = torch.load(a / "checkpoint.pt", weights_only=True)
+    for change, message in [(lambda s: s["hp"].update(dim=64), "weights do not fit"),
+                            (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer")]:
+        bad = {**state, "hp": dict(state["hp"])}
+        change(bad)
+        torch.save(bad, a / "checkpoint.pt")
+        code, _, err = run_main([f"--resume={a}"], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch,
+                                                                     capsys):
+    def crash(*args):
+        raise MemoryError("killed before its first checkpoint")
+    with monkeypatch.context() as m:
+        m.setattr(tg, "train_step", crash)
+        with pytest.raises(MemoryError):
+            tg.main(RESUME_RUN + [f"--run_dir={tmp_path}"])
+    capsys.readouterr()
+    old_log = (tmp_path / "train.log").read_text()
+    assert not (tmp_path / "checkpoint.pt").exists()
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # restarts from config.json
+    assert code == 0, err
+    assert "its files are in" in err and (tmp_path / "aborted_1" / "train.log").read_text() == old_log
+    assert val_steps(tmp_path) == [0, 4, 8]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
+
+
+def test_a_first_signal_during_start_up_stops_cleanly(tmp_path, monkeypatch, capsys):
+    real = tg.setup_distributed
+
+    def signalled():
+        tg.STOP.signum = signal.SIGINT  # Ctrl-C while the job starts
+        return real()
+    monkeypatch.setattr(tg, "setup_distributed", signalled)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+    assert code == 0 and err == ""
+    assert "stopped by signal SIGINT at step 0" in out and "; checkpoint: none;" in out
+    assert val_steps(tmp_path) == [] and not (tmp_path / "checkpoint.pt").exists()
+
+    def second(*args):
+        raise KeyboardInterrupt  # what the handler raises on a second signal
+    monkeypatch.setattr(tg, "train_step", second)
+    monkeypatch.setattr(tg, "setup_distributed", real)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'b'}"], capsys)
+    assert code == 130 and err == "error: interrupted by a second signal; last checkpoint: none\n"
+
+
+def test_sigint_while_the_trainer_starts_exits_quietly(tmp_path):
+    proc = start_run(["--preset=smoke", f"--run_dir={tmp_path / 'r'}"])
+    time.sleep(0.3)  # python is up, torch still loading
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and err.count("\n") <= 1, err
+    assert proc.returncode in (0, 130), err
 
 
 # ---------------------------------------------------------------------------- compacted path

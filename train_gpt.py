@@ -77,15 +77,36 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+if __name__ == "__main__":  # a signal while torch loads: nothing is written yet, exit quietly
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 class UserError(Exception):
     """Bad input from the user: main() prints `error: <message>` and exits with status 2."""
+
+
+def cli(main, argv, before_error=None) -> int:
+    """Run a command's main(argv) -> exit status: 0, or 2 with one `error: ...` line for bad
+    input (a UserError, or an OS error on a path the user gave), 130 on Ctrl-C."""
+    try:
+        main(argv)
+        return 0
+    except (UserError, OSError) as e:
+        if before_error:
+            before_error()
+        text = str(e) if isinstance(e, UserError) else \
+            f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+        print(f"error: {text}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 # -----------------------------------------------------------------------------
@@ -426,8 +447,10 @@ def generate(model: GPT, prompt: list, max_new_tokens: int, temperature: float =
     for pos in range(len(prompt) + max_new_tokens - 1):
         logits = model(torch.tensor([[tokens[pos]]], device=device),
                        pos=torch.tensor([[pos]], device=device), cache=cache)[0][0, -1]
-        if pos == len(tokens) - 1:  # past the prompt: sample the next token
-            logits = logits / max(temperature, 1e-6)
+        if pos == len(tokens) - 1 and temperature == 0:  # greedy
+            tokens.append(int(logits.argmax()))
+        elif pos == len(tokens) - 1:  # past the prompt: sample the next token
+            logits = logits / temperature
             if top_k:
                 logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float("inf")
             tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=rng)))
@@ -599,6 +622,9 @@ def gpt2_encoding():
 
 def find_shards(pattern: str) -> list:
     files = sorted(glob.glob(pattern))
+    for path in files:
+        if not os.path.isfile(path):
+            raise UserError(f"{pattern} matches {path}, which is not a shard file")
     if not files:
         hint = ("fetch FineWeb with `python data/cached_fineweb10B.py`" if "fineweb" in pattern
                 else "check the path")
@@ -630,8 +656,22 @@ class DistributedLoader:
         return {"shard": self.shard, "pos": self.pos}
 
     def restore(self, shard: int, pos: int):
+        self.check_position(shard, pos)
         self._load(shard)
         self.pos = pos
+
+    def check_position(self, shard: int, pos: int):
+        """A checkpoint's data position must exist in these shards (they may have changed)."""
+        if not (0 <= shard < len(self.files) and
+                0 <= pos <= shard_tokens(self.files[shard]) - self.B * self.T * self.world - 1):
+            raise UserError(f"the checkpoint's data position (shard {shard}, token {pos}) is "
+                            f"not in the training shards now matched ({len(self.files)} files); "
+                            f"resume with the run's own train_files and batch size")
+
+    def capacity(self) -> int:
+        """Global batches in one pass over all shards, as next_batch walks them."""
+        step = self.B * self.T * self.world
+        return sum(max(0, (shard_tokens(path) - 1) // step) for path in self.files)
 
     def _load(self, shard: int):
         if shard != self.shard:  # the validation shard stays in memory between evaluations
@@ -824,35 +864,78 @@ def resolve(overrides: dict, base: Hyperparameters = None) -> Hyperparameters:
     return replace(hp, **overrides)
 
 
+# The range of every numeric field, checked before anything is written. A new field must be
+# listed here (the bad-input test tries -1, nan and 1e30 on every field and wants an error).
+AT_LEAST = {  # integers: smallest value
+    "vocab_size": 2, "n_layers": 1, "dim": 1, "n_heads": 1, "n_kv_heads": 1, "ffn_mult": 1,
+    "max_seq_len": 1, "batch_size": 1, "device_batch_size": 1, "seq_len": 1, "train_tokens": 1,
+    "val_tokens": 1, "expand_groups": 1, "expand_tau": 1, "expand_per_group": 0,
+    "dlo_anneal_steps": 0, "val_every": 0, "save_every": 0, "stop_step": 0, "max_bad_steps": 0,
+    "untimed_steps": 0, "seed": 0}
+INTERVALS = {  # floats: (low, high, whether low may be reached, whether high may be)
+    "norm_eps": (0, 1, False, False), "gate_eps": (0, 1, False, False),
+    "rope_theta": (0, math.inf, False, False), "init_std": (0, math.inf, False, False),
+    "lr": (0, math.inf, False, False), "adam_eps": (0, math.inf, False, False),
+    "peak_flops": (0, math.inf, False, False), "dlo_beta": (0, math.inf, False, False),
+    "gamma": (0, math.inf, True, False), "delta": (0, math.inf, True, False),
+    "fixed_coef": (0, math.inf, True, False), "weight_decay": (0, math.inf, True, False),
+    "dlo_gamma": (0, math.inf, True, False),
+    "mu_start": (0, 1, True, True), "mu_end": (0, 1, True, True),
+    "warmup_frac": (0, 1, True, True), "warmup_start": (0, 1, True, True),
+    "beta1": (0, 1, True, False), "beta2": (0, 1, True, False), "dlo_rho": (0, 1, True, False)}
+CHOICES = lambda: {"router": ROUTERS, "controller": CONTROLLERS,  # noqa: E731
+                   "attn_impl": ("auto", "flex", "sdpa"), "gate_init": GATE_INITS,
+                   "gate_axis": GATE_AXES, "expand_init": EXPAND_INITS,
+                   "preset": ("",) + tuple(PRESETS)}
+
+
+def param_count(hp: Hyperparameters) -> int:
+    hd = hp.dim // max(hp.n_heads, 1)
+    block = (2 * hp.dim * hp.n_heads * hd + 2 * hp.dim * hp.n_kv_heads * hd
+             + 3 * hp.dim * hp.ffn_mult * hp.dim + 4 * hp.dim)
+    return 2 * hp.vocab_size * hp.dim + 2 * hp.dim + hp.n_layers * (block + hp.dim + 1)
+
+
+def machine_memory() -> int:
+    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2**62
+
+
 def validate(hp: Hyperparameters, world: int):
-    if hp.router not in ROUTERS:
-        raise UserError(f"router={hp.router!r}; choose from {', '.join(ROUTERS)}")
-    if not 0 <= hp.dlo_rho < 1:
-        raise UserError(f"dlo_rho={hp.dlo_rho} must lie in [0, 1)")
+    """Every field in range and the settings consistent; UserError naming the first that is not."""
+    for name, low in AT_LEAST.items():
+        if getattr(hp, name) < low:
+            raise UserError(f"{name}={getattr(hp, name)} must be at least {low}")
+    for name, (low, high, low_ok, high_ok) in INTERVALS.items():
+        v = getattr(hp, name)
+        if not (low < v < high or (low_ok and v == low) or (high_ok and v == high)):
+            raise UserError(f"{name}={v} must lie in {'[' if low_ok else '('}{low}, {high}"
+                            f"{']' if high_ok else ')'}")
+    for name, options in CHOICES().items():
+        if getattr(hp, name) not in options:
+            raise UserError(f"{name}={getattr(hp, name)!r}; choose from "
+                            f"{', '.join(repr(o) for o in options)}")
+    if hp.vocab_size > 2**16:
+        raise UserError(f"vocab_size={hp.vocab_size}: shards hold uint16 token ids (at most 65536)")
+    if hp.seed >= 2**63:
+        raise UserError(f"seed={hp.seed} must be below 2^63")
     if hp.gated and hp.n_layers % 2:
         raise UserError(f"n_layers={hp.n_layers}: a gated model needs an even number of layers")
-    if hp.n_layers < 1 or hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
-        raise UserError("need n_layers >= 1, dim divisible by n_heads, n_heads by n_kv_heads")
+    if hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
+        raise UserError(f"need dim ({hp.dim}) divisible by n_heads ({hp.n_heads}) and n_heads "
+                        f"by n_kv_heads ({hp.n_kv_heads})")
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
-    if not (0 <= hp.mu_start <= 1 and 0 <= hp.mu_end <= 1):
-        raise UserError("mean targets mu_start and mu_end must lie in [0, 1]")
-    if hp.gate_init not in GATE_INITS or hp.gate_axis not in GATE_AXES:
-        raise UserError(f"gate_init={hp.gate_init!r}, gate_axis={hp.gate_axis!r}; choose "
-                        f"gate_init from {', '.join(GATE_INITS)}, gate_axis from "
-                        f"{', '.join(GATE_AXES)}")
     if not hp.gated and (hp.gate_init, hp.gate_axis) != ("normal", "key"):
         raise UserError(f"gate_init and gate_axis set the skip_middle gates; router="
                         f"{hp.router} has none")
     if hp.compact and hp.gate_axis == "query":
         raise UserError("compact=true needs gate_axis=key: with the gate on the query axis "
                         "later tokens still attend to a skipped token, so it cannot be dropped")
-    if hp.untimed_steps < 0:
-        raise UserError(f"untimed_steps={hp.untimed_steps} must be >= 0")
-    if hp.controller not in CONTROLLERS:
-        raise UserError(f"controller={hp.controller!r}; choose from {', '.join(CONTROLLERS)}")
-    if hp.attn_impl not in ("auto", "flex", "sdpa"):
-        raise UserError(f"attn_impl={hp.attn_impl!r}; choose auto, flex or sdpa")
     if hp.batch_size % (hp.device_batch_size * world):
         raise UserError(f"batch_size={hp.batch_size} is not divisible by device_batch_size "
                         f"({hp.device_batch_size}) x world size ({world})")
@@ -864,6 +947,14 @@ def validate(hp: Hyperparameters, world: int):
     if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
         raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
                         f"({hp.device_batch_size * hp.seq_len * world} tokens)")
+    # a lower bound on one device's memory: fp32 weights, gradients and two AdamW moments, the
+    # RoPE tables, and the fp32 logits of one micro-batch with their gradient
+    need = (16 * param_count(hp) + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
+            + 8 * hp.device_batch_size * hp.seq_len * hp.vocab_size)
+    if need > machine_memory():
+        raise UserError(f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
+                        f"{machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
+                        f"max_seq_len or device_batch_size)")
 
 
 def num_steps(hp: Hyperparameters) -> int:
@@ -907,6 +998,33 @@ def setup_distributed() -> Dist:
     return d
 
 
+def check_device(name: str) -> str:
+    """A device the commands can run on (cpu, cuda, cuda:K), or a UserError saying why not."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device={name}: not a device name (cpu, cuda or cuda:K)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device={name}: only cpu and cuda are supported")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device={name}: no CUDA device is available here")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device={name}: there are {torch.cuda.device_count()} CUDA devices")
+    return name
+
+
+def writable_dir(path: str) -> str:
+    """Create path if needed and prove it takes a file, before any long work writes there."""
+    probe = os.path.join(path, f".write_test_{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        open(probe, "wb").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write to {path}: {e.strerror}") from None
+    return path
+
+
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
@@ -930,13 +1048,19 @@ def fmt_list(xs) -> str:
 
 
 def write_atomically(path: str, data: bytes):
-    """Temporary file, flush, fsync, rename: a crash leaves the old file or the new one."""
+    """Temporary file, flush, fsync, rename: a crash leaves the old file or the new one, and a
+    failed write (a full disk, a second signal) removes the temporary file before raising."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
         os.fsync(fd)  # make the rename itself durable
@@ -965,26 +1089,95 @@ def provenance() -> dict:
             "source_sha256": hashlib.sha256(source_code()).hexdigest()}
 
 
-def new_run_dir(hp: "Hyperparameters", d: "Dist") -> str:
-    """A fresh logs/<date_time>_<preset or run>_<6 hex>/ made by rank 0 and broadcast. mkdir
-    fails on an existing folder, so two jobs started in the same second never share one."""
-    chosen = [""]
+def on_master(d: "Dist", fn):
+    """Run fn on rank 0 only and give every rank its result, or raise its UserError on all."""
+    box = [None]
     if d.master:
-        while not chosen[0]:
-            path = os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
-                                f"_{hp.preset or 'run'}_{os.urandom(3).hex()}")
-            try:
-                os.makedirs(path)
-                chosen[0] = path
-            except FileExistsError:
-                continue
-            except OSError as e:
-                chosen[0] = f"error: cannot create {path}: {e.strerror}"
+        try:
+            box[0] = ("ok", fn())
+        except UserError as e:
+            box[0] = ("error", str(e))
     if dist.is_initialized():
-        dist.broadcast_object_list(chosen, src=0)
-    if chosen[0].startswith("error: "):
-        raise UserError(chosen[0][len("error: "):])
-    return chosen[0]
+        dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        raise UserError(box[0][1])
+    return box[0][1]
+
+
+def new_run_dir(hp: "Hyperparameters") -> str:
+    """A fresh logs/<date_time>_<preset or run>_<6 hex>/. mkdir fails on an existing folder,
+    so two jobs started in the same second never share one."""
+    while True:
+        path = os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
+                            f"_{hp.preset or 'run'}_{os.urandom(3).hex()}")
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise UserError(f"cannot create {path}: {e.strerror}") from None
+
+
+LOCK = "lock"
+_held_locks = []  # the open lock files of this process: closing one (or exiting) releases it
+
+
+def lock_run_dir(run_dir: str):
+    """An exclusive flock on RUN_DIR/lock for the rest of this process. The kernel drops it
+    when the process ends, however it ends, so a crashed job leaves no stale lock (on local
+    file systems; some network file systems do not honour flock)."""
+    import fcntl
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        f = open(os.path.join(run_dir, LOCK), "a+")
+    except OSError as e:
+        raise UserError(f"cannot use run_dir {run_dir}: {e.strerror}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another job"
+        f.close()
+        raise UserError(f"{run_dir} is in use by {holder}; wait for that job to end") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {platform.node()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _held_locks.append(f)
+
+
+def open_run_dir(hp: "Hyperparameters", resuming: bool, ckpt_mtime: int = None) -> str:
+    """Choose and lock the run directory (rank 0). A fresh start refuses a directory that
+    holds a checkpoint; one whose run ended before its first checkpoint is started afresh,
+    with the earlier attempt's files moved to aborted_<k>/ so nothing is lost."""
+    run_dir = hp.run_dir or new_run_dir(hp)
+    lock_run_dir(run_dir)
+    ckpt_path = os.path.join(run_dir, CHECKPOINT)
+    if resuming:
+        mtime = os.stat(ckpt_path).st_mtime_ns if os.path.exists(ckpt_path) else None
+        if mtime != ckpt_mtime:
+            raise UserError(f"{ckpt_path} changed while this job started (another job was "
+                            f"using the run); resume again")
+        return run_dir
+    if os.path.exists(ckpt_path):
+        raise UserError(f"{run_dir} already holds a run; choose another --run_dir, or continue "
+                        f"it with --resume={run_dir}")
+    old = [n for n in ("train.log", "metrics.jsonl", "config.json")
+           if os.path.exists(os.path.join(run_dir, n))]
+    if old:
+        k = 1
+        while os.path.exists(os.path.join(run_dir, f"aborted_{k}")):
+            k += 1
+        aside = os.path.join(run_dir, f"aborted_{k}")
+        try:
+            os.makedirs(aside)
+            for name in old:
+                os.replace(os.path.join(run_dir, name), os.path.join(aside, name))
+        except OSError as e:
+            raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
+        print(f"{run_dir} held a run that stopped before its first checkpoint; its files are "
+              f"in {aside}", file=sys.stderr)
+    return run_dir
 
 
 class RunLog:
@@ -994,7 +1187,7 @@ class RunLog:
     even after a crash."""
 
     def __init__(self, run_dir: str, hp: Hyperparameters, extra: dict, active: bool,
-                 resumed_at: int = None):
+                 resumed_at: int = None, val_done: int = -1):
         self.active, self.run_dir = active, run_dir
         if not active:
             return
@@ -1022,8 +1215,10 @@ class RunLog:
             if os.path.exists(metrics):
                 with open(metrics, "rb") as f:
                     for line in f:
-                        with contextlib.suppress(ValueError):  # a line cut by a crash
-                            if json.loads(line)["step"] <= resumed_at:
+                        with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
+                            m = json.loads(line)  # keep what the checkpoint has seen
+                            if m["step"] <= resumed_at and not (m["kind"] == "val" and
+                                                                m["step"] > val_done):
                                 kept += line
             write_atomically(metrics, kept)
         self.metrics = open(metrics, "a")
@@ -1059,11 +1254,11 @@ class RunLog:
 CHECKPOINT = "checkpoint.pt"
 # fields that change the parameters or the function: a resumed run may not change them
 MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_mult", "router",
-                "sandwich_norm")
+                "sandwich_norm", "gate_axis")
 
 
-CHECKPOINT_KEYS = ("step", "train_ms", "timed_steps", "tokens", "bad_steps", "hp", "world_size",
-                   "model", "optimizer", "controller", "dlo", "loader", "rng")
+CHECKPOINT_KEYS = ("step", "train_ms", "timed_steps", "tokens", "bad_steps", "val_done", "run_id",
+                   "hp", "world_size", "model", "optimizer", "controller", "dlo", "loader", "rng")
 
 
 class RunStopped(Exception):
@@ -1080,33 +1275,71 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
 
 
 def load_checkpoint(run_dir: str) -> dict:
+    """The checkpoint of run_dir, checked: it loads, holds every key the trainer reads, and its
+    weights have exactly the shapes its settings give. state["mtime"] is the file's."""
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isfile(path):
-        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it")
+        hint = ""
+        if os.path.exists(os.path.join(run_dir, "config.json")):
+            hint = "; its run stopped before the first checkpoint, and --resume starts it afresh"
+        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it{hint}")
     try:
+        mtime = os.stat(path).st_mtime_ns
         state = torch.load(path, map_location="cpu", weights_only=True)
-        Hyperparameters(**state["hp"])
+        hp = Hyperparameters(**state["hp"])
     except Exception as e:  # truncated, overwritten, or from an incompatible version
         raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
     missing = [k for k in CHECKPOINT_KEYS if k not in state]
     if missing:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
                         f"version of train_gpt.py?)")
+    with torch.device("meta"):  # shapes only, no memory
+        expected = {k: v.shape for k, v in GPT(hp).state_dict().items()}
+    found = {k: getattr(v, "shape", None) for k, v in state["model"].items()}
+    if found != expected:
+        bad = sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
+        raise UserError(f"{path}: the weights do not fit the checkpoint's own settings "
+                        f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+    state["mtime"] = mtime
     return state
 
 
+def read_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
+
+
 def resume_settings(overrides: dict) -> tuple:
-    """-> (hp, checkpoint): the checkpoint's hyperparameters with the overrides on top."""
+    """-> (hp, checkpoint): the checkpoint's hyperparameters with the overrides on top. A run
+    that stopped before its first checkpoint restarts from its config.json (checkpoint None)."""
     run_dir = overrides["resume"]
+    if overrides.get("run_dir", run_dir) != run_dir:
+        raise UserError("--resume continues in its own directory; drop --run_dir")
+    if overrides.get("expand_from"):
+        raise UserError("--resume continues a run and --expand_from starts a new one; give one")
+    config = read_config(run_dir)
+    if config and not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
+        names = {f.name for f in fields(Hyperparameters)}
+        base = Hyperparameters(**{**{k: v for k, v in config.items() if k in names},
+                                  "stop_step": 0})
+        return replace(resolve(overrides, base), run_dir=run_dir, resume=""), None
     ckpt = load_checkpoint(run_dir)
-    base = Hyperparameters(**ckpt["hp"])
+    if config and config.get("run_id") != ckpt["run_id"]:
+        raise UserError(f"{os.path.join(run_dir, CHECKPOINT)} belongs to another run (run_id "
+                        f"{ckpt['run_id']}, config.json says {config.get('run_id')}); "
+                        f"resume the run it came from")
+    base = Hyperparameters(**{**ckpt["hp"], "stop_step": 0})  # a setting of one job, not the run
     hp = resolve(overrides, base)
     changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in MODEL_FIELDS
                if getattr(base, k) != getattr(hp, k)]
     if changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
-    if overrides.get("run_dir", run_dir) != run_dir:
-        raise UserError("--resume continues in its own directory; drop --run_dir")
     return replace(hp, run_dir=run_dir), ckpt
 
 
@@ -1200,11 +1433,11 @@ def expand_settings(overrides: dict) -> tuple:
 
 class StopSignal:
     """SIGTERM / SIGINT (what schedulers and Ctrl-C send) ask for a checkpoint at the next step
-    boundary; a second signal stops at once."""
+    boundary; a second signal stops at once (KeyboardInterrupt). Re-entrant: main() holds it
+    for the whole job, so a signal during start-up stops the job before its first step."""
 
     def __init__(self):
-        self.signum = 0
-        self.previous = {}
+        self.signum, self.depth, self.previous, self.last_ckpt = 0, 0, {}, "none"
 
     def __call__(self, signum, frame):
         if self.signum:
@@ -1212,13 +1445,29 @@ class StopSignal:
         self.signum = signum
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self)
+        if self.depth == 0:
+            self.signum = 0
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self)
+        self.depth += 1
         return self
 
     def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        self.depth -= 1
+        if self.depth == 0:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+
+
+STOP = StopSignal()  # handlers are installed only inside `with STOP:`
+
+
+def all_finite(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
+    """Whether every weight and every AdamW moment is finite (one host sync)."""
+    tensors = [p.detach() for p in model.parameters()]
+    tensors += [v for state in opt.state.values() for v in state.values()
+                if torch.is_tensor(v) and v.is_floating_point()]
+    return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
 
 # -----------------------------------------------------------------------------
@@ -1280,19 +1529,34 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
     validate(hp, d.world)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
+    if hp.attn_impl == "flex" and not cuda:
+        raise UserError("attn_impl=flex cannot train on CPU (FlexAttention has no CPU "
+                        "backward); use auto or sdpa")
     accum = hp.batch_size // (hp.device_batch_size * d.world)
     steps = num_steps(hp)
+    if ckpt is not None and ckpt["step"] > steps:
+        raise UserError(f"the checkpoint is at step {ckpt['step']} but these settings make "
+                        f"{steps} steps in all (train_tokens / (batch_size x seq_len)); "
+                        f"give a train_tokens of at least {ckpt['step'] * hp.batch_size * hp.seq_len}")
+    if ckpt is not None and 0 < hp.stop_step <= ckpt["step"]:
+        raise UserError(f"stop_step={hp.stop_step} is not after the checkpoint's step "
+                        f"{ckpt['step']}")
     tokens_per_step = hp.batch_size * hp.seq_len
     train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
                                      hp.seq_len, d.rank, d.world, hp.vocab_size)
     val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
                                    d.rank, d.world, hp.vocab_size)
-    if ckpt is None and hp.run_dir and os.path.exists(os.path.join(hp.run_dir, "train.log")):
-        raise UserError(f"{hp.run_dir} already holds a run; choose another --run_dir, "
-                        f"or continue it with --resume={hp.run_dir}")
+    val_steps = hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)
+    if val_steps > val_loader.capacity():
+        raise UserError(f"val_tokens={hp.val_tokens} is more than the validation shards hold "
+                        f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
+                        f"({val_loader.capacity()} batches); validation would repeat tokens")
+    if ckpt is not None:
+        train_loader.check_position(**ckpt["loader"])
     if dist.is_initialized():
         dist.barrier()  # every rank has checked before rank 0 creates anything
-    run_dir = hp.run_dir or new_run_dir(hp, d)
+    run_dir = on_master(d, lambda: open_run_dir(hp, ckpt is not None,
+                                                ckpt["mtime"] if ckpt else None))
 
     raw = GPT(hp).to(d.device)
     if init_state is not None:
@@ -1304,7 +1568,8 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
                             eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=cuda)
     # the clock: train_ms sums the timed steps of every job; the first untimed_steps of each
     # job (compilation on CUDA) are kept off it, as modded-nanogpt does, and logged apart
-    start, train_ms, timed_steps, tokens, bad_steps = 0, 0.0, 0, 0, 0
+    start, train_ms, timed_steps, tokens, bad_steps, val_done = 0, 0.0, 0, 0, 0, -1
+    run_id = os.urandom(8).hex()  # ties checkpoints to the config.json of their run
     if ckpt is not None:  # the lr schedule is a function of the step: the step is its state
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -1316,7 +1581,8 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
         if cuda and ckpt["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         start, train_ms, bad_steps = ckpt["step"], ckpt["train_ms"], ckpt["bad_steps"]
-        timed_steps, tokens = ckpt["timed_steps"], ckpt["tokens"]
+        timed_steps, tokens, val_done = ckpt["timed_steps"], ckpt["tokens"], ckpt["val_done"]
+        run_id = ckpt["run_id"]
     model = torch.compile(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
@@ -1324,30 +1590,47 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
         "python train_gpt.py"
     extra = dict(world_size=d.world, grad_accum=accum, num_steps=steps, run_dir=run_dir,
                  device=d.device, command=" ".join([launcher, *map(shlex.quote, argv)]),
-                 **provenance())
-    log = RunLog(run_dir, hp, extra, d.master, resumed_at=start if ckpt else None)
+                 run_id=run_id, **provenance())
+    log = RunLog(run_dir, hp, extra, d.master, resumed_at=start if ckpt else None,
+                 val_done=val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
               f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
-    last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none yet"
+    last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
     def checkpoint(step):
+        """Save (rank 0), unless the weights or AdamW state hold a non-finite number: then stop,
+        naming the last good checkpoint, which is left as it was. Every rank learns whether
+        the save worked, so none waits for a rank that stopped."""
+        if not all_finite(raw, opt):
+            raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
+                             f"replaced; last good checkpoint: {last_ckpt}")
+        failure = [""]
         if d.master:
-            save_checkpoint(run_dir, {
-                "step": step, "train_ms": train_ms, "timed_steps": timed_steps,
-                "tokens": tokens, "bad_steps": bad_steps, "hp": asdict(hp),
-                "world_size": d.world, "model": raw.state_dict(), "optimizer": opt.state_dict(),
-                "controller": ctrl.state_dict(), "dlo": dlo.state_dict() if dlo else {},
-                "loader": train_loader.state(),  # global position: each rank derives its offset
-                "rng": {"cpu": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if cuda else []}})
+            try:
+                save_checkpoint(run_dir, {
+                    "step": step, "train_ms": train_ms, "timed_steps": timed_steps,
+                    "tokens": tokens, "bad_steps": bad_steps, "val_done": val_done,
+                    "run_id": run_id, "hp": asdict(hp), "world_size": d.world,
+                    "model": raw.state_dict(), "optimizer": opt.state_dict(),
+                    "controller": ctrl.state_dict(), "dlo": dlo.state_dict() if dlo else {},
+                    "loader": train_loader.state(),  # global: each rank derives its offset
+                    "rng": {"cpu": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state_all() if cuda else []}})
+            except OSError as e:
+                failure[0] = (f"cannot write the checkpoint of step {step} ({e.strerror}); "
+                              f"last good checkpoint: {last_ckpt}")
+        if dist.is_initialized():
+            dist.broadcast_object_list(failure, src=0)
+        if failure[0]:
+            raise RunStopped(failure[0])
         return f"{os.path.join(run_dir, CHECKPOINT)} (step {step})"
 
     def end_warmup(step, warmup_ms):
@@ -1356,9 +1639,10 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
         log.record({"kind": "warmup", "step": step, "steps": step - start,
                     "warmup_ms": warmup_ms})
 
-    step, warmup_ms = start, 0.0
+    step, warmup_ms, saved_val = start, 0.0, val_done
+    STOP.last_ckpt = last_ckpt
     try:
-        with StopSignal() as stop:
+        with STOP as stop:
             while True:
                 # every rank must agree to stop at the same boundary, or the others would hang
                 signalled = bool(all_reduce(torch.tensor(float(stop.signum), device=d.device),
@@ -1366,12 +1650,17 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
                 last = step == steps
                 ending = last or signalled or (step == hp.stop_step and step > start)
                 due = last or (hp.val_every > 0 and step % hp.val_every == 0)
-                if due and not signalled and not (ckpt and step == start):
+                # a signal skips a due validation (to stop soon); the checkpoint says it is
+                # still owed (val_done < step), so the resumed job runs it first
+                if due and not signalled and val_done < step:
                     sync()
                     v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
                     log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms, timed_steps)
-                if step > start and (ending or (hp.save_every and step % hp.save_every == 0)):
-                    last_ckpt = checkpoint(step)
+                    val_done = step
+                periodic = step > start and hp.save_every and step % hp.save_every == 0
+                if (step > start or val_done != saved_val) and (ending or periodic):
+                    last_ckpt = STOP.last_ckpt = checkpoint(step)
+                    saved_val = val_done
                 if ending:
                     break
 
@@ -1423,10 +1712,13 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
                 log.record(record)
         if 0 < step - start < hp.untimed_steps:
             end_warmup(step, warmup_ms)
-        if step < steps:
+        if step < steps or val_done < step:
             why = f"signal {signal.Signals(stop.signum).name}" if signalled else "stop_step"
-            log.print(f"stopped by {why} at step {step}; checkpoint: {last_ckpt}; "
+            owed = "" if val_done == step or not due else " (its validation is still owed)"
+            log.print(f"stopped by {why} at step {step}{owed}; checkpoint: {last_ckpt}; "
                       f"resume with: {launcher} --resume={run_dir}")
+        elif step == start:
+            log.print(f"the run is complete at step {step}; nothing to do")
         if cuda:
             log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
     except RunStopped as e:
@@ -1504,21 +1796,25 @@ def log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms, timed_steps):
 # main
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        overrides = parse_overrides(sys.argv[1:] if argv is None else argv)
-        ckpt = init_state = None
-        if overrides.get("resume"):
-            hp, ckpt = resume_settings(overrides)
-        elif overrides.get("expand_from"):
-            hp, init_state = expand_settings(overrides)
-        else:
-            hp = resolve(overrides)
-        d = setup_distributed()
-        try:
-            train(hp, d, ckpt, init_state, sys.argv[1:] if argv is None else argv)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        with STOP:  # from the start: a first signal during start-up stops before step 1
+            overrides = parse_overrides(argv)
+            ckpt = init_state = None
+            if overrides.get("resume"):
+                hp, ckpt = resume_settings(overrides)
+            elif overrides.get("expand_from"):
+                hp, init_state = expand_settings(overrides)
+            else:
+                hp = resolve(overrides)
+            d = setup_distributed()
+            try:
+                train(hp, d, ckpt, init_state, argv)
+            finally:
+                while _held_locks:  # the job is over (in a test, the process goes on)
+                    _held_locks.pop().close()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -1526,8 +1822,13 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("error: interrupted by a second signal; the last checkpoint is kept", file=sys.stderr)
+        print(f"error: interrupted by a second signal; last checkpoint: {STOP.last_ckpt}",
+              file=sys.stderr)
         sys.exit(130)
+    except OSError as e:  # a log write on a full disk, a run directory gone mid-run
+        print(f"error: {e.strerror or e} ({e.filename or 'no file'}); last checkpoint: "
+              f"{STOP.last_ckpt}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

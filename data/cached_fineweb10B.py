@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from train_gpt import UserError, shard_tokens  # noqa: E402
+from train_gpt import UserError, cli, shard_tokens  # noqa: E402
 
 REPO = "kjj0/fineweb10B-gpt2"
 N_TRAIN = 103
@@ -62,7 +62,10 @@ def fetch(name: str, out: str, counter: str) -> str:
         except Exception as e:  # offline, not cached, or the hub is unreachable
             return f"{type(e).__name__}"
         if valid(cached):
-            place(cached, dest)
+            try:
+                place(cached, dest)
+            except OSError as e:
+                return f"cannot write {dest}: {e.strerror}"
             print(f"{counter} {name}: {shard_tokens(dest):,} tokens, "
                   f"{os.path.getsize(dest) / 2**20:,.0f} MiB", flush=True)
             return None
@@ -74,35 +77,37 @@ def main(argv) -> None:
     for arg in argv:
         if arg.startswith("--out="):
             out = arg[len("--out="):]
-        elif arg.startswith("--workers=") and arg[len("--workers="):].isdigit():
-            workers = max(1, int(arg[len("--workers="):]))
+        elif arg.startswith("--workers=") and arg[len("--workers="):].isdigit() \
+                and int(arg[len("--workers="):]) >= 1:
+            workers = int(arg[len("--workers="):])
         elif arg.isdigit() and count is None:
             count = int(arg)
         else:
             raise UserError(f"bad argument {arg!r}; usage: python data/cached_fineweb10B.py "
-                            f"[N train shards, 0..{N_TRAIN}] [--out=DIR] [--workers=K]")
+                            f"[N train shards, 0..{N_TRAIN}] [--out=DIR] [--workers=K >= 1]")
     count = N_TRAIN if count is None else count
     if count > N_TRAIN:
         raise UserError(f"there are only {N_TRAIN} training shards")
     names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
-    os.makedirs(out, exist_ok=True)
+    try:  # the folder must take files before any download starts
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write_test_{os.getpid()}")
+        open(probe, "wb").close()
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write to {out}: {e.strerror}") from None
     with ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]") for i, n in enumerate(names)]
         failed = [(n, f.result()) for n, f in zip(names, futures) if f.result() is not None]
     if failed:
         listed = ", ".join(n for n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
         raise UserError(f"{len(failed)} of {len(names)} files missing ({listed}; "
-                        f"{failed[0][1]}): no network and not in the Hugging Face cache? "
+                        f"{failed[0][1]}): no network and not in the Hugging Face cache, or "
+                        f"a full disk? "
                         f"Rerun `python data/cached_fineweb10B.py {count}` when online; "
                         f"files already fetched are kept")
     print(f"{len(names)} files in {out}")
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    sys.exit(cli(main, sys.argv[1:]))

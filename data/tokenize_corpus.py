@@ -31,7 +31,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from train_gpt import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UserError,  # noqa: E402
-                       gpt2_encoding, load_shard, write_atomically)
+                       cli, gpt2_encoding, load_shard, write_atomically)
 
 EOT = 50256
 GPT2_VOCAB = 50257
@@ -55,11 +55,16 @@ def documents(paths):
     """Yield (name, text) for every document; a malformed one is an error naming it."""
     for path in paths:
         if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8", errors="strict") as f:
-                for i, line in enumerate(f, 1):
+            with open(path, "rb") as f:  # bytes: a bad line is named, not a decoder traceback
+                for i, raw in enumerate(f, 1):
+                    name = f"{path}:{i}"
+                    try:
+                        line = raw.decode("utf-8", errors="strict")
+                    except UnicodeDecodeError as e:
+                        raise UserError(f"{name}: not valid UTF-8 ({e.reason} at byte "
+                                        f"{e.start} of the line)") from None
                     if not line.strip():
                         continue
-                    name = f"{path}:{i}"
                     try:
                         text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError):
@@ -115,7 +120,9 @@ def tokenize(paths, out, name, shard_tokens, workers):
     for path in paths:
         if not os.path.isfile(path):
             raise UserError(f"{path}: no such file")
-    os.makedirs(out, exist_ok=True)
+        if not os.access(path, os.R_OK):
+            raise UserError(f"{path}: not readable")
+    writable_folder(out)  # before the long work, not after it
     gpt2_encoding()  # fail early, with the clear message, before any worker starts
     written, n_docs, n_tokens = [], 0, 0
     shard, fill = np.empty(shard_tokens, dtype=np.uint16), 0  # 2 bytes a token, not a list
@@ -146,6 +153,14 @@ def tokenize(paths, out, name, shard_tokens, workers):
             flush_shard(shard[:fill])
         for path in written:  # all encoded: now the shards take their real names
             os.replace(path + ".part", path)
+        # shards of an earlier corpus of the same name would be read as part of this one
+        stale = sorted(set(glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_*_*.bin")))
+                       - set(written))
+        for path in stale:
+            os.remove(path)
+        if stale:
+            print(f"removed {len(stale)} shard(s) of an earlier corpus named {name!r} in {out}",
+                  file=sys.stderr)
     except BaseException:
         for path in written:
             if os.path.exists(path + ".part"):
@@ -158,9 +173,22 @@ def tokenize(paths, out, name, shard_tokens, workers):
     return written
 
 
+def writable_folder(out):
+    """Create out if needed and prove it takes a file, or raise a UserError naming why not."""
+    probe = os.path.join(out, f".write_test_{os.getpid()}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"cannot write shards to {out}: {e.strerror}") from None
+
+
 def make_sample(out):
     """The embedded sample: pydoc_data.topics, every 10th topic (sorted) to validation."""
     from pydoc_data.topics import topics
+    writable_folder(out)
     enc = gpt2_encoding()
     train, val = [], []
     for i, key in enumerate(sorted(topics)):
@@ -215,11 +243,10 @@ def main(argv):
         tokenize(paths, opts["out"], opts["name"], shard_tokens, workers)
 
 
+def run(argv) -> int:
+    """main() with one `error:` line for bad input, on a line of its own after the progress."""
+    return cli(main, argv, lambda: Progress.open_line and print(file=sys.stderr))
+
+
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as e:
-        print(("\n" if Progress.open_line else "") + f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    sys.exit(run(sys.argv[1:]))
