@@ -962,7 +962,7 @@ def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
         (bench.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
         (tokenize.main, [str(text), f"--out={tmp_path}/s", "--shard_tokens=0"], "at least 1"),
         (tokenize.main, [str(text), f"--out={tmp_path}/s", "--workers=0"], "at least 1"),
-        (tokenize.main, [str(text), f"--out={a_file}"], f"cannot write shards to {a_file}"),
+        (tokenize.main, [str(text), f"--out={a_file}"], f"cannot write to {a_file}"),
         (tokenize.main, [str(tmp_path / "none.txt"), f"--out={tmp_path}/s"], "no such file"),
         (tokenize.main, [str(tmp_path / "bad.jsonl"), f"--out={tmp_path}/s"], "not valid UTF-8"),
         (tokenize.main, [str(text)], "give --out=DIR"),

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from train_gpt import UserError, cli, shard_tokens  # noqa: E402
+from train_gpt import UserError, cli, shard_tokens, writable_dir  # noqa: E402
 
 REPO = "kjj0/fineweb10B-gpt2"
 N_TRAIN = 103
@@ -89,13 +89,7 @@ def main(argv) -> None:
     if count > N_TRAIN:
         raise UserError(f"there are only {N_TRAIN} training shards")
     names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
-    try:  # the folder must take files before any download starts
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write_test_{os.getpid()}")
-        open(probe, "wb").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"cannot write to {out}: {e.strerror}") from None
+    writable_dir(out)  # before any download starts
     with ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]") for i, n in enumerate(names)]
         failed = [(n, f.result()) for n, f in zip(names, futures) if f.result() is not None]

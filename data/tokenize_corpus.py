@@ -31,7 +31,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from train_gpt import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UserError,  # noqa: E402
-                       cli, gpt2_encoding, load_shard, write_atomically)
+                       cli, gpt2_encoding, load_shard, writable_dir, write_atomically)
 
 EOT = 50256
 GPT2_VOCAB = 50257
@@ -122,7 +122,7 @@ def tokenize(paths, out, name, shard_tokens, workers):
             raise UserError(f"{path}: no such file")
         if not os.access(path, os.R_OK):
             raise UserError(f"{path}: not readable")
-    writable_folder(out)  # before the long work, not after it
+    writable_dir(out)  # before the long work, not after it
     gpt2_encoding()  # fail early, with the clear message, before any worker starts
     written, n_docs, n_tokens = [], 0, 0
     shard, fill = np.empty(shard_tokens, dtype=np.uint16), 0  # 2 bytes a token, not a list
@@ -173,22 +173,10 @@ def tokenize(paths, out, name, shard_tokens, workers):
     return written
 
 
-def writable_folder(out):
-    """Create out if needed and prove it takes a file, or raise a UserError naming why not."""
-    probe = os.path.join(out, f".write_test_{os.getpid()}")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"cannot write shards to {out}: {e.strerror}") from None
-
-
 def make_sample(out):
     """The embedded sample: pydoc_data.topics, every 10th topic (sorted) to validation."""
     from pydoc_data.topics import topics
-    writable_folder(out)
+    writable_dir(out)
     enc = gpt2_encoding()
     train, val = [], []
     for i, key in enumerate(sorted(topics)):
