@@ -1,0 +1,366 @@
+"""The paper's Figure 2 in one command: dense baselines and gated models, cross-entropy against
+estimated forward FLOPs per token, with the verdict as a number.
+
+    python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~20 min
+    python sweep.py --grid=gpu1                     # one H100, ~25 min, FineWeb
+    python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
+    options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
+             --out=DIR (default records/<date>_figure2_<grid>)
+
+Each configuration of the grid trains through train_gpt.py in its own run directory under
+--runs, as a subprocess (under torchrun when --nproc_per_node > 1). A run that finished is
+skipped and one with a checkpoint is resumed, so rerunning the command after a crash finishes
+the grid without redoing finished runs. Then, in this process, on each run's final weights:
+validation cross-entropy and estimated FLOPs per token at the measured sparsity come from the
+run's last validation record; evaluation tokens per second are measured here, masked and (for
+gated runs) compacted, side by side. The dense frontier is cross-entropy against log FLOPs per
+token, linear between neighbouring dense points; every other run is reported as its
+cross-entropy minus the frontier's at its FLOPs (negative: better than dense). With --seeds=K
+the difference is the mean over seeds, and it is called real only beyond twice its standard
+deviation. The record folder gets table.md, results.csv, figure.png (matplotlib, a plot-only
+requirement) and a README with the command, the hardware and the verdict.
+
+Add a configuration to a grid with one line in GRIDS: (name, [train_gpt.py overrides]).
+Names starting with "dense_" make the frontier. "{runs}" and "{seed}" in an override are
+filled in (DLO expands a dense run of the same grid and seed, listed before it).
+"""
+
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import torch
+
+import train_gpt as tg
+
+# ---------------------------------------------------------------------------- grids
+
+def dense(L):
+    return (f"dense_{L}", ["--router=none", f"--n_layers={L}"])
+
+
+def gated(name, *extra):
+    return (name, ["--router=skip_middle", *extra])
+
+
+def dlo(rho, source, groups):
+    return (f"dlo_rho{rho}", [f"--expand_from={{runs}}/{source}_s{{seed}}", f"--expand_groups={groups}",
+                              "--expand_per_group=1", "--expand_init=identity", "--router=dlo",
+                              f"--dlo_rho={rho}"])
+
+
+def figure2_runs(L):
+    """The paper's points for an L-layer gated model, plus our three extra routers' points."""
+    return ([dense(n) for n in range(2, L + 1, 2)] +
+            [gated("gated_nocontrol", f"--n_layers={L}", "--controller=none")] +
+            [gated(f"gated_mu{m}", f"--n_layers={L}", f"--mu_end={m}") for m in (0.75, 0.5, 0.25, 0.0)] +
+            [gated("gated_query_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_axis=query"),
+             gated("gated_zeroinit_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_init=zero")] +
+            [dlo(rho, f"dense_{L // 2}", L // 2) for rho in (0.25, 0.5)])
+
+
+GRIDS = {
+    # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
+    # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
+    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~15 h for the 15 runs (smaller ones faster).
+    "paper": dict(base=[], n_layers=12, runs=figure2_runs(12)),
+    # One H100 in ~25 min: 15 runs share ~1500 s, ~100 s each minus ~30 s of compilation. An
+    # 8-layer dim-512 model at seq 512 costs ~0.35 GFLOPs per training token; at ~150 TFLOPs
+    # achieved that is ~400k tokens/s, so 24M tokens (730 steps of 32k tokens) per run.
+    "gpu1": dict(base=["--dim=512", "--n_heads=8", "--n_kv_heads=8", "--max_seq_len=512",
+                       "--seq_len=512", "--batch_size=64", "--device_batch_size=64",
+                       "--train_tokens=24000000", "--val_every=0", "--val_tokens=1048576",
+                       "--save_every=200", "--dlo_anneal_steps=100"],
+                 n_layers=8, runs=figure2_runs(8)),
+    # The mechanics on the embedded sample, 2 CPU cores, <= 20 min: a demonstration only
+    # (tiny models, 120 steps, the output head dominates the FLOPs).
+    "cpu": dict(base=["--preset=smoke", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
+                      "--max_seq_len=64", "--seq_len=64", "--batch_size=8",
+                      "--device_batch_size=8", "--train_tokens=61440", "--val_every=0",
+                      "--val_tokens=4096", "--save_every=40", "--lr=3e-3",
+                      "--dlo_anneal_steps=40"],
+                n_layers=4, runs=figure2_runs(4)),
+}
+
+
+# ---------------------------------------------------------------------------- running
+
+def run_state(run_dir: str) -> str:
+    """done (its final validation is recorded), resume (a checkpoint), or fresh."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            steps = json.load(f)["num_steps"]
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            vals = [m for m in map(json.loads, f) if m["kind"] == "val"]
+        if vals and vals[-1]["step"] == steps:
+            return "done"
+    except (OSError, ValueError, KeyError):
+        pass
+    return "resume" if os.path.exists(os.path.join(run_dir, tg.CHECKPOINT)) else "fresh"
+
+
+def launch(args: list, nproc: int):
+    cmd = ([sys.executable, "train_gpt.py"] if nproc == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "train_gpt.py"])
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run(cmd + args, cwd=here, capture_output=True, text=True)
+    if r.returncode:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise tg.UserError(f"{' '.join(args[-1:])}: train_gpt.py exited {r.returncode}: {tail}")
+
+
+def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
+    """Train every (configuration, seed) not finished yet. -> [(name, seed, run_dir)]."""
+    done = []
+    for seed in range(seeds):
+        for name, overrides in grid["runs"]:
+            run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
+            state = run_state(run_dir)
+            args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
+            if state == "fresh":
+                launch(grid["base"] + args + [f"--seed={seed}", f"--run_dir={run_dir}"], nproc)
+            elif state == "resume":
+                launch([f"--resume={run_dir}"], nproc)
+            print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
+            done.append((name, seed, run_dir))
+    return done
+
+
+# ---------------------------------------------------------------------------- measuring
+
+@torch.no_grad()
+def eval_ms_per_token(model, hp, idx, compact: bool, repeats: int = 3) -> float:
+    """Median wall time of an evaluation forward pass over idx, per token, in ms."""
+    model.hp = replace(hp, compact=compact)
+    cuda = idx.is_cuda
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    times = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with ctx:
+            model(idx)
+        if cuda:
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    model.hp = hp
+    return 1000 * statistics.median(times) / idx.numel()
+
+
+def measure(run_dir: str, device: str) -> dict:
+    """The run's final validation record, the sparsity each block reached against its
+    target, and evaluation time per token on its final weights (masked, and compacted where
+    blocks are gated), measured here."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        val = [m for m in map(json.loads, f) if m["kind"] == "val"][-1]
+    ckpt = tg.load_checkpoint(run_dir)
+    hp = tg.Hyperparameters(**ckpt["hp"])
+    model = tg.GPT(hp)
+    model.load_state_dict(ckpt["model"])
+    model.to(device).eval()
+    files = tg.find_shards(hp.val_files)
+    tokens = tg.load_shard(files[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
+    idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
+    row = dict(router=hp.router, n_layers=hp.n_layers, val_loss=val["val_loss"],
+               sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
+               ms_per_token_masked=eval_ms_per_token(model, hp, idx, False))
+    row["ms_per_token_compact"] = (eval_ms_per_token(model, hp, idx, True)
+                                   if hp.gated and hp.gate_axis == "key" or hp.router == "dlo"
+                                   else row["ms_per_token_masked"])
+    if hp.gated:
+        row["gate_zero"] = val["gate_zero"]
+        row["target_zero"] = [1 - m for m in tg.mean_targets(hp).tolist()]
+    return row
+
+
+# ---------------------------------------------------------------------------- the verdict
+
+SLACK = 0.01  # a run up to 1% beyond the end dense point (a gated model with few zero
+              # gates costs its gate linears more than the dense model) takes that point's value
+
+
+def frontier(points: list):
+    """points: (flops, value) of the dense runs -> f(flops): value linear in log FLOPs between
+    neighbouring points, the end point's value within SLACK beyond it, else None (no
+    extrapolation)."""
+    pts = sorted((math.log(f), v) for f, v in points)
+
+    def at(flops):
+        x = math.log(flops)
+        if pts and pts[0][0] - SLACK <= x <= pts[0][0]:
+            return pts[0][1]
+        if pts and pts[-1][0] <= x <= pts[-1][0] + SLACK:
+            return pts[-1][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= x <= x1:
+                return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return None
+    return at
+
+
+def summarise(rows: list) -> list:
+    """rows: measured runs (name, seed, ...) -> one line per configuration: mean values, the
+    cross-entropy minus the dense frontier (mean, std over seeds) and whether it is real."""
+    seeds = sorted({r["seed"] for r in rows})
+    fronts, time_fronts = {}, {}
+    for s in seeds:
+        dense_rows = [r for r in rows if r["seed"] == s and r["name"].startswith("dense_")]
+        fronts[s] = frontier([(r["flops_per_token"], r["val_loss"]) for r in dense_rows])
+        time_fronts[s] = frontier([(r["flops_per_token"], r["ms_per_token_masked"])
+                                   for r in dense_rows])
+    out = []
+    for name in dict.fromkeys(r["name"] for r in rows):
+        mine = [r for r in rows if r["name"] == name]
+        deltas = [r["val_loss"] - f for r in mine
+                  if (f := fronts[r["seed"]](r["flops_per_token"])) is not None]
+        dense_ms = [t for r in mine if (t := time_fronts[r["seed"]](r["flops_per_token"]))]
+        line = {"name": name, "seeds": len(mine)}
+        for key in ("val_loss", "sparsity", "flops_per_token", "ms_per_token_masked",
+                    "ms_per_token_compact"):
+            line[key] = statistics.mean(r[key] for r in mine)
+        line["dense_ms_at_equal_flops"] = statistics.mean(dense_ms) if dense_ms else None
+        if name.startswith("dense_") or not deltas:
+            line.update(delta=None, delta_std=None, verdict="frontier" if
+                        name.startswith("dense_") else "outside the dense FLOPs range")
+        else:
+            mean = statistics.mean(deltas)
+            std = statistics.stdev(deltas) if len(deltas) > 1 else None
+            real = std is not None and abs(mean) > 2 * std
+            line.update(delta=mean, delta_std=std, verdict=(
+                ("better than dense" if mean < 0 else "worse than dense") if real else
+                "no difference beyond 2 std" if std is not None else
+                ("below" if mean < 0 else "above") + " the frontier (one seed: no spread)"))
+        out.append(line)
+    return out
+
+
+def verdict_text(lines: list) -> str:
+    others = [ln for ln in lines if ln["delta"] is not None]
+    better = [ln["name"] for ln in others if ln["verdict"] == "better than dense"]
+    below = [ln["name"] for ln in others if ln["delta"] < 0]
+    text = (f"{len(others)} non-dense configurations lie within the dense FLOPs range; "
+            f"{len(below)} of them below the dense frontier"
+            + (f" ({', '.join(below)})" if below else "") + "; ")
+    if better:
+        return text + f"significantly better than dense (beyond 2 std): {', '.join(better)}."
+    return text + ("none significantly better than dense (the paper's finding at its scale)."
+                   if any(ln["delta_std"] is not None for ln in others) else
+                   "with one seed no difference can be called real (use --seeds=3).")
+
+
+# ---------------------------------------------------------------------------- the record
+
+def fmt(v, spec=".4f"):
+    return "" if v is None else format(v, spec)
+
+
+def write_record(out: str, lines: list, rows: list, command: str, grid_name: str):
+    keys = ["name", "seeds", "val_loss", "delta", "delta_std", "verdict", "sparsity",
+            "flops_per_token", "ms_per_token_masked", "ms_per_token_compact",
+            "dense_ms_at_equal_flops"]
+    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows({k: ln[k] for k in keys} for ln in lines)
+    table = ["| run | seeds | val CE | CE - dense frontier | std | verdict | sparsity | "
+             "fwd MFLOPs/token | eval ms/1k tok masked | compact | dense at equal FLOPs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for ln in lines:
+        table.append(f"| {ln['name']} | {ln['seeds']} | {ln['val_loss']:.4f} | "
+                     f"{fmt(ln['delta'], '+.4f')} | {fmt(ln['delta_std'])} | {ln['verdict']} | "
+                     f"{ln['sparsity']:.3f} | {ln['flops_per_token'] / 1e6:.3f} | "
+                     f"{1e3 * ln['ms_per_token_masked']:.2f} | "
+                     f"{1e3 * ln['ms_per_token_compact']:.2f} | "
+                     f"{fmt(ln['dense_ms_at_equal_flops'] and 1e3 * ln['dense_ms_at_equal_flops'], '.2f')} |")
+    per_block = ["| run | seed | zero share per block (measured) | target |", "|---|---|---|---|"]
+    for r in rows:
+        if "gate_zero" in r:
+            per_block.append(f"| {r['name']} | {r['seed']} | "
+                             f"{' '.join(f'{z:.2f}' for z in r['gate_zero'])} | "
+                             f"{' '.join(f'{z:.2f}' for z in r['target_zero'])} |")
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write("\n".join(table) + "\n\n" + "\n".join(per_block) + "\n")
+    figure = plot(out, lines)
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(f"# Figure 2, grid `{grid_name}`\n\n    {command}\n\n"
+                f"Verdict: {verdict_text(lines)}\n\n"
+                + (f"![figure](figure.png)\n\n" if figure else "(no figure: matplotlib is not "
+                   "installed)\n\n")
+                + "\n".join(table) + "\n\nPer gated block, the share of validation tokens with "
+                "g = 0 against the controller's target (1 - mu*):\n\n" + "\n".join(per_block)
+                + f"\n\nHardware:\n\n```\n{tg.describe_system()}\n```\n")
+
+
+def plot(out: str, lines: list) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for ax, xkey, xlabel in zip(axes, ("flops_per_token", "sparsity", "ms_per_token_compact"),
+                                ("estimated forward FLOPs per token (at measured sparsity)",
+                                 "gate sparsity (validation)",
+                                 "measured eval time per 1k tokens, ms (compact where possible)")):
+        for kind, marker in (("dense_", "o"), ("gated", "s"), ("dlo", "^")):
+            pts = [ln for ln in lines if ln["name"].startswith(kind)]
+            xs = [ln[xkey] * (1e3 if xkey.startswith("ms") else 1) for ln in pts]
+            ax.plot(xs, [ln["val_loss"] for ln in pts], marker, linestyle="-" if kind == "dense_"
+                    else "none", label=kind.rstrip("_"))
+            for x, ln in zip(xs, pts):
+                ax.annotate(ln["name"].replace("dense_", ""), (x, ln["val_loss"]), fontsize=7)
+        if xkey == "flops_per_token":
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation cross-entropy")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "figure.png"), dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv):
+    opts = {"grid": "cpu", "seeds": "1", "nproc_per_node": "1", "runs": "", "out": "",
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    for arg in argv:
+        key, _, value = arg[2:].partition("=")
+        if not arg.startswith("--") or key not in opts or not value:
+            raise tg.UserError(f"bad option {arg!r}; options: "
+                               + ", ".join(f"--{k}=" for k in opts))
+        opts[key] = value
+    if opts["grid"] not in GRIDS:
+        raise tg.UserError(f"--grid={opts['grid']}; grids: {', '.join(GRIDS)}")
+    seeds, nproc = (int(opts[k]) if opts[k].isdigit() else 0 for k in ("seeds", "nproc_per_node"))
+    if seeds < 1 or nproc < 1:
+        raise tg.UserError("--seeds and --nproc_per_node take integers >= 1")
+    device = tg.check_device(opts["device"])
+    grid = GRIDS[opts["grid"]]
+    runs_dir = opts["runs"] or os.path.join("logs", f"sweep_{opts['grid']}")
+    out = tg.writable_dir(opts["out"] or os.path.join(
+        "records", f"{time.strftime('%Y-%m-%d')}_figure2_{opts['grid']}"))
+    tg.writable_dir(runs_dir)
+    t0 = time.time()
+    done = run_grid(grid, runs_dir, seeds, nproc)
+    rows = [{"name": name, "seed": seed, **measure(run_dir, device)} for name, seed, run_dir in done]
+    lines = summarise(rows)
+    command = "python sweep.py " + " ".join(argv)
+    write_record(out, lines, rows, command, opts["grid"])
+    print(verdict_text(lines))
+    print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(tg.cli(main, sys.argv[1:]))
