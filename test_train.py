@@ -1466,3 +1466,138 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
     assert dlo[-1]["val_loss"] < dlo[0]["val_loss"]
     assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
     assert dlo[-1]["fwd_flops_per_token"] < dlo[-1]["fwd_flops_per_token_dense"]
+
+
+# ---------------------------------------------------------------------------- Figure 2 harness
+
+def test_frontier_and_verdict_on_hand_made_numbers():
+    sweep = load_command("sweep.py")
+    at = sweep.frontier([(4e6, 3.0), (1e6, 4.0)])
+    assert at(2e6) == pytest.approx(3.5)  # half way in log FLOPs between 1e6 and 4e6
+    assert at(1e6) == 4.0 and at(4e6) == 3.0
+    assert at(4e6 * 1.005) == 3.0  # within the slack beyond the end point
+    assert at(5e6) is None and at(0.5e6) is None  # no extrapolation
+
+    def row(name, seed, flops, loss):
+        return dict(name=name, seed=seed, flops_per_token=flops, val_loss=loss, sparsity=0.5,
+                    ms_per_token_masked=flops / 1e9, ms_per_token_compact=flops / 2e9)
+    rows = []
+    for s in range(3):
+        rows += [row("dense_2", s, 1e6, 4.0), row("dense_4", s, 4e6, 3.0)]
+    rows += [row("gated_a", s, 2e6, loss) for s, loss in enumerate([3.40, 3.41, 3.39])]
+    rows += [row("gated_b", s, 2e6, loss) for s, loss in enumerate([3.60, 3.40, 3.50])]
+    rows += [row("gated_c", s, 8e6, 2.0) for s in range(3)]
+    lines = {ln["name"]: ln for ln in sweep.summarise(rows)}
+    a, b = lines["gated_a"], lines["gated_b"]
+    assert a["delta"] == pytest.approx(-0.10) and a["delta_std"] == pytest.approx(0.01)
+    assert a["verdict"] == "better than dense"  # 0.10 > 2 x 0.01
+    assert b["delta"] == pytest.approx(0.0, abs=1e-12) and b["delta_std"] == pytest.approx(0.1)
+    assert b["verdict"] == "no difference beyond 2 std"
+    assert lines["gated_c"]["delta"] is None and lines["dense_4"]["verdict"] == "frontier"
+    assert a["dense_ms_at_equal_flops"] == pytest.approx(2.5e-3)  # (1e-3 + 4e-3) / 2, log midpoint
+    text = sweep.verdict_text(list(lines.values()))
+    assert "2 non-dense configurations" in text and "better than dense (beyond 2 std): gated_a." in text
+    one_seed = sweep.summarise([r for r in rows if r["seed"] == 0])
+    assert "use --seeds=3" in sweep.verdict_text(one_seed)
+
+
+TINY_GRID = ["--preset=smoke", "--dim=32", "--n_heads=4", "--n_kv_heads=2", "--max_seq_len=32",
+             "--seq_len=32", "--batch_size=8", "--device_batch_size=8", "--train_tokens=1280",
+             "--val_every=0", "--val_tokens=512", "--untimed_steps=0", "--save_every=2"]
+
+
+def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypatch, capsys):
+    sweep = load_command("sweep.py")
+    gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5")
+    grid = dict(base=TINY_GRID, n_layers=4,
+                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2)])
+    monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
+    sweep.launch(TINY_GRID + gated[1] + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}",
+                                         "--stop_step=2"], 1)
+    assert sweep.run_state(str(runs / "gated_mu0.5_s0")) == "resume"
+    argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}"]
+    assert tg.cli(sweep.main, argv) == 0
+    assert "resumed at step 2" in (runs / "gated_mu0.5_s0" / "train.log").read_text()
+    for name in ("dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5"):
+        assert sweep.run_state(str(runs / f"{name}_s0")) == "done"
+    assert {p.name for p in out.iterdir()} >= {"table.md", "results.csv", "figure.png", "README.md"}
+    assert (out / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = (out / "README.md").read_text()
+    assert "Verdict: 2 non-dense configurations" in readme or "Verdict: 1 non-dense" in readme \
+        or "Verdict: 0 non-dense" in readme
+    with open(out / "results.csv") as f:
+        table = {r["name"]: r for r in __import__("csv").DictReader(f)}
+    assert list(table) == ["dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5"]
+    for name, r in table.items():  # the table holds each run's own final validation
+        last = [m for m in read_metrics(runs / f"{name}_s0") if m["kind"] == "val"][-1]
+        assert float(r["val_loss"]) == pytest.approx(last["val_loss"])
+        assert float(r["flops_per_token"]) == pytest.approx(last["fwd_flops_per_token"])
+        assert float(r["ms_per_token_masked"]) > 0 and float(r["ms_per_token_compact"]) > 0
+    d2, d4 = (table[n] for n in ("dense_2", "dense_4"))
+    x = lambda r: math.log(float(r["flops_per_token"]))  # noqa: E731
+    for name in ("gated_mu0.5", "dlo_rho0.5"):
+        r = table[name]
+        if x(d2) <= x(r) <= x(d4):  # the frontier, interpolated here
+            w = (x(r) - x(d2)) / (x(d4) - x(d2))
+            front = float(d2["val_loss"]) + w * (float(d4["val_loss"]) - float(d2["val_loss"]))
+            assert float(r["delta"]) == pytest.approx(float(r["val_loss"]) - front, abs=1e-9)
+    # run again: nothing is trained, no run directory changes
+    before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != "lock"}
+    capsys.readouterr()
+    assert tg.cli(sweep.main, argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(": done") == 4 and "trained" not in printed
+    assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != "lock"}
+
+
+class TokenSpans(__import__("html.parser").parser.HTMLParser):
+    """Collects the text and title of each <span class="t"> (one per token)."""
+    def __init__(self):
+        super().__init__()
+        self.spans, self.inside, self.external = [], False, []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag in ("script", "link", "img") or "src" in attrs or "href" in attrs:
+            self.external.append(tag)
+        if tag == "span" and attrs.get("class") == "t":
+            self.spans.append(["", attrs["title"]])
+            self.inside = True
+
+    def handle_endtag(self, tag):
+        self.inside = self.inside and tag != "span"
+
+    def handle_data(self, data):
+        if self.inside:
+            self.spans[-1][0] += data
+
+
+def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys):
+    skipview = load_command("skipview.py")
+    run = tmp_path / "run"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    text = "The gate decides, per token, how many blocks run.\nA second line & <markup>."
+    page = tmp_path / "page.html"
+    assert tg.cli(skipview.main, [str(run), f"--text={text}", f"--out={page}"]) == 0
+    terminal = capsys.readouterr().out
+    parser = TokenSpans()
+    parser.feed(page.read_text())
+    ids = tg.gpt2_encoding().encode_ordinary(text)
+    assert len(parser.spans) == len(ids) and not parser.external
+    assert "".join(t for t, _ in parser.spans) == text  # every token, in order, unescaped
+    # the counts against the gates computed here: blocks with g > 0 per token
+    ckpt = tg.load_checkpoint(str(run))
+    model = tg.GPT(tg.Hyperparameters(**ckpt["hp"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    with torch.no_grad():
+        gates = model(torch.tensor([ids])).gates[:, 0]  # (L, T)
+    expected = (gates > 0).sum(0).tolist()
+    assert [int(title.split()[0]) for _, title in parser.spans] == expected
+    assert "⏎" in terminal and terminal.count("[") >= len(ids)
+    assert tg.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
+    assert tg.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
+    assert capsys.readouterr().err.count("error: ") == 2

@@ -1,0 +1,106 @@
+"""Which tokens skip: colour each token of a text by how many blocks it ran (skip_middle: the
+blocks whose gate is non-zero for it) or how many MLPs it ran (DLO), from a run's checkpoint.
+
+    python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] [--out=page.html] [--device=cpu]
+
+Writes a self-contained HTML page (inline style, no scripts or fonts from elsewhere) with a
+legend and per-layer totals, and prints the same as a compact terminal view: each token
+followed by its count. Without --text it reads the first N tokens (default 256) of the run's
+validation shard. Text longer than the model's context is cut to it.
+"""
+
+import html
+import os
+import sys
+
+import torch
+
+import train_gpt as tg
+
+
+@torch.no_grad()
+def token_depths(model: tg.GPT, ids: list, device: str):
+    """-> (per token: how many units it ran, per layer: how many tokens ran it, units per
+    token): units are blocks for skip_middle and none, MLPs for DLO."""
+    model.eval()
+    gates = model(torch.tensor([ids], device=device)).gates  # (L, 1, T) or None (dense)
+    L = model.hp.n_layers
+    ran = torch.ones(L, len(ids), dtype=torch.bool) if gates is None else (gates[:, 0] > 0).cpu()
+    return ran.sum(0).tolist(), ran.sum(1).tolist(), L
+
+
+def colour(count: int, units: int) -> str:
+    """Light red for tokens that ran few units, light blue for tokens that ran all of them."""
+    hue = 0 if units == 0 else round(220 * count / units)
+    return f"hsl({hue}, 70%, 85%)"
+
+
+def html_page(pieces: list, counts: list, per_layer: list, units: int, title: str, unit: str) -> str:
+    spans = "".join(f'<span class="t" style="background:{colour(c, units)}" title="{c} of '
+                    f'{units} {unit}">{html.escape(p)}</span>' for p, c in zip(pieces, counts))
+    legend = " ".join(f'<span class="k" style="background:{colour(c, units)}">{c}</span>'
+                      for c in range(units + 1))
+    rows = "".join(f"<tr><td>{i}</td><td>{n}</td><td>{n / max(len(counts), 1):.1%}</td></tr>"
+                   for i, n in enumerate(per_layer))
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
+            f"</title><style>body{{font-family:monospace;max-width:60em;margin:2em auto}}"
+            f".t,.k{{white-space:pre-wrap}}table{{border-collapse:collapse}}"
+            f"td{{padding:0 1em}}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
+            f"<p>Colour: how many of the {units} {unit} each token ran. {legend}</p>\n"
+            f"<div>{spans}</div>\n<h2>Tokens that ran each layer</h2>\n<table><tr><th>layer</th>"
+            f"<th>tokens</th><th>share</th></tr>{rows}</table>\n</body></html>\n")
+
+
+def terminal_view(pieces: list, counts: list) -> str:
+    """Each token followed by its count, line breaks in the text shown as a visible mark."""
+    return "".join(f"{p.replace(chr(10), '⏎')}[{c}]" for p, c in zip(pieces, counts))
+
+
+def main(argv):
+    opts = {"text": None, "val_tokens": "256", "out": "", "device": "cpu"}
+    runs = []
+    for arg in argv:
+        key, _, value = arg[2:].partition("=")
+        if arg.startswith("--") and key in opts and "=" in arg:
+            opts[key] = value
+        elif not arg.startswith("--"):
+            runs.append(arg)
+        else:
+            raise tg.UserError(f"bad option {arg!r}; options: " + ", ".join(f"--{k}=" for k in opts))
+    if len(runs) != 1:
+        raise tg.UserError("usage: python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] "
+                           "[--out=page.html]")
+    if not opts["val_tokens"].isdigit() or int(opts["val_tokens"]) < 1:
+        raise tg.UserError(f"--val_tokens={opts['val_tokens']}: expected an integer >= 1")
+    device = tg.check_device(opts["device"])
+    ckpt = tg.load_checkpoint(runs[0])
+    hp = tg.Hyperparameters(**ckpt["hp"])
+    enc = tg.gpt2_encoding()
+    if opts["text"] is not None:
+        ids = enc.encode_ordinary(opts["text"])
+        if not ids:
+            raise tg.UserError("--text is empty")
+    else:
+        ids = tg.load_shard(tg.find_shards(hp.val_files)[0], hp.vocab_size)[:int(opts["val_tokens"])].tolist()
+    ids = ids[:hp.max_seq_len]
+    if opts["out"]:  # a page that cannot be written fails before the work, and creates nothing
+        tg.writable_dir(os.path.dirname(os.path.abspath(opts["out"])))
+        if os.path.isdir(opts["out"]):
+            raise tg.UserError(f"--out={opts['out']} is a directory; give a file name")
+    model = tg.GPT(hp)
+    model.load_state_dict(ckpt["model"])
+    model.to(device)
+    counts, per_layer, units = token_depths(model, ids, device)
+    unit = "MLPs" if hp.router == "dlo" else "blocks"
+    pieces = [enc.decode([i]) for i in ids]
+    print(terminal_view(pieces, counts))
+    print(f"\ntokens {len(ids)}; {unit} run per token: mean {sum(counts) / len(counts):.2f} of "
+          f"{units}; per layer: {per_layer}")
+    if opts["out"]:
+        page = html_page(pieces, counts, per_layer, units, f"{runs[0]}: {unit} run per token", unit)
+        tg.write_atomically(opts["out"], page.encode())
+        print(f"written to {opts['out']}")
+
+
+if __name__ == "__main__":
+    sys.exit(tg.cli(main, sys.argv[1:]))
