@@ -1480,3 +1480,134 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
     assert dlo[-1]["val_loss"] < dlo[0]["val_loss"]
     assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
     assert dlo[-1]["fwd_flops_per_token"] < dlo[-1]["fwd_flops_per_token_dense"]
+
+
+# ---------------------------------------------------------------------------- Mixture-of-Depths
+
+def mod_model(compact=False, capacity=0.25, seed=0):
+    torch.manual_seed(seed)
+    model = tg.GPT(tiny(router="mod", mod_capacity=capacity, compact=compact))
+    for router in model.router.routers:  # scores spread well beyond their init
+        torch.nn.init.normal_(router.weight, std=0.3)
+    return model
+
+
+def test_mod_routes_every_other_block_and_runs_the_top_k_of_each_sequence():
+    model = mod_model().train()
+    assert model.router.routed == [1, 3]
+    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(1))
+    route = model(idx).route
+    assert route["block"][[0, 2]].all()  # unrouted blocks run every token
+    r, chosen = route["logits"], route["block"][[1, 3]]  # (2, B, T)
+    assert chosen.sum(dim=2).tolist() == [[4] * 3] * 2  # floor(0.25 x 16) per sequence
+    assert torch.equal(route["topk"], chosen) and torch.equal(route["mlp"], route["block"])
+    for layer in range(2):
+        for b in range(3):
+            assert r[layer, b][chosen[layer, b]].min() > r[layer, b][~chosen[layer, b]].max()
+
+
+def test_a_routed_block_matches_the_block_run_on_the_chosen_tokens_alone():
+    # reference: each sequence's chosen tokens as a short sequence of their own (with their
+    # positions), the block's output scaled by r; every other token passes unchanged
+    model = mod_model().train()
+    block, x = model.blocks[1], torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    trace = __import__("collections").defaultdict(list)
+    with torch.no_grad():
+        out = model.router.run(1, block, x, trace, "sdpa")
+        r, chosen = trace["logits"][0], trace["block"][0]
+        for b in range(2):
+            pos = chosen[b].nonzero().squeeze(1)
+            xs = x[b, pos][None]
+            y = block.attend(xs, r[b, pos][None, :, None], "sdpa", pos=pos[None],
+                             keys=torch.ones(1, len(pos), 1))
+            y = y + r[b, pos][None, :, None] * block.mlp(y)
+            assert (out[b, pos] - y[0]).abs().max().item() < 1e-4
+            assert torch.equal(out[b, ~chosen[b]], x[b, ~chosen[b]])
+
+
+def test_mod_inference_runs_the_tokens_with_positive_scores_causally():
+    model = mod_model().eval()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(idx)
+        prefix = model(idx[:, :9])
+    assert torch.equal(full.route["block"][[1, 3]], full.route["logits"] > 0)
+    assert 0 < full.route["block"][1].float().mean() < 1
+    assert (full.logits[:, :9] - prefix.logits).abs().max().item() < 1e-5  # no look-ahead
+
+
+def test_mod_aux_loss_teaches_the_top_k_to_the_sign():
+    model = mod_model().train()
+    route = model(torch.randint(0, 97, (2, 16))).route
+    loss, _ = model.router.loss(route, step=0)
+    p, y = torch.sigmoid(route["logits"]), route["topk"].float()
+    bce = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+    assert loss.item() == pytest.approx(0.01 * bce.item(), rel=1e-5)
+
+
+def test_mod_compact_matches_masked_logits_and_gradients():
+    models = [mod_model(), mod_model(compact=True)]
+    models[1].load_state_dict(models[0].state_dict())
+    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(4))
+    out = []
+    for m in models:
+        o = m.train()(idx)
+        reg, _ = m.router.loss(o.route, 0)
+        (F.cross_entropy(o.logits.flatten(0, 1), idx.flatten()) + reg).backward()
+        out.append((o.logits.detach(), grads(m)))
+    (l0, p0), (l1, p1) = out
+    assert (l0 - l1).abs().max().item() < 1e-4
+    for name in p0:
+        assert_close_rel(p0[name], p1[name], 1e-4)
+
+
+def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
+    hp = tiny(router="mod", vocab_size=1000, dim=128, n_layers=4, max_seq_len=64, seq_len=64,
+              mod_capacity=0.25, compact=True)
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: exactly 16 of 64 tokens
+    assert tg.forward_flops(hp, [1, 0.25, 1, 0.25]) == pytest.approx(reference, rel=0.02)
+    assert tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False)) \
+        == 2 * 64 * 2 * 128  # the two routers' linears, every token
+
+
+@pytest.mark.parametrize("router", ["none", "dlo", "mod"])
+def test_a_smoke_run_per_router(tmp_path, router):
+    extra = ["--dlo_anneal_steps=4"] if router == "dlo" else []
+    r = run_script(TINY_RUN + [f"--router={router}", "--train_tokens=5120", "--val_every=5",
+                               "--val_tokens=1024", f"--run_dir={tmp_path}"] + extra)
+    assert r.returncode == 0, r.stderr[-2000:]
+    val = [m for m in read_metrics(tmp_path) if m["kind"] == "val"]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.5  # 10 steps of 512 tokens
+    assert len(val[-1]["block_active"]) == len(val[-1]["mlp_active"]) == 2
+    skipped = {"none": 0.0, "dlo": None, "mod": None}[router]
+    assert val[-1]["sparsity"] == skipped if skipped is not None else val[-1]["sparsity"] > 0
+
+
+def test_help_lists_every_field_with_its_default_and_comment(capsys):
+    code, out, err = run_main(["--help"], capsys)
+    assert code == 0 and err == ""
+    for f in tg.fields(tg.Hyperparameters):
+        default = getattr(tg.Hyperparameters(), f.name)
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+        assert f"--{f.name}={shown} " in out or out.count(f"--{f.name}={shown}\n") == 1, f.name
+    assert "global batch, sequences" in out and "\nMixture-of-Depths router" in out
+
+
+def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
+    ok = dict(batch_size=32, device_batch_size=32, train_tokens=32 * 16, val_tokens=32 * 16)
+    for kw, message in [(dict(router="dlo", gamma=0.5), "gamma sets the skip_middle router"),
+                        (dict(router="none", mod_capacity=0.5), "mod_capacity sets the mod router"),
+                        (dict(router="mod", dlo_rho=0.5), "dlo_rho sets the dlo router"),
+                        (dict(router="none", compact=True), "router=none runs every token"),
+                        (dict(controller="none", mu_end=0.25), "mu_end=0.25 has no effect"),
+                        (dict(controller="sparsity", gamma=0.5), "gamma=0.5 has no effect"),
+                        (dict(controller="adaptive", delta=0.5), "delta=0.5 has no effect"),
+                        (dict(fixed_coef=0.5), "fixed_coef=0.5 has no effect"),
+                        (dict(expand_groups=2), "expand_groups sets how --expand_from"),
+                        (dict(router="mod", mod_every=5), "mod_every=5 routes no block")]:
+        with pytest.raises(tg.UserError, match=re.escape(message)):
+            tg.validate(tiny(**ok, **kw), 1)
+    for kw in (dict(router="mod", compact=True), dict(router="dlo", compact=True),
+               dict(controller="sparsity", fixed_coef=0.5), dict(controller="proportional", gamma=0.5)):
+        tg.validate(tiny(**ok, **kw), 1)

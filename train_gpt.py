@@ -1055,6 +1055,24 @@ def _parse_value(name, text, default):
         raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
 
 
+def usage() -> str:
+    """--help: every field with its default and trailing comment, grouped as in the dataclass."""
+    import inspect
+    lines = ["usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
+             "Every field of Hyperparameters, with its default; booleans take true/false (1/0)."]
+    defaults = Hyperparameters()
+    for line in inspect.getsource(Hyperparameters).splitlines()[2:]:
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        if not code and comment:
+            lines.append(f"\n{comment}:")
+        elif ":" in code:
+            name = code.split(":")[0]
+            value = getattr(defaults, name)
+            text = f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+            lines.append(f"  {text:<36} {comment}".rstrip())
+    return "\n".join(lines) + f"\n\npresets: {', '.join(PRESETS)}; routers: {', '.join(ROUTERS)}"
+
+
 def parse_overrides(argv) -> dict:
     """--field=value pairs, each typed against its default; unknown fields are errors."""
     defaults = Hyperparameters()
@@ -2002,6 +2020,9 @@ def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: i
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
     try:
         with STOP:  # from the start: a first signal during start-up stops before step 1
             overrides = parse_overrides(argv)
