@@ -1,8 +1,11 @@
-"""Train the skip-middle gated Transformer (Lawson & Aitchison, 2025) on FineWeb shards.
+"""Train the skip-middle gated Transformer (Lawson & Aitchison, 2025) on FineWeb shards, and
+as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et al. 2024).
 
-One file, read top to bottom: components, gated attention and block, model, sparsity
-controller, data, FLOPs, hyperparameters, setup, training loop, main(). Importing it has no
-side effects; tests import the pieces.
+One file, read top to bottom, one banner per part: components; gated attention and the block;
+depth routers (the Router interface, then none, skip_middle with its sparsity controller, dlo,
+mod: a fourth router is a subclass there and a line in ROUTERS); the model; data; FLOPs;
+hyperparameters; setup; checkpoints and stopping; the training loop; main(). Importing it has
+no side effects; tests import the pieces.
 
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
@@ -58,6 +61,17 @@ Deviations from DLO (Tan et al. 2024), the second router (`router=dlo`), and cho
     skipped tokens' outputs are dropped; only evaluation and decoding skip the work.
   - Linear merge uses equal weights 1/tau; SLERP interpolates halfway (alpha = 1/2), per
     tensor, between the last layer of the group and the tau-th from last.
+
+Mixture-of-Depths (Raposo et al. 2024, `router=mod`), choices:
+  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every other block by default, so
+    block 0 always runs), with the paper's best capacity, 12.5% of each sequence.
+  - The router weight r = w.h (no bias, N(0, init_std) like every weight) scales both residual
+    branches of a chosen token, as g does in our gated block, so the MLP reads x + r Attn
+    rather than the paper's whole-block output scaled once. Tokens not chosen are neither
+    queries nor keys in that block (weight gate_eps in the masked path, 0 when compacted).
+  - Causal inference: the paper's first method, a BCE term (weight mod_aux_coef, our choice:
+    0.01) teaching sigmoid(r) the top-k membership; evaluation and decoding run r > 0. Its
+    validation therefore reports the inference routing, whose share may differ from capacity.
 """
 
 import collections
