@@ -37,7 +37,7 @@ SPARSITY = (0.0, 0.25, 0.5, 0.75)
 def force_sparsity(model, idx, p, seed=0):
     """Set gate 0 to s = ReLU(a (z - t)) along a random direction, with t the (1-p) quantile
     of z over this batch and a steep slope: a fraction ~p of tokens get S > 1, g = 0."""
-    for gate in model.gates:
+    for gate in model.router.gates:
         torch.nn.init.zeros_(gate.weight)
         torch.nn.init.zeros_(gate.bias)
     if p == 0:
@@ -48,8 +48,8 @@ def force_sparsity(model, idx, p, seed=0):
         z = x @ u
         t = torch.quantile(z.flatten().cpu(), 1 - p).item()
         a = 1e4 / z.std().item()
-        model.gates[0].weight.copy_((a * u)[None])
-        model.gates[0].bias.fill_(-a * t)
+        model.router.gates[0].weight.copy_((a * u)[None])
+        model.router.gates[0].bias.fill_(-a * t)
 
 
 def timed(fn, repeats, sync):
@@ -79,7 +79,7 @@ def bench_size(name, device, repeats, compile_):
     for p in SPARSITY:
         force_sparsity(model, idx, p)
         with torch.no_grad(), autocast:
-            gates = model(idx).gates
+            gates = model(idx).route["gates"]
         zero = (gates == 0).float().mean(dim=(1, 2)).tolist()
         ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
         row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)

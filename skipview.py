@@ -1,5 +1,6 @@
 """Which tokens skip: colour each token of a text by how many blocks it ran (skip_middle: the
-blocks whose gate is non-zero for it) or how many MLPs it ran (DLO), from a run's checkpoint.
+blocks whose gate is non-zero for it; mod: the routed blocks that chose it) or how many MLPs
+it ran (DLO), from a run's checkpoint.
 
     python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] [--out=page.html] [--device=cpu]
 
@@ -21,12 +22,11 @@ import train_gpt as tg
 @torch.no_grad()
 def token_depths(model: tg.GPT, ids: list, device: str):
     """-> (per token: how many units it ran, per layer: how many tokens ran it, units per
-    token): units are blocks for skip_middle and none, MLPs for DLO."""
+    token): units are MLPs for DLO (which skips only MLPs), blocks for the other routers."""
     model.eval()
-    gates = model(torch.tensor([ids], device=device)).gates  # (L, 1, T) or None (dense)
-    L = model.hp.n_layers
-    ran = torch.ones(L, len(ids), dtype=torch.bool) if gates is None else (gates[:, 0] > 0).cpu()
-    return ran.sum(0).tolist(), ran.sum(1).tolist(), L
+    route = model(torch.tensor([ids], device=device)).route
+    ran = route["mlp" if model.hp.router == "dlo" else "block"][:, 0].cpu()  # (L, T)
+    return ran.sum(0).tolist(), ran.sum(1).tolist(), model.hp.n_layers
 
 
 def colour(count: int, units: int) -> str:

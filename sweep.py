@@ -49,43 +49,48 @@ def gated(name, *extra):
     return (name, ["--router=skip_middle", *extra])
 
 
-def dlo(rho, source, groups):
+def dlo(rho, source, groups, anneal):
     return (f"dlo_rho{rho}", [f"--expand_from={{runs}}/{source}_s{{seed}}", f"--expand_groups={groups}",
                               "--expand_per_group=1", "--expand_init=identity", "--router=dlo",
-                              f"--dlo_rho={rho}"])
+                              f"--dlo_rho={rho}", f"--dlo_anneal_steps={anneal}"])
 
 
-def figure2_runs(L):
-    """The paper's points for an L-layer gated model, plus our three extra routers' points."""
+def mod(capacity, L):
+    return (f"mod_c{capacity}", ["--router=mod", f"--n_layers={L}", f"--mod_capacity={capacity}"])
+
+
+def figure2_runs(L, dlo_anneal_steps):
+    """The paper's points for an L-layer gated model, plus our extra points: the authors' gate
+    axis, the zero gate init, DLO at two skip rates and Mixture-of-Depths."""
     return ([dense(n) for n in range(2, L + 1, 2)] +
             [gated("gated_nocontrol", f"--n_layers={L}", "--controller=none")] +
             [gated(f"gated_mu{m}", f"--n_layers={L}", f"--mu_end={m}") for m in (0.75, 0.5, 0.25, 0.0)] +
             [gated("gated_query_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_axis=query"),
              gated("gated_zeroinit_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_init=zero")] +
-            [dlo(rho, f"dense_{L // 2}", L // 2) for rho in (0.25, 0.5)])
+            [dlo(rho, f"dense_{L // 2}", L // 2, dlo_anneal_steps) for rho in (0.25, 0.5)] +
+            [mod(0.125, L)])
 
 
 GRIDS = {
     # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
     # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
-    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~15 h for the 15 runs (smaller ones faster).
-    "paper": dict(base=[], n_layers=12, runs=figure2_runs(12)),
-    # One H100 in ~25 min: 15 runs share ~1500 s, ~100 s each minus ~30 s of compilation. An
+    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~16 h for the 16 runs (smaller ones faster).
+    "paper": dict(base=[], n_layers=12, runs=figure2_runs(12, 500)),
+    # One H100 in ~25 min: 16 runs share ~1500 s, ~95 s each minus ~30 s of compilation. An
     # 8-layer dim-512 model at seq 512 costs ~0.35 GFLOPs per training token; at ~150 TFLOPs
     # achieved that is ~400k tokens/s, so 24M tokens (730 steps of 32k tokens) per run.
     "gpu1": dict(base=["--dim=512", "--n_heads=8", "--n_kv_heads=8", "--max_seq_len=512",
                        "--seq_len=512", "--batch_size=64", "--device_batch_size=64",
                        "--train_tokens=24000000", "--val_every=0", "--val_tokens=1048576",
-                       "--save_every=200", "--dlo_anneal_steps=100"],
-                 n_layers=8, runs=figure2_runs(8)),
+                       "--save_every=200"],
+                 n_layers=8, runs=figure2_runs(8, 100)),
     # The mechanics on the embedded sample, 2 CPU cores, <= 20 min: a demonstration only
     # (tiny models, 120 steps, the output head dominates the FLOPs).
     "cpu": dict(base=["--preset=smoke", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
                       "--max_seq_len=64", "--seq_len=64", "--batch_size=8",
                       "--device_batch_size=8", "--train_tokens=61440", "--val_every=0",
-                      "--val_tokens=4096", "--save_every=40", "--lr=3e-3",
-                      "--dlo_anneal_steps=40"],
-                n_layers=4, runs=figure2_runs(4)),
+                      "--val_tokens=4096", "--save_every=40", "--lr=3e-3"],
+                n_layers=4, runs=figure2_runs(4, 40)),
 }
 
 
@@ -173,11 +178,11 @@ def measure(run_dir: str, device: str) -> dict:
     row = dict(router=hp.router, n_layers=hp.n_layers, val_loss=val["val_loss"],
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
                ms_per_token_masked=eval_ms_per_token(model, hp, idx, False))
-    row["ms_per_token_compact"] = (eval_ms_per_token(model, hp, idx, True)
-                                   if hp.gated and hp.gate_axis == "key" or hp.router == "dlo"
+    can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
+    row["ms_per_token_compact"] = (eval_ms_per_token(model, hp, idx, True) if can_compact
                                    else row["ms_per_token_masked"])
-    if hp.gated:
-        row["gate_zero"] = val["gate_zero"]
+    if "gate_mean" in val:  # the skip_middle gates: their zero share against the target
+        row["gate_zero"] = [1 - a for a in val["block_active"]]
         row["target_zero"] = [1 - m for m in tg.mean_targets(hp).tolist()]
     return row
 
@@ -312,7 +317,7 @@ def plot(out: str, lines: list) -> bool:
                                 ("estimated forward FLOPs per token (at measured sparsity)",
                                  "gate sparsity (validation)",
                                  "measured eval time per 1k tokens, ms (compact where possible)")):
-        for kind, marker in (("dense_", "o"), ("gated", "s"), ("dlo", "^")):
+        for kind, marker in (("dense_", "o"), ("gated", "s"), ("dlo", "^"), ("mod", "D")):
             pts = [ln for ln in lines if ln["name"].startswith(kind)]
             xs = [ln[xkey] * (1e3 if xkey.startswith("ms") else 1) for ln in pts]
             ax.plot(xs, [ln["val_loss"] for ln in pts], marker, linestyle="-" if kind == "dense_"

@@ -56,6 +56,12 @@ def reference_attention(q, k, v, log_g):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def logits_gates(model, idx, **kw):
+    """-> (logits, the skip_middle gates g (L, B, T), or None without them)."""
+    out = model(idx, **kw)
+    return out.logits, out.route.get("gates")
+
+
 def random_qkv_logg(B=2, H=4, Hkv=2, T=24, hd=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, T, hd, generator=gen) for h in (H, Hkv, Hkv))
@@ -72,11 +78,11 @@ def test_zero_gate_parameters_give_the_dense_model():
     dense = tg.GPT(tiny(router="none"))
     gated = tg.GPT(tiny(router="skip_middle", gate_init="zero"))
     missing, unexpected = gated.load_state_dict(dense.state_dict(), strict=False)
-    assert unexpected == [] and all(k.startswith("gates.") for k in missing) and missing
-    assert all((p == 0).all() for p in gated.gates.parameters())
+    assert unexpected == [] and all(k.startswith("router.gates.") for k in missing) and missing
+    assert all((p == 0).all() for p in gated.router.gates.parameters())
     idx = torch.randint(0, 97, (3, 16))
-    ld, gd = dense(idx)[:2]
-    lg, gg = gated(idx)[:2]
+    ld, gd = logits_gates(dense, idx)
+    lg, gg = logits_gates(gated, idx)
     assert gd is None and torch.equal(gg, torch.ones_like(gg))
     assert (ld - lg).abs().max().item() <= 1e-6
 
@@ -88,10 +94,10 @@ def test_paper_gate_init_closes_most_middle_gates_at_step_0():
     hp = replace(tg.Hyperparameters(), vocab_size=1024, compile=False, attn_impl="sdpa")
     assert (hp.dim, hp.n_layers, hp.gate_init) == (768, 12, "normal")
     model = tg.GPT(hp).eval()
-    assert all(g.weight.std().item() == pytest.approx(0.02, rel=0.1) for g in model.gates)
-    assert all((g.bias == 0).all() for g in model.gates)
+    assert all(g.weight.std().item() == pytest.approx(0.02, rel=0.1) for g in model.router.gates)
+    assert all((g.bias == 0).all() for g in model.router.gates)
     with torch.no_grad():
-        gates = model(torch.randint(0, 1024, (4, 128)))[1]  # (L, B, T)
+        gates = logits_gates(model, torch.randint(0, 1024, (4, 128)))[1]  # (L, B, T)
     middle = gates[hp.n_layers // 2 - 1]
     assert (middle == 0).float().mean() > 0.5 and middle.mean() < 0.6  # far from all-ones
     assert (gates[0] > 0).float().mean() > 0.5  # the first block still runs for most tokens
@@ -199,14 +205,14 @@ def test_block_leaves_gated_token_untouched():
 def test_gate_parameters_receive_gradient_inside_the_open_interval():
     torch.manual_seed(0)
     model = tg.GPT(tiny())
-    for gate in model.gates:
+    for gate in model.router.gates:
         torch.nn.init.normal_(gate.weight, std=0.02)
         torch.nn.init.constant_(gate.bias, 0.3)
     idx = torch.randint(0, 97, (2, 16))
-    logits, gates = model(idx)[:2]
+    logits, gates = logits_gates(model, idx)
     assert ((gates > 0) & (gates < 1)).float().mean() > 0.9
     F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
-    for gate in model.gates:
+    for gate in model.router.gates:
         assert gate.weight.grad.abs().sum() > 0 and gate.bias.grad.abs().sum() > 0
 
 
@@ -214,21 +220,21 @@ def test_zero_initialised_gates_are_not_stuck():
     # deviation in the docstring: relu'(0) = 0 would leave zero-initialised gates at 1 forever
     torch.manual_seed(0)
     model = tg.GPT(tiny(gate_init="zero"))
-    _, gates = model(torch.randint(0, 97, (2, 16)))[:2]
+    _, gates = logits_gates(model, torch.randint(0, 97, (2, 16)))
     assert torch.equal(gates, torch.ones_like(gates))
     gates.mean().backward()  # what the controller's alpha * mean term differentiates
-    assert all(gate.bias.grad.item() != 0 for gate in model.gates)
+    assert all(gate.bias.grad.item() != 0 for gate in model.router.gates)
 
 
 def test_mirrored_blocks_share_a_gate():
     assert [tg.mirror(i, 6) for i in range(6)] == [0, 1, 2, 2, 1, 0]
     torch.manual_seed(0)
     model = tg.GPT(tiny(n_layers=6))
-    assert len(model.gates) == 3
-    for gate in model.gates:
+    assert len(model.router.gates) == 3
+    for gate in model.router.gates:
         torch.nn.init.normal_(gate.weight, std=0.1)
         torch.nn.init.constant_(gate.bias, 0.2)
-    _, gates = model(torch.randint(0, 97, (2, 16)))[:2]
+    _, gates = logits_gates(model, torch.randint(0, 97, (2, 16)))
     for layer in range(6):
         assert torch.equal(gates[layer], gates[5 - layer])
     assert not torch.equal(gates[0], gates[1])
@@ -450,16 +456,17 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path):
     train = [m for m in metrics if m["kind"] == "train"]
     assert len(train) == 40 and [m["step"] for m in val] == [0, 10, 20, 30, 40]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 2.0
-    for key in ("sparsity", "gate_mean", "gate_zero", "resid_norm", "fwd_flops_per_token",
+    for key in ("sparsity", "gate_mean", "block_active", "mlp_active", "resid_norm", "fwd_flops_per_token",
                 "fwd_flops_per_token_dense", "fwd_flops_per_seq", "train_time_ms"):
         assert key in val[-1]
     assert val[-1]["train_flops_per_token"] == 3 * val[-1]["fwd_flops_per_token"]
     assert val[-1]["fwd_flops_per_seq"] == 64 * val[-1]["fwd_flops_per_token"]
     assert set(train[0]) == {"kind", "step", "tokens", "train_loss", "total_loss", "lr",
-                             "step_ms", "gate_mean", "gate_zero"}
+                             "layer_lr", "step_ms", "block_active", "mlp_active", "gate_mean"}
     assert [m["tokens"] for m in train] == [512 * m["step"] for m in train]  # 8 x 64 per step
     assert train[0]["lr"] == pytest.approx(0.1 * 3e-3)  # the first step of the warm-up
-    assert all(len(m["gate_mean"]) == len(m["gate_zero"]) == 2 for m in train)
+    assert all(len(m["gate_mean"]) == len(m["block_active"]) == 2 for m in train)
+    assert val[-1]["sparsity"] == pytest.approx(1 - sum(val[-1]["block_active"]) / 2)
     assert all(math.isfinite(m["total_loss"]) for m in train)
     # provenance: command, commit, source hash, then the source itself
     source = (Path(HERE) / "train_gpt.py").read_bytes()
@@ -662,7 +669,7 @@ def test_resume_is_bitwise_identical(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"resume with: python train_gpt.py --resume={part}" in r.stdout
     half = torch.load(part / "checkpoint.pt", weights_only=True)
-    assert half["step"] == 4 and half["controller"]["alpha"].abs().sum() > 0  # controller active
+    assert half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0  # controller active
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
     r = run_script([f"--resume={part}"])
     assert r.returncode == 0, r.stderr
@@ -683,7 +690,7 @@ def test_resume_is_bitwise_identical(tmp_path):
     cb = torch.load(part / "checkpoint.pt", weights_only=True)
     assert ca["step"] == cb["step"] == 8
     assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
-    assert torch.equal(ca["controller"]["alpha"], cb["controller"]["alpha"])
+    assert torch.equal(ca["routing"]["controller"]["alpha"], cb["routing"]["controller"]["alpha"])
     model = tg.GPT(tg.Hyperparameters(**cb["hp"]))
     model.load_state_dict(cb["model"])  # strict: an unwrapped model, loadable on CPU
     assert (part / "train.log").read_text().count("resumed at step 4") == 1
@@ -1262,14 +1269,14 @@ def test_compact_model_matches_dense_logits_and_gradients():
     models = [tg.GPT(hp), tg.GPT(replace(hp, compact=True))]
     models[1].load_state_dict(models[0].state_dict())
     for m in models:  # gates spread so that S > 1 (g = 0), 0 < S < 1 and S = 0 (g = 1) all occur
-        for gate in m.gates:
+        for gate in m.router.gates:
             torch.manual_seed(1)
             torch.nn.init.normal_(gate.weight, std=0.15)
             torch.nn.init.constant_(gate.bias, 0.1)
     idx = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
     out = []
     for m in models:
-        logits, gates = m(idx)[:2]
+        logits, gates = logits_gates(m, idx)
         (F.cross_entropy(logits.flatten(0, 1), idx.flatten()) + gates.mean()).backward()
         out.append((logits.detach(), gates.detach(), grads(m)))
     (l0, g0, p0), (l1, g1, p1) = out
@@ -1287,19 +1294,19 @@ def test_incremental_decoding_matches_a_full_forward_pass(axis):
     hp = tiny(n_layers=4, dim=48, max_seq_len=24, seq_len=24, compact=axis == "key",
               gate_axis=axis)
     model = tg.GPT(hp).eval()
-    for gate in model.gates:
+    for gate in model.router.gates:
         torch.nn.init.normal_(gate.weight, std=0.15)
         torch.nn.init.constant_(gate.bias, 0.1)
     idx = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        full, gates = model(idx)[:2]
+        full, gates = logits_gates(model, idx)
         dense_masked = tg.GPT(replace(hp, compact=False)).eval()
         dense_masked.load_state_dict(model.state_dict())
-        masked, _ = dense_masked(idx)[:2]
+        masked = dense_masked(idx).logits
     cache = tg.KVCache(hp, "cpu")
     for pos in range(24):
         with torch.no_grad():
-            step, _ = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache)[:2]
+            step = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
         assert (step[0, -1] - full[0, pos]).abs().max().item() < 1e-4
         assert (step[0, -1] - masked[0, pos]).abs().max().item() < 1e-4
     assert (gates == 0).any()
@@ -1329,29 +1336,33 @@ def test_zero_router_scores_are_one_and_the_model_is_dense():
     dense = tg.GPT(tiny(router="none"))
     dlo = tg.GPT(tiny(router="dlo"))
     missing, unexpected = dlo.load_state_dict(dense.state_dict(), strict=False)
-    assert not unexpected and missing == [f"routers.{i}.weight" for i in range(4)]
+    assert not unexpected and missing == [f"router.routers.{i}.weight" for i in range(4)]
     idx = torch.randint(0, 97, (3, 16))
     ref = dense(idx).logits
-    for model, skip_rates in ((dlo.eval(), None), (dlo.train(), [0.0] * 4)):
-        out = model(idx, skip_rates=skip_rates)
-        assert torch.equal(out.gates, torch.ones_like(out.gates))  # r = 1, every MLP runs
+    dlo.router.rates = torch.zeros(4, dtype=torch.float64)  # training: skip rate 0 everywhere
+    for model in (dlo.eval(), dlo.train()):
+        out = model(idx)
+        scale = out.route["scale"]
+        assert torch.equal(scale, torch.ones_like(scale)) and out.route["mlp"].all()  # r = 1
         assert (out.logits - ref).abs().max().item() <= 1e-6
 
 
 def test_dlo_training_runs_the_top_tokens_by_score():
     torch.manual_seed(0)
     model = tg.GPT(tiny(router="dlo", n_layers=2))
-    for router in model.routers:
+    for router in model.router.routers:
         torch.nn.init.normal_(router.weight, std=0.5)
-    out = model(torch.randint(0, 97, (3, 16)), skip_rates=[0.5, 0.25])
-    runs = (out.gates > 0).sum(dim=2)  # (L, B) tokens running the MLP per sequence
+    model.router.rates = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    out = model.train()(torch.randint(0, 97, (3, 16)))
+    scale, ran = out.route["scale"], out.route["mlp"]
+    runs = ran.sum(dim=2)  # (L, B) tokens running the MLP per sequence
     assert runs[0].tolist() == [8, 8, 8] and runs[1].tolist() == [12, 12, 12]
-    r = 1 + (2 * torch.sigmoid(out.router_logits) - 1) * 0.05 / 2  # eq. (1), beta = 2
+    assert torch.equal(ran, scale > 0) and out.route["block"].all()  # attention runs for all
+    r = 1 + (2 * torch.sigmoid(out.route["logits"]) - 1) * 0.05 / 2  # eq. (1), beta = 2
     for layer in range(2):
-        ran, skipped = r[layer][out.gates[layer] > 0], r[layer][out.gates[layer] == 0]
-        assert torch.allclose(out.gates[layer][out.gates[layer] > 0], ran)  # scaled by r
+        assert torch.allclose(scale[layer][ran[layer]], r[layer][ran[layer]])  # scaled by r
         for b in range(3):
-            assert r[layer, b][out.gates[layer, b] > 0].min() >= r[layer, b][out.gates[layer, b] == 0].max()
+            assert r[layer, b][ran[layer, b]].min() >= r[layer, b][~ran[layer, b]].max()
     assert 0.975 < r.min() and r.max() < 1.025
 
 
@@ -1361,38 +1372,41 @@ def test_dlo_compact_evaluation_matches():
     models = [tg.GPT(hp).eval(), tg.GPT(replace(hp, compact=True)).eval()]
     models[1].load_state_dict(models[0].state_dict())
     for m in models:
-        for i, router in enumerate(m.routers):
+        for i, router in enumerate(m.router.routers):
             torch.manual_seed(i)
             torch.nn.init.normal_(router.weight, std=0.5)
     idx = torch.randint(0, 97, (3, 16))
     a, b = models[0](idx), models[1](idx)
-    assert 0.2 < (a.gates == 0).float().mean() < 0.8
-    assert torch.equal(a.gates, b.gates) and (a.logits - b.logits).abs().max() < 1e-5
+    assert 0.2 < (~a.route["mlp"]).float().mean() < 0.8
+    assert torch.equal(a.route["scale"], b.route["scale"]) and (a.logits - b.logits).abs().max() < 1e-5
 
 
 def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
     sim = torch.tensor([[[0.9, 0.1, 0.5]], [[0.2, 0.8, 0.3]]])  # (L=2, B=1, T=3)
-    labels = tg.DLOState.labels(sim, 0.5)  # floor(0.5 * 6) = 3 least similar run: .1 .2 .3
+    labels = tg.DLO.labels(sim, 0.5)  # floor(0.5 * 6) = 3 least similar run: .1 .2 .3
     assert labels.squeeze(1).tolist() == [[0, 1, 0], [1, 0, 1]]
-    assert tg.DLOState.labels(sim, 0.0).sum() == 6 and tg.DLOState.labels(sim, 0.9).sum() == 0
+    assert tg.DLO.labels(sim, 0.0).sum() == 6 and tg.DLO.labels(sim, 0.9).sum() == 0
     z = torch.tensor([[[0.0, 2.0, -1.0]], [[1.0, -2.0, 0.5]]])
     sig = lambda t: 1 / (1 + math.exp(-t))  # noqa: E731
     expected = -(math.log(1 - sig(0.0)) + math.log(sig(2.0)) + math.log(1 - sig(-1.0)) +
                  math.log(sig(1.0)) + math.log(1 - sig(-2.0)) + math.log(sig(0.5))) / 6
-    assert tg.DLOState.loss(z, labels).item() == pytest.approx(expected, rel=1e-6)
+    dlo = tg.DLO(tiny(router="dlo", n_layers=2, dlo_rho=0.5, dlo_anneal_steps=0))
+    loss, sums = dlo.loss({"similarity": sim, "logits": z}, step=0)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert sums.tolist() == [[1.0, 2.0]]  # labels to run per layer, for eq. (8)
 
 
 def test_dlo_annealing_rates_and_layer_learning_rates():
-    state = tg.DLOState(tiny(router="dlo", n_layers=2, dlo_rho=0.4, dlo_anneal_steps=4))
+    state = tg.DLO(tiny(router="dlo", n_layers=2, dlo_rho=0.4, dlo_anneal_steps=4))
     assert [state.overall(s) for s in (0, 1, 3, 10)] == pytest.approx([0.1, 0.2, 0.4, 0.4])
     assert state.rates.tolist() == pytest.approx([0.1, 0.1])  # rho_{i,1}: step 1's rate
     assert state.lr_scales(0) == pytest.approx([1.0, 1.0])
-    state.update(torch.tensor([6.0, 2.0]), 8)  # eq. (8): 6 of 8 tokens labelled to run
+    state.update(torch.tensor([[6.0, 2.0]]), 8, step=0)  # eq. (8): 6 of 8 labelled to run
     assert state.rates.tolist() == pytest.approx([0.25, 0.75])
     assert state.lr_scales(3) == pytest.approx([0.75 / 0.6, 0.25 / 0.6])  # eq. (10)
     model = tg.GPT(tiny(router="dlo", n_layers=2))
     groups = tg.param_groups(model)
-    assert len(groups) == 3 and any(p is model.routers[1].weight for p in groups[2]["params"])
+    assert len(groups) == 3 and any(p is model.router.routers[1].weight for p in groups[2]["params"])
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
 
 
@@ -1409,7 +1423,7 @@ def test_identity_expansion_keeps_the_function():
     for router in ("none", "dlo"):
         big = tg.GPT(tiny(router=router, n_layers=6)).eval()
         missing, unexpected = big.load_state_dict(state, strict=False)
-        assert not unexpected and all(k.startswith("routers.") for k in missing)
+        assert not unexpected and all(k.startswith("router.routers.") for k in missing)
         assert (big(idx).logits - src(idx).logits).abs().max().item() < 1e-5
     # groups of 2 become groups of 3: originals 0, 1 -> 0, 1; new 2; originals 2, 3 -> 3, 4
     assert torch.equal(state["blocks.3.attn.wq.weight"], src.state_dict()["blocks.2.attn.wq.weight"])
@@ -1510,7 +1524,7 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     sweep = load_command("sweep.py")
     gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5")
     grid = dict(base=TINY_GRID, n_layers=4,
-                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2)])
+                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2, 2)])
     monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
     runs, out = tmp_path / "runs", tmp_path / "out"
     # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
@@ -1594,10 +1608,141 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     model.load_state_dict(ckpt["model"])
     model.eval()
     with torch.no_grad():
-        gates = model(torch.tensor([ids])).gates[:, 0]  # (L, T)
+        gates = model(torch.tensor([ids])).route["gates"][:, 0]  # (L, T)
     expected = (gates > 0).sum(0).tolist()
     assert [int(title.split()[0]) for _, title in parser.spans] == expected
     assert "⏎" in terminal and terminal.count("[") >= len(ids)
     assert tg.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
     assert tg.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
     assert capsys.readouterr().err.count("error: ") == 2
+
+
+# ---------------------------------------------------------------------------- Mixture-of-Depths
+
+def mod_model(compact=False, capacity=0.25, seed=0):
+    torch.manual_seed(seed)
+    model = tg.GPT(tiny(router="mod", mod_capacity=capacity, compact=compact))
+    for router in model.router.routers:  # scores spread well beyond their init
+        torch.nn.init.normal_(router.weight, std=0.3)
+    return model
+
+
+def test_mod_routes_every_other_block_and_runs_the_top_k_of_each_sequence():
+    model = mod_model().train()
+    assert model.router.routed == [1, 3]
+    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(1))
+    route = model(idx).route
+    assert route["block"][[0, 2]].all()  # unrouted blocks run every token
+    r, chosen = route["logits"], route["block"][[1, 3]]  # (2, B, T)
+    assert chosen.sum(dim=2).tolist() == [[4] * 3] * 2  # floor(0.25 x 16) per sequence
+    assert torch.equal(route["topk"], chosen) and torch.equal(route["mlp"], route["block"])
+    for layer in range(2):
+        for b in range(3):
+            assert r[layer, b][chosen[layer, b]].min() > r[layer, b][~chosen[layer, b]].max()
+
+
+def test_a_routed_block_matches_the_block_run_on_the_chosen_tokens_alone():
+    # reference: each sequence's chosen tokens as a short sequence of their own (with their
+    # positions), the block's output scaled by r; every other token passes unchanged
+    model = mod_model().train()
+    block, x = model.blocks[1], torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    trace = __import__("collections").defaultdict(list)
+    with torch.no_grad():
+        out = model.router.run(1, block, x, trace, "sdpa")
+        r, chosen = trace["logits"][0], trace["block"][0]
+        for b in range(2):
+            pos = chosen[b].nonzero().squeeze(1)
+            xs = x[b, pos][None]
+            y = block.attend(xs, r[b, pos][None, :, None], "sdpa", pos=pos[None],
+                             keys=torch.ones(1, len(pos), 1))
+            y = y + r[b, pos][None, :, None] * block.mlp(y)
+            assert (out[b, pos] - y[0]).abs().max().item() < 1e-4
+            assert torch.equal(out[b, ~chosen[b]], x[b, ~chosen[b]])
+
+
+def test_mod_inference_runs_the_tokens_with_positive_scores_causally():
+    model = mod_model().eval()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(idx)
+        prefix = model(idx[:, :9])
+    assert torch.equal(full.route["block"][[1, 3]], full.route["logits"] > 0)
+    assert 0 < full.route["block"][1].float().mean() < 1
+    assert (full.logits[:, :9] - prefix.logits).abs().max().item() < 1e-5  # no look-ahead
+
+
+def test_mod_aux_loss_teaches_the_top_k_to_the_sign():
+    model = mod_model().train()
+    route = model(torch.randint(0, 97, (2, 16))).route
+    loss, _ = model.router.loss(route, step=0)
+    p, y = torch.sigmoid(route["logits"]), route["topk"].float()
+    bce = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+    assert loss.item() == pytest.approx(0.01 * bce.item(), rel=1e-5)
+
+
+def test_mod_compact_matches_masked_logits_and_gradients():
+    models = [mod_model(), mod_model(compact=True)]
+    models[1].load_state_dict(models[0].state_dict())
+    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(4))
+    out = []
+    for m in models:
+        o = m.train()(idx)
+        reg, _ = m.router.loss(o.route, 0)
+        (F.cross_entropy(o.logits.flatten(0, 1), idx.flatten()) + reg).backward()
+        out.append((o.logits.detach(), grads(m)))
+    (l0, p0), (l1, p1) = out
+    assert (l0 - l1).abs().max().item() < 1e-4
+    for name in p0:
+        assert_close_rel(p0[name], p1[name], 1e-4)
+
+
+def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
+    hp = tiny(router="mod", vocab_size=1000, dim=128, n_layers=4, max_seq_len=64, seq_len=64,
+              mod_capacity=0.25, compact=True)
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: exactly 16 of 64 tokens
+    assert tg.forward_flops(hp, [1, 0.25, 1, 0.25]) == pytest.approx(reference, rel=0.02)
+    assert tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False)) \
+        == 2 * 64 * 2 * 128  # the two routers' linears, every token
+
+
+@pytest.mark.parametrize("router", ["none", "dlo", "mod"])
+def test_a_smoke_run_per_router(tmp_path, router):
+    extra = ["--dlo_anneal_steps=4"] if router == "dlo" else []
+    r = run_script(TINY_RUN + [f"--router={router}", "--train_tokens=5120", "--val_every=5",
+                               "--val_tokens=1024", f"--run_dir={tmp_path}"] + extra)
+    assert r.returncode == 0, r.stderr[-2000:]
+    val = [m for m in read_metrics(tmp_path) if m["kind"] == "val"]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.5  # 10 steps of 512 tokens
+    assert len(val[-1]["block_active"]) == len(val[-1]["mlp_active"]) == 2
+    skipped = {"none": 0.0, "dlo": None, "mod": None}[router]
+    assert val[-1]["sparsity"] == skipped if skipped is not None else val[-1]["sparsity"] > 0
+
+
+def test_help_lists_every_field_with_its_default_and_comment(capsys):
+    code, out, err = run_main(["--help"], capsys)
+    assert code == 0 and err == ""
+    for f in tg.fields(tg.Hyperparameters):
+        default = getattr(tg.Hyperparameters(), f.name)
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+        assert f"--{f.name}={shown} " in out or out.count(f"--{f.name}={shown}\n") == 1, f.name
+    assert "global batch, sequences" in out and "\nMixture-of-Depths router" in out
+
+
+def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
+    ok = dict(batch_size=32, device_batch_size=32, train_tokens=32 * 16, val_tokens=32 * 16)
+    for kw, message in [(dict(router="dlo", gamma=0.5), "gamma sets the skip_middle router"),
+                        (dict(router="none", mod_capacity=0.5), "mod_capacity sets the mod router"),
+                        (dict(router="mod", dlo_rho=0.5), "dlo_rho sets the dlo router"),
+                        (dict(router="none", compact=True), "router=none runs every token"),
+                        (dict(controller="none", mu_end=0.25), "mu_end=0.25 has no effect"),
+                        (dict(controller="sparsity", gamma=0.5), "gamma=0.5 has no effect"),
+                        (dict(controller="adaptive", delta=0.5), "delta=0.5 has no effect"),
+                        (dict(fixed_coef=0.5), "fixed_coef=0.5 has no effect"),
+                        (dict(expand_groups=2), "expand_groups sets how --expand_from"),
+                        (dict(router="mod", mod_every=5), "mod_every=5 routes no block")]:
+        with pytest.raises(tg.UserError, match=re.escape(message)):
+            tg.validate(tiny(**ok, **kw), 1)
+    for kw in (dict(router="mod", compact=True), dict(router="dlo", compact=True),
+               dict(controller="sparsity", fixed_coef=0.5), dict(controller="proportional", gamma=0.5)):
+        tg.validate(tiny(**ok, **kw), 1)

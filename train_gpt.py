@@ -1,8 +1,11 @@
-"""Train the skip-middle gated Transformer (Lawson & Aitchison, 2025) on FineWeb shards.
+"""Train the skip-middle gated Transformer (Lawson & Aitchison, 2025) on FineWeb shards, and
+as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et al. 2024).
 
-One file, read top to bottom: components, gated attention and block, model, sparsity
-controller, data, FLOPs, hyperparameters, setup, training loop, main(). Importing it has no
-side effects; tests import the pieces.
+One file, read top to bottom, one banner per part: components; gated attention and the block;
+depth routers (the Router interface, then none, skip_middle with its sparsity controller, dlo,
+mod: a fourth router is a subclass there and a line in ROUTERS); the model; data; FLOPs;
+hyperparameters; setup; checkpoints and stopping; the training loop; main(). Importing it has
+no side effects; tests import the pieces.
 
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
@@ -51,15 +54,27 @@ Deviations from DLO (Tan et al. 2024), the second router (`router=dlo`), and cho
   - The router reads the block's input h_i; r scales only the MLP branch of the residual.
   - Eq. (8) is used as a skip rate, the share of a layer's tokens labelled 0: the paper's
     formula counts the labels 1, which contradicts its use as rho_i in the top-k and eq. (10).
-    rho_{i,1} is the annealed rate of step 1, not rho (see DLOState).
+    rho_{i,1} is the annealed rate of step 1, not rho (see DLO).
   - Labels (eq. 5) rank the L x S similarities within each sequence; the skip loss (eq. 6)
     and the layer rates (eq. 8) average over the whole global batch (all ranks).
   - In training the MLP runs for every token (the labels need every token's similarity) and
     skipped tokens' outputs are dropped; only evaluation and decoding skip the work.
   - Linear merge uses equal weights 1/tau; SLERP interpolates halfway (alpha = 1/2), per
     tensor, between the last layer of the group and the tau-th from last.
+
+Mixture-of-Depths (Raposo et al. 2024, `router=mod`), choices:
+  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every other block by default, so
+    block 0 always runs), with the paper's best capacity, 12.5% of each sequence.
+  - The router weight r = w.h (no bias, N(0, init_std) like every weight) scales both residual
+    branches of a chosen token, as g does in our gated block, so the MLP reads x + r Attn
+    rather than the paper's whole-block output scaled once. Tokens not chosen are neither
+    queries nor keys in that block (weight gate_eps in the masked path, 0 when compacted).
+  - Causal inference: the paper's first method, a BCE term (weight mod_aux_coef, our choice:
+    0.01) teaching sigmoid(r) the top-k membership; evaluation and decoding run r > 0. Its
+    validation therefore reports the inference routing, whose share may differ from capacity.
 """
 
+import collections
 import contextlib
 import glob
 import hashlib
@@ -248,8 +263,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2 and 2.3).
 
-    g is (B, T, 1) in [0, 1], or None for a dense block. Without sandwich_norm the output
-    norms are identities (pre-norm ablation).
+    g: (B, T, 1), the factor on both residual branches, or None for a dense block. keys:
+    (B, T, 1) in [0, 1], each token's weight as a key (ln keys on its attention logits,
+    eq. 3); by default g itself, as in the paper. Without sandwich_norm the output norms are
+    identities (pre-norm ablation).
     """
 
     def __init__(self, hp: "Hyperparameters"):
@@ -261,32 +278,32 @@ class Block(nn.Module):
         self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
-    def attend(self, x, g, impl, pos=None, cache=None):
-        """x + g * Norm(Attn(Norm(x))); g: (B, T, 1) or None (an ungated block)."""
-        if g is None:
-            return x + self.attn_out(self.attn(self.attn_in(x), None, impl, pos, cache))
-        log_g = torch.log(g.squeeze(-1).float().clamp(min=self.gate_eps))  # (B, T) per key
-        return x + g * self.attn_out(self.attn(self.attn_in(x), log_g, impl, pos, cache))
+    def attend(self, x, g, impl, pos=None, cache=None, keys=None):
+        """x + g * Norm(Attn(Norm(x))), keys weighted by `keys` (default g); g None: ungated."""
+        keys = g if keys is None else keys
+        log_g = None if keys is None else torch.log(keys.squeeze(-1).float().clamp(min=self.gate_eps))
+        y = self.attn_out(self.attn(self.attn_in(x), log_g, impl, pos, cache))  # log_g (B, T) per key
+        return x + (y if g is None else g * y)
 
     def mlp(self, x):
         """The FFN branch Norm(FFN(Norm(x))), without the residual."""
         return self.ffn_out(self.ffn(self.ffn_in(x)))
 
-    def forward(self, x, g, impl, compact=False, pos=None, cache=None):
-        """compact: run attention and FFN on the active tokens (g > 0) only; exact, because a
-        token with g = 0 adds nothing to its residual and is invisible as a key."""
+    def forward(self, x, g, impl, compact=False, pos=None, cache=None, keys=None):
+        """compact: run attention and FFN on the tokens with keys > 0 only; exact, because a
+        token with keys = g = 0 adds nothing to its residual and is invisible as a key."""
         if compact and g is not None:
-            return self.forward_compact(x, g, impl)
-        x = self.attend(x, g, impl, pos, cache)
+            return self.forward_compact(x, g, impl, g if keys is None else keys)
+        x = self.attend(x, g, impl, pos, cache, keys)
         return x + (self.mlp(x) if g is None else g * self.mlp(x))
 
-    def forward_compact(self, x, g, impl):
+    def forward_compact(self, x, g, impl, keys):
         """Gather each sequence's active tokens to the front, in order (B, Tc), run the block
         with their original positions, scatter the results back. Order is kept, so causality
         by packed index is causality by position; the padding sits after every active token,
         so no active query sees it, and its g = 0 leaves it unchanged."""
         B, T, d = x.shape
-        active = g.squeeze(-1) > 0  # (B, T)
+        active = keys.squeeze(-1) > 0  # (B, T)
         counts = active.sum(dim=1)  # (B,)
         Tc = int(counts.max())  # one host sync per block
         if Tc == 0:
@@ -295,121 +312,451 @@ class Block(nn.Module):
             Tc = min(T, -(-Tc // 128) * 128)
         # stable sort puts active tokens first, in their original order; (B, Tc) positions
         pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tc]
-        valid = torch.arange(Tc, device=x.device)[None, :] < counts[:, None]  # (B, Tc)
+        valid = (torch.arange(Tc, device=x.device)[None, :] < counts[:, None])[..., None]  # (B, Tc, 1)
         index = pos[..., None].expand(B, Tc, d)
-        xc = x.gather(1, index)
-        gc = g.gather(1, pos[..., None]) * valid[..., None]  # padding: g = 0
-        return x.scatter(1, index, self.forward(xc, gc, impl, pos=pos))
+        gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
+        return x.scatter(1, index, self.forward(x.gather(1, index), gc, impl, pos=pos, keys=kc))
 
 
 # -----------------------------------------------------------------------------
-# The model
+# Depth routers: which tokens run which blocks, and how that is trained and counted
+#
+# The model, the training loop, evaluation, FLOPs and logging call only the hooks of Router;
+# nothing else branches on the router's name. To add a router: subclass Router here, add it
+# to ROUTERS, list the Hyperparameters fields that it alone reads in its `fields`, test it.
+# A forward pass fills a trace, a dict of per-layer lists; every router records "block" and
+# "mlp" per layer, (B, T) bool: the tokens that ran the block and the tokens that ran its MLP.
 
 def mirror(layer: int, n_layers: int) -> int:
     """Index of the gate used by block `layer`: its own in the first half, block L-1-l's after."""
     return layer if layer < n_layers // 2 else n_layers - 1 - layer
 
 
+def ran(trace: dict, block, mlp=None):
+    """Record the tokens ((B, T) bool) that ran this block and its MLP (default: the same)."""
+    trace["block"].append(block)
+    trace["mlp"].append(block if mlp is None else mlp)
+
+
+class Router(nn.Module):
+    """router=none, the dense model: every token runs every block. The defaults of the hooks
+    are the dense behaviour; a router overrides the ones it needs."""
+    fields = ()  # Hyperparameters fields read by this router only: set under another, an error
+    expandable = True  # its parameters move with their layers in a depth expansion
+
+    def __init__(self, hp: "Hyperparameters"):
+        super().__init__()
+        self.hp = hp
+
+    def reset_parameters(self):
+        """After the model's N(0, init_std) init of every linear: the router's own init."""
+
+    def layer_params(self, layer: int) -> list:
+        """The router's parameters that learn at block `layer`'s rate (see lr_scales)."""
+        return []
+
+    def run(self, layer: int, block: "Block", x, trace: dict, impl: str, pos=None, cache=None):
+        """Block `layer` on x (B, T, d) as this router routes it, recorded in trace."""
+        x = block(x, None, impl, pos=pos, cache=cache)
+        ran(trace, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device))
+        return x
+
+    def loss(self, route: dict, step: int):
+        """route: the trace stacked, (L, B, T) per key. -> (regularising loss, (k, L) float64
+        sums over this micro-batch that update() reads once they are summed over the batch)."""
+        return route["block"].new_zeros((), dtype=torch.float32), None
+
+    @staticmethod
+    def check(hp: "Hyperparameters") -> str:
+        """What makes these settings wrong for this router (an error line), or ""."""
+        return "compact=true: router=none runs every token everywhere" if hp.compact else ""
+
+    def update(self, sums, count: int, step: int):
+        """After each optimiser step: sums of loss() over the global batch (all ranks)."""
+
+    def step_fields(self, sums, count: int) -> dict:
+        """Router-specific fields of each train record, from the step's loss() sums."""
+        return {}
+
+    def lr_scales(self, step: int) -> list:
+        """Per block, a factor on the learning rate of its parameters (and layer_params)."""
+        return [1.0] * self.hp.n_layers
+
+    def val_sums(self, route: dict):
+        """(k, L) sums per validation batch for val_fields, or None."""
+        return None
+
+    def val_fields(self, means) -> dict:
+        """Router-specific validation metrics from val_sums per token; also in train records."""
+        return {}
+
+    def log_lines(self, v: dict, step: int) -> list:
+        """Extra lines of the validation log."""
+        return []
+
+    @staticmethod
+    def extra_flops(hp: "Hyperparameters", T: int) -> float:
+        """Forward FLOPs of the router itself for one sequence of T tokens."""
+        return 0.0
+
+    def routing_state(self) -> dict:
+        """Training state outside the parameters (coefficients, rates), for checkpoints."""
+        return {}
+
+    def load_routing_state(self, state: dict):
+        pass
+
+
+def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
+    """(L,) per layer: linspace(mu_start, mu_end) over the first half, mirrored (Section 2.4)."""
+    half = torch.linspace(hp.mu_start, hp.mu_end, hp.n_layers // 2, dtype=torch.float64)
+    return torch.cat([half, half.flip(0)])
+
+
+class GateController:
+    """Regularisation loss on the per-layer gate mean and variance, and the coefficient update.
+
+    proportional_tol: eq. (5) loss, eq. (6) update (the paper's method).
+    proportional / adaptive: eq. (5) loss, update gamma * dev / gamma * sign(dev) (Table 1).
+    sparsity / sparsity_variance / sparsity_variance_l2: fixed coefficients (Table 1).
+    none: no loss. Coefficients (alpha, beta) are training state (float64, on the CPU).
+    """
+
+    def __init__(self, hp: "Hyperparameters"):
+        self.kind, self.gamma, self.delta = hp.controller, hp.gamma, hp.delta
+        self.mu = mean_targets(hp)              # (L,) mean targets
+        self.var = self.mu * (1 - self.mu)      # (L,) Bernoulli variance targets
+        adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
+        init = 0.0 if adaptive else hp.fixed_coef
+        self.alpha = torch.full_like(self.mu, init)
+        self.beta = torch.full_like(self.mu, init if self.kind != "sparsity" else 0.0)
+
+    def loss(self, gates):
+        """gates: (L, B, T) -> scalar; eq. (4) statistics over this micro-batch."""
+        if self.kind == "none":
+            return gates.new_zeros(())
+        mean = gates.mean(dim=(1, 2))
+        var = gates.var(dim=(1, 2), unbiased=False)
+        a, b, mu, tv = (t.to(gates) for t in (self.alpha, self.beta, self.mu, self.var))
+        if self.kind == "sparsity_variance_l2":
+            terms = a * (mean - mu) ** 2 + b * (var - tv) ** 2
+        else:
+            terms = a * mean + b * var
+        return terms.mean()  # (1/L) sum over layers
+
+    def update(self, mean, var):
+        """mean, var: (L,) statistics of the whole global batch, identical on every rank."""
+        for coef, dev in ((self.alpha, mean.double().cpu() - self.mu),
+                          (self.beta, var.double().cpu() - self.var)):
+            if self.kind == "proportional_tol":
+                coef += self.gamma * dev * (dev.abs() > self.delta)  # eq. (6)
+            elif self.kind == "proportional":
+                coef += self.gamma * dev
+            elif self.kind == "adaptive":
+                coef += self.gamma * torch.sign(dev)
+
+    def state_dict(self):
+        return {"alpha": self.alpha.clone(), "beta": self.beta.clone()}
+
+    def load_state_dict(self, state):
+        self.alpha.copy_(state["alpha"])
+        self.beta.copy_(state["beta"])
+
+
+class SkipMiddle(Router):
+    """The paper's router (Sections 2.1-2.4). Block l < L/2 reads a gate s_l = ReLU(w.h + b)
+    (eq. 1) from the stream entering it; g_l = 1 - clamp(sum_{k<=l} s_k, 0, 1) (eq. 2) scales
+    both residual branches and ln g weights the token as a key (eq. 3); block L-1-l reuses g_l.
+    Trace extras: "gates" (L, B, T) g; "S" (L/2, B, T) the running sums."""
+    expandable = False  # the gates and their mirror are tied to the layer count
+    fields = ("gate_init", "gate_axis", "controller", "mu_start", "mu_end", "gamma", "delta",
+              "fixed_coef")
+
+    def __init__(self, hp):
+        super().__init__(hp)
+        self.gates = nn.ModuleList(nn.Linear(hp.dim, 1, bias=True) for _ in range(hp.n_layers // 2))
+        self.ctrl = GateController(hp)
+
+    def reset_parameters(self):
+        for gate in self.gates:  # weights N(0, init_std) like every weight (Section 3.1), bias 0
+            nn.init.zeros_(gate.bias)
+            if self.hp.gate_init == "zero":  # ablation: every g is exactly 1, the dense model
+                nn.init.zeros_(gate.weight)
+
+    def run(self, layer, block, x, trace, impl, pos=None, cache=None):
+        L = self.hp.n_layers
+        if layer < L // 2:
+            # eq. (1): s = ReLU(w.h + b) as clamp, so d/dz at z = 0 is 1 (module docstring)
+            s = self.gates[layer](x).float().clamp(min=0.0)[..., 0]  # (B, T)
+            trace["S"].append(s if layer == 0 else trace["S"][-1] + s)
+            trace["gates"].append(1.0 - trace["S"][-1].clamp(0.0, 1.0))  # eq. (2)
+        else:
+            trace["gates"].append(trace["gates"][mirror(layer, L)])
+        g = trace["gates"][-1][..., None].type_as(x)  # (B, T, 1)
+        # decoding, a token skipped under key gating is invisible later: run nothing. Under
+        # query gating later tokens still attend to it, so its K/V are computed.
+        if cache is None or self.hp.gate_axis == "query" or bool(g.any()):
+            x = block(x, g, impl, self.hp.compact and cache is None, pos, cache)
+        ran(trace, trace["gates"][-1] > 0)
+        return x
+
+    @staticmethod
+    def check(hp):
+        fixed, off = hp.controller.startswith("sparsity"), hp.controller == "none"
+        moot = (["mu_start", "mu_end", "fixed_coef"] if off else []) + \
+            (["gamma", "delta"] if fixed or off else ["fixed_coef"]) + \
+            (["delta"] if hp.controller in ("proportional", "adaptive") else [])
+        defaults = Hyperparameters()
+        for f in moot:
+            if getattr(hp, f) != getattr(defaults, f):
+                return f"{f}={getattr(hp, f)} has no effect with controller={hp.controller}"
+        if hp.n_layers % 2:
+            return f"n_layers={hp.n_layers}: a gated model needs an even number of layers"
+        if hp.compact and hp.gate_axis == "query":
+            return ("compact=true needs gate_axis=key: with the gate on the query axis later "
+                    "tokens still attend to a skipped token, so it cannot be dropped")
+        return ""
+
+    def loss(self, route, step):
+        g = route["gates"].detach().double()
+        return self.ctrl.loss(route["gates"]), torch.stack([g.sum(dim=(1, 2)), (g * g).sum(dim=(1, 2))])
+
+    def update(self, sums, count, step):
+        mean = sums[0] / count
+        self.ctrl.update(mean, sums[1] / count - mean * mean)
+
+    def step_fields(self, sums, count):
+        return {"gate_mean": (sums[0] / count).tolist()}
+
+    def val_sums(self, route):
+        return route["gates"].double().sum(dim=(1, 2))[None]
+
+    def val_fields(self, means):
+        return {"gate_mean": means[0].tolist()}
+
+    def log_lines(self, v, step):
+        return [f"  gate_mean:{fmt_list(v['gate_mean'])}",
+                f"  alpha:{fmt_list(self.ctrl.alpha.tolist())} beta:{fmt_list(self.ctrl.beta.tolist())}"]
+
+    @staticmethod
+    def extra_flops(hp, T):
+        return (hp.n_layers // 2) * T * 2 * (hp.dim + 1)  # gate linears, all tokens
+
+    def routing_state(self):
+        return {"controller": self.ctrl.state_dict()}
+
+    def load_routing_state(self, state):
+        self.ctrl.load_state_dict(state["controller"])
+
+
+class DLO(Router):
+    """DLO (Tan et al. 2024, Section 3): attention always runs; the MLP runs for the tokens the
+    router picks, its output scaled by r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eqs. 1-2).
+    Training: the top (1 - rho_i) share of each sequence by r, with rho_i from similarity
+    labels (eqs. 5-8) and an annealed overall rate (eq. 9); inference: r >= beta / 2.
+    Trace extras: "logits" (L, B, T) hW; "scale" r where the MLP ran, else 0; "similarity"
+    (training) eq. 4's cosine of the MLP's input and output, detached."""
+    fields = ("dlo_rho", "dlo_anneal_steps", "dlo_beta", "dlo_gamma")
+
+    def __init__(self, hp):
+        super().__init__(hp)
+        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(hp.n_layers))
+        # rho_{i,1}: the annealed rate of step 1 in every layer (the paper starts at rho; with
+        # annealing from 0 that would skip the most in exactly the step meant to skip least)
+        self.rates = torch.full((hp.n_layers,), self.overall(0), dtype=torch.float64)
+
+    def reset_parameters(self):
+        for router in self.routers:  # zero: every r is exactly beta / 2 = 1 (Section 3.2)
+            nn.init.zeros_(router.weight)
+
+    def layer_params(self, layer):
+        return list(self.routers[layer].parameters())
+
+    def overall(self, step: int) -> float:
+        """eq. (9) with rho_bar = 0, at training step t = step + 1."""
+        t, hp = step + 1, self.hp
+        return hp.dlo_rho if hp.dlo_anneal_steps == 0 or t > hp.dlo_anneal_steps else \
+            hp.dlo_rho * t / hp.dlo_anneal_steps
+
+    def run(self, layer, block, x, trace, impl, pos=None, cache=None):
+        hp = self.hp
+        z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
+        r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
+        a = block.attend(x, None, impl, pos, cache)
+        if self.training:  # the top floor((1 - rho_i) S) tokens of each sequence by r
+            k = math.floor((1 - float(self.rates[layer])) * x.size(1))
+            top = r[..., 0].topk(k, dim=1).indices  # (B, k)
+            run = torch.zeros_like(r[..., 0], dtype=torch.bool).scatter(1, top, True)[..., None]
+        else:  # inference rule
+            run = r >= hp.dlo_beta / 2
+        if hp.compact and not self.training:  # the MLP on the running tokens only
+            flat = a.reshape(-1, a.size(-1))
+            rows = run.reshape(-1).nonzero().squeeze(1)
+            f = torch.zeros_like(flat).index_copy(0, rows, block.mlp(flat[rows])).view_as(a)
+        else:
+            f = block.mlp(a)
+            trace["similarity"].append(F.cosine_similarity(a.detach().float(),
+                                                           (a + f).detach().float(), dim=-1))
+        trace["logits"].append(z[..., 0])
+        trace["scale"].append((r * run)[..., 0])  # the factor on the MLP branch, 0: skipped
+        ran(trace, torch.ones_like(run[..., 0]), run[..., 0])
+        return a + (r * run).type_as(f) * f
+
+    @staticmethod
+    def labels(similarity, rho_t: float):
+        """eq. (5): in each sequence, the floor((1 - rho_t) R' S) (layer, token) positions with
+        the least similar MLP input and output are labelled 1 (run). (L, B, T) -> (L, B, T)."""
+        L, B, T = similarity.shape
+        k = math.floor((1 - rho_t) * L * T)
+        flat = similarity.permute(1, 0, 2).reshape(B, L * T)
+        labels = torch.zeros_like(flat)
+        if k:
+            labels.scatter_(1, flat.topk(k, dim=1, largest=False).indices, 1.0)
+        return labels.view(B, L, T).permute(1, 0, 2)
+
+    def loss(self, route, step):
+        """eqs. (5)-(7): similarity labels, BCE of sigmoid(h W) against them."""
+        labels = self.labels(route["similarity"], self.overall(step))
+        return (F.binary_cross_entropy_with_logits(route["logits"], labels),
+                labels.double().sum(dim=(1, 2))[None])
+
+    def update(self, sums, count, step):
+        """eq. (8) as a skip rate: the share of each layer's tokens labelled 0 (skip). The
+        paper writes the share labelled 1, which contradicts its own use as rho_i in top-k and
+        eq. (10)."""
+        self.rates = 1 - sums[0].double().cpu() / count
+
+    @staticmethod
+    def check(hp):
+        return ""
+
+    def lr_scales(self, step):
+        """eq. (10): zeta_i / zeta_bar = (1 - rho_i,t) / (1 - rho^t)."""
+        return ((1 - self.rates) / (1 - self.overall(step))).tolist()
+
+    def log_lines(self, v, step):
+        return [f"  train_skip_rates:{fmt_list(self.rates.tolist())} rho_t:{self.overall(step):.3f}"]
+
+    @staticmethod
+    def extra_flops(hp, T):
+        return hp.n_layers * T * 2 * hp.dim  # routers, all tokens
+
+    def routing_state(self):
+        return {"rates": self.rates.clone()}
+
+    def load_routing_state(self, state):
+        self.rates = state["rates"].clone()
+
+
+class MixtureOfDepths(Router):
+    """Mixture-of-Depths (Raposo et al. 2024): in every mod_every-th block a linear router
+    scores each token, r = w.h; in training the top mod_capacity share of each sequence runs
+    the block, both branches scaled by r, and the others pass it by (no attention as query or
+    key, no MLP). Top-k looks at the whole sequence, which decoding cannot: the router is also
+    trained, with BCE (weight mod_aux_coef), to give r > 0 exactly to the top-k tokens, and
+    evaluation and decoding run the tokens with r > 0 (the paper's first causal method).
+    Trace extras: "logits" (routed blocks, B, T) r; "topk" (training) the top-k choice."""
+    fields = ("mod_capacity", "mod_every", "mod_aux_coef")
+    expandable = False  # which blocks are routed depends on the layer count
+
+    def __init__(self, hp):
+        super().__init__(hp)
+        self.routed = [layer for layer in range(hp.n_layers) if layer % hp.mod_every == hp.mod_every - 1]
+        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in self.routed)
+
+    def layer_params(self, layer):
+        return list(self.routers[self.routed.index(layer)].parameters()) if layer in self.routed else []
+
+    def run(self, layer, block, x, trace, impl, pos=None, cache=None):
+        if layer not in self.routed:
+            return super().run(layer, block, x, trace, impl, pos, cache)
+        r = self.routers[self.routed.index(layer)](x).float()[..., 0]  # (B, T)
+        trace["logits"].append(r)
+        if self.training:
+            k = max(1, math.floor(self.hp.mod_capacity * x.size(1)))
+            top = r.topk(k, dim=1).indices  # (B, k)
+            chosen = torch.zeros_like(r, dtype=torch.bool).scatter(1, top, True)
+            trace["topk"].append(chosen)
+        else:
+            chosen = r > 0  # causal: one token's own score
+        ran(trace, chosen)
+        if cache is not None and not bool(chosen.any()):
+            return x  # a token that passes the block keeps no K/V there
+        keys = chosen[..., None].to(x.dtype)  # (B, T, 1): the chosen tokens are the only keys
+        return block(x, (r[..., None] * keys).type_as(x), impl, self.hp.compact and cache is None,
+                     pos, cache, keys=keys)
+
+    def loss(self, route, step):
+        if not self.hp.mod_aux_coef:
+            return super().loss(route, step)
+        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float())
+        return self.hp.mod_aux_coef * bce, None
+
+    @staticmethod
+    def check(hp):
+        if hp.mod_every > hp.n_layers:
+            return f"mod_every={hp.mod_every} routes no block of {hp.n_layers}"
+        return ""
+
+    @staticmethod
+    def extra_flops(hp, T):
+        return len(range(hp.mod_every - 1, hp.n_layers, hp.mod_every)) * T * 2 * hp.dim
+
+
+ROUTERS = {"none": Router, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths}
+GATE_INITS, GATE_AXES = ("normal", "zero"), ("key", "query")
+CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "sparsity_variance",
+               "sparsity_variance_l2", "none")
+
+
+# -----------------------------------------------------------------------------
+# The model
+
 class Output(NamedTuple):
-    logits: torch.Tensor         # (B, T, V) fp32
-    gates: torch.Tensor          # (L, B, T): the factor on each block's MLP branch, 0 = skipped
-                                 # (skip_middle: g; dlo: r on tokens that run the MLP); None dense
-    resid: torch.Tensor          # (L,) mean L2 norm of the residual after each block (eval only)
-    router_logits: torch.Tensor  # dlo: (L, B, T) h W of eq. 1, else None
-    similarity: torch.Tensor     # dlo: (L, B, T) cosine of the MLP's input and output residuals
-                                 # (eq. 4, detached), else None
+    logits: torch.Tensor  # (B, T, V) fp32
+    route: dict           # the trace stacked: "block", "mlp" (L, B, T) bool and the router's own
+    resid: torch.Tensor   # (L,) mean L2 norm of the residual after each block (eval only)
 
 
 class GPT(nn.Module):
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
-        self.hp = hp
+        self._hp = hp
         self.embed = nn.Embedding(hp.vocab_size, hp.dim)
         self.embed_norm = RMSNorm(hp.dim, hp.norm_eps)
         self.blocks = nn.ModuleList(Block(hp) for _ in range(hp.n_layers))
-        # eq. (1): one linear d -> 1 per block of the first half; the second half reuses them
-        n_gates = hp.n_layers // 2 if hp.gated else 0
-        self.gates = nn.ModuleList(nn.Linear(hp.dim, 1, bias=True) for _ in range(n_gates))
-        # DLO eq. (1): one router d -> 1 (no bias) per block, zero-initialised so r = 1
-        n_routers = hp.n_layers if hp.router == "dlo" else 0
-        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(n_routers))
+        self.router = ROUTERS[hp.router](hp)
         self.head_norm = RMSNorm(hp.dim, hp.norm_eps)
         self.head = nn.Linear(hp.dim, hp.vocab_size, bias=False)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=hp.init_std)
-        for gate in self.gates:  # weights N(0, init_std) as above (Section 3.1), bias 0
-            nn.init.zeros_(gate.bias)
-            if hp.gate_init == "zero":  # ablation: every g is exactly 1, the dense Transformer
-                nn.init.zeros_(gate.weight)
-        for router in self.routers:  # all zero: every r is exactly beta/2 = 1 (DLO Section 3.2)
-            nn.init.zeros_(router.weight)
+        self.router.reset_parameters()
 
-    def forward(self, idx, pos=None, cache=None, skip_rates=None) -> Output:
+    @property
+    def hp(self) -> "Hyperparameters":
+        return self._hp
+
+    @hp.setter
+    def hp(self, hp):  # one set of settings for the model and its router (bench, sweep)
+        self._hp = self.router.hp = hp
+
+    def forward(self, idx, pos=None, cache=None) -> Output:
         """idx: (B, T) token ids. With a KVCache, idx is one token (1, 1) at position pos
-        (1, 1); a block whose gate is 0 for it is skipped outright and keeps no K/V for it.
-        skip_rates: DLO training, per-layer fraction of each sequence that skips the MLP
-        (top-k by r); None applies the inference rule r >= beta/2."""
-        hp, L = self.hp, self.hp.n_layers
-        impl = hp.attn_impl
+        (1, 1); a block it skips keeps no K/V for it. Routing follows the module's mode:
+        training (model.train()) or inference (model.eval())."""
+        impl = self.hp.attn_impl
         if impl == "auto":  # Flex needs CUDA for its backward; SDPA is the exact CPU path
             impl = "flex" if idx.is_cuda else "sdpa"
         x = self.embed_norm(self.embed(idx))
-        gates, S, resid, router_logits, similarity = [], 0.0, [], [], []
+        trace, resid = collections.defaultdict(list), []
         for layer, block in enumerate(self.blocks):
-            kv = None if cache is None else (cache, layer)
-            if hp.router == "dlo":
-                x = self.dlo_block(layer, block, x, impl, pos, kv, skip_rates,
-                                   gates, router_logits, similarity)
-            else:
-                g = None
-                if hp.router == "skip_middle":
-                    if layer < L // 2:
-                        # eq. (1): s = ReLU(w.h + b) as clamp, so d/dz at z = 0 is 1 (see top)
-                        S = S + self.gates[layer](x).float().clamp(min=0.0)  # (B, T, 1) sum
-                        gates.append(1.0 - S.clamp(0.0, 1.0))  # eq. (2)
-                    else:
-                        gates.append(gates[mirror(layer, L)])
-                    g = gates[-1].type_as(x)
-                if cache is None:
-                    x = block(x, g, impl, hp.compact)
-                elif g is None or hp.gate_axis == "query" or bool(g.any()):
-                    # a token skipped under key gating is invisible later: run nothing. Under
-                    # query gating later tokens still attend to it, so its K/V are computed.
-                    x = block(x, g, impl, pos=pos, cache=kv)
+            x = self.router.run(layer, block, x, trace, impl, pos, None if cache is None else (cache, layer))
             if not self.training:  # a statistic for validation, kept off the training path
                 resid.append(x.detach().float().norm(dim=-1).mean())
-        stack = lambda xs: torch.stack(xs).squeeze(-1) if xs else None  # noqa: E731 (L, B, T)
-        return Output(self.head(self.head_norm(x)).float(), stack(gates),
-                      torch.stack(resid) if resid else None, stack(router_logits),
-                      stack(similarity))
-
-    def dlo_block(self, layer, block, x, impl, pos, kv, skip_rates, gates, router_logits,
-                  similarity):
-        """DLO (Tan et al. 2024, Section 3.2): attention always runs; the MLP runs for the
-        tokens the router picks, its output scaled by r (eqs. 1-2)."""
-        hp = self.hp
-        z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
-        r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
-        a = block.attend(x, None, impl, pos, kv)
-        if skip_rates is None:  # inference rule: run the MLP iff r >= beta / 2
-            run = r >= hp.dlo_beta / 2
-        else:  # training: the top floor((1 - rho_i) S) tokens of each sequence by r
-            k = math.floor((1 - skip_rates[layer]) * x.size(1))
-            top = r.squeeze(-1).topk(k, dim=1).indices  # (B, k)
-            run = torch.zeros_like(r.squeeze(-1), dtype=torch.bool).scatter(1, top, True)[..., None]
-        factor = r * run  # (B, T, 1): r where the MLP runs, 0 where it is skipped
-        if hp.compact and skip_rates is None:  # MLP on the running tokens only, no labels
-            flat_a = a.reshape(-1, a.size(-1))
-            rows = run.reshape(-1).nonzero().squeeze(1)
-            f = torch.zeros_like(flat_a).index_copy(0, rows, block.mlp(flat_a[rows])).view_as(a)
-        else:
-            f = block.mlp(a)
-            similarity.append(F.cosine_similarity(a.detach().float(),
-                                                  (a + f).detach().float(), dim=-1)[..., None])
-        gates.append(factor)
-        router_logits.append(z)
-        return a + factor.type_as(f) * f
+        return Output(self.head(self.head_norm(x)).float(),
+                      {k: torch.stack(v) for k, v in trace.items()},
+                      torch.stack(resid) if resid else None)
 
 
 class KVCache:
@@ -455,120 +802,6 @@ def generate(model: GPT, prompt: list, max_new_tokens: int, temperature: float =
                 logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float("inf")
             tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=rng)))
     return tokens, cache
-
-
-# -----------------------------------------------------------------------------
-# Routing control: the sparsity controller (Section 2.4, eqs. 4-6, Table 1) and DLO's state
-
-ROUTERS = ("none", "skip_middle", "dlo")
-GATE_INITS, GATE_AXES = ("normal", "zero"), ("key", "query")
-CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "sparsity_variance",
-               "sparsity_variance_l2", "none")
-
-
-def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
-    """(L,) per layer: linspace(mu_start, mu_end) over the first half, mirrored (Section 2.4)."""
-    half = torch.linspace(hp.mu_start, hp.mu_end, hp.n_layers // 2, dtype=torch.float64)
-    return torch.cat([half, half.flip(0)])
-
-
-class GateController:
-    """Regularisation loss on the per-layer gate mean and variance, and the coefficient update.
-
-    proportional_tol: eq. (5) loss, eq. (6) update (the paper's method).
-    proportional / adaptive: eq. (5) loss, update gamma * dev / gamma * sign(dev) (Table 1).
-    sparsity / sparsity_variance / sparsity_variance_l2: fixed coefficients (Table 1).
-    none: no loss. Coefficients (alpha, beta) are training state.
-    """
-
-    def __init__(self, hp: "Hyperparameters", device="cpu"):
-        self.kind, self.gamma, self.delta = hp.controller, hp.gamma, hp.delta
-        self.mu = mean_targets(hp).to(device)  # (L,) mean targets
-        self.var = self.mu * (1 - self.mu)      # (L,) Bernoulli variance targets
-        adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
-        init = 0.0 if adaptive else hp.fixed_coef
-        self.alpha = torch.full_like(self.mu, init)
-        self.beta = torch.full_like(self.mu, init if self.kind != "sparsity" else 0.0)
-
-    def loss(self, gates):
-        """gates: (L, B, T) -> scalar; eq. (4) statistics over this micro-batch."""
-        if self.kind == "none":
-            return gates.new_zeros(())
-        mean = gates.mean(dim=(1, 2))
-        var = gates.var(dim=(1, 2), unbiased=False)
-        a, b = self.alpha.to(gates.dtype), self.beta.to(gates.dtype)
-        if self.kind == "sparsity_variance_l2":
-            terms = a * (mean - self.mu.to(gates.dtype)) ** 2 + b * (var - self.var.to(gates.dtype)) ** 2
-        else:
-            terms = a * mean + b * var
-        return terms.mean()  # (1/L) sum over layers
-
-    def update(self, mean, var):
-        """mean, var: (L,) statistics of the whole global batch, identical on every rank."""
-        for coef, dev in ((self.alpha, mean.double() - self.mu), (self.beta, var.double() - self.var)):
-            if self.kind == "proportional_tol":
-                coef += self.gamma * dev * (dev.abs() > self.delta)  # eq. (6)
-            elif self.kind == "proportional":
-                coef += self.gamma * dev
-            elif self.kind == "adaptive":
-                coef += self.gamma * torch.sign(dev)
-
-    def state_dict(self):
-        return {"alpha": self.alpha.clone(), "beta": self.beta.clone()}
-
-    def load_state_dict(self, state):
-        self.alpha.copy_(state["alpha"])
-        self.beta.copy_(state["beta"])
-
-
-class DLOState:
-    """DLO's training-time routing state (Tan et al. 2024, Section 3.3): the annealed overall
-    skip rate (eq. 9), similarity-induced labels (eq. 5), the skip loss (eq. 6), layer-wise
-    skip rates (eq. 8) and layer-wise learning-rate scales (eq. 10)."""
-
-    def __init__(self, hp: "Hyperparameters"):
-        self.rho, self.anneal = hp.dlo_rho, hp.dlo_anneal_steps
-        # rho_{i,1}: the annealed rate of step 1 in every layer (the paper starts at rho; with
-        # annealing from 0 that would skip the most in exactly the step meant to skip least)
-        self.rates = torch.full((hp.n_layers,), self.overall(0), dtype=torch.float64)
-
-    def overall(self, step: int) -> float:
-        """eq. (9) with rho_bar = 0, at training step t = step + 1."""
-        t = step + 1
-        return self.rho if self.anneal == 0 or t > self.anneal else self.rho * t / self.anneal
-
-    @staticmethod
-    def labels(similarity, rho_t: float):
-        """eq. (5): in each sequence, the floor((1 - rho_t) R' S) (layer, token) positions with
-        the least similar MLP input and output are labelled 1 (run). (L, B, T) -> (L, B, T)."""
-        L, B, T = similarity.shape
-        k = math.floor((1 - rho_t) * L * T)
-        flat = similarity.permute(1, 0, 2).reshape(B, L * T)
-        labels = torch.zeros_like(flat)
-        if k:
-            labels.scatter_(1, flat.topk(k, dim=1, largest=False).indices, 1.0)
-        return labels.view(B, L, T).permute(1, 0, 2)
-
-    @staticmethod
-    def loss(router_logits, labels):
-        """eq. (6): BCE of sigmoid(h W) against the labels, mean over layers and tokens."""
-        return F.binary_cross_entropy_with_logits(router_logits, labels)
-
-    def update(self, label_sums, count):
-        """eq. (8) as a skip rate: the share of each layer's tokens labelled 0 (skip). The
-        paper writes the share labelled 1, which contradicts its own use as rho_i in top-k and
-        eq. (10); label_sums: (L,) over the global batch."""
-        self.rates = 1 - label_sums.double().cpu() / count
-
-    def lr_scales(self, step: int) -> list:
-        """eq. (10): zeta_i / zeta_bar = (1 - rho_i,t) / (1 - rho^t)."""
-        return ((1 - self.rates) / (1 - self.overall(step))).tolist()
-
-    def state_dict(self):
-        return {"rates": self.rates.clone()}
-
-    def load_state_dict(self, state):
-        self.rates = state["rates"].clone()
 
 
 # -----------------------------------------------------------------------------
@@ -697,8 +930,8 @@ class DistributedLoader:
 
 def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None) -> float:
     """Forward FLOPs of one sequence of T tokens (default: seq_len, the length trained and
-    validated on). active: per-layer fraction of tokens whose gate is non-zero (None: all);
-    mlp_active: per-layer fraction that runs the MLP (None: the same as active; DLO skips only
+    validated on). active: per-layer fraction of tokens that run the block (None: all);
+    mlp_active: per-layer fraction that runs its MLP (None: the same as active; DLO skips only
     MLPs). Skipped tokens cost nothing in that block (the paper's Figure 2 assumption):
     projections and FFN scale with the active fraction a, attention with the active
     query-key pairs, a^2 T(T+1)/2."""
@@ -713,11 +946,7 @@ def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = 
         a = 1.0 if active is None else float(active[layer])
         m = a if mlp_active is None else float(mlp_active[layer])
         total += a * T * proj + a * a * attn + m * T * ffn
-    if hp.gated:
-        total += (hp.n_layers // 2) * T * 2 * (d + 1)  # gate linears, all tokens
-    if hp.router == "dlo":
-        total += hp.n_layers * T * 2 * d  # routers, all tokens
-    return total
+    return total + ROUTERS[hp.router].extra_flops(hp, T)
 
 
 def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None) -> float:
@@ -755,8 +984,8 @@ class Hyperparameters:
     sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
     attn_impl: str = "auto"      # auto (flex on CUDA, sdpa on CPU) | flex | sdpa
     # gates and sparsity control (Section 2.4)
-    router: str = "skip_middle"  # depth router: none (dense) | skip_middle (the paper) | dlo
-    compact: bool = False        # run gated blocks on their active tokens only (exact)
+    router: str = "skip_middle"  # depth router: none (dense) | skip_middle (the paper) | dlo | mod
+    compact: bool = False        # run routed blocks on the tokens that run them only (exact)
     gate_init: str = "normal"    # normal: weights N(0, init_std), bias 0 (Section 3.1) | zero
     gate_axis: str = "key"       # ln g on each key's logit (eq. 3) | query (authors' code)
     gate_eps: float = 1e-6       # floor on g inside ln g (Section 2.2)
@@ -771,6 +1000,10 @@ class Hyperparameters:
     dlo_anneal_steps: int = 500  # T': the skip rate rises linearly from 0 to rho (eq. 9)
     dlo_beta: float = 2.0        # score r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)
     dlo_gamma: float = 0.05
+    # Mixture-of-Depths router (Raposo et al. 2024)
+    mod_capacity: float = 0.125  # share of each sequence that runs a routed block (paper's best)
+    mod_every: int = 2           # route every mod_every-th block (the paper: every other)
+    mod_aux_coef: float = 0.01   # weight of the BCE teaching r > 0 to the top-k (causal rule)
     # depth expansion (DLO Section 3.1): start from a checkpoint with more layers per group
     expand_from: str = ""        # RUN_DIR of the checkpoint to expand; a new run starts
     expand_groups: int = 1       # P: its R layers form P groups of Q = R / P
@@ -805,10 +1038,6 @@ class Hyperparameters:
     run_dir: str = ""            # default: a new logs/<date_time>_<preset or run>_<hex>/
     preset: str = ""             # smoke: small gated model on the embedded sample, CPU
 
-    @property
-    def gated(self) -> bool:  # the skip-middle gates of the paper
-        return self.router == "skip_middle"
-
 
 PRESETS = {
     # ~3 minutes on 2 CPU cores; 4 layers so that both halves and the mirror are exercised
@@ -838,6 +1067,24 @@ def _parse_value(name, text, default):
         return kind(text)
     except ValueError:
         raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
+
+
+def usage() -> str:
+    """--help: every field with its default and trailing comment, grouped as in the dataclass."""
+    import inspect
+    lines = ["usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
+             "Every field of Hyperparameters, with its default; booleans take true/false (1/0)."]
+    defaults = Hyperparameters()
+    for line in inspect.getsource(Hyperparameters).splitlines()[2:]:
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        if not code and comment:
+            lines.append(f"\n{comment}:")
+        elif ":" in code:
+            name = code.split(":")[0]
+            value = getattr(defaults, name)
+            text = f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+            lines.append(f"  {text:<36} {comment}".rstrip())
+    return "\n".join(lines) + f"\n\npresets: {', '.join(PRESETS)}; routers: {', '.join(ROUTERS)}"
 
 
 def parse_overrides(argv) -> dict:
@@ -871,7 +1118,7 @@ AT_LEAST = {  # integers: smallest value
     "max_seq_len": 1, "batch_size": 1, "device_batch_size": 1, "seq_len": 1, "train_tokens": 1,
     "val_tokens": 1, "expand_groups": 1, "expand_tau": 1, "expand_per_group": 0,
     "dlo_anneal_steps": 0, "val_every": 0, "save_every": 0, "stop_step": 0, "max_bad_steps": 0,
-    "untimed_steps": 0, "seed": 0}
+    "untimed_steps": 0, "seed": 0, "mod_every": 1}
 INTERVALS = {  # floats: (low, high, whether low may be reached, whether high may be)
     "norm_eps": (0, 1, False, False), "gate_eps": (0, 1, False, False),
     "rope_theta": (0, math.inf, False, False), "init_std": (0, math.inf, False, False),
@@ -882,7 +1129,8 @@ INTERVALS = {  # floats: (low, high, whether low may be reached, whether high ma
     "dlo_gamma": (0, math.inf, True, False),
     "mu_start": (0, 1, True, True), "mu_end": (0, 1, True, True),
     "warmup_frac": (0, 1, True, True), "warmup_start": (0, 1, True, True),
-    "beta1": (0, 1, True, False), "beta2": (0, 1, True, False), "dlo_rho": (0, 1, True, False)}
+    "beta1": (0, 1, True, False), "beta2": (0, 1, True, False), "dlo_rho": (0, 1, True, False),
+    "mod_capacity": (0, 1, False, True), "mod_aux_coef": (0, math.inf, True, False)}
 CHOICES = lambda: {"router": ROUTERS, "controller": CONTROLLERS,  # noqa: E731
                    "attn_impl": ("auto", "flex", "sdpa"), "gate_init": GATE_INITS,
                    "gate_axis": GATE_AXES, "expand_init": EXPAND_INITS,
@@ -923,19 +1171,23 @@ def validate(hp: Hyperparameters, world: int):
         raise UserError(f"vocab_size={hp.vocab_size}: shards hold uint16 token ids (at most 65536)")
     if hp.seed >= 2**63:
         raise UserError(f"seed={hp.seed} must be below 2^63")
-    if hp.gated and hp.n_layers % 2:
-        raise UserError(f"n_layers={hp.n_layers}: a gated model needs an even number of layers")
     if hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
         raise UserError(f"need dim ({hp.dim}) divisible by n_heads ({hp.n_heads}) and n_heads "
                         f"by n_kv_heads ({hp.n_kv_heads})")
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
-    if not hp.gated and (hp.gate_init, hp.gate_axis) != ("normal", "key"):
-        raise UserError(f"gate_init and gate_axis set the skip_middle gates; router="
-                        f"{hp.router} has none")
-    if hp.compact and hp.gate_axis == "query":
-        raise UserError("compact=true needs gate_axis=key: with the gate on the query axis "
-                        "later tokens still attend to a skipped token, so it cannot be dropped")
+    defaults = Hyperparameters()
+    for name, router in ROUTERS.items():  # a knob of another router would do nothing
+        for f in router.fields:
+            if name != hp.router and getattr(hp, f) != getattr(defaults, f):
+                raise UserError(f"{f} sets the {name} router's behaviour; router={hp.router} "
+                                f"has none")
+    for f in ("expand_groups", "expand_per_group", "expand_init", "expand_tau"):
+        if not hp.expand_from and getattr(hp, f) != getattr(defaults, f):
+            raise UserError(f"{f} sets how --expand_from expands a checkpoint; none is given")
+    problem = ROUTERS[hp.router].check(hp)
+    if problem:
+        raise UserError(problem)
     if hp.batch_size % (hp.device_batch_size * world):
         raise UserError(f"batch_size={hp.batch_size} is not divisible by device_batch_size "
                         f"({hp.device_batch_size}) x world size ({world})")
@@ -1257,8 +1509,8 @@ MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_m
                 "sandwich_norm", "gate_axis")
 
 
-CHECKPOINT_KEYS = ("step", "train_ms", "timed_steps", "tokens", "bad_steps", "val_done", "run_id",
-                   "hp", "world_size", "model", "optimizer", "controller", "dlo", "loader", "rng")
+CHECKPOINT_KEYS = ("run_id", "step", "tokens", "train_ms", "timed_steps", "bad_steps", "val_done",
+                   "hp", "world_size", "model", "optimizer", "routing", "loader", "rng")
 
 
 class RunStopped(Exception):
@@ -1385,7 +1637,7 @@ def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed:
     layers come after its originals. DLO routers move with their layers; new ones are left
     out (their zero initialisation is the model's own)."""
     Q, gen = R // P, torch.Generator().manual_seed(seed)
-    out = {k: v for k, v in state.items() if not k.startswith(("blocks.", "routers."))}
+    out = {k: v for k, v in state.items() if not k.startswith(("blocks.", "router.routers."))}
 
     def layer_state(prefix, i):
         return {k[len(f"{prefix}.{i}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{i}.")}
@@ -1395,7 +1647,8 @@ def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed:
         group = [layer_state("blocks", p * Q + i) for i in range(Q)]
         for i, layer in enumerate(group):
             out.update({f"blocks.{j}.{k}": v for k, v in layer.items()})
-            out.update({f"routers.{j}.{k}": v for k, v in layer_state("routers", p * Q + i).items()})
+            out.update({f"router.routers.{j}.{k}": v
+                        for k, v in layer_state("router.routers", p * Q + i).items()})
             j += 1
         for _ in range(q):
             out.update({f"blocks.{j}.{k}": v for k, v in new_layer(group, init, tau, gen).items()})
@@ -1408,9 +1661,9 @@ def expand_settings(overrides: dict) -> tuple:
     shape comes from the checkpoint; n_layers is derived: P * (R / P + q)."""
     src = load_checkpoint(overrides["expand_from"])
     base = Hyperparameters(**src["hp"])
-    if base.router == "skip_middle":
-        raise UserError("expand a dense or DLO checkpoint: skip_middle gates are tied to the "
-                        "layer count")
+    if not ROUTERS[base.router].expandable:
+        raise UserError(f"expand a dense or DLO checkpoint: the {base.router} router is tied "
+                        f"to the layer count")
     fixed = [k for k in MODEL_FIELDS if k not in ("router", "n_layers")]
     changed = [f"{k} {getattr(base, k)} -> {overrides[k]}" for k in fixed
                if k in overrides and overrides[k] != getattr(base, k)]
@@ -1473,66 +1726,67 @@ def all_finite(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
 # -----------------------------------------------------------------------------
 # Training loop
 
+@dataclass
+class RunState:
+    """What a run carries from step to step and from job to job; all of it is checkpointed."""
+    run_id: str = ""      # ties checkpoints to the config.json of their run
+    step: int = 0         # optimiser steps done: the lr schedule is a function of it
+    tokens: int = 0       # training tokens seen
+    train_ms: float = 0.0  # wall time of the timed steps of every job (see clock())
+    timed_steps: int = 0
+    bad_steps: int = 0    # non-finite losses skipped
+    val_done: int = -1    # the last step whose validation is recorded
+
+
 @torch.no_grad()
-def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast):
-    """Mean val loss and gate statistics over val_tokens, all-reduced over ranks."""
+def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
+    """Validation over val_tokens, inference routing, all-reduced over ranks: the loss, the
+    share of tokens that ran each block and each MLP, FLOPs per token at those shares."""
     model.eval()
     loader.reset()
     L = hp.n_layers
     steps = hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)
-    # sums: loss, tokens, per-layer gate sum, per-layer zero count, per-layer resid norm
-    acc = torch.zeros(2 + 3 * L, dtype=torch.float64, device=d.device)
+    sums = None  # rows: loss, tokens, then per layer: block, mlp, resid norm, the router's own
     for _ in range(steps):
         x, y = loader.next_batch()
         x, y = x.to(d.device), y.to(d.device)
         with autocast:
-            logits, gates, resid, _, _ = model(x)
+            logits, route, resid = model(x)
         n = y.numel()
-        acc[0] += F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
-        acc[1] += n
-        if gates is not None:
-            acc[2:2 + L] += gates.sum(dim=(1, 2)).double()
-            acc[2 + L:2 + 2 * L] += (gates == 0).sum(dim=(1, 2)).double()
-        else:
-            acc[2:2 + L] += n
-        acc[2 + 2 * L:] += resid.double() * n
-    all_reduce(acc)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+        extra = model.router.val_sums(route)
+        batch = torch.cat([torch.stack([loss.double(), torch.tensor(n, device=d.device).double()]),
+                           route["block"].sum(dim=(1, 2)).double(), route["mlp"].sum(dim=(1, 2)).double(),
+                           resid.double() * n] + ([] if extra is None else [extra.flatten()]))
+        sums = batch if sums is None else sums + batch
+    all_reduce(sums)
     model.train()
-    tokens = acc[1]
-    zero = (acc[2 + L:2 + 2 * L] / tokens).tolist()
-    mlp_active = [1 - z for z in zero]  # skip_middle skips whole blocks, DLO only MLPs
-    fwd = flops_per_token(hp, None, mlp_active) if hp.router == "dlo" else \
-        flops_per_token(hp, mlp_active)
-    return dict(val_loss=(acc[0] / tokens).item(), sparsity=sum(zero) / L,
-                gate_mean=(acc[2:2 + L] / tokens).tolist(), gate_zero=zero,
-                mlp_active=mlp_active, resid_norm=(acc[2 + 2 * L:] / tokens).tolist(),
+    per_token = sums[2:] / sums[1]
+    block, mlp, resid = (per_token[i * L:(i + 1) * L].tolist() for i in range(3))
+    fwd = flops_per_token(hp, block, mlp)
+    return dict(val_loss=(sums[0] / sums[1]).item(), sparsity=1 - sum(mlp) / L,
+                block_active=block, mlp_active=mlp, resid_norm=resid,
                 fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
-                fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none")),
-                fwd_flops_per_seq=fwd * hp.seq_len)
+                fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none", compact=False)),
+                fwd_flops_per_seq=fwd * hp.seq_len,
+                **model.router.val_fields(per_token[3 * L:].view(-1, L)))
 
 
 def param_groups(raw: GPT) -> list:
-    """AdamW groups: everything outside the blocks, then one group per block with its DLO
-    router, so that eq. (10) can give each layer its own learning rate."""
-    groups = [list(block.parameters()) + (list(raw.routers[i].parameters()) if raw.routers else [])
-              for i, block in enumerate(raw.blocks)]
+    """AdamW groups: everything outside the blocks, then one group per block with the router's
+    parameters of that block, so that a router can scale each layer's rate (DLO eq. 10)."""
+    groups = [list(block.parameters()) + raw.router.layer_params(i) for i, block in enumerate(raw.blocks)]
     inside = {id(p) for group in groups for p in group}
     rest = [p for p in raw.parameters() if id(p) not in inside]
     return [{"params": params} for params in [rest] + groups]
 
 
-def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = None,
-          argv: list = ()) -> str:
-    """Train (or, given a checkpoint, go on training) and return the run directory.
-    init_state: starting weights (an expanded model), missing only zero-initialised routers.
-    argv: the command-line arguments, for the record."""
+def check_run(hp: Hyperparameters, d: Dist, ckpt: dict):
+    """Refuse settings that cannot train here, before anything is written."""
     validate(hp, d.world)
-    torch.manual_seed(hp.seed)
-    cuda = d.device.startswith("cuda")
-    if hp.attn_impl == "flex" and not cuda:
+    if hp.attn_impl == "flex" and not d.device.startswith("cuda"):
         raise UserError("attn_impl=flex cannot train on CPU (FlexAttention has no CPU "
                         "backward); use auto or sdpa")
-    accum = hp.batch_size // (hp.device_batch_size * d.world)
     steps = num_steps(hp)
     if ckpt is not None and ckpt["step"] > steps:
         raise UserError(f"the checkpoint is at step {ckpt['step']} but these settings make "
@@ -1541,184 +1795,181 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
     if ckpt is not None and 0 < hp.stop_step <= ckpt["step"]:
         raise UserError(f"stop_step={hp.stop_step} is not after the checkpoint's step "
                         f"{ckpt['step']}")
-    tokens_per_step = hp.batch_size * hp.seq_len
-    train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
-                                     hp.seq_len, d.rank, d.world, hp.vocab_size)
-    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
-                                   d.rank, d.world, hp.vocab_size)
+
+
+def check_val_capacity(hp: Hyperparameters, d: Dist, val_loader: "DistributedLoader"):
     val_steps = hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)
     if val_steps > val_loader.capacity():
         raise UserError(f"val_tokens={hp.val_tokens} is more than the validation shards hold "
                         f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
                         f"({val_loader.capacity()} batches); validation would repeat tokens")
+
+
+def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = None,
+          argv: list = ()) -> str:
+    """Train (or, given a checkpoint, go on training) and return the run directory.
+    init_state: starting weights (an expanded model), missing only zero-initialised routers.
+    argv: the command-line arguments, for the record."""
+    # setup: check everything, then create the run directory, the model and the optimiser
+    check_run(hp, d, ckpt)
+    torch.manual_seed(hp.seed)
+    cuda = d.device.startswith("cuda")
+    accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
+    train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
+                                     hp.seq_len, d.rank, d.world, hp.vocab_size)
+    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
+                                   d.rank, d.world, hp.vocab_size)
+    check_val_capacity(hp, d, val_loader)
     if ckpt is not None:
         train_loader.check_position(**ckpt["loader"])
     if dist.is_initialized():
         dist.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = on_master(d, lambda: open_run_dir(hp, ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
-
     raw = GPT(hp).to(d.device)
     if init_state is not None:
         missing, unexpected = raw.load_state_dict(init_state, strict=False)
-        assert not unexpected and all(k.startswith("routers.") for k in missing), (missing, unexpected)
-    ctrl = GateController(hp, d.device)
-    dlo = DLOState(hp) if hp.router == "dlo" else None
+        assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
     opt = torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
                             eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=cuda)
-    # the clock: train_ms sums the timed steps of every job; the first untimed_steps of each
-    # job (compilation on CUDA) are kept off it, as modded-nanogpt does, and logged apart
-    start, train_ms, timed_steps, tokens, bad_steps, val_done = 0, 0.0, 0, 0, 0, -1
-    run_id = os.urandom(8).hex()  # ties checkpoints to the config.json of their run
-    if ckpt is not None:  # the lr schedule is a function of the step: the step is its state
+    run = RunState(run_id=os.urandom(8).hex())
+    # restore: weights, optimiser, routing state, data position, random state, the clock
+    if ckpt is not None:
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        ctrl.load_state_dict(ckpt["controller"])
-        if dlo:
-            dlo.load_state_dict(ckpt["dlo"])
+        raw.router.load_routing_state(ckpt["routing"])
         train_loader.restore(**ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["cpu"])
         if cuda and ckpt["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        start, train_ms, bad_steps = ckpt["step"], ckpt["train_ms"], ckpt["bad_steps"]
-        timed_steps, tokens, val_done = ckpt["timed_steps"], ckpt["tokens"], ckpt["val_done"]
-        run_id = ckpt["run_id"]
+        run = RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
+    start = run.step
     model = torch.compile(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
     launcher = f"torchrun --nproc_per_node={d.world} train_gpt.py" if d.world > 1 else \
         "python train_gpt.py"
-    extra = dict(world_size=d.world, grad_accum=accum, num_steps=steps, run_dir=run_dir,
-                 device=d.device, command=" ".join([launcher, *map(shlex.quote, argv)]),
-                 run_id=run_id, **provenance())
-    log = RunLog(run_dir, hp, extra, d.master, resumed_at=start if ckpt else None,
-                 val_done=val_done)
+    log = RunLog(run_dir, hp, dict(world_size=d.world, grad_accum=accum, num_steps=steps,
+                                   run_dir=run_dir, device=d.device, run_id=run.run_id,
+                                   command=" ".join([launcher, *map(shlex.quote, argv)]),
+                                   **provenance()),
+                 d.master, resumed_at=start if ckpt else None, val_done=run.val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
               f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
-    last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
+    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
 
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
-    def checkpoint(step):
+    def checkpoint():
         """Save (rank 0), unless the weights or AdamW state hold a non-finite number: then stop,
         naming the last good checkpoint, which is left as it was. Every rank learns whether
         the save worked, so none waits for a rank that stopped."""
         if not all_finite(raw, opt):
-            raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
-                             f"replaced; last good checkpoint: {last_ckpt}")
+            raise RunStopped(f"non-finite weights after step {run.step}; the checkpoint was not "
+                             f"replaced; last good checkpoint: {STOP.last_ckpt}")
         failure = [""]
         if d.master:
             try:
                 save_checkpoint(run_dir, {
-                    "step": step, "train_ms": train_ms, "timed_steps": timed_steps,
-                    "tokens": tokens, "bad_steps": bad_steps, "val_done": val_done,
-                    "run_id": run_id, "hp": asdict(hp), "world_size": d.world,
+                    **asdict(run), "hp": asdict(hp), "world_size": d.world,
                     "model": raw.state_dict(), "optimizer": opt.state_dict(),
-                    "controller": ctrl.state_dict(), "dlo": dlo.state_dict() if dlo else {},
+                    "routing": raw.router.routing_state(),
                     "loader": train_loader.state(),  # global: each rank derives its offset
                     "rng": {"cpu": torch.get_rng_state(),
                             "cuda": torch.cuda.get_rng_state_all() if cuda else []}})
             except OSError as e:
-                failure[0] = (f"cannot write the checkpoint of step {step} ({e.strerror}); "
-                              f"last good checkpoint: {last_ckpt}")
+                failure[0] = (f"cannot write the checkpoint of step {run.step} ({e.strerror}); "
+                              f"last good checkpoint: {STOP.last_ckpt}")
         if dist.is_initialized():
             dist.broadcast_object_list(failure, src=0)
         if failure[0]:
             raise RunStopped(failure[0])
-        return f"{os.path.join(run_dir, CHECKPOINT)} (step {step})"
+        STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {run.step})"
 
-    def end_warmup(step, warmup_ms):
-        log.print(f"warm-up: steps {start + 1}-{step} of this job untimed, {warmup_ms:.0f}ms"
+    def end_warmup(warmup_ms):
+        log.print(f"warm-up: steps {start + 1}-{run.step} of this job untimed, {warmup_ms:.0f}ms"
                   + (" (compilation included)" if hp.compile and cuda else ""))
-        log.record({"kind": "warmup", "step": step, "steps": step - start,
+        log.record({"kind": "warmup", "step": run.step, "steps": run.step - start,
                     "warmup_ms": warmup_ms})
 
-    step, warmup_ms, saved_val = start, 0.0, val_done
-    STOP.last_ckpt = last_ckpt
+    # the loop: at each step boundary, validate if due, checkpoint if due, stop if asked
+    warmup_ms, saved_val = 0.0, run.val_done
     try:
         with STOP as stop:
             while True:
                 # every rank must agree to stop at the same boundary, or the others would hang
                 signalled = bool(all_reduce(torch.tensor(float(stop.signum), device=d.device),
                                             dist.ReduceOp.MAX if dist.is_initialized() else None))
-                last = step == steps
-                ending = last or signalled or (step == hp.stop_step and step > start)
-                due = last or (hp.val_every > 0 and step % hp.val_every == 0)
-                # a signal skips a due validation (to stop soon); the checkpoint says it is
-                # still owed (val_done < step), so the resumed job runs it first
-                if due and not signalled and val_done < step:
+                step = run.step
+                ending = step == steps or signalled or (step == hp.stop_step and step > start)
+                # validation: every val_every steps and at the last one. A signal skips it (to
+                # stop soon); the checkpoint says it is owed (val_done < step), so the resumed
+                # job runs it first
+                val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
+                if val_due and not signalled and run.val_done < step:
                     sync()
                     v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
-                    log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms, timed_steps)
-                    val_done = step
+                    log_validation(log, raw.router, v, run, steps)
+                    run.val_done = step
+                # checkpoint: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
-                if (step > start or val_done != saved_val) and (ending or periodic):
-                    last_ckpt = STOP.last_ckpt = checkpoint(step)
-                    saved_val = val_done
+                if (step > start or run.val_done != saved_val) and (ending or periodic):
+                    checkpoint()
+                    saved_val = run.val_done
                 if ending:
                     break
-
                 sync()
                 t0 = time.perf_counter()
-                scales = dlo.lr_scales(step) if dlo else [1.0] * hp.n_layers
-                lrs = [lr_at(hp, step, steps) * f for f in [1.0] + scales]  # per group
-                lm_loss, total, stats = train_step(model, hp, ctrl, dlo, opt, train_loader, d,
+                lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
+                lm_loss, total, stats = train_step(model, raw.router, hp, opt, train_loader, d,
                                                    autocast, accum, lrs, step)
-                step += 1
+                run.step += 1
                 if not math.isfinite(total):
-                    bad_steps += 1
-                    if bad_steps > hp.max_bad_steps:
-                        raise RunStopped(f"non-finite loss at step {step}; no update was applied;"
-                                         f" last good checkpoint: {last_ckpt}")
-                    log.print(f"step:{step}/{steps} skipped: non-finite loss "
-                              f"({bad_steps} of max_bad_steps={hp.max_bad_steps})")
+                    run.bad_steps += 1
+                    if run.bad_steps > hp.max_bad_steps:
+                        raise RunStopped(f"non-finite loss at step {run.step}; no update was "
+                                         f"applied; last good checkpoint: {STOP.last_ckpt}")
+                    log.print(f"step:{run.step}/{steps} skipped: non-finite loss "
+                              f"({run.bad_steps} of max_bad_steps={hp.max_bad_steps})")
                     continue
-                tokens += tokens_per_step
-                count = stats[2]
-                mean, zero = stats[0] / count, stats[3] / count  # (L,) over the global batch
-                if hp.gated:
-                    ctrl.update(mean, stats[1] / count - mean * mean)
-                if dlo:
-                    dlo.update(stats[4], count[0].item())
+                run.tokens += hp.batch_size * hp.seq_len
+                count = stats[0, 0].item()
+                raw.router.update(stats[3:], count, step)
                 sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
-                if step - start <= hp.untimed_steps:
+                if run.step - start <= hp.untimed_steps:
                     warmup_ms += step_ms
-                    if step - start == hp.untimed_steps:
-                        end_warmup(step, warmup_ms)
+                    if run.step - start == hp.untimed_steps:
+                        end_warmup(warmup_ms)
                 else:
-                    train_ms += step_ms
-                    timed_steps += 1
-                line = (f"step:{step}/{steps} train_loss:{lm_loss:.4f} "
-                        f"{clock(train_ms, timed_steps)} "
-                        f"tok/s:{tokens_per_step / step_ms * 1000:.0f}")
+                    run.train_ms += step_ms
+                    run.timed_steps += 1
+                block, mlp = (stats[1] / count).tolist(), (stats[2] / count).tolist()
+                line = (f"step:{run.step}/{steps} train_loss:{lm_loss:.4f} "
+                        f"{clock(run.train_ms, run.timed_steps)} "
+                        f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
                 if cuda:  # executed work: all tokens, except what compact really skips
-                    active = (1 - zero).tolist() if hp.compact and hp.gated else None
-                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, active):.1f}%"
+                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, block if hp.compact else None):.1f}%"
                 log.print(line)
-                record = {"kind": "train", "step": step, "tokens": tokens,
-                          "train_loss": lm_loss, "total_loss": total, "lr": lrs[0],
-                          "step_ms": step_ms}
-                if dlo:
-                    record["layer_lr"] = lrs[1:]
-                if hp.router != "none":  # the factor on each block's MLP branch (0: skipped)
-                    record.update(gate_mean=mean.tolist(), gate_zero=zero.tolist())
-                log.record(record)
-        if 0 < step - start < hp.untimed_steps:
-            end_warmup(step, warmup_ms)
-        if step < steps or val_done < step:
+                log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
+                            "train_loss": lm_loss, "total_loss": total, "lr": lrs[0],
+                            "layer_lr": lrs[1:], "step_ms": step_ms, "block_active": block,
+                            "mlp_active": mlp, **raw.router.step_fields(stats[3:], count)})
+        if 0 < run.step - start < hp.untimed_steps:
+            end_warmup(warmup_ms)
+        if run.step < steps or run.val_done < run.step:
             why = f"signal {signal.Signals(stop.signum).name}" if signalled else "stop_step"
-            owed = "" if val_done == step or not due else " (its validation is still owed)"
-            log.print(f"stopped by {why} at step {step}{owed}; checkpoint: {last_ckpt}; "
+            owed = "" if run.val_done == run.step or not val_due else " (its validation is still owed)"
+            log.print(f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
                       f"resume with: {launcher} --resume={run_dir}")
-        elif step == start:
-            log.print(f"the run is complete at step {step}; nothing to do")
+        elif run.step == start:
+            log.print(f"the run is complete at step {run.step}; nothing to do")
         if cuda:
             log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
     except RunStopped as e:
@@ -1735,17 +1986,15 @@ def clock(train_ms: float, timed_steps: int) -> str:
     return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
 
 
-def train_step(model, hp, ctrl, dlo, opt, loader, d, autocast, accum, lrs, step):
-    """One optimiser step over the global batch. -> (mean LM loss, mean total loss, routing
-    sums (5, L) over all micro-steps and ranks: sum f, sum f^2, token count, count of f = 0
-    and, for DLO, tokens labelled to run, where f is each block's MLP factor (skip_middle: g;
-    dlo: r where the MLP runs, else 0)). The update is applied only when the loss is finite."""
+def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step):
+    """One optimiser step over the global batch. -> (mean LM loss, mean total loss, sums over
+    all micro-steps and ranks, rows: token count, tokens that ran each block, tokens that ran
+    each MLP, then the router's own sums for its update). The update is applied only when the
+    loss is finite."""
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
     x_all, y_all = loader.next_batch()  # (accum * B, T) for this rank
-    stats = torch.zeros(5, hp.n_layers, dtype=torch.float64, device=d.device)
-    losses = torch.zeros(2, device=d.device)  # LM loss, LM + regulariser
-    skip_rates = dlo.rates.tolist() if dlo else None
+    stats, losses = None, torch.zeros(2, device=d.device)  # LM loss, LM + regulariser
     for micro in range(accum):
         sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
         x, y = x_all[sl].to(d.device), y_all[sl].to(d.device)
@@ -1753,24 +2002,15 @@ def train_step(model, hp, ctrl, dlo, opt, loader, d, autocast, accum, lrs, step)
         no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
         with no_sync:
             with autocast:
-                out = model(x, skip_rates=skip_rates)
+                out = model(x)
                 loss = F.cross_entropy(out.logits.view(-1, out.logits.size(-1)), y.view(-1))
-                reg = torch.zeros_like(loss)
-                if hp.gated:
-                    reg = ctrl.loss(out.gates)
-                elif dlo:  # eqs. (5)-(7): similarity labels and the skip loss
-                    labels = DLOState.labels(out.similarity, dlo.overall(step))
-                    reg = DLOState.loss(out.router_logits, labels)
+                reg, sums = router.loss(out.route, step)
             ((loss + reg) / accum).backward()
         losses += torch.stack([loss.detach(), (loss + reg).detach()]) / accum
-        stats[2] += y.numel()
-        if out.gates is not None:
-            g = out.gates.detach().double()
-            stats[0] += g.sum(dim=(1, 2))
-            stats[1] += (g * g).sum(dim=(1, 2))
-            stats[3] += (g == 0).sum(dim=(1, 2)).double()
-        if dlo:
-            stats[4] += labels.sum(dim=(1, 2)).double()
+        count = torch.full((1, hp.n_layers), float(y.numel()), dtype=torch.float64, device=d.device)
+        rows = [count, out.route["block"].sum(dim=(1, 2)).double()[None],
+                out.route["mlp"].sum(dim=(1, 2)).double()[None]] + ([] if sums is None else [sums])
+        stats = torch.cat(rows) if stats is None else stats + torch.cat(rows)
     lm_loss, total = (all_reduce(losses) / d.world).tolist()
     if math.isfinite(total):
         opt.step()
@@ -1778,18 +2018,15 @@ def train_step(model, hp, ctrl, dlo, opt, loader, d, autocast, accum, lrs, step)
     return lm_loss, total, all_reduce(stats)
 
 
-def log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms, timed_steps):
-    log.print(f"step:{step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
+def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: int):
+    log.print(f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
               f"fwd_flops/token:{v['fwd_flops_per_token']:.4g} "
-              f"dense:{v['fwd_flops_per_token_dense']:.4g} {clock(train_ms, timed_steps)}")
-    if hp.gated:
-        log.print(f"  gate_mean:{fmt_list(v['gate_mean'])} gate_zero:{fmt_list(v['gate_zero'])}")
-        log.print(f"  alpha:{fmt_list(ctrl.alpha.tolist())} beta:{fmt_list(ctrl.beta.tolist())}")
-    if dlo:
-        log.print(f"  mlp_active:{fmt_list(v['mlp_active'])} "
-                  f"train_skip_rates:{fmt_list(dlo.rates.tolist())} rho_t:{dlo.overall(step):.3f}")
+              f"dense:{v['fwd_flops_per_token_dense']:.4g} {clock(run.train_ms, run.timed_steps)}")
+    log.print(f"  block_active:{fmt_list(v['block_active'])} mlp_active:{fmt_list(v['mlp_active'])}")
+    for line in router.log_lines(v, run.step):
+        log.print(line)
     log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
-    log.record({"kind": "val", "step": step, "train_time_ms": train_ms, **v})
+    log.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
 
 
 # -----------------------------------------------------------------------------
@@ -1797,6 +2034,9 @@ def log_validation(log, hp, ctrl, dlo, v, step, steps, train_ms, timed_steps):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
     try:
         with STOP:  # from the start: a first signal during start-up stops before step 1
             overrides = parse_overrides(argv)
