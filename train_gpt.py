@@ -305,9 +305,10 @@ class Block(nn.Module):
         B, T, d = x.shape
         active = keys.squeeze(-1) > 0  # (B, T)
         counts = active.sum(dim=1)  # (B,)
-        Tc = int(counts.max())  # one host sync per block
-        if Tc == 0:
-            return x
+        # one host sync per block. With no active token the block still runs on one padding
+        # token (g = 0, x unchanged) so that every parameter gets a gradient, zero here: under
+        # DDP a rank where a block's parameters got none would stall the all-reduce
+        Tc = max(1, int(counts.max()))
         if x.is_cuda:  # a few padded lengths, so compiled kernels and block masks are reused
             Tc = min(T, -(-Tc // 128) * 128)
         # stable sort puts active tokens first, in their original order; (B, Tc) positions
@@ -713,9 +714,43 @@ CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "spar
 # The model
 
 class Output(NamedTuple):
-    logits: torch.Tensor  # (B, T, V) fp32
+    logits: torch.Tensor  # (B, T, V) fp32; None when the loss was asked for instead
     route: dict           # the trace stacked: "block", "mlp" (L, B, T) bool and the router's own
     resid: torch.Tensor   # (L,) mean L2 norm of the residual after each block (eval only)
+    loss: torch.Tensor = None  # mean cross-entropy against the targets, when given
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of the logits h W^T against targets, `rows` rows at a time, so the
+    (N, V) logits and their gradient never exist whole (at the paper's device batch they are
+    6.6 GB each in fp32). When a gradient is wanted, each chunk's gradients with respect to h
+    and W (softmax minus one-hot) are formed at once and kept; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows: int, grads: bool):
+        """h: (N, d); weight: (V, d); targets: (N,) -> scalar fp32 sum over the N rows."""
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        w = weight.to(h.dtype)
+        grad_h = torch.empty_like(h) if grads else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grads else None
+        for i in range(0, h.size(0), rows):
+            hc, tc = h[i:i + rows], targets[i:i + rows]
+            logits = (hc @ w.t()).float()  # (n, V), the only logits alive
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, tc[:, None])[:, 0]).sum()
+            if grads:
+                p = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                p[torch.arange(len(tc), device=h.device), tc] -= 1.0
+                grad_h[i:i + rows] = p.to(h.dtype) @ w
+                grad_w += p.t() @ hc.float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None
 
 
 class GPT(nn.Module):
@@ -741,10 +776,11 @@ class GPT(nn.Module):
     def hp(self, hp):  # one set of settings for the model and its router (bench, sweep)
         self._hp = self.router.hp = hp
 
-    def forward(self, idx, pos=None, cache=None) -> Output:
+    def forward(self, idx, pos=None, cache=None, targets=None) -> Output:
         """idx: (B, T) token ids. With a KVCache, idx is one token (1, 1) at position pos
         (1, 1); a block it skips keeps no K/V for it. Routing follows the module's mode:
-        training (model.train()) or inference (model.eval())."""
+        training (model.train()) or inference (model.eval()). With targets (B, T), the mean
+        cross-entropy is computed in chunks of loss_rows tokens and no logits are returned."""
         impl = self.hp.attn_impl
         if impl == "auto":  # Flex needs CUDA for its backward; SDPA is the exact CPU path
             impl = "flex" if idx.is_cuda else "sdpa"
@@ -754,9 +790,15 @@ class GPT(nn.Module):
             x = self.router.run(layer, block, x, trace, impl, pos, None if cache is None else (cache, layer))
             if not self.training:  # a statistic for validation, kept off the training path
                 resid.append(x.detach().float().norm(dim=-1).mean())
-        return Output(self.head(self.head_norm(x)).float(),
-                      {k: torch.stack(v) for k, v in trace.items()},
-                      torch.stack(resid) if resid else None)
+        route = {k: torch.stack(v) for k, v in trace.items()}
+        resid = torch.stack(resid) if resid else None
+        h = self.head_norm(x)
+        if targets is None:
+            return Output(self.head(h).float(), route, resid)
+        h, weight = h.flatten(0, 1), self.head.weight
+        grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        total = LinearCrossEntropy.apply(h, weight, targets.flatten(), self.hp.loss_rows, grads)
+        return Output(None, route, resid, total / targets.numel())
 
 
 class KVCache:
@@ -1021,6 +1063,7 @@ class Hyperparameters:
     batch_size: int = 512        # global batch, sequences (512 x 1024 = 524,288 tokens)
     device_batch_size: int = 32  # sequences per forward; grad accumulation is derived
     seq_len: int = 1024          # training and validation sequence length, <= max_seq_len
+    loss_rows: int = 4096        # tokens whose logits exist at once in the loss (memory)
     train_tokens: int = 10_000_000_000  # token budget; steps = budget / global batch
     # evaluation and logging
     val_every: int = 250         # steps between validations (0: only at the end)
@@ -1118,7 +1161,7 @@ AT_LEAST = {  # integers: smallest value
     "max_seq_len": 1, "batch_size": 1, "device_batch_size": 1, "seq_len": 1, "train_tokens": 1,
     "val_tokens": 1, "expand_groups": 1, "expand_tau": 1, "expand_per_group": 0,
     "dlo_anneal_steps": 0, "val_every": 0, "save_every": 0, "stop_step": 0, "max_bad_steps": 0,
-    "untimed_steps": 0, "seed": 0, "mod_every": 1}
+    "untimed_steps": 0, "seed": 0, "mod_every": 1, "loss_rows": 1}
 INTERVALS = {  # floats: (low, high, whether low may be reached, whether high may be)
     "norm_eps": (0, 1, False, False), "gate_eps": (0, 1, False, False),
     "rope_theta": (0, math.inf, False, False), "init_std": (0, math.inf, False, False),
@@ -1200,9 +1243,9 @@ def validate(hp: Hyperparameters, world: int):
         raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
                         f"({hp.device_batch_size * hp.seq_len * world} tokens)")
     # a lower bound on one device's memory: fp32 weights, gradients and two AdamW moments, the
-    # RoPE tables, and the fp32 logits of one micro-batch with their gradient
+    # RoPE tables, and the fp32 logits of one loss chunk with their softmax
     need = (16 * param_count(hp) + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
-            + 8 * hp.device_batch_size * hp.seq_len * hp.vocab_size)
+            + 8 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size)
     if need > machine_memory():
         raise UserError(f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
                         f"{machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
@@ -1751,9 +1794,9 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
         x, y = loader.next_batch()
         x, y = x.to(d.device), y.to(d.device)
         with autocast:
-            logits, route, resid = model(x)
+            _, route, resid, loss = model(x, targets=y)
         n = y.numel()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+        loss = loss * n  # the sum over this batch
         extra = model.router.val_sums(route)
         batch = torch.cat([torch.stack([loss.double(), torch.tensor(n, device=d.device).double()]),
                            route["block"].sum(dim=(1, 2)).double(), route["mlp"].sum(dim=(1, 2)).double(),
@@ -2002,8 +2045,8 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
         no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
         with no_sync:
             with autocast:
-                out = model(x)
-                loss = F.cross_entropy(out.logits.view(-1, out.logits.size(-1)), y.view(-1))
+                out = model(x, targets=y)
+                loss = out.loss
                 reg, sums = router.loss(out.route, step)
             ((loss + reg) / accum).backward()
         losses += torch.stack([loss.detach(), (loss + reg).detach()]) / accum
