@@ -121,23 +121,25 @@ def format_row(r):
             f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} |")
 
 
+def parser() -> tg.ArgParser:
+    p = tg.ArgParser("python bench.py", __doc__)
+    p.add_argument("--size", action="append", choices=list(SIZES),
+                   help="model size to time; repeat the option for several (default: smoke)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
+    p.add_argument("--repeats", type=tg.in_range(int, 1), default=3, metavar="N",
+                   help="timed runs per measurement, the median reported (default: %(default)s)")
+    p.add_argument("--compile", type=tg.parse_bool, default=False, metavar="BOOL",
+                   help="torch.compile the model (CUDA only): 1/0, true/false, yes/no "
+                   "(default: 0)")
+    p.add_argument("--out", default="", metavar="DIR",
+                   help="output folder (default: a new dated folder under logs/)")
+    return p
+
+
 def main(argv):
-    sizes, device, repeats, compile_, out = [], "cpu", 3, False, ""
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "--size" and value in SIZES:
-            sizes.append(value)
-        elif key == "--device" and value:
-            device = tg.check_device(value)
-        elif key == "--repeats" and value.isdigit() and int(value) > 0:
-            repeats = int(value)
-        elif key == "--compile" and value in ("0", "1"):
-            compile_ = value == "1"
-        elif key == "--out" and value:
-            out = value
-        else:
-            raise tg.UserError(f"bad option {arg!r}; options: --size={{{','.join(SIZES)}}} "
-                               "--device=cpu|cuda --repeats=N --compile=0|1 --out=DIR")
+    args = parser().parse_args(argv)
+    sizes, repeats, compile_, out = args.size or [], args.repeats, args.compile, args.out
+    device = tg.check_device(args.device)
     out = tg.writable_dir(out or os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
                                               "_skip_bench_" + device.split(":")[0]))
     print(tg.describe_system())

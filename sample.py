@@ -8,7 +8,6 @@ whose gate is 0 at a block skips it and stores nothing there. --temperature=0 is
 --top_k=0 samples from the whole vocabulary; an empty prompt starts from <|endoftext|>.
 """
 
-import math
 import sys
 
 import torch
@@ -18,39 +17,31 @@ import train_gpt as tg
 EOT = 50256
 
 
-def number(opts, key, kind, low, high=math.inf):
-    """opts[key] as kind, within [low, high], or a UserError naming the option."""
-    try:
-        value = kind(opts[key])
-    except ValueError:
-        value = None
-    if value is None or not math.isfinite(value) or not low <= value <= high:
-        raise tg.UserError(f"--{key}={opts[key]}: expected {kind.__name__} in [{low}, {high}]")
-    return value
+def parser() -> tg.ArgParser:
+    p = tg.ArgParser("python sample.py", __doc__)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a checkpoint")
+    p.add_argument("--prompt", default="\n", metavar="TEXT",
+                   help="text to continue; empty: start from <|endoftext|> (default: a newline)")
+    p.add_argument("--tokens", type=tg.in_range(int, 1), default=100, metavar="N",
+                   help="tokens to sample, at most what the context leaves (default: %(default)s)")
+    p.add_argument("--temperature", type=tg.in_range(float, 0), default=0.8, metavar="T",
+                   help="softmax temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top_k", type=tg.in_range(int, 0), default=200, metavar="K",
+                   help="sample among the K likeliest tokens; 0: all (default: %(default)s)")
+    p.add_argument("--seed", type=tg.in_range(int, 0, 2**63 - 1), default=0,
+                   help="random seed of the sampler (default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:K (default: %(default)s)")
+    return p
 
 
 def main(argv):
-    opts = {"prompt": "\n", "tokens": "100", "temperature": "0.8", "top_k": "200", "seed": "0",
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    runs = []
-    for arg in argv:
-        key, _, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        if arg.startswith("--") and key in opts and "=" in arg:
-            opts[key] = value
-        elif not arg.startswith("--"):
-            runs.append(arg)
-        else:
-            raise tg.UserError(f"bad option {arg!r}; options: " + ", ".join(f"--{k}=" for k in opts))
-    if len(runs) != 1:
-        raise tg.UserError("usage: python sample.py RUN_DIR [--prompt=TEXT] [--tokens=N] ...")
-    n = number(opts, "tokens", int, 1)
-    temperature = number(opts, "temperature", float, 0)
-    top_k = number(opts, "top_k", int, 0)
-    seed = number(opts, "seed", int, 0, 2**63 - 1)
-    device = tg.check_device(opts["device"])
+    args = parser().parse_args(argv)
+    n, temperature, top_k, seed = args.tokens, args.temperature, args.top_k, args.seed
+    device = tg.check_device(args.device)
     enc = tg.gpt2_encoding()
-    prompt = enc.encode_ordinary(opts["prompt"]) or [EOT]
-    ckpt = tg.load_checkpoint(runs[0])
+    prompt = enc.encode_ordinary(args.prompt) or [EOT]
+    ckpt = tg.load_checkpoint(args.run_dir)
     hp = tg.Hyperparameters(**ckpt["hp"])
     if len(prompt) >= hp.max_seq_len:
         raise tg.UserError(f"the prompt is {len(prompt)} tokens; the model's context holds "

@@ -56,37 +56,36 @@ def terminal_view(pieces: list, counts: list) -> str:
     return "".join(f"{p.replace(chr(10), '⏎')}[{c}]" for p, c in zip(pieces, counts))
 
 
+def parser() -> tg.ArgParser:
+    p = tg.ArgParser("python skipview.py", __doc__)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a checkpoint")
+    p.add_argument("--text", help="the text to show (default: the first --val_tokens tokens of "
+                   "the run's validation shard)")
+    p.add_argument("--val_tokens", type=tg.in_range(int, 1), default=256, metavar="N",
+                   help="validation tokens to show without --text (default: %(default)s)")
+    p.add_argument("--out", default="", metavar="FILE",
+                   help="also write the HTML page there (default: no page)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
+    return p
+
+
 def main(argv):
-    opts = {"text": None, "val_tokens": "256", "out": "", "device": "cpu"}
-    runs = []
-    for arg in argv:
-        key, _, value = arg[2:].partition("=")
-        if arg.startswith("--") and key in opts and "=" in arg:
-            opts[key] = value
-        elif not arg.startswith("--"):
-            runs.append(arg)
-        else:
-            raise tg.UserError(f"bad option {arg!r}; options: " + ", ".join(f"--{k}=" for k in opts))
-    if len(runs) != 1:
-        raise tg.UserError("usage: python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] "
-                           "[--out=page.html]")
-    if not opts["val_tokens"].isdigit() or int(opts["val_tokens"]) < 1:
-        raise tg.UserError(f"--val_tokens={opts['val_tokens']}: expected an integer >= 1")
-    device = tg.check_device(opts["device"])
-    ckpt = tg.load_checkpoint(runs[0])
+    args = parser().parse_args(argv)
+    device = tg.check_device(args.device)
+    ckpt = tg.load_checkpoint(args.run_dir)
     hp = tg.Hyperparameters(**ckpt["hp"])
     enc = tg.gpt2_encoding()
-    if opts["text"] is not None:
-        ids = enc.encode_ordinary(opts["text"])
+    if args.text is not None:
+        ids = enc.encode_ordinary(args.text)
         if not ids:
             raise tg.UserError("--text is empty")
     else:
-        ids = tg.load_shard(tg.find_shards(hp.val_files)[0], hp.vocab_size)[:int(opts["val_tokens"])].tolist()
+        ids = tg.load_shard(tg.find_shards(hp.val_files)[0], hp.vocab_size)[:args.val_tokens].tolist()
     ids = ids[:hp.max_seq_len]
-    if opts["out"]:  # a page that cannot be written fails before the work, and creates nothing
-        tg.writable_dir(os.path.dirname(os.path.abspath(opts["out"])))
-        if os.path.isdir(opts["out"]):
-            raise tg.UserError(f"--out={opts['out']} is a directory; give a file name")
+    if args.out:  # a page that cannot be written fails before the work, and creates nothing
+        tg.writable_dir(os.path.dirname(os.path.abspath(args.out)))
+        if os.path.isdir(args.out):
+            raise tg.UserError(f"--out={args.out} is a directory; give a file name")
     model = tg.GPT(hp)
     model.load_state_dict(ckpt["model"])
     model.to(device)
@@ -96,10 +95,10 @@ def main(argv):
     print(terminal_view(pieces, counts))
     print(f"\ntokens {len(ids)}; {unit} run per token: mean {sum(counts) / len(counts):.2f} of "
           f"{units}; per layer: {per_layer}")
-    if opts["out"]:
-        page = html_page(pieces, counts, per_layer, units, f"{runs[0]}: {unit} run per token", unit)
-        tg.write_atomically(opts["out"], page.encode())
-        print(f"written to {opts['out']}")
+    if args.out:
+        page = html_page(pieces, counts, per_layer, units, f"{args.run_dir}: {unit} run per token", unit)
+        tg.write_atomically(args.out, page.encode())
+        print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

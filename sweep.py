@@ -337,32 +337,39 @@ def plot(out: str, lines: list) -> bool:
 
 # ---------------------------------------------------------------------------- main
 
+def parser() -> tg.ArgParser:
+    p = tg.ArgParser("python sweep.py", __doc__)
+    p.add_argument("--grid", default="cpu", choices=list(GRIDS),  # read now: tests add grids
+                   help="which grid of runs (default: %(default)s)")
+    p.add_argument("--seeds", type=tg.in_range(int, 1), default=1, metavar="K",
+                   help="seeds per configuration (default: %(default)s)")
+    p.add_argument("--nproc_per_node", type=tg.in_range(int, 1), default=1, metavar="N",
+                   help="processes per run; above 1 under torchrun (default: %(default)s)")
+    p.add_argument("--runs", default="", metavar="DIR",
+                   help="folder of the run directories (default: logs/sweep_<grid>)")
+    p.add_argument("--out", default="", metavar="DIR",
+                   help="record folder (default: records/<date>_figure2_<grid>)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the evaluation is measured: cpu, cuda or cuda:K "
+                   "(default: %(default)s)")
+    return p
+
+
 def main(argv):
-    opts = {"grid": "cpu", "seeds": "1", "nproc_per_node": "1", "runs": "", "out": "",
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    for arg in argv:
-        key, _, value = arg[2:].partition("=")
-        if not arg.startswith("--") or key not in opts or not value:
-            raise tg.UserError(f"bad option {arg!r}; options: "
-                               + ", ".join(f"--{k}=" for k in opts))
-        opts[key] = value
-    if opts["grid"] not in GRIDS:
-        raise tg.UserError(f"--grid={opts['grid']}; grids: {', '.join(GRIDS)}")
-    seeds, nproc = (int(opts[k]) if opts[k].isdigit() else 0 for k in ("seeds", "nproc_per_node"))
-    if seeds < 1 or nproc < 1:
-        raise tg.UserError("--seeds and --nproc_per_node take integers >= 1")
-    device = tg.check_device(opts["device"])
-    grid = GRIDS[opts["grid"]]
-    runs_dir = opts["runs"] or os.path.join("logs", f"sweep_{opts['grid']}")
-    out = tg.writable_dir(opts["out"] or os.path.join(
-        "records", f"{time.strftime('%Y-%m-%d')}_figure2_{opts['grid']}"))
+    args = parser().parse_args(argv)
+    seeds, nproc = args.seeds, args.nproc_per_node
+    device = tg.check_device(args.device)
+    grid = GRIDS[args.grid]
+    runs_dir = args.runs or os.path.join("logs", f"sweep_{args.grid}")
+    out = tg.writable_dir(args.out or os.path.join(
+        "records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"))
     tg.writable_dir(runs_dir)
     t0 = time.time()
     done = run_grid(grid, runs_dir, seeds, nproc)
     rows = [{"name": name, "seed": seed, **measure(run_dir, device)} for name, seed, run_dir in done]
     lines = summarise(rows)
     command = "python sweep.py " + " ".join(argv)
-    write_record(out, lines, rows, command, opts["grid"])
+    write_record(out, lines, rows, command, args.grid)
     print(verdict_text(lines))
     print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")
 

@@ -639,6 +639,41 @@ def test_check_command_counts_and_rejects(tmp_path):
     assert r.returncode == 2 and "x_000001.bin: token id 60000 is outside the vocabulary" in r.stderr
 
 
+# runs a script as `python SCRIPT ARGS...` would, then fails if torch was imported on the way
+NO_TORCH = """import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    status = e.code
+assert "torch" not in sys.modules, "torch was imported"
+sys.exit(status)
+"""
+
+
+def test_data_scripts_run_without_importing_torch(tmp_path):
+    shards = load_command("data/shards.py")  # its copy of the shard format is train_gpt.py's
+    assert (shards.SHARD_MAGIC, shards.SHARD_VERSION, shards.HEADER_INTS) == \
+        (tg.SHARD_MAGIC, tg.SHARD_VERSION, tg.HEADER_INTS)
+    fake_hub_cache(tmp_path / "hub", {"fineweb_val_000000.bin": range(100)})
+    (tmp_path / "a.txt").write_text("a few words")
+    env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    for args, status in (
+            (["data/tokenize_corpus.py", "--check=data/sample"], 0),
+            (["data/tokenize_corpus.py", str(tmp_path / "a.txt"), f"--out={tmp_path / 's'}",
+              "--workers=1"], 0),
+            (["data/tokenize_corpus.py", "--workers=0"], 2),
+            (["data/tokenize_corpus.py", "--help"], 0),
+            (["data/cached_fineweb10B.py", "0", f"--out={tmp_path / 'f'}"], 0),
+            (["data/cached_fineweb10B.py", "--bogus"], 2)):
+        r = subprocess.run([sys.executable, "-c", NO_TORCH, *args], cwd=HERE, env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == status and "torch was imported" not in r.stderr, (args, r.stderr)
+    assert list(tg.load_shard(str(tmp_path / "f" / "fineweb_val_000000.bin"))) == list(range(100))
+    assert list(tg.load_shard(str(tmp_path / "s" / "corpus_val_000000.bin"))) == \
+        [50256] + gpt2().encode_ordinary("a few words")
+
+
 def test_training_refuses_a_malformed_shard_before_starting(tmp_path):
     write_shard(tmp_path / "s_000001.bin", range(5000))
     write_shard(tmp_path / "s_000002.bin", range(5000), count=6000)  # truncated
@@ -941,6 +976,7 @@ def load_command(path):
 
 def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
     sample, bench = load_command("sample.py"), load_command("bench.py")
+    sweep, skipview = load_command("sweep.py"), load_command("skipview.py")
     tokenize, fetch = load_command("data/tokenize_corpus.py"), load_command("data/cached_fineweb10B.py")
     run = tmp_path / "run"
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
@@ -950,43 +986,74 @@ def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
     text.write_text("some text")
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
     cases = [
-        (sample.main, [str(run), "--tokens=0"], "--tokens=0: expected int in [1,"),
-        (sample.main, [str(run), "--tokens=many"], "--tokens=many: expected int"),
-        (sample.main, [str(run), "--top_k=-1"], "--top_k=-1: expected int in [0,"),
-        (sample.main, [str(run), "--temperature=nan"], "--temperature=nan: expected float"),
-        (sample.main, [str(run), "--temperature=-1"], "--temperature=-1: expected float"),
-        (sample.main, [str(run), "--seed=-3"], "--seed=-3: expected int"),
+        (sample.main, [str(run), "--tokens=0"], "--tokens: expected int in [1, inf], got '0'"),
+        (sample.main, [str(run), "--tokens=many"], "--tokens: expected int in [1, inf], got 'many'"),
+        (sample.main, [str(run), "--top_k=-1"], "--top_k: expected int in [0, inf], got '-1'"),
+        (sample.main, [str(run), "--temperature=nan"], "--temperature: expected float in [0, inf], got 'nan'"),
+        (sample.main, [str(run), "--temperature=-1"], "--temperature: expected float in [0, inf], got '-1'"),
+        (sample.main, [str(run), "--seed=-3"], "--seed: expected int in [0, "),
         (sample.main, [str(run), "--device=tpu"], "--device=tpu"),
         (sample.main, [str(run), "--device=cuda:99"], "--device=cuda:99"),
         (sample.main, [str(run), "--prompt=" + "word " * 40], "context holds 32, so no token could follow"),
-        (sample.main, [str(run), "--nope=1"], "bad option '--nope=1'"),
+        (sample.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
         (sample.main, [str(tmp_path / "none")], "no checkpoint"),
-        (sample.main, [], "usage: python sample.py RUN_DIR"),
-        (bench.main, ["--size=huge"], "bad option '--size=huge'"),
+        (sample.main, [], "the following arguments are required: RUN_DIR"),
+        (bench.main, ["--size=huge"], "--size: invalid choice: 'huge'"),
         (bench.main, ["--device=tpu"], "--device=tpu"),
-        (bench.main, ["--repeats=0"], "bad option '--repeats=0'"),
-        (bench.main, ["--compile=2"], "bad option '--compile=2'"),
+        (bench.main, ["--repeats=0"], "--repeats: expected int in [1, inf], got '0'"),
+        (bench.main, ["--compile=2"], "--compile: expected bool (1/0/true/false/yes/no), got '2'"),
         (bench.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
-        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--shard_tokens=0"], "at least 1"),
-        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--workers=0"], "at least 1"),
+        (sweep.main, ["--grid=nope"], "--grid: invalid choice: 'nope'"),
+        (sweep.main, ["--seeds=0"], "--seeds: expected int in [1, inf], got '0'"),
+        (sweep.main, ["--nproc_per_node=two"], "--nproc_per_node: expected int in [1, inf], got 'two'"),
+        (sweep.main, ["--device=tpu"], "--device=tpu"),
+        (sweep.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
+        (sweep.main, [f"--runs={a_file}", f"--out={tmp_path}/record"], f"cannot write to {a_file}"),
+        (sweep.main, ["--bogus=1"], "unrecognized arguments: --bogus=1"),
+        (sweep.main, ["cpu"], "unrecognized arguments: cpu"),
+        (skipview.main, [str(run), "--val_tokens=0"], "--val_tokens: expected int in [1, inf], got '0'"),
+        (skipview.main, [str(run), "--val_tokens=x"], "--val_tokens: expected int in [1, inf], got 'x'"),
+        (skipview.main, [str(run), "--device=tpu"], "--device=tpu"),
+        (skipview.main, [str(run), f"--out={tmp_path}"], "is a directory"),
+        (skipview.main, [str(run), f"--out={a_file}/page.html"], f"cannot write to {a_file}"),
+        (skipview.main, [str(run), "--text="], "--text is empty"),
+        (skipview.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
+        (skipview.main, [str(tmp_path / "none")], "no checkpoint"),
+        (skipview.main, [], "the following arguments are required: RUN_DIR"),
+        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--shard_tokens=0"], "--shard_tokens: expected int in [1, inf], got '0'"),
+        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--workers=0"], "--workers: expected int in [1, inf], got '0'"),
         (tokenize.main, [str(text), f"--out={a_file}"], f"cannot write to {a_file}"),
         (tokenize.main, [str(tmp_path / "none.txt"), f"--out={tmp_path}/s"], "no such file"),
         (tokenize.main, [str(tmp_path / "bad.jsonl"), f"--out={tmp_path}/s"], "not valid UTF-8"),
         (tokenize.main, [str(text)], "give --out=DIR"),
         (tokenize.main, [f"--check={tmp_path}/none"], "no .bin shards"),
-        (tokenize.main, ["--bogus=1"], "bad option '--bogus=1'"),
-        (fetch.main, ["104"], "only 103 training shards"),
-        (fetch.main, ["--workers=0"], "bad argument '--workers=0'"),
+        (tokenize.main, ["--check="], "--check: expected a non-empty value"),
+        (tokenize.main, ["--bogus=1"], "unrecognized arguments: --bogus=1"),
+        (fetch.main, ["104"], "N: expected int in [0, 103], got '104'"),
+        (fetch.main, ["--workers=0"], "--workers: expected int in [1, inf], got '0'"),
         (fetch.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
-        (fetch.main, ["--bogus"], "bad argument '--bogus'"),
+        (fetch.main, ["--bogus"], "unrecognized arguments: --bogus"),
     ]
+    # the data scripts have their own torch-free cli() and UserError (data/shards.py)
+    runner = {tokenize.main: tokenize.run, fetch.main: lambda argv: fetch.cli(fetch.main, argv)}
     for main, argv, message in cases:
-        code = tg.cli(main, argv)
+        code = runner.get(main, lambda argv: tg.cli(main, argv))(argv)
         out = capsys.readouterr()
         assert code == 2 and out.err.startswith("error: "), (argv, out.err)
         assert out.err.count("\n") == 1 and message in out.err, (argv, out.err)
     assert not (tmp_path / "s").exists() or not list((tmp_path / "s").iterdir())
     assert a_file.read_text() == "x"
+    # one boolean spelling everywhere, as train_gpt.py's fields: 1/0, true/false, yes/no
+    assert [tg.parse_bool(v) for v in ("1", "TRUE", "Yes", "0", "false", "NO")] == [True] * 3 + [False] * 3
+    # --help (and -h): status 0, the usage, and every option's default
+    for module in (sample, bench, sweep, skipview, tokenize, fetch):
+        for flag in ("--help", "-h"):
+            with pytest.raises(SystemExit) as exited:
+                module.main([flag])
+            out = capsys.readouterr().out
+            assert exited.value.code == 0 and out.startswith("usage: python "), (module, out)
+            options = re.findall(r"^  (--\w+)", out, re.M)
+            assert len(options) >= 2 and out.count("(default") >= len(options), (module, out)
 
 
 # ---------------------------------------------------------------------------- runs that survive

@@ -96,6 +96,7 @@ if __name__ == "__main__":  # a signal while torch loads: nothing is written yet
     signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+import argparse  # noqa: E402  (ArgParser: the other commands' options)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -122,6 +123,30 @@ def cli(main, argv, before_error=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def parse_bool(text: str) -> bool:  # type= of a boolean option: 1/0, true/false, yes/no
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected bool (1/0/true/false/yes/no), got {text!r}")
+    return text.lower() in ("1", "true", "yes")
+
+
+def in_range(kind, low, high=math.inf):  # type= of a number option: finite, in [low, high]
+    def convert(text: str):
+        with contextlib.suppress(ValueError, OverflowError):
+            if math.isfinite(value := kind(text)) and low <= value <= high:
+                return value
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}], got {text!r}")
+    return convert
+
+
+class ArgParser(argparse.ArgumentParser):
+    """The other commands' options: --name=value, --help with defaults, bad input a UserError."""
+    def __init__(self, prog: str, doc: str, formatter_class=argparse.RawDescriptionHelpFormatter):
+        super().__init__(prog, description=doc, formatter_class=formatter_class, allow_abbrev=False)
+
+    def error(self, message):
+        raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
 
 # -----------------------------------------------------------------------------
@@ -736,10 +761,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         for i in range(0, h.size(0), rows):
             hc, tc = h[i:i + rows], targets[i:i + rows]
             logits = (hc @ w.t()).float()  # (n, V), the only logits alive
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, tc[:, None])[:, 0]).sum()
+            picked = logits.gather(1, tc[:, None])[:, 0]
+            top = logits.amax(dim=-1)
+            e = logits.sub_(top[:, None]).exp_()  # in place: no second (n, V) buffer
+            z = e.sum(dim=-1)
+            total += (top + z.log() - picked).sum()  # logsumexp - the target's logit
             if grads:
-                p = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                p = e.div_(z[:, None])  # the softmax
                 p[torch.arange(len(tc), device=h.device), tc] -= 1.0
                 grad_h[i:i + rows] = p.to(h.dtype) @ w
                 grad_w += p.t() @ hc.float()
@@ -1874,7 +1902,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
         missing, unexpected = raw.load_state_dict(init_state, strict=False)
         assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
     opt = torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
-                            eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=cuda)
+                            eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=True)
     run = RunState(run_id=os.urandom(8).hex())
     # restore: weights, optimiser, routing state, data position, random state, the clock
     if ckpt is not None:

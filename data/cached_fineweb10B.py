@@ -21,8 +21,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from train_gpt import UserError, cli, shard_tokens, writable_dir  # noqa: E402
+sys.path.insert(0, HERE)  # shards.py, beside this file: no torch, so this starts at once
+from shards import (ArgParser, UserError, cli, in_range, nonempty, shard_tokens,  # noqa: E402
+                    writable_dir)
 
 REPO = "kjj0/fineweb10B-gpt2"
 N_TRAIN = 103
@@ -72,22 +73,21 @@ def fetch(name: str, out: str, counter: str) -> str:
     return "malformed after a fresh download"
 
 
+def parser() -> ArgParser:
+    p = ArgParser("python data/cached_fineweb10B.py", __doc__)
+    p.add_argument("count", nargs="?", type=in_range(int, 0, N_TRAIN), default=N_TRAIN,
+                   metavar="N", help="training shards to fetch after the validation shard, "
+                   f"0..{N_TRAIN} (default: all %(default)s)")
+    p.add_argument("--out", type=nonempty, default=os.path.join(HERE, "fineweb10B"),
+                   metavar="DIR", help="data folder (default: %(default)s)")
+    p.add_argument("--workers", type=in_range(int, 1), default=8, metavar="K",
+                   help="files downloaded at once (default: %(default)s)")
+    return p
+
+
 def main(argv) -> None:
-    out, workers, count = os.path.join(HERE, "fineweb10B"), 8, None
-    for arg in argv:
-        if arg.startswith("--out="):
-            out = arg[len("--out="):]
-        elif arg.startswith("--workers=") and arg[len("--workers="):].isdigit() \
-                and int(arg[len("--workers="):]) >= 1:
-            workers = int(arg[len("--workers="):])
-        elif arg.isdigit() and count is None:
-            count = int(arg)
-        else:
-            raise UserError(f"bad argument {arg!r}; usage: python data/cached_fineweb10B.py "
-                            f"[N train shards, 0..{N_TRAIN}] [--out=DIR] [--workers=K >= 1]")
-    count = N_TRAIN if count is None else count
-    if count > N_TRAIN:
-        raise UserError(f"there are only {N_TRAIN} training shards")
+    args = parser().parse_args(argv)
+    out, workers, count = args.out, args.workers, args.count
     names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
     writable_dir(out)  # before any download starts
     with ThreadPoolExecutor(workers) as pool:

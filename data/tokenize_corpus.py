@@ -29,12 +29,28 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from train_gpt import (HEADER_INTS, SHARD_MAGIC, SHARD_VERSION, UserError,  # noqa: E402
-                       cli, gpt2_encoding, load_shard, writable_dir, write_atomically)
+sys.path.insert(0, HERE)  # shards.py, beside this file: no torch, so this starts at once
+from shards import (ArgParser, UserError, cli, header, in_range, nonempty,  # noqa: E402
+                    read_shard, writable_dir, write_atomically)
 
 EOT = 50256
 GPT2_VOCAB = 50257
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 BPE. The name r50k_base (the same vocabulary) is tried first, as it is
+    found offline in TIKTOKEN_CACHE_DIR; then gpt2; if neither loads, a UserError says how to
+    get it."""
+    import tiktoken
+    failures = []
+    for name in ("r50k_base", "gpt2"):
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:  # offline without a cached file, most often
+            failures.append(f"{name}: {type(e).__name__}")
+    raise UserError(f"cannot load the GPT-2 BPE from tiktoken ({'; '.join(failures)}); connect "
+                    "to the internet once, or set TIKTOKEN_CACHE_DIR to a folder holding the "
+                    "cached r50k_base file")
 
 
 def write_shard(path: str, tokens) -> None:
@@ -44,9 +60,7 @@ def write_shard(path: str, tokens) -> None:
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
             raise UserError(f"{path}: token ids must fit uint16")
         tokens = tokens.astype(np.uint16)
-    header = np.zeros(HEADER_INTS, dtype=np.int32)
-    header[:3] = (SHARD_MAGIC, SHARD_VERSION, len(tokens))
-    write_atomically(path, header.tobytes() + tokens.tobytes())
+    write_atomically(path, header(len(tokens)) + tokens.tobytes())
 
 
 # ---------------------------------------------------------------------------- reading documents
@@ -195,40 +209,40 @@ def check(folder, vocab_size=GPT2_VOCAB):
         raise UserError(f"{folder}: no .bin shards")
     total = 0
     for path in files:
-        n = len(load_shard(path, vocab_size))
+        n = len(read_shard(path, vocab_size))
         total += n
         print(f"{os.path.basename(path)}: {n:,} tokens")
     print(f"{len(files)} shards, {total:,} tokens, all valid")
     return total
 
 
+def parser() -> ArgParser:
+    p = ArgParser("python data/tokenize_corpus.py", __doc__)
+    p.add_argument("files", nargs="*", metavar="FILE",
+                   help=".txt or .jsonl files to encode (none: regenerate the embedded sample)")
+    p.add_argument("--out", type=nonempty, metavar="DIR",
+                   help="folder for the shards, required with FILEs (default: data/sample)")
+    p.add_argument("--name", type=nonempty, default="corpus",
+                   help="shard names start with it (default: %(default)s)")
+    p.add_argument("--shard_tokens", type=in_range(int, 1), default=100_000_000, metavar="N",
+                   help="tokens per shard, the last one shorter (default: %(default)s)")
+    p.add_argument("--workers", type=in_range(int, 1), default=max(1, (os.cpu_count() or 1) - 1),
+                   metavar="K", help="encoding processes (default: CPUs - 1, here %(default)s)")
+    p.add_argument("--check", type=nonempty, metavar="DIR",
+                   help="only verify every *.bin shard in DIR (default: off)")
+    return p
+
+
 def main(argv):
-    opts = {"out": None, "name": "corpus", "shard_tokens": "100000000",
-            "workers": str(max(1, (os.cpu_count() or 1) - 1)), "check": None}
-    paths = []
-    for arg in argv:
-        if arg.startswith("--"):
-            key, _, value = arg[2:].partition("=")
-            if key not in opts or not value:
-                raise UserError(f"bad option {arg!r}; options: "
-                                + ", ".join(f"--{k}=..." for k in opts))
-            opts[key] = value
-        else:
-            paths.append(arg)
-    try:
-        shard_tokens, workers = int(opts["shard_tokens"]), int(opts["workers"])
-    except ValueError:
-        raise UserError("--shard_tokens and --workers take integers") from None
-    if shard_tokens < 1 or workers < 1:
-        raise UserError("--shard_tokens and --workers must be at least 1")
-    if opts["check"]:
-        check(opts["check"])
-    elif not paths:
-        make_sample(opts["out"] or os.path.join(HERE, "sample"))
+    args = parser().parse_intermixed_args(argv)
+    if args.check:
+        check(args.check)
+    elif not args.files:
+        make_sample(args.out or os.path.join(HERE, "sample"))
     else:
-        if not opts["out"]:
+        if not args.out:
             raise UserError("give --out=DIR for the shards")
-        tokenize(paths, opts["out"], opts["name"], shard_tokens, workers)
+        tokenize(args.files, args.out, args.name, args.shard_tokens, args.workers)
 
 
 def run(argv) -> int:
