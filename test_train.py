@@ -838,8 +838,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def nan_on_call(n):
-    """F.cross_entropy that returns NaN on its n-th call with gradients enabled (training)."""
-    calls, real = [0], F.cross_entropy
+    """The model's loss, NaN on its n-th call with gradients enabled (training)."""
+    calls, real = [0], tg.LinearCrossEntropy.apply
 
     def fake(*args, **kwargs):
         loss = real(*args, **kwargs)
@@ -852,7 +852,7 @@ def nan_on_call(n):
 
 
 def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tg.F, "cross_entropy", nan_on_call(9))  # 2 micro-steps: step 5
+    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))  # 2 micro-steps: step 5
     with pytest.raises(SystemExit) as stop:
         tg.main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"])
     assert stop.value.code == 1
@@ -865,7 +865,7 @@ def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
 
 
 def test_a_bounded_number_of_bad_steps_can_be_skipped(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tg.F, "cross_entropy", nan_on_call(9))
+    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))
     tg.main(RESUME_RUN + ["--max_bad_steps=1", f"--run_dir={tmp_path}"])
     assert "step:5/8 skipped: non-finite loss (1 of max_bad_steps=1)" in capsys.readouterr().out
     train = [m for m in read_metrics(tmp_path) if m["kind"] == "train"]

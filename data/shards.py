@@ -104,25 +104,27 @@ def writable_dir(path: str) -> str:
 
 def write_atomically(path: str, data: bytes) -> None:
     """Put data at path so that readers only ever see the previous file or all of the new one:
-    it goes to path + ".tmp", is synced to disk and then renamed over path. When anything fails
-    on the way (an error, a full disk, Ctrl-C) the temporary file is deleted and the error
-    raised again."""
-    tmp = path + ".tmp"
+    a temporary file beside it (deleted again if anything fails: an error, a full disk,
+    Ctrl-C) is synced and renamed over path, and the folder is synced so the rename lasts."""
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    done = False
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename too must survive a crash
+        done = True
     finally:
-        os.close(folder)
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    listing = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(listing)
+    finally:
+        os.close(listing)
 
 
 # ---------------------------------------------------------------------------- shards
