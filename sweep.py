@@ -298,7 +298,7 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write(f"# Figure 2, grid `{grid_name}`\n\n    {command}\n\n"
                 f"Verdict: {verdict_text(lines)}\n\n"
-                + (f"![figure](figure.png)\n\n" if figure else "(no figure: matplotlib is not "
+                + ("![figure](figure.png)\n\n" if figure else "(no figure: matplotlib is not "
                    "installed)\n\n")
                 + "\n".join(table) + "\n\nPer gated block, the share of validation tokens with "
                 "g = 0 against the controller's target (1 - mu*):\n\n" + "\n".join(per_block)

@@ -758,7 +758,7 @@ def test_resume_appends_the_source_when_it_changed(tmp_path):
     log = (run / "train.log").read_text()
     new = sha256((src / "train_gpt.py").read_bytes())
     assert log.count("\ngit: not a git checkout\n") == 2
-    assert f"source changed since the last job (sha256 " in log and f"-> {new})" in log
+    assert "source changed since the last job (sha256 " in log and f"-> {new})" in log
     assert log.count("class GPT(nn.Module)") == 2 and log.count("# a local change") == 1
     assert log.count(f"\ncommand: python train_gpt.py --resume={run}\n") == 1
 
@@ -1979,3 +1979,21 @@ def test_ddp_with_compact_blocks_empty_on_one_rank(tmp_path):
     for name, g in expected.items():
         assert_close_rel(ranks[0]["grads"][name], g, 1e-4)
         assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name])
+
+
+@cuda
+def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypatch):
+    # bench.py flips model.hp between the masked and the compacted path on one compiled
+    # model, at four sparsities: each path compiles once per padded length, not per call
+    import torch._dynamo
+    bench = load_command("bench.py")
+    monkeypatch.setitem(bench.SIZES, "tiny", (dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4,
+                                                   max_seq_len=256, seq_len=256), 4))
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    bench.bench_size("tiny", "cuda", 2, True)
+    after_one = counts["stats"]["unique_graphs"]
+    bench.bench_size("tiny", "cuda", 2, True)  # the same paths again: nothing new to compile
+    assert counts["stats"]["unique_graphs"] - after_one <= 2, dict(counts["stats"])
+    assert after_one <= 40, dict(counts["stats"])
