@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, on a fresh CUDA machine that has torch, numpy, tiktoken and
-# huggingface_hub (no network needed: it runs on the embedded sample, cycled). About 10
+# Every GPU check in one command, on a fresh CUDA machine that has torch, numpy, tiktoken,
+# huggingface_hub and pytest (no network needed: it runs on the embedded sample, cycled). About 10
 # minutes on one H100. Writes everything to one record folder:
 #
 #     bash gpu_check.sh [OUT]        # default: records/<date>_gpu_check_<gpu name>

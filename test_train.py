@@ -402,6 +402,17 @@ def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     assert sparse < 0.7 * tg.mfu(hp, step_s, 1)  # compact: only the work executed counts
 
 
+def test_query_axis_flops_keep_every_token_as_a_key():
+    # a token skipped under the query-axis gate is still attended to: its K/V run
+    key, query = tiny(n_layers=4), tiny(n_layers=4, gate_axis="query")
+    active, T, kv = [1, 0.5, 0.5, 1], 16, 2 * 8  # kv heads x head dim
+    extra_kv = 2 * 0.5 * T * 2 * 2 * 32 * kv  # two blocks, half the tokens, k and v
+    extra_attn = 2 * 0.5 * 0.5 * 2 * 2 * 4 * 8 * T * (T + 1) / 2  # a(1 - a) of the pairs
+    assert tg.forward_flops(query, active) - tg.forward_flops(key, active) == \
+        pytest.approx(extra_kv + extra_attn)
+    assert tg.forward_flops(query) == tg.forward_flops(key)  # all active: the same
+
+
 def test_sparse_flops_scale_with_active_fraction():
     hp = tiny(n_layers=4)
     full = tg.forward_flops(hp, [1, 1, 1, 1])
@@ -1547,6 +1558,20 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
     assert dlo[-1]["val_loss"] < dlo[0]["val_loss"]
     assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
     assert dlo[-1]["fwd_flops_per_token"] < dlo[-1]["fwd_flops_per_token_dense"]
+    # a DLO checkpoint's routers fit no other router
+    r = run_script(base + [f"--expand_from={tmp_path / 'dlo'}", "--router=mod",
+                           f"--run_dir={tmp_path / 'mod'}"])
+    assert r.returncode == 2 and "expands into a dlo model, not router=mod" in r.stderr
+    # an expanded run that died before its first checkpoint restarts from the expanded weights
+    r = run_script(base + [f"--expand_from={tmp_path / 'dense'}", "--expand_per_group=2",
+                           "--router=dlo", "--train_tokens=7680", "--stop_step=1",
+                           f"--run_dir={tmp_path / 'again'}"])
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "again" / "checkpoint.pt").unlink()
+    r = run_script([f"--resume={tmp_path / 'again'}", "--stop_step=1"])
+    assert r.returncode == 0, r.stderr
+    first = [m for m in read_metrics(tmp_path / "again") if m["kind"] == "val"][0]
+    assert first["step"] == 0 and first["val_loss"] == pytest.approx(dense[-1]["val_loss"], abs=1e-4)
 
 
 # ---------------------------------------------------------------------------- Figure 2 harness
@@ -1807,7 +1832,9 @@ def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
                         (dict(controller="adaptive", delta=0.5), "delta=0.5 has no effect"),
                         (dict(fixed_coef=0.5), "fixed_coef=0.5 has no effect"),
                         (dict(expand_groups=2), "expand_groups sets how --expand_from"),
-                        (dict(router="mod", mod_every=5), "mod_every=5 routes no block")]:
+                        (dict(router="mod", mod_every=5), "mod_every=5 routes no block"),
+                        (dict(controller="sparsity", mu_end=0.25), "mu_end=0.25 has no effect"),
+                        (dict(router="mod", mod_aux_coef=0.0), "mod_aux_coef=0.0 must lie in (0")]:
         with pytest.raises(tg.UserError, match=re.escape(message)):
             tg.validate(tiny(**ok, **kw), 1)
     for kw in (dict(router="mod", compact=True), dict(router="dlo", compact=True),

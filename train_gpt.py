@@ -425,6 +425,11 @@ class Router(nn.Module):
         """Forward FLOPs of the router itself for one sequence of T tokens."""
         return 0.0
 
+    @staticmethod
+    def skipped_tokens_are_keys(hp: "Hyperparameters") -> bool:
+        """Whether a token that skips a block is still attended to there (its K/V computed)."""
+        return False
+
     def routing_state(self) -> dict:
         """Training state outside the parameters (coefficients, rates), for checkpoints."""
         return {}
@@ -529,7 +534,8 @@ class SkipMiddle(Router):
     @staticmethod
     def check(hp):
         fixed, off = hp.controller.startswith("sparsity"), hp.controller == "none"
-        moot = (["mu_start", "mu_end", "fixed_coef"] if off else []) + \
+        targets = hp.controller not in ("none", "sparsity", "sparsity_variance")
+        moot = (["fixed_coef"] if off else []) + ([] if targets else ["mu_start", "mu_end"]) + \
             (["gamma", "delta"] if fixed or off else ["fixed_coef"]) + \
             (["delta"] if hp.controller in ("proportional", "adaptive") else [])
         defaults = Hyperparameters()
@@ -567,6 +573,10 @@ class SkipMiddle(Router):
     @staticmethod
     def extra_flops(hp, T):
         return (hp.n_layers // 2) * T * 2 * (hp.dim + 1)  # gate linears, all tokens
+
+    @staticmethod
+    def skipped_tokens_are_keys(hp):
+        return hp.gate_axis == "query"  # later tokens still attend to a skipped one
 
     def routing_state(self):
         return {"controller": self.ctrl.state_dict()}
@@ -713,8 +723,6 @@ class MixtureOfDepths(Router):
                      pos, cache, keys=keys)
 
     def loss(self, route, step):
-        if not self.hp.mod_aux_coef:
-            return super().loss(route, step)
         bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float())
         return self.hp.mod_aux_coef * bce, None
 
@@ -1004,10 +1012,12 @@ def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = 
     mlp_active: per-layer fraction that runs its MLP (None: the same as active; DLO skips only
     MLPs). Skipped tokens cost nothing in that block (the paper's Figure 2 assumption):
     projections and FFN scale with the active fraction a, attention with the active
-    query-key pairs, a^2 T(T+1)/2."""
+    query-key pairs, a^2 T(T+1)/2; except where a router keeps skipped tokens as keys (the
+    query-axis gate), whose K/V projections run for every token and attention for a T(T+1)/2."""
     T, d, hd = T or hp.seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
-    proj = 2 * (2 * d * d + 2 * d * kv)  # q, o and k, v per token
+    proj_qo, proj_kv = 2 * 2 * d * d, 2 * 2 * d * kv  # q and o, k and v per token
+    keys_stay = ROUTERS[hp.router].skipped_tokens_are_keys(hp)
     ffn = 2 * 3 * d * hp.ffn_mult * d  # SwiGLU per token
     pairs = T * (T + 1) / 2  # causal query-key pairs
     attn = 2 * 2 * hp.n_heads * hd * pairs  # scores q.k and the weighted sum of v
@@ -1015,7 +1025,8 @@ def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = 
     for layer in range(hp.n_layers):
         a = 1.0 if active is None else float(active[layer])
         m = a if mlp_active is None else float(mlp_active[layer])
-        total += a * T * proj + a * a * attn + m * T * ffn
+        k = 1.0 if keys_stay else a  # the share of tokens that are keys
+        total += a * T * proj_qo + k * T * proj_kv + a * k * attn + m * T * ffn
     return total + ROUTERS[hp.router].extra_flops(hp, T)
 
 
@@ -1073,7 +1084,8 @@ class Hyperparameters:
     # Mixture-of-Depths router (Raposo et al. 2024)
     mod_capacity: float = 0.125  # share of each sequence that runs a routed block (paper's best)
     mod_every: int = 2           # route every mod_every-th block (the paper: every other)
-    mod_aux_coef: float = 0.01   # weight of the BCE teaching r > 0 to the top-k (causal rule)
+    mod_aux_coef: float = 0.01   # weight of the BCE teaching r > 0 to the top-k (> 0: the
+                                 # inference rule r > 0 is learnt only through it)
     # depth expansion (DLO Section 3.1): start from a checkpoint with more layers per group
     expand_from: str = ""        # RUN_DIR of the checkpoint to expand; a new run starts
     expand_groups: int = 1       # P: its R layers form P groups of Q = R / P
@@ -1201,7 +1213,7 @@ INTERVALS = {  # floats: (low, high, whether low may be reached, whether high ma
     "mu_start": (0, 1, True, True), "mu_end": (0, 1, True, True),
     "warmup_frac": (0, 1, True, True), "warmup_start": (0, 1, True, True),
     "beta1": (0, 1, True, False), "beta2": (0, 1, True, False), "dlo_rho": (0, 1, True, False),
-    "mod_capacity": (0, 1, False, True), "mod_aux_coef": (0, math.inf, True, False)}
+    "mod_capacity": (0, 1, False, True), "mod_aux_coef": (0, math.inf, False, False)}
 CHOICES = lambda: {"router": ROUTERS, "controller": CONTROLLERS,  # noqa: E731
                    "attn_impl": ("auto", "flex", "sdpa"), "gate_init": GATE_INITS,
                    "gate_axis": GATE_AXES, "expand_init": EXPAND_INITS,
@@ -1741,6 +1753,9 @@ def expand_settings(overrides: dict) -> tuple:
     if changed:
         raise UserError("an expanded model keeps the checkpoint's shape: " + ", ".join(changed))
     hp = resolve(overrides, replace(base, run_dir="", resume="", stop_step=0))
+    if base.router != "none" and hp.router != base.router:  # its router weights fit no other
+        raise UserError(f"a {base.router} checkpoint expands into a {base.router} model, not "
+                        f"router={hp.router}; expand a dense checkpoint for that")
     R, P, q = base.n_layers, hp.expand_groups, hp.expand_per_group
     if P < 1 or R % P or q < 0:
         raise UserError(f"cannot make {P} groups of {R} layers with {q} new per group")
@@ -2114,6 +2129,8 @@ def main(argv=None):
             ckpt = init_state = None
             if overrides.get("resume"):
                 hp, ckpt = resume_settings(overrides)
+                if ckpt is None and hp.expand_from:  # restarted before its first checkpoint:
+                    hp, init_state = expand_settings(asdict(hp))  # its weights, expanded again
             elif overrides.get("expand_from"):
                 hp, init_state = expand_settings(overrides)
             else:
