@@ -2,10 +2,10 @@
 as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et al. 2024).
 
 One file, read top to bottom, one banner per part: components; gated attention and the block;
-depth routers (the Router interface, then none, skip_middle with its sparsity controller, dlo,
-mod: a fourth router is a subclass there and a line in ROUTERS); the model; data; FLOPs;
-hyperparameters; setup; checkpoints and stopping; the training loop; main(). Importing it has
-no side effects; tests import the pieces.
+depth routers (the Router interface, then none (Dense), skip_middle with its sparsity
+controller, dlo, mod: a fourth router is a subclass there and a line in ROUTERS); the model;
+data; FLOPs; hyperparameters; setup; checkpoints and stopping; the training loop; main().
+Importing it has no side effects; tests import the pieces.
 
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
@@ -365,8 +365,8 @@ def ran(trace: dict, block, mlp=None):
 
 
 class Router(nn.Module):
-    """router=none, the dense model: every token runs every block. The defaults of the hooks
-    are the dense behaviour; a router overrides the ones it needs."""
+    """The hooks every router has. Their defaults are the dense behaviour (every token runs
+    every block); a router overrides the ones it needs."""
     fields = ()  # Hyperparameters fields read by this router only: set under another, an error
     expandable = True  # its parameters move with their layers in a depth expansion
 
@@ -395,7 +395,7 @@ class Router(nn.Module):
     @staticmethod
     def check(hp: "Hyperparameters") -> str:
         """What makes these settings wrong for this router (an error line), or ""."""
-        return "compact=true: router=none runs every token everywhere" if hp.compact else ""
+        return ""
 
     def update(self, sums, count: int, step: int):
         """After each optimiser step: sums of loss() over the global batch (all ranks)."""
@@ -413,7 +413,7 @@ class Router(nn.Module):
         return None
 
     def val_fields(self, means) -> dict:
-        """Router-specific validation metrics from val_sums per token; also in train records."""
+        """Router-specific validation metrics from val_sums, per token."""
         return {}
 
     def log_lines(self, v: dict, step: int) -> list:
@@ -436,6 +436,14 @@ class Router(nn.Module):
 
     def load_routing_state(self, state: dict):
         pass
+
+
+class Dense(Router):
+    """router=none: the dense model, all hooks at their defaults."""
+
+    @staticmethod
+    def check(hp):
+        return "compact=true: router=none runs every token everywhere" if hp.compact else ""
 
 
 def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
@@ -662,10 +670,6 @@ class DLO(Router):
         eq. (10)."""
         self.rates = 1 - sums[0].double().cpu() / count
 
-    @staticmethod
-    def check(hp):
-        return ""
-
     def lr_scales(self, step):
         """eq. (10): zeta_i / zeta_bar = (1 - rho_i,t) / (1 - rho^t)."""
         return ((1 - self.rates) / (1 - self.overall(step))).tolist()
@@ -737,7 +741,7 @@ class MixtureOfDepths(Router):
         return len(range(hp.mod_every - 1, hp.n_layers, hp.mod_every)) * T * 2 * hp.dim
 
 
-ROUTERS = {"none": Router, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths}
+ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths}
 GATE_INITS, GATE_AXES = ("normal", "zero"), ("key", "query")
 CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "sparsity_variance",
                "sparsity_variance_l2", "none")
@@ -1137,18 +1141,14 @@ def _parse_value(name, text, default):
     kind = type(default)
     try:
         if kind is bool:
-            if text.lower() in ("1", "true", "yes"):
-                return True
-            if text.lower() in ("0", "false", "no"):
-                return False
-            raise ValueError
+            return parse_bool(text)
         if kind is int:
             value = float(text.replace("_", ""))
             if not value.is_integer():
                 raise ValueError
             return int(value)
         return kind(text)
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
 
 
