@@ -21,9 +21,14 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-import torch
+import support
 
-import train_gpt as tg
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()
+
+import torch  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
 
 SIZES = {  # (hyperparameter overrides, batch size)
     "smoke": (dict(tg.PRESETS["smoke"]), 8),
@@ -120,14 +125,14 @@ def format_row(r):
             f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} |")
 
 
-def parser() -> tg.ArgParser:
-    p = tg.ArgParser("python bench.py", __doc__)
+def parser() -> support.ArgParser:
+    p = support.ArgParser("python bench.py", __doc__)
     p.add_argument("--size", action="append", choices=list(SIZES),
                    help="model size to time; repeat the option for several (default: smoke)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
-    p.add_argument("--repeats", type=tg.in_range(int, 1), default=3, metavar="N",
+    p.add_argument("--repeats", type=support.in_range(int, 1), default=3, metavar="N",
                    help="timed runs per measurement, the median reported (default: %(default)s)")
-    p.add_argument("--compile", type=tg.parse_bool, default=False, metavar="BOOL",
+    p.add_argument("--compile", type=support.parse_bool, default=False, metavar="BOOL",
                    help="torch.compile the model (CUDA only): 1/0, true/false, yes/no "
                    "(default: 0)")
     p.add_argument("--out", default="", metavar="DIR",
@@ -138,10 +143,10 @@ def parser() -> tg.ArgParser:
 def main(argv):
     args = parser().parse_args(argv)
     sizes, repeats, compile_, out = args.size or [], args.repeats, args.compile, args.out
-    device = tg.check_device(args.device)
-    out = tg.writable_dir(out or os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
+    device = support.check_device(args.device)
+    out = support.writable_dir(out or os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
                                               "_skip_bench_" + device.split(":")[0]))
-    print(tg.describe_system())
+    print(support.describe_system())
     print(HEADER)
     results = []
     for name in sizes or ["smoke"]:
@@ -151,7 +156,7 @@ def main(argv):
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
     with open(os.path.join(out, "bench.md"), "w") as f:
-        f.write(f"    python bench.py {' '.join(argv)}\n\n{tg.describe_system()}\n\n"
+        f.write(f"    python bench.py {' '.join(argv)}\n\n{support.describe_system()}\n\n"
                 f"batch per size: {sizes_line}; "
                 f"median of {repeats} after one warm-up\n\n{table}\n")
     with open(os.path.join(out, "bench.json"), "w") as f:
@@ -160,4 +165,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(tg.cli(main, sys.argv[1:]))
+    sys.exit(support.cli(main, sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Sample text from a run's checkpoint with the KV-cached decoder of train_gpt.py.
+"""Sample text from a run's checkpoint, one token at a time with a KV cache.
 
     python sample.py RUN_DIR [--prompt=TEXT] [--tokens=100] [--temperature=0.8] [--top_k=200]
                              [--seed=0] [--device=cpu]
@@ -10,25 +10,74 @@ whose gate is 0 at a block skips it and stores nothing there. --temperature=0 is
 
 import sys
 
-import torch
+import support
 
-import train_gpt as tg
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()
 
-EOT = 50256
+import torch  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from data.shards import EOT, gpt2_encoding  # noqa: E402
 
 
-def parser() -> tg.ArgParser:
-    p = tg.ArgParser("python sample.py", __doc__)
+class KVCache:
+    """Keys, values and ln g per block for one sequence being decoded. A token skipped at a
+    block stores nothing there, so middle blocks hold fewer entries than outer ones."""
+
+    def __init__(self, hp: tg.Hyperparameters, device):
+        hd = hp.dim // hp.n_heads
+        self.k = torch.zeros(hp.n_layers, hp.n_kv_heads, hp.max_seq_len, hd, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.log_g = torch.zeros(hp.n_layers, hp.max_seq_len, device=device)  # per cached key
+        self.n = [0] * hp.n_layers  # entries per block
+
+    def append(self, layer, k, v, log_g):
+        """k, v: (1, H_kv, 1, hd); log_g: (1, 1) or None -> the block's cached keys and values
+        (1, H_kv, n, hd) and their ln g (n,)."""
+        n = self.n[layer]
+        self.k[layer, :, n], self.v[layer, :, n] = k[0, :, 0], v[0, :, 0]
+        self.log_g[layer, n] = 0.0 if log_g is None else log_g.reshape(())
+        self.n[layer] = n + 1
+        return self.k[layer, :, :n + 1][None], self.v[layer, :, :n + 1][None], self.log_g[layer, :n + 1]
+
+
+@torch.no_grad()
+def generate(model: tg.GPT, prompt: list, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0):
+    """Sample after `prompt` (token ids) one token at a time with a KVCache. The prompt goes
+    through the same incremental path. -> (all tokens, the cache)."""
+    hp, device = model.hp, next(model.parameters()).device
+    if not prompt or len(prompt) + max_new_tokens > hp.max_seq_len:
+        raise support.UserError(f"need 1 <= prompt + new tokens <= max_seq_len ({hp.max_seq_len})")
+    model.eval()
+    cache, tokens = KVCache(hp, device), list(prompt)
+    rng = torch.Generator(device=device).manual_seed(seed)
+    for pos in range(len(prompt) + max_new_tokens - 1):
+        logits = model(torch.tensor([[tokens[pos]]], device=device),
+                       pos=torch.tensor([[pos]], device=device), cache=cache)[0][0, -1]
+        if pos == len(tokens) - 1 and temperature == 0:  # greedy
+            tokens.append(int(logits.argmax()))
+        elif pos == len(tokens) - 1:  # past the prompt: sample the next token
+            logits = (logits - logits.max()) / temperature  # <= 0: no overflow, however small T
+            if top_k:
+                logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float("inf")
+            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=rng)))
+    return tokens, cache
+
+
+def parser() -> support.ArgParser:
+    p = support.ArgParser("python sample.py", __doc__)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a checkpoint")
     p.add_argument("--prompt", default="\n", metavar="TEXT",
                    help="text to continue; empty: start from <|endoftext|> (default: a newline)")
-    p.add_argument("--tokens", type=tg.in_range(int, 1), default=100, metavar="N",
+    p.add_argument("--tokens", type=support.in_range(int, 1), default=100, metavar="N",
                    help="tokens to sample, at most what the context leaves (default: %(default)s)")
-    p.add_argument("--temperature", type=tg.in_range(float, 0), default=0.8, metavar="T",
+    p.add_argument("--temperature", type=support.in_range(float, 0), default=0.8, metavar="T",
                    help="softmax temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--top_k", type=tg.in_range(int, 0), default=200, metavar="K",
+    p.add_argument("--top_k", type=support.in_range(int, 0), default=200, metavar="K",
                    help="sample among the K likeliest tokens; 0: all (default: %(default)s)")
-    p.add_argument("--seed", type=tg.in_range(int, 0, 2**63 - 1), default=0,
+    p.add_argument("--seed", type=support.in_range(int, 0, 2**63 - 1), default=0,
                    help="random seed of the sampler (default: %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:K (default: %(default)s)")
@@ -38,22 +87,19 @@ def parser() -> tg.ArgParser:
 def main(argv):
     args = parser().parse_args(argv)
     n, temperature, top_k, seed = args.tokens, args.temperature, args.top_k, args.seed
-    device = tg.check_device(args.device)
-    enc = tg.gpt2_encoding()
+    device = support.check_device(args.device)
+    enc = gpt2_encoding()
     prompt = enc.encode_ordinary(args.prompt) or [EOT]
-    ckpt = tg.load_checkpoint(args.run_dir)
-    hp = tg.Hyperparameters(**ckpt["hp"])
+    model = tg.load_model(args.run_dir, device)
+    hp = model.hp
     if len(prompt) >= hp.max_seq_len:
-        raise tg.UserError(f"the prompt is {len(prompt)} tokens; the model's context holds "
-                           f"{hp.max_seq_len}, so no token could follow it: shorten the prompt")
+        raise support.UserError(f"the prompt is {len(prompt)} tokens; the model's context holds "
+                                f"{hp.max_seq_len}, so no token could follow it: shorten the prompt")
     if len(prompt) + n > hp.max_seq_len:
         n = hp.max_seq_len - len(prompt)
         print(f"note: the context holds {hp.max_seq_len} tokens: sampling {n} after the "
               f"{len(prompt)}-token prompt", file=sys.stderr)
-    model = tg.GPT(hp)
-    model.load_state_dict(ckpt["model"])
-    model.to(device)
-    tokens, cache = tg.generate(model, prompt, n, temperature, top_k, seed)
+    tokens, cache = generate(model, prompt, n, temperature, top_k, seed)
     print(enc.decode(tokens))
     fed = len(tokens) - 1  # the last sampled token is never fed back
     dense = hp.n_layers * fed
@@ -62,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(tg.cli(main, sys.argv[1:]))
+    sys.exit(support.cli(main, sys.argv[1:]))

@@ -14,9 +14,15 @@ import html
 import os
 import sys
 
-import torch
+import support
 
-import train_gpt as tg
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()
+
+import torch  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from data.shards import find_shards, gpt2_encoding, read_shard  # noqa: E402
 
 
 @torch.no_grad()
@@ -56,12 +62,12 @@ def terminal_view(pieces: list, counts: list) -> str:
     return "".join(f"{p.replace(chr(10), '⏎')}[{c}]" for p, c in zip(pieces, counts))
 
 
-def parser() -> tg.ArgParser:
-    p = tg.ArgParser("python skipview.py", __doc__)
+def parser() -> support.ArgParser:
+    p = support.ArgParser("python skipview.py", __doc__)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a checkpoint")
     p.add_argument("--text", help="the text to show (default: the first --val_tokens tokens of "
                    "the run's validation shard)")
-    p.add_argument("--val_tokens", type=tg.in_range(int, 1), default=256, metavar="N",
+    p.add_argument("--val_tokens", type=support.in_range(int, 1), default=256, metavar="N",
                    help="validation tokens to show without --text (default: %(default)s)")
     p.add_argument("--out", default="", metavar="FILE",
                    help="also write the HTML page there (default: no page)")
@@ -71,24 +77,21 @@ def parser() -> tg.ArgParser:
 
 def main(argv):
     args = parser().parse_args(argv)
-    device = tg.check_device(args.device)
-    ckpt = tg.load_checkpoint(args.run_dir)
-    hp = tg.Hyperparameters(**ckpt["hp"])
-    enc = tg.gpt2_encoding()
+    device = support.check_device(args.device)
+    model = tg.load_model(args.run_dir, device)
+    hp = model.hp
+    enc = gpt2_encoding()
     if args.text is not None:
         ids = enc.encode_ordinary(args.text)
         if not ids:
-            raise tg.UserError("--text is empty")
+            raise support.UserError("--text is empty")
     else:
-        ids = tg.load_shard(tg.find_shards(hp.val_files)[0], hp.vocab_size)[:args.val_tokens].tolist()
+        ids = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:args.val_tokens].tolist()
     ids = ids[:hp.max_seq_len]
     if args.out:  # a page that cannot be written fails before the work, and creates nothing
-        tg.writable_dir(os.path.dirname(os.path.abspath(args.out)))
+        support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
         if os.path.isdir(args.out):
-            raise tg.UserError(f"--out={args.out} is a directory; give a file name")
-    model = tg.GPT(hp)
-    model.load_state_dict(ckpt["model"])
-    model.to(device)
+            raise support.UserError(f"--out={args.out} is a directory; give a file name")
     counts, per_layer, units = token_depths(model, ids, device)
     unit = "MLPs" if hp.router == "dlo" else "blocks"
     pieces = [enc.decode([i]) for i in ids]
@@ -97,9 +100,9 @@ def main(argv):
           f"{units}; per layer: {per_layer}")
     if args.out:
         page = html_page(pieces, counts, per_layer, units, f"{args.run_dir}: {unit} run per token", unit)
-        tg.write_atomically(args.out, page.encode())
+        support.write_atomically(args.out, page.encode())
         print(f"written to {args.out}")
 
 
 if __name__ == "__main__":
-    sys.exit(tg.cli(main, sys.argv[1:]))
+    sys.exit(support.cli(main, sys.argv[1:]))

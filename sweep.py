@@ -20,9 +20,10 @@ the difference is the mean over seeds, and it is called real only beyond twice i
 deviation. The record folder gets table.md, results.csv, figure.png (matplotlib, a plot-only
 requirement) and a README with the command, the hardware and the verdict.
 
-Add a configuration to a grid with one line in GRIDS: (name, [train_gpt.py overrides]).
-Names starting with "dense_" make the frontier. "{runs}" and "{seed}" in an override are
-filled in (DLO expands a dense run of the same grid and seed, listed before it).
+Add a configuration to a grid with one line in GRIDS: (name, [train_gpt.py overrides]). Names
+starting with "dense_" make the frontier. A run that starts from another (DLO) has a third
+element, expand.py's arguments, with "{runs}" and "{seed}" filled in: it is expanded from a
+dense run of the same grid and seed, listed before it, then trained with --resume.
 """
 
 import csv
@@ -35,9 +36,15 @@ import sys
 import time
 from dataclasses import replace
 
-import torch
+import support
 
-import train_gpt as tg
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()
+
+import torch  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+from data.shards import find_shards, read_shard  # noqa: E402
 
 # ---------------------------------------------------------------------------- grids
 
@@ -50,9 +57,9 @@ def gated(name, *extra):
 
 
 def dlo(rho, source, groups, anneal):
-    return (f"dlo_rho{rho}", [f"--expand_from={{runs}}/{source}_s{{seed}}", f"--expand_groups={groups}",
-                              "--expand_per_group=1", "--expand_init=identity", "--router=dlo",
-                              f"--dlo_rho={rho}", f"--dlo_anneal_steps={anneal}"])
+    """A third element: the run starts as expand.py's identity expansion of `source`."""
+    return (f"dlo_rho{rho}", ["--router=dlo", f"--dlo_rho={rho}", f"--dlo_anneal_steps={anneal}"],
+            ["{runs}/" + source + "_s{seed}", f"--groups={groups}", "--per_group=1", "--init=identity"])
 
 
 def mod(capacity, L):
@@ -110,28 +117,31 @@ def run_state(run_dir: str) -> str:
     return "resume" if os.path.exists(os.path.join(run_dir, tg.CHECKPOINT)) else "fresh"
 
 
-def launch(args: list, nproc: int):
-    cmd = ([sys.executable, "train_gpt.py"] if nproc == 1 else
+def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""):
+    cmd = ([sys.executable, script] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", "train_gpt.py"])
+            f"--nproc_per_node={nproc}", script])
     here = os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run(cmd + args, cwd=here, capture_output=True, text=True)
     if r.returncode:
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise tg.UserError(f"{' '.join(args[-1:])}: train_gpt.py exited {r.returncode}: {tail}")
+        raise support.UserError(f"{label or ' '.join(args[-1:])}: {script} exited {r.returncode}: {tail}")
 
 
 def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
     """Train every (configuration, seed) not finished yet. -> [(name, seed, run_dir)]."""
     done = []
     for seed in range(seeds):
-        for name, overrides in grid["runs"]:
+        for name, overrides, *expansion in grid["runs"]:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
-            if state == "fresh":
+            if state == "fresh" and expansion:  # a step-0 checkpoint, then trained as a resume
+                source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
+                launch([source, run_dir, *how, *args], 1, "expand.py", label=run_dir)
+            elif state == "fresh":
                 launch(grid["base"] + args + [f"--seed={seed}", f"--run_dir={run_dir}"], nproc)
-            elif state == "resume":
+            if state == "resume" or state == "fresh" and expansion:
                 launch([f"--resume={run_dir}"], nproc)
             print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
             done.append((name, seed, run_dir))
@@ -167,13 +177,9 @@ def measure(run_dir: str, device: str) -> dict:
     blocks are gated), measured here."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         val = [m for m in map(json.loads, f) if m["kind"] == "val"][-1]
-    ckpt = tg.load_checkpoint(run_dir)
-    hp = tg.Hyperparameters(**ckpt["hp"])
-    model = tg.GPT(hp)
-    model.load_state_dict(ckpt["model"])
-    model.to(device).eval()
-    files = tg.find_shards(hp.val_files)
-    tokens = tg.load_shard(files[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
+    model = tg.load_model(run_dir, device).eval()
+    hp = model.hp
+    tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
     row = dict(router=hp.router, n_layers=hp.n_layers, val_loss=val["val_loss"],
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
@@ -302,7 +308,7 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
                    "installed)\n\n")
                 + "\n".join(table) + "\n\nPer gated block, the share of validation tokens with "
                 "g = 0 against the controller's target (1 - mu*):\n\n" + "\n".join(per_block)
-                + f"\n\nHardware:\n\n```\n{tg.describe_system()}\n```\n")
+                + f"\n\nHardware:\n\n```\n{support.describe_system()}\n```\n")
 
 
 def plot(out: str, lines: list) -> bool:
@@ -337,13 +343,13 @@ def plot(out: str, lines: list) -> bool:
 
 # ---------------------------------------------------------------------------- main
 
-def parser() -> tg.ArgParser:
-    p = tg.ArgParser("python sweep.py", __doc__)
+def parser() -> support.ArgParser:
+    p = support.ArgParser("python sweep.py", __doc__)
     p.add_argument("--grid", default="cpu", choices=list(GRIDS),  # read now: tests add grids
                    help="which grid of runs (default: %(default)s)")
-    p.add_argument("--seeds", type=tg.in_range(int, 1), default=1, metavar="K",
+    p.add_argument("--seeds", type=support.in_range(int, 1), default=1, metavar="K",
                    help="seeds per configuration (default: %(default)s)")
-    p.add_argument("--nproc_per_node", type=tg.in_range(int, 1), default=1, metavar="N",
+    p.add_argument("--nproc_per_node", type=support.in_range(int, 1), default=1, metavar="N",
                    help="processes per run; above 1 under torchrun (default: %(default)s)")
     p.add_argument("--runs", default="", metavar="DIR",
                    help="folder of the run directories (default: logs/sweep_<grid>)")
@@ -358,12 +364,12 @@ def parser() -> tg.ArgParser:
 def main(argv):
     args = parser().parse_args(argv)
     seeds, nproc = args.seeds, args.nproc_per_node
-    device = tg.check_device(args.device)
+    device = support.check_device(args.device)
     grid = GRIDS[args.grid]
     runs_dir = args.runs or os.path.join("logs", f"sweep_{args.grid}")
-    out = tg.writable_dir(args.out or os.path.join(
+    out = support.writable_dir(args.out or os.path.join(
         "records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"))
-    tg.writable_dir(runs_dir)
+    support.writable_dir(runs_dir)
     t0 = time.time()
     done = run_grid(grid, runs_dir, seeds, nproc)
     rows = [{"name": name, "seed": seed, **measure(run_dir, device)} for name, seed, run_dir in done]
@@ -375,4 +381,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(tg.cli(main, sys.argv[1:]))
+    sys.exit(support.cli(main, sys.argv[1:]))

@@ -1,167 +1,100 @@
 """Train the skip-middle gated Transformer (Lawson & Aitchison, 2025) on FineWeb shards, and
 as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et al. 2024).
 
-One file, read top to bottom, one banner per part: components; gated attention and the block;
-depth routers (the Router interface, then none (Dense), skip_middle with its sparsity
-controller, dlo, mod: a fourth router is a subclass there and a line in ROUTERS); the model;
-data; FLOPs; hyperparameters; setup; checkpoints and stopping; the training loop; main().
-Importing it has no side effects; tests import the pieces.
-
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
 
-Every Hyperparameters field can be overridden as --field=value.
+Every Hyperparameters field can be set as --field=value (--help lists them). Read top to
+bottom, one banner per part: components; gated attention and the block; depth routers (the
+Router interface, then none, skip_middle with its controller, dlo, mod: a fourth router is a
+subclass there and a line in ROUTERS); the model; data; FLOPs; hyperparameters; distributed
+setup; checkpoints; the training loop; main(). Importing it has no side effects. Beside it:
+support.py (run directories, logs, checkpoint files, signals, command-line conventions),
+data/shards.py (the shard format), expand.py (DLO depth expansion), sample.py (the KV-cached
+decoder).
 
 Deviations from Llama 3 (the paper's base model, Section 3.1):
-  - Sandwich ("peri") norm x + Norm(Module(Norm(x))) instead of pre-norm (paper Section 2.3);
-    `sandwich_norm=False` gives pre-norm for ablation.
-  - An RMSNorm right after the token embedding as well as before the head; untied head.
-  - SwiGLU hidden size is ffn_mult * dim (3072 at dim 768), as in the authors' released
-    models, not Llama's 2/3 rule.
-  - All weights normal(0, 0.02), norms 1, no biases anywhere except the gate linears.
+  - Sandwich norm x + Norm(Module(Norm(x))) (paper Section 2.3); `sandwich_norm=False`: pre-norm.
+  - An RMSNorm after the token embedding as well as before the head; untied head.
+  - SwiGLU hidden size ffn_mult * dim (3072 at 768), as in the authors' models, not Llama's 2/3.
+  - All weights normal(0, 0.02), norms 1, no biases except the gate linears.
 
 Deviations from the paper, and choices where it is ambiguous:
-  - Gate linears are initialised like every other weight, N(0, init_std) with bias 0, as
-    Section 3.1 says and the authors' gated runs do (`gate_init=normal`). At the paper's width
-    that already closes most middle-block gates at step 0 (tested). `gate_init=zero` (every
-    g = 1 at step 0: exactly the dense model) is our earlier default, kept as an ablation.
-  - The gate's ln g term is added to the logit of the *key* position j (eq. 3: the weight
-    g_j multiplies exp(q_i k_j)). The authors' released code indexes it by the query, which
-    softmax cancels, so their attention was never actually gated; `gate_axis=query`
-    reproduces that as an ablation (no compact path: there a skipped token is still a key).
-  - ReLU in eq. 1 is written clamp(z, min=0): the same forward, but with subgradient 1 at
-    z = 0 instead of torch.relu's 0. It matters only for `gate_init=zero`, where every z is
-    exactly 0 at the start: with relu's convention no gradient would ever reach the gates and
-    they would stay at 1 for the whole run. With normal init z = 0 has probability zero.
-  - The gate of block l < L/2 reads the residual stream entering block l (the paper's
-    h^(i,l) notation is ambiguous between a block's input and its output).
-  - The tolerance of eq. 6 is applied to |deviation| (both directions, as the authors'
-    code does), so coefficients can fall as well as rise; beta uses the same rule with the
-    variance targets mu*(1 - mu*). Batch variance is the population variance of eq. 4.
-  - Gate statistics for the controller are over the whole global batch (all micro-steps,
-    all ranks), so every rank applies the identical update; the differentiable regulariser
-    in each micro-step uses that micro-batch's statistics.
-  - FLOPs are counted for a causal kernel: T(T+1)/2 query-key pairs, not T^2, once per
-    block, matmuls only, and reported per token at seq_len (the README relates this count to
-    the authors' estimator, which is about 1.9x ours at the paper's size).
-  - With compact=True (skipped tokens really skipped) a key with g = 0 gets weight exactly 0
-    rather than the paper's 1e-6 floor, and so does the KV-cached decoder.
+  - Gate linears are N(0, init_std) with bias 0 like every weight (Section 3.1, and the
+    authors' gated runs): at the paper's width most middle gates are closed at step 0 (tested).
+    `gate_init=zero` (g = 1 everywhere at step 0: the dense model) is kept as an ablation.
+  - ln g is added to the logit of the *key* j (eq. 3: g_j multiplies exp(q_i k_j)). The
+    authors' code indexes it by the query, which softmax cancels, so their attention was never
+    gated; `gate_axis=query` reproduces that (no compact path: a skipped token is still a key).
+  - ReLU in eq. 1 is clamp(z, min=0): the same forward, but subgradient 1 at z = 0. With
+    relu's 0, `gate_init=zero` gates (every z exactly 0) would never get a gradient.
+  - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
+  - Eq. 6's tolerance applies to |deviation|, as in the authors' code, so coefficients fall as
+    well as rise; beta uses the same rule with variance targets mu*(1 - mu*) (eq. 4: population
+    variance). The controller reads statistics of the whole global batch (every rank applies
+    the same update); each micro-step's regulariser uses that micro-batch's statistics.
+  - FLOPs count a causal kernel, T(T+1)/2 query-key pairs, matmuls only, per token at seq_len
+    (the README relates this to the authors' estimator, ~1.9x ours at the paper's size).
+  - compact=True and the KV-cached decoder give a key with g = 0 weight exactly 0, not 1e-6.
 
-Deviations from DLO (Tan et al. 2024), the second router (`router=dlo`), and choices:
-  - We pre-train from scratch or continue our own checkpoints on FineWeb; the paper
-    fine-tunes Llama 2 on instruction data. Expansion starts a new run (fresh AdamW state,
-    step 0) from the expanded weights: our analogue of its fine-tuning stage.
-  - The router reads the block's input h_i; r scales only the MLP branch of the residual.
-  - Eq. (8) is used as a skip rate, the share of a layer's tokens labelled 0: the paper's
-    formula counts the labels 1, which contradicts its use as rho_i in the top-k and eq. (10).
-    rho_{i,1} is the annealed rate of step 1, not rho (see DLO).
-  - Labels (eq. 5) rank the L x S similarities within each sequence; the skip loss (eq. 6)
-    and the layer rates (eq. 8) average over the whole global batch (all ranks).
-  - In training the MLP runs for every token (the labels need every token's similarity) and
-    skipped tokens' outputs are dropped; only evaluation and decoding skip the work.
-  - Linear merge uses equal weights 1/tau; SLERP interpolates halfway (alpha = 1/2), per
-    tensor, between the last layer of the group and the tau-th from last.
+DLO (Tan et al. 2024), `router=dlo`, deviations and choices:
+  - We pre-train or continue our own FineWeb checkpoints; the paper fine-tunes Llama 2 on
+    instructions. expand.py starts a new run (fresh AdamW, step 0) from expanded weights.
+  - The router reads the block's input h_i; r scales only the MLP branch.
+  - Eq. 8 is used as a skip rate (the share labelled 0): as written it counts labels 1, which
+    contradicts its use as rho_i in top-k and eq. 10. rho_{i,1} is step 1's annealed rate.
+  - Labels (eq. 5) rank the L x S similarities within each sequence; eqs. 6 and 8 average over
+    the global batch. In training the MLP runs for every token (labels need every similarity)
+    and skipped outputs are dropped; only evaluation and decoding skip the work.
+  - Linear merge: equal weights 1/tau; SLERP: halfway, per tensor, between the group's last
+    layer and the tau-th from last.
 
-Mixture-of-Depths (Raposo et al. 2024, `router=mod`), choices:
-  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every other block by default, so
-    block 0 always runs), with the paper's best capacity, 12.5% of each sequence.
-  - The router weight r = w.h (no bias, N(0, init_std) like every weight) scales both residual
-    branches of a chosen token, as g does in our gated block, so the MLP reads x + r Attn
-    rather than the paper's whole-block output scaled once. Tokens not chosen are neither
-    queries nor keys in that block (weight gate_eps in the masked path, 0 when compacted).
-  - Causal inference: the paper's first method, a BCE term (weight mod_aux_coef, our choice:
-    0.01) teaching sigmoid(r) the top-k membership; evaluation and decoding run r > 0. Its
-    validation therefore reports the inference routing, whose share may differ from capacity.
+Mixture-of-Depths (Raposo et al. 2024), `router=mod`, choices:
+  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every other one by default, so
+    block 0 always runs), at the paper's best capacity, 12.5% of each sequence.
+  - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our gated
+    block, so the MLP reads x + r Attn rather than the paper's block output scaled once. Tokens
+    not chosen are neither queries nor keys there (weight gate_eps masked, 0 when compacted).
+  - Causal inference: the paper's first method, BCE (weight mod_aux_coef, our 0.01) teaching
+    sigmoid(r) the top-k membership; evaluation and decoding run r > 0, so validation reports
+    the inference routing, whose share may differ from the capacity.
 """
 
 import collections
 import contextlib
-import glob
-import hashlib
-import io
-import json
 import math
 import os
-import platform
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-if __name__ == "__main__":  # a signal while torch loads: nothing is written yet, exit quietly
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+import support  # noqa: E402  (no torch: quick)
 
-import argparse  # noqa: E402  (ArgParser: the other commands' options)
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-
-class UserError(Exception):
-    """Bad input from the user: main() prints `error: <message>` and exits with status 2."""
-
-
-def cli(main, argv, before_error=None) -> int:
-    """Run a command's main(argv) -> exit status: 0, or 2 with one `error: ...` line for bad
-    input (a UserError, or an OS error on a path the user gave), 130 on Ctrl-C."""
-    try:
-        main(argv)
-        return 0
-    except (UserError, OSError) as e:
-        if before_error:
-            before_error()
-        text = str(e) if isinstance(e, UserError) else \
-            f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
-        print(f"error: {text}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-def parse_bool(text: str) -> bool:  # type= of a boolean option: 1/0, true/false, yes/no
-    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-        raise argparse.ArgumentTypeError(f"expected bool (1/0/true/false/yes/no), got {text!r}")
-    return text.lower() in ("1", "true", "yes")
-
-
-def in_range(kind, low, high=math.inf):  # type= of a number option: finite, in [low, high]
-    def convert(text: str):
-        with contextlib.suppress(ValueError, OverflowError):
-            if math.isfinite(value := kind(text)) and low <= value <= high:
-                return value
-        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}], got {text!r}")
-    return convert
-
-
-class ArgParser(argparse.ArgumentParser):
-    """The other commands' options: --name=value, --help with defaults, bad input a UserError."""
-    def __init__(self, prog: str, doc: str, formatter_class=argparse.RawDescriptionHelpFormatter):
-        super().__init__(prog, description=doc, formatter_class=formatter_class, allow_abbrev=False)
-
-    def error(self, message):
-        raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
-
+from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
+from support import (CHECKPOINT, STOP, RunLog, UserError, check_ranges, field_help,  # noqa: E402
+                     machine_memory, open_run_dir, parse_fields, provenance, read_config,
+                     release_locks, save_checkpoint)
+from support import read_checkpoint  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Components: RMSNorm, rotary embeddings, SwiGLU
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x32 = x.float()  # normalise in fp32 under autocast, as Llama does
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight).type_as(x)
+class RMSNorm(nn.RMSNorm):
+    def forward(self, x):  # in fp32 under autocast, as Llama does
+        return super().forward(x.float()).type_as(x)
 
 
 class Rotary(nn.Module):
@@ -215,28 +148,19 @@ def flex_attention_fn(compiled: bool):
 
 
 def gated_attention(q, k, v, log_g, impl: str, axis: str = "key"):
-    """Causal softmax attention with ln g added to the attention logits (eq. 3).
-
-    q: (B, H, T, hd); k, v: (B, H_kv, T, hd); log_g: (B, T) per position, or None (dense).
-    axis 'key': logit (i, j) gets ln g_j, the paper's eq. 3. axis 'query': it gets ln g_i, as
-    in the authors' released code; a constant per softmax row, so it cancels and the result
-    is the ungated attention (kept as an ablation, not as a shortcut).
-    impl 'flex': FlexAttention with a score_mod and a causal block mask (logits in fp32
-    accumulators). impl 'sdpa': scaled_dot_product_attention with an additive fp32 mask;
-    exact, differentiable on CPU, and used wherever Flex cannot run backward.
-    """
+    """Causal attention with ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
+    log_g: (B, T) per position, or None (dense). axis 'key': logit (i, j) gets ln g_j (eq. 3);
+    'query': ln g_i, as in the authors' code, a constant per softmax row that cancels (an
+    ablation). impl 'flex': FlexAttention, score_mod and causal block mask; 'sdpa': an additive
+    fp32 mask, exact and differentiable on CPU, where Flex has no backward."""
     gqa = q.size(1) != k.size(1)
     if impl == "flex":
         flex = flex_attention_fn(compiled=q.is_cuda)
         block_mask = causal_block_mask(q.size(2), str(q.device))
-        score_mod = None
-        if log_g is not None and axis == "key":
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + log_g[b, kv_idx]
-        elif log_g is not None:
-            def score_mod(score, b, h, q_idx, kv_idx):
-                return score + log_g[b, q_idx]
-        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+        def score_mod(score, b, h, q_idx, kv_idx):  # ln g of the key (eq. 3) or the query
+            return score + log_g[b, kv_idx if axis == "key" else q_idx]
+        return flex(q, k, v, score_mod=None if log_g is None else score_mod,
+                    block_mask=block_mask, enable_gqa=gqa)
     if impl != "sdpa":
         raise ValueError(f"unknown attention impl {impl!r}")
     if log_g is None:
@@ -286,13 +210,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2 and 2.3).
-
-    g: (B, T, 1), the factor on both residual branches, or None for a dense block. keys:
-    (B, T, 1) in [0, 1], each token's weight as a key (ln keys on its attention logits,
-    eq. 3); by default g itself, as in the paper. Without sandwich_norm the output norms are
-    identities (pre-norm ablation).
-    """
+    """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2 and 2.3). g:
+    (B, T, 1) on both residual branches, or None (dense). keys: (B, T, 1) in [0, 1], each
+    token's weight as a key (eq. 3), by default g. Without sandwich_norm the output norms are
+    identities."""
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -365,20 +286,21 @@ def ran(trace: dict, block, mlp=None):
 
 
 class Router(nn.Module):
-    """The hooks every router has. Their defaults are the dense behaviour (every token runs
-    every block); a router overrides the ones it needs."""
+    """The hooks every router has, each defaulting to the dense behaviour (every token runs
+    every block). Sums are float64 tensors, (k, L) per key, summed over micro-batches and ranks
+    before the hooks that read them see them."""
     fields = ()  # Hyperparameters fields read by this router only: set under another, an error
-    expandable = True  # its parameters move with their layers in a depth expansion
+    expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
         self.hp = hp
 
     def reset_parameters(self):
-        """After the model's N(0, init_std) init of every linear: the router's own init."""
+        """The router's own init, after the model's N(0, init_std) init of every linear."""
 
     def layer_params(self, layer: int) -> list:
-        """The router's parameters that learn at block `layer`'s rate (see lr_scales)."""
+        """Its parameters that learn at block `layer`'s rate (see lr_scales)."""
         return []
 
     def run(self, layer: int, block: "Block", x, trace: dict, impl: str, pos=None, cache=None):
@@ -388,20 +310,14 @@ class Router(nn.Module):
         return x
 
     def loss(self, route: dict, step: int):
-        """route: the trace stacked, (L, B, T) per key. -> (regularising loss, (k, L) float64
-        sums over this micro-batch that update() reads once they are summed over the batch)."""
+        """route: the trace stacked, (L, B, T) per key -> (regularising loss, sums for update)."""
         return route["block"].new_zeros((), dtype=torch.float32), None
 
-    @staticmethod
-    def check(hp: "Hyperparameters") -> str:
-        """What makes these settings wrong for this router (an error line), or ""."""
-        return ""
-
     def update(self, sums, count: int, step: int):
-        """After each optimiser step: sums of loss() over the global batch (all ranks)."""
+        """After each optimiser step, from loss()'s sums over the global batch."""
 
     def step_fields(self, sums, count: int) -> dict:
-        """Router-specific fields of each train record, from the step's loss() sums."""
+        """Its fields of each train record, from the step's loss() sums."""
         return {}
 
     def lr_scales(self, step: int) -> list:
@@ -409,33 +325,33 @@ class Router(nn.Module):
         return [1.0] * self.hp.n_layers
 
     def val_sums(self, route: dict):
-        """(k, L) sums per validation batch for val_fields, or None."""
+        """Sums per validation batch for val_fields, or None."""
         return None
 
     def val_fields(self, means) -> dict:
-        """Router-specific validation metrics from val_sums, per token."""
+        """Its validation metrics, from val_sums per token."""
         return {}
 
     def log_lines(self, v: dict, step: int) -> list:
-        """Extra lines of the validation log."""
-        return []
-
-    @staticmethod
-    def extra_flops(hp: "Hyperparameters", T: int) -> float:
-        """Forward FLOPs of the router itself for one sequence of T tokens."""
-        return 0.0
-
-    @staticmethod
-    def skipped_tokens_are_keys(hp: "Hyperparameters") -> bool:
-        """Whether a token that skips a block is still attended to there (its K/V computed)."""
-        return False
+        return []  # its lines of the validation log
 
     def routing_state(self) -> dict:
-        """Training state outside the parameters (coefficients, rates), for checkpoints."""
-        return {}
+        return {}  # training state outside the parameters (coefficients, rates): checkpointed
 
     def load_routing_state(self, state: dict):
         pass
+
+    @staticmethod
+    def check(hp: "Hyperparameters") -> str:
+        return ""  # what makes these settings wrong for this router (an error line), or ""
+
+    @staticmethod
+    def extra_flops(hp: "Hyperparameters", T: int) -> float:
+        return 0.0  # forward FLOPs of the router itself for one sequence of T tokens
+
+    @staticmethod
+    def skipped_tokens_are_keys(hp: "Hyperparameters") -> bool:
+        return False  # whether a token that skips a block is still attended to there
 
 
 class Dense(Router):
@@ -453,13 +369,10 @@ def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
 
 
 class GateController:
-    """Regularisation loss on the per-layer gate mean and variance, and the coefficient update.
-
-    proportional_tol: eq. (5) loss, eq. (6) update (the paper's method).
-    proportional / adaptive: eq. (5) loss, update gamma * dev / gamma * sign(dev) (Table 1).
-    sparsity / sparsity_variance / sparsity_variance_l2: fixed coefficients (Table 1).
-    none: no loss. Coefficients (alpha, beta) are training state (float64, on the CPU).
-    """
+    """The loss on the per-layer gate mean and variance, and the coefficients' update (Table
+    1): proportional_tol, eq. 5 loss and eq. 6 update (the paper's); proportional / adaptive,
+    gamma * dev / gamma * sign(dev); the sparsity* ones, fixed coefficients; none, no loss.
+    alpha and beta are training state (float64, on the CPU)."""
 
     def __init__(self, hp: "Hyperparameters"):
         self.kind, self.gamma, self.delta = hp.controller, hp.gamma, hp.delta
@@ -541,14 +454,9 @@ class SkipMiddle(Router):
 
     @staticmethod
     def check(hp):
-        fixed, off = hp.controller.startswith("sparsity"), hp.controller == "none"
-        targets = hp.controller not in ("none", "sparsity", "sparsity_variance")
-        moot = (["fixed_coef"] if off else []) + ([] if targets else ["mu_start", "mu_end"]) + \
-            (["gamma", "delta"] if fixed or off else ["fixed_coef"]) + \
-            (["delta"] if hp.controller in ("proportional", "adaptive") else [])
-        defaults = Hyperparameters()
-        for f in moot:
-            if getattr(hp, f) != getattr(defaults, f):
+        defaults, knobs = Hyperparameters(), CONTROLLERS[hp.controller].split()
+        for f in ("mu_start", "mu_end", "gamma", "delta", "fixed_coef"):
+            if f not in knobs and getattr(hp, f) != getattr(defaults, f):
                 return f"{f}={getattr(hp, f)} has no effect with controller={hp.controller}"
         if hp.n_layers % 2:
             return f"n_layers={hp.n_layers}: a gated model needs an even number of layers"
@@ -743,8 +651,10 @@ class MixtureOfDepths(Router):
 
 ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths}
 GATE_INITS, GATE_AXES = ("normal", "zero"), ("key", "query")
-CONTROLLERS = ("proportional_tol", "proportional", "adaptive", "sparsity", "sparsity_variance",
-               "sparsity_variance_l2", "none")
+CONTROLLERS = {  # Table 1's controllers (GateController), and the fields each one reads
+    "proportional_tol": "mu_start mu_end gamma delta", "proportional": "mu_start mu_end gamma",
+    "adaptive": "mu_start mu_end gamma", "sparsity": "fixed_coef", "sparsity_variance": "fixed_coef",
+    "sparsity_variance_l2": "mu_start mu_end fixed_coef", "none": ""}
 
 
 # -----------------------------------------------------------------------------
@@ -841,112 +751,8 @@ class GPT(nn.Module):
         return Output(None, route, resid, total / targets.numel())
 
 
-class KVCache:
-    """Keys, values and ln g per block for one sequence being decoded. A token skipped at a
-    block stores nothing there, so middle blocks hold fewer entries than outer ones."""
-
-    def __init__(self, hp: "Hyperparameters", device):
-        hd = hp.dim // hp.n_heads
-        self.k = torch.zeros(hp.n_layers, hp.n_kv_heads, hp.max_seq_len, hd, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.log_g = torch.zeros(hp.n_layers, hp.max_seq_len, device=device)  # per cached key
-        self.n = [0] * hp.n_layers  # entries per block
-
-    def append(self, layer, k, v, log_g):
-        """k, v: (1, H_kv, 1, hd); log_g: (1, 1) or None -> the block's cached keys and values
-        (1, H_kv, n, hd) and their ln g (n,)."""
-        n = self.n[layer]
-        self.k[layer, :, n], self.v[layer, :, n] = k[0, :, 0], v[0, :, 0]
-        self.log_g[layer, n] = 0.0 if log_g is None else log_g.reshape(())
-        self.n[layer] = n + 1
-        return self.k[layer, :, :n + 1][None], self.v[layer, :, :n + 1][None], self.log_g[layer, :n + 1]
-
-
-@torch.no_grad()
-def generate(model: GPT, prompt: list, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0):
-    """Sample after `prompt` (token ids) one token at a time with a KVCache. The prompt goes
-    through the same incremental path. -> (all tokens, the cache)."""
-    hp, device = model.hp, next(model.parameters()).device
-    if not prompt or len(prompt) + max_new_tokens > hp.max_seq_len:
-        raise UserError(f"need 1 <= prompt + new tokens <= max_seq_len ({hp.max_seq_len})")
-    model.eval()
-    cache, tokens = KVCache(hp, device), list(prompt)
-    rng = torch.Generator(device=device).manual_seed(seed)
-    for pos in range(len(prompt) + max_new_tokens - 1):
-        logits = model(torch.tensor([[tokens[pos]]], device=device),
-                       pos=torch.tensor([[pos]], device=device), cache=cache)[0][0, -1]
-        if pos == len(tokens) - 1 and temperature == 0:  # greedy
-            tokens.append(int(logits.argmax()))
-        elif pos == len(tokens) - 1:  # past the prompt: sample the next token
-            logits = logits / temperature
-            if top_k:
-                logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float("inf")
-            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=rng)))
-    return tokens, cache
-
-
 # -----------------------------------------------------------------------------
-# Data: modded-nanogpt shards (256 int32 header, then uint16 tokens)
-
-SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 256
-
-
-def shard_tokens(path: str) -> int:
-    """Token count of a shard, after checking magic, version and that the size matches."""
-    size = os.path.getsize(path)
-    if size < HEADER_INTS * 4:
-        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the header)")
-    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
-    if header[0] != SHARD_MAGIC:
-        raise UserError(f"{path}: bad magic number {header[0]} (expected {SHARD_MAGIC})")
-    if header[1] != SHARD_VERSION:
-        raise UserError(f"{path}: unsupported shard version {header[1]}")
-    n = int(header[2])
-    if size != HEADER_INTS * 4 + 2 * n:
-        raise UserError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) "
-                        f"but the file has {size} bytes (truncated or corrupt)")
-    return n
-
-
-def load_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
-    """Read one shard: header and size checked, every token id below vocab_size."""
-    n = shard_tokens(path)
-    tokens = np.fromfile(path, dtype=np.uint16, count=n, offset=HEADER_INTS * 4)
-    if n and int(tokens.max()) >= vocab_size:
-        raise UserError(f"{path}: token id {int(tokens.max())} is outside the vocabulary "
-                        f"(vocab_size={vocab_size})")
-    return tokens
-
-
-def gpt2_encoding():
-    """GPT-2 BPE via tiktoken (only the data scripts and sample.py need it). "r50k_base" is the
-    same vocabulary as "gpt2" and loads offline from TIKTOKEN_CACHE_DIR; online, tiktoken
-    downloads and caches it once."""
-    import tiktoken
-    errors = []
-    for name in ("r50k_base", "gpt2"):
-        try:
-            return tiktoken.get_encoding(name)
-        except Exception as e:  # no network and no cache: try the next name, then give up
-            errors.append(f"{name}: {type(e).__name__}")
-    raise UserError("cannot load the GPT-2 BPE from tiktoken (" + "; ".join(errors) + "); "
-                    "connect to the internet once, or set TIKTOKEN_CACHE_DIR to a folder "
-                    "holding the cached r50k_base file")
-
-
-def find_shards(pattern: str) -> list:
-    files = sorted(glob.glob(pattern))
-    for path in files:
-        if not os.path.isfile(path):
-            raise UserError(f"{pattern} matches {path}, which is not a shard file")
-    if not files:
-        hint = ("fetch FineWeb with `python data/cached_fineweb10B.py`" if "fineweb" in pattern
-                else "check the path")
-        raise UserError(f"no shards match {pattern}: {hint}, or train on the embedded "
-                        f"sample with --preset=smoke")
-    return files
-
+# Data: modded-nanogpt shards, in order, one global batch per step (format: data/shards.py)
 
 class DistributedLoader:
     """Walks the shards in order, cycling at the end. Each step takes one contiguous global
@@ -990,7 +796,7 @@ class DistributedLoader:
 
     def _load(self, shard: int):
         if shard != self.shard:  # the validation shard stays in memory between evaluations
-            self.tokens = load_shard(self.files[shard], self.vocab_size)
+            self.tokens = read_shard(self.files[shard], self.vocab_size)
         self.shard, self.pos = shard, 0
         need = self.B * self.T * self.world + 1
         if len(self.tokens) < need:
@@ -1090,12 +896,6 @@ class Hyperparameters:
     mod_every: int = 2           # route every mod_every-th block (the paper: every other)
     mod_aux_coef: float = 0.01   # weight of the BCE teaching r > 0 to the top-k (> 0: the
                                  # inference rule r > 0 is learnt only through it)
-    # depth expansion (DLO Section 3.1): start from a checkpoint with more layers per group
-    expand_from: str = ""        # RUN_DIR of the checkpoint to expand; a new run starts
-    expand_groups: int = 1       # P: its R layers form P groups of Q = R / P
-    expand_per_group: int = 1    # q: new layers appended to each group
-    expand_init: str = "identity"  # random | copy | identity | linear | slerp
-    expand_tau: int = 2          # layers merged by linear and slerp
     # optimisation (Table 2)
     lr: float = 1e-3             # AdamW peak learning rate, one for all parameters
     beta1: float = 0.8
@@ -1137,87 +937,50 @@ PRESETS = {
 }
 
 
-def _parse_value(name, text, default):
-    kind = type(default)
-    try:
-        if kind is bool:
-            return parse_bool(text)
-        if kind is int:
-            value = float(text.replace("_", ""))
-            if not value.is_integer():
-                raise ValueError
-            return int(value)
-        return kind(text)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
-
-
 def usage() -> str:
     """--help: every field with its default and trailing comment, grouped as in the dataclass."""
-    import inspect
-    lines = ["usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
-             "Every field of Hyperparameters, with its default; booleans take true/false (1/0)."]
-    defaults = Hyperparameters()
-    for line in inspect.getsource(Hyperparameters).splitlines()[2:]:
-        code, _, comment = (part.strip() for part in line.partition("#"))
-        if not code and comment:
-            lines.append(f"\n{comment}:")
-        elif ":" in code:
-            name = code.split(":")[0]
-            value = getattr(defaults, name)
-            text = f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
-            lines.append(f"  {text:<36} {comment}".rstrip())
-    return "\n".join(lines) + f"\n\npresets: {', '.join(PRESETS)}; routers: {', '.join(ROUTERS)}"
+    return "\n".join([
+        "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
+        "Every field of Hyperparameters, with its default; booleans take true/false (1/0).",
+        *field_help(Hyperparameters), "",
+        f"presets: {', '.join(PRESETS)}; routers: {', '.join(ROUTERS)}"])
 
 
 def parse_overrides(argv) -> dict:
     """--field=value pairs, each typed against its default; unknown fields are errors."""
-    defaults = Hyperparameters()
-    valid = [f.name for f in fields(Hyperparameters)]
-    overrides = {}
-    for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
-            raise UserError(f"bad argument {arg!r}: use --field=value")
-        name, text = arg[2:].split("=", 1)
-        if name not in valid:
-            raise UserError(f"unknown field {name!r}; valid fields: {', '.join(valid)}")
-        overrides[name] = _parse_value(name, text, getattr(defaults, name))
-    preset = overrides.get("preset", "")
-    if preset and preset not in PRESETS:
-        raise UserError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    overrides = parse_fields(Hyperparameters, argv)
+    if overrides.get("preset", "") not in ("", *PRESETS):
+        raise UserError(f"unknown preset {overrides['preset']!r}; presets: {', '.join(PRESETS)}")
     return overrides
 
 
 def resolve(overrides: dict, base: Hyperparameters = None) -> Hyperparameters:
-    """base (the defaults, or a resumed run's settings), then the preset, then the overrides."""
+    """base (the defaults, or a resumed run's settings), then the preset, then the overrides.
+    Data paths become absolute, so a run resumes from any folder: one given here is from the
+    working directory; the defaults' and the presets' are inside the repository."""
     hp = replace(base or Hyperparameters(), **PRESETS.get(overrides.get("preset", ""), {}))
-    return replace(hp, **overrides)
+    hp = replace(hp, **overrides)
+    for f in ("train_files", "val_files"):
+        root = "" if f in overrides else os.path.dirname(os.path.abspath(__file__))
+        hp = replace(hp, **{f: os.path.abspath(os.path.join(root, getattr(hp, f)))})
+    return hp
 
 
 # The range of every numeric field, checked before anything is written. A new field must be
-# listed here (the bad-input test tries -1, nan and 1e30 on every field and wants an error).
-AT_LEAST = {  # integers: smallest value
-    "vocab_size": 2, "n_layers": 1, "dim": 1, "n_heads": 1, "n_kv_heads": 1, "ffn_mult": 1,
-    "max_seq_len": 1, "batch_size": 1, "device_batch_size": 1, "seq_len": 1, "train_tokens": 1,
-    "val_tokens": 1, "expand_groups": 1, "expand_tau": 1, "expand_per_group": 0,
-    "dlo_anneal_steps": 0, "val_every": 0, "save_every": 0, "stop_step": 0, "max_bad_steps": 0,
-    "untimed_steps": 0, "seed": 0, "mod_every": 1, "loss_rows": 1}
-INTERVALS = {  # floats: (low, high, whether low may be reached, whether high may be)
-    "norm_eps": (0, 1, False, False), "gate_eps": (0, 1, False, False),
-    "rope_theta": (0, math.inf, False, False), "init_std": (0, math.inf, False, False),
-    "lr": (0, math.inf, False, False), "adam_eps": (0, math.inf, False, False),
-    "peak_flops": (0, math.inf, False, False), "dlo_beta": (0, math.inf, False, False),
-    "gamma": (0, math.inf, True, False), "delta": (0, math.inf, True, False),
-    "fixed_coef": (0, math.inf, True, False), "weight_decay": (0, math.inf, True, False),
-    "dlo_gamma": (0, math.inf, True, False),
-    "mu_start": (0, 1, True, True), "mu_end": (0, 1, True, True),
-    "warmup_frac": (0, 1, True, True), "warmup_start": (0, 1, True, True),
-    "beta1": (0, 1, True, False), "beta2": (0, 1, True, False), "dlo_rho": (0, 1, True, False),
-    "mod_capacity": (0, 1, False, True), "mod_aux_coef": (0, math.inf, False, False)}
-CHOICES = lambda: {"router": ROUTERS, "controller": CONTROLLERS,  # noqa: E731
-                   "attn_impl": ("auto", "flex", "sdpa"), "gate_init": GATE_INITS,
-                   "gate_axis": GATE_AXES, "expand_init": EXPAND_INITS,
-                   "preset": ("",) + tuple(PRESETS)}
+# listed (the bad-input test tries -1, nan and 1e30 on every field and wants an error).
+RANGES = {  # interval: the fields that must lie in it
+    "[2, inf)": "vocab_size",
+    "[1, inf)": "n_layers dim n_heads n_kv_heads ffn_mult max_seq_len batch_size device_batch_size "
+                "seq_len train_tokens val_tokens mod_every loss_rows",
+    "[0, inf)": "dlo_anneal_steps val_every save_every stop_step max_bad_steps untimed_steps seed "
+                "gamma delta fixed_coef weight_decay dlo_gamma",
+    "(0, inf)": "rope_theta init_std lr adam_eps peak_flops dlo_beta mod_aux_coef",
+    "(0, 1)": "norm_eps gate_eps",
+    "[0, 1]": "mu_start mu_end warmup_frac warmup_start",
+    "[0, 1)": "beta1 beta2 dlo_rho",
+    "(0, 1]": "mod_capacity"}
+CHOICES = {"router": ROUTERS, "controller": CONTROLLERS, "attn_impl": ("auto", "flex", "sdpa"),
+           "gate_init": GATE_INITS, "gate_axis": GATE_AXES, "preset": ("",) + tuple(PRESETS)}
 
 
 def param_count(hp: Hyperparameters) -> int:
@@ -1227,26 +990,10 @@ def param_count(hp: Hyperparameters) -> int:
     return 2 * hp.vocab_size * hp.dim + 2 * hp.dim + hp.n_layers * (block + hp.dim + 1)
 
 
-def machine_memory() -> int:
-    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 2**62
-
-
 def validate(hp: Hyperparameters, world: int):
     """Every field in range and the settings consistent; UserError naming the first that is not."""
-    for name, low in AT_LEAST.items():
-        if getattr(hp, name) < low:
-            raise UserError(f"{name}={getattr(hp, name)} must be at least {low}")
-    for name, (low, high, low_ok, high_ok) in INTERVALS.items():
-        v = getattr(hp, name)
-        if not (low < v < high or (low_ok and v == low) or (high_ok and v == high)):
-            raise UserError(f"{name}={v} must lie in {'[' if low_ok else '('}{low}, {high}"
-                            f"{']' if high_ok else ')'}")
-    for name, options in CHOICES().items():
+    check_ranges(hp, RANGES)
+    for name, options in CHOICES.items():
         if getattr(hp, name) not in options:
             raise UserError(f"{name}={getattr(hp, name)!r}; choose from "
                             f"{', '.join(repr(o) for o in options)}")
@@ -1265,9 +1012,6 @@ def validate(hp: Hyperparameters, world: int):
             if name != hp.router and getattr(hp, f) != getattr(defaults, f):
                 raise UserError(f"{f} sets the {name} router's behaviour; router={hp.router} "
                                 f"has none")
-    for f in ("expand_groups", "expand_per_group", "expand_init", "expand_tau"):
-        if not hp.expand_from and getattr(hp, f) != getattr(defaults, f):
-            raise UserError(f"{f} sets how --expand_from expands a checkpoint; none is given")
     problem = ROUTERS[hp.router].check(hp)
     if problem:
         raise UserError(problem)
@@ -1306,7 +1050,7 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 
 
 # -----------------------------------------------------------------------------
-# Setup: distributed state, device, logging
+# Setup: distributed state
 
 @dataclass
 class Dist:
@@ -1318,6 +1062,21 @@ class Dist:
     @property
     def master(self):
         return self.rank == 0
+
+    def on_master(self, fn):
+        """fn() on rank 0 only; every rank gets its result, or raises its UserError (an OS
+        error there is one too: no rank may wait for a rank that failed)."""
+        box = [None]
+        if self.master:
+            try:
+                box[0] = ("ok", fn())
+            except (UserError, OSError) as e:
+                box[0] = ("error", str(e) if isinstance(e, UserError) else e.strerror or str(e))
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        if box[0][0] == "error":
+            raise UserError(box[0][1])
+        return box[0][1]
 
 
 def setup_distributed() -> Dist:
@@ -1333,260 +1092,19 @@ def setup_distributed() -> Dist:
     return d
 
 
-def check_device(name: str) -> str:
-    """A device the commands can run on (cpu, cuda, cuda:K), or a UserError saying why not."""
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device={name}: not a device name (cpu, cuda or cuda:K)") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"--device={name}: only cpu and cuda are supported")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device={name}: no CUDA device is available here")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device={name}: there are {torch.cuda.device_count()} CUDA devices")
-    return name
-
-
-def writable_dir(path: str) -> str:
-    """Create path if needed and prove it takes a file, before any long work writes there."""
-    probe = os.path.join(path, f".write_test_{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        open(probe, "wb").close()
-        os.remove(probe)
-    except OSError as e:
-        raise UserError(f"cannot write to {path}: {e.strerror}") from None
-    return path
-
-
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t
 
 
-def describe_system() -> str:
-    lines = [f"python {sys.version.split()[0]}  torch {torch.__version__}  "
-             f"cuda {torch.version.cuda}  numpy {np.__version__}",
-             f"platform {platform.platform()}  cpus {os.cpu_count()}"]
-    if torch.cuda.is_available():
-        lines.append(f"gpu {torch.cuda.get_device_name()} x {torch.cuda.device_count()}")
-        with contextlib.suppress(Exception):
-            lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
-                                        timeout=20).stdout)
-    return "\n".join(lines)
-
-
 def fmt_list(xs) -> str:
     return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
 
 
-def write_atomically(path: str, data: bytes):
-    """Temporary file, flush, fsync, rename: a crash leaves the old file or the new one, and a
-    failed write (a full disk, a second signal) removes the temporary file before raising."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
-    finally:
-        os.close(fd)
-
-
-def source_code() -> bytes:
-    with open(__file__, "rb") as f:
-        return f.read()
-
-
-def provenance() -> dict:
-    """The git commit of this file's checkout (and whether its tree differs from the commit)
-    and a hash of the source that actually ran, which is what counts when the tree is dirty."""
-    def git(*args):
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            r = subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)),
-                               capture_output=True, text=True, timeout=20)
-            if r.returncode == 0:
-                return r.stdout.strip()
-        return None
-    commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain")) if commit else None
-    return {"git_commit": commit, "git_dirty": dirty,
-            "source_sha256": hashlib.sha256(source_code()).hexdigest()}
-
-
-def on_master(d: "Dist", fn):
-    """Run fn on rank 0 only and give every rank its result, or raise its UserError on all."""
-    box = [None]
-    if d.master:
-        try:
-            box[0] = ("ok", fn())
-        except UserError as e:
-            box[0] = ("error", str(e))
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "error":
-        raise UserError(box[0][1])
-    return box[0][1]
-
-
-def new_run_dir(hp: "Hyperparameters") -> str:
-    """A fresh logs/<date_time>_<preset or run>_<6 hex>/. mkdir fails on an existing folder,
-    so two jobs started in the same second never share one."""
-    while True:
-        path = os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
-                            f"_{hp.preset or 'run'}_{os.urandom(3).hex()}")
-        try:
-            os.makedirs(path)
-            return path
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise UserError(f"cannot create {path}: {e.strerror}") from None
-
-
-LOCK = "lock"
-_held_locks = []  # the open lock files of this process: closing one (or exiting) releases it
-
-
-def lock_run_dir(run_dir: str):
-    """An exclusive flock on RUN_DIR/lock for the rest of this process. The kernel drops it
-    when the process ends, however it ends, so a crashed job leaves no stale lock (on local
-    file systems; some network file systems do not honour flock)."""
-    import fcntl
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        f = open(os.path.join(run_dir, LOCK), "a+")
-    except OSError as e:
-        raise UserError(f"cannot use run_dir {run_dir}: {e.strerror}") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another job"
-        f.close()
-        raise UserError(f"{run_dir} is in use by {holder}; wait for that job to end") from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {platform.node()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    _held_locks.append(f)
-
-
-def open_run_dir(hp: "Hyperparameters", resuming: bool, ckpt_mtime: int = None) -> str:
-    """Choose and lock the run directory (rank 0). A fresh start refuses a directory that
-    holds a checkpoint; one whose run ended before its first checkpoint is started afresh,
-    with the earlier attempt's files moved to aborted_<k>/ so nothing is lost."""
-    run_dir = hp.run_dir or new_run_dir(hp)
-    lock_run_dir(run_dir)
-    ckpt_path = os.path.join(run_dir, CHECKPOINT)
-    if resuming:
-        mtime = os.stat(ckpt_path).st_mtime_ns if os.path.exists(ckpt_path) else None
-        if mtime != ckpt_mtime:
-            raise UserError(f"{ckpt_path} changed while this job started (another job was "
-                            f"using the run); resume again")
-        return run_dir
-    if os.path.exists(ckpt_path):
-        raise UserError(f"{run_dir} already holds a run; choose another --run_dir, or continue "
-                        f"it with --resume={run_dir}")
-    old = [n for n in ("train.log", "metrics.jsonl", "config.json")
-           if os.path.exists(os.path.join(run_dir, n))]
-    if old:
-        k = 1
-        while os.path.exists(os.path.join(run_dir, f"aborted_{k}")):
-            k += 1
-        aside = os.path.join(run_dir, f"aborted_{k}")
-        try:
-            os.makedirs(aside)
-            for name in old:
-                os.replace(os.path.join(run_dir, name), os.path.join(aside, name))
-        except OSError as e:
-            raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
-        print(f"{run_dir} held a run that stopped before its first checkpoint; its files are "
-              f"in {aside}", file=sys.stderr)
-    return run_dir
-
-
-class RunLog:
-    """train.log (source, provenance, system, config, step lines), config.json and
-    metrics.jsonl; rank 0 only. A resumed run appends to train.log (and the source again if it
-    changed) and keeps the metrics up to its checkpoint, so metrics.jsonl holds each step once
-    even after a crash."""
-
-    def __init__(self, run_dir: str, hp: Hyperparameters, extra: dict, active: bool,
-                 resumed_at: int = None, val_done: int = -1):
-        self.active, self.run_dir = active, run_dir
-        if not active:
-            return
-        os.makedirs(run_dir, exist_ok=True)
-        config_path = os.path.join(run_dir, "config.json")
-        previous = {}
-        if resumed_at is not None and os.path.exists(config_path):
-            with contextlib.suppress(ValueError, OSError), open(config_path) as f:
-                previous = json.load(f)
-        config = {**asdict(hp), **extra}
-        write_atomically(config_path, json.dumps(config, indent=2).encode())
-        metrics = os.path.join(run_dir, "metrics.jsonl")
-        if resumed_at is None:
-            self.log = open(os.path.join(run_dir, "train.log"), "w")
-            self.log.write(source_code().decode())
-        else:
-            self.log = open(os.path.join(run_dir, "train.log"), "a")
-            self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
-            old = previous.get("source_sha256")
-            if old != extra["source_sha256"]:
-                self.log.write(f"source changed since the last job (sha256 {old} -> "
-                               f"{extra['source_sha256']}); the source now running:\n")
-                self.log.write(source_code().decode())
-            kept = b""
-            if os.path.exists(metrics):
-                with open(metrics, "rb") as f:
-                    for line in f:
-                        with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
-                            m = json.loads(line)  # keep what the checkpoint has seen
-                            if m["step"] <= resumed_at and not (m["kind"] == "val" and
-                                                                m["step"] > val_done):
-                                kept += line
-            write_atomically(metrics, kept)
-        self.metrics = open(metrics, "a")
-        dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
-        self.log.write("=" * 100 + "\n" + f"command: {extra['command']}\n"
-                       f"git: {extra['git_commit'] or 'not a git checkout'}"
-                       f"{dirty[extra['git_dirty']]}\n"
-                       f"source: train_gpt.py sha256 {extra['source_sha256']}\n"
-                       + describe_system() + "\n")
-        self.log.write("hyperparameters: " + json.dumps(config) + "\n" + "=" * 100 + "\n")
-        self.log.flush()
-
-    def print(self, line: str):
-        if self.active:
-            print(line, flush=True)
-            self.log.write(line + "\n")
-            self.log.flush()
-
-    def record(self, obj: dict):
-        if self.active:
-            self.metrics.write(json.dumps(obj) + "\n")
-            self.metrics.flush()
-
-    def close(self):
-        if self.active:
-            self.log.close()
-            self.metrics.close()
-
-
 # -----------------------------------------------------------------------------
-# Checkpoints and stopping
+# Checkpoints and resuming (the files themselves: support.py)
 
-CHECKPOINT = "checkpoint.pt"
 # fields that change the parameters or the function: a resumed run may not change them
 MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_mult", "router",
                 "sandwich_norm", "gate_axis")
@@ -1600,54 +1118,41 @@ class RunStopped(Exception):
     """The run cannot go on (non-finite loss): main() prints `error: ...`, exit status 1."""
 
 
-def save_checkpoint(run_dir: str, state: dict) -> str:
-    """One file, replaced atomically: the previous checkpoint stays until the new one is whole."""
-    path = os.path.join(run_dir, CHECKPOINT)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    write_atomically(path, buf.getvalue())
-    return path
+def checkpoint_state(run: "RunState", hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
+    """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
+    cuda = torch.cuda.is_available() and next(raw.parameters()).is_cuda
+    return {**asdict(run), "hp": asdict(hp), "world_size": world, "model": raw.state_dict(),
+            "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
+            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if cuda else []}}
+
+
+def weights_problem(state: dict) -> str:
+    """What is wrong with a checkpoint's weights for its own settings: names whose shapes differ."""
+    with torch.device("meta"):  # shapes only, no memory
+        expected = {k: v.shape for k, v in GPT(saved_settings(state["hp"])).state_dict().items()}
+    found = {k: getattr(v, "shape", None) for k, v in state["model"].items()}
+    bad = sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
+    return "" if not bad else (f"the weights do not fit the checkpoint's own settings "
+                               f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
 
 
 def load_checkpoint(run_dir: str) -> dict:
-    """The checkpoint of run_dir, checked: it loads, holds every key the trainer reads, and its
-    weights have exactly the shapes its settings give. state["mtime"] is the file's."""
-    path = os.path.join(run_dir, CHECKPOINT)
-    if not os.path.isfile(path):
-        hint = ""
-        if os.path.exists(os.path.join(run_dir, "config.json")):
-            hint = "; its run stopped before the first checkpoint, and --resume starts it afresh"
-        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it{hint}")
-    try:
-        mtime = os.stat(path).st_mtime_ns
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        hp = Hyperparameters(**state["hp"])
-    except Exception as e:  # truncated, overwritten, or from an incompatible version
-        raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
-    missing = [k for k in CHECKPOINT_KEYS if k not in state]
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
-                        f"version of train_gpt.py?)")
-    with torch.device("meta"):  # shapes only, no memory
-        expected = {k: v.shape for k, v in GPT(hp).state_dict().items()}
-    found = {k: getattr(v, "shape", None) for k, v in state["model"].items()}
-    if found != expected:
-        bad = sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
-        raise UserError(f"{path}: the weights do not fit the checkpoint's own settings "
-                        f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
-    state["mtime"] = mtime
-    return state
+    return read_checkpoint(run_dir, CHECKPOINT_KEYS, weights_problem)
 
 
-def read_config(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "config.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
+def saved_settings(saved: dict, **changes) -> Hyperparameters:
+    """Settings saved by a run (checkpoint or config.json). Keys that are no longer fields are
+    dropped: the expand_* fields of older versions, whose work the weights already hold."""
+    names = {f.name for f in fields(Hyperparameters)}
+    return Hyperparameters(**{**{k: v for k, v in saved.items() if k in names}, **changes})
+
+
+def load_model(run_dir: str, device: str = "cpu") -> GPT:
+    """The model of a run's checkpoint, with its weights; model.hp holds its settings."""
+    ckpt = load_checkpoint(run_dir)
+    model = GPT(saved_settings(ckpt["hp"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device)
 
 
 def resume_settings(overrides: dict) -> tuple:
@@ -1656,149 +1161,22 @@ def resume_settings(overrides: dict) -> tuple:
     run_dir = overrides["resume"]
     if overrides.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
-    if overrides.get("expand_from"):
-        raise UserError("--resume continues a run and --expand_from starts a new one; give one")
     config = read_config(run_dir)
     if config and not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
-        names = {f.name for f in fields(Hyperparameters)}
-        base = Hyperparameters(**{**{k: v for k, v in config.items() if k in names},
-                                  "stop_step": 0})
+        base = saved_settings(config, stop_step=0)
         return replace(resolve(overrides, base), run_dir=run_dir, resume=""), None
     ckpt = load_checkpoint(run_dir)
     if config and config.get("run_id") != ckpt["run_id"]:
         raise UserError(f"{os.path.join(run_dir, CHECKPOINT)} belongs to another run (run_id "
                         f"{ckpt['run_id']}, config.json says {config.get('run_id')}); "
                         f"resume the run it came from")
-    base = Hyperparameters(**{**ckpt["hp"], "stop_step": 0})  # a setting of one job, not the run
+    base = saved_settings(ckpt["hp"], stop_step=0)  # stop_step: a setting of one job, not the run
     hp = resolve(overrides, base)
     changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in MODEL_FIELDS
                if getattr(base, k) != getattr(hp, k)]
     if changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
     return replace(hp, run_dir=run_dir), ckpt
-
-
-EXPAND_INITS = ("random", "copy", "identity", "linear", "slerp")
-
-
-def new_layer(layers: list, init: str, tau: int, gen: torch.Generator) -> dict:
-    """Weights of one added layer from its group's layers (state dicts, oldest first), by the
-    policies of DLO Section 3.1. identity keeps the function: wo = 0 and w2 = 0 make both
-    residual branches exactly 0 (an RMSNorm of zeros is zero)."""
-    last = layers[-1]
-    if init in ("copy", "identity"):
-        out = {k: v.clone() for k, v in last.items()}
-        if init == "identity":
-            out["attn.wo.weight"].zero_()
-            out["ffn.w2.weight"].zero_()
-        return out
-    if init == "random":  # Xavier uniform for matrices, 1 for norm weights
-        out = {}
-        for k, v in last.items():
-            if v.dim() < 2:
-                out[k] = torch.ones_like(v)
-            else:
-                bound = math.sqrt(6 / (v.size(0) + v.size(1)))
-                out[k] = (torch.rand(v.shape, generator=gen) * 2 - 1).to(v) * bound
-        return out
-    if init == "linear":  # equal weights alpha_k = 1 / tau on the last tau layers
-        return {k: sum(layer[k] for layer in layers[-tau:]) / tau for k in last}
-    out = {}  # slerp halfway between the last layer and the tau-th from last, per tensor
-    for k, u in last.items():
-        v = layers[-tau][k]
-        cos = (u.flatten() @ v.flatten() / (u.norm() * v.norm()).clamp(min=1e-12)).clamp(-1, 1)
-        omega = torch.arccos(cos)
-        if omega.abs() < 1e-6:  # parallel: slerp is the linear mean
-            out[k] = (u + v) / 2
-        else:
-            out[k] = (torch.sin(omega / 2) * u + torch.sin(omega / 2) * v) / torch.sin(omega)
-    return out
-
-
-def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int = 0):
-    """A model state with R layers in P groups of Q -> P groups of Q + q: each group's new
-    layers come after its originals. DLO routers move with their layers; new ones are left
-    out (their zero initialisation is the model's own)."""
-    Q, gen = R // P, torch.Generator().manual_seed(seed)
-    out = {k: v for k, v in state.items() if not k.startswith(("blocks.", "router.routers."))}
-
-    def layer_state(prefix, i):
-        return {k[len(f"{prefix}.{i}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{i}.")}
-
-    j = 0
-    for p in range(P):
-        group = [layer_state("blocks", p * Q + i) for i in range(Q)]
-        for i, layer in enumerate(group):
-            out.update({f"blocks.{j}.{k}": v for k, v in layer.items()})
-            out.update({f"router.routers.{j}.{k}": v
-                        for k, v in layer_state("router.routers", p * Q + i).items()})
-            j += 1
-        for _ in range(q):
-            out.update({f"blocks.{j}.{k}": v for k, v in new_layer(group, init, tau, gen).items()})
-            j += 1
-    return out
-
-
-def expand_settings(overrides: dict) -> tuple:
-    """-> (hp, expanded weights) for a new run from --expand_from's checkpoint. The model's
-    shape comes from the checkpoint; n_layers is derived: P * (R / P + q)."""
-    src = load_checkpoint(overrides["expand_from"])
-    base = Hyperparameters(**src["hp"])
-    if not ROUTERS[base.router].expandable:
-        raise UserError(f"expand a dense or DLO checkpoint: the {base.router} router is tied "
-                        f"to the layer count")
-    fixed = [k for k in MODEL_FIELDS if k not in ("router", "n_layers")]
-    changed = [f"{k} {getattr(base, k)} -> {overrides[k]}" for k in fixed
-               if k in overrides and overrides[k] != getattr(base, k)]
-    if changed:
-        raise UserError("an expanded model keeps the checkpoint's shape: " + ", ".join(changed))
-    hp = resolve(overrides, replace(base, run_dir="", resume="", stop_step=0))
-    if base.router != "none" and hp.router != base.router:  # its router weights fit no other
-        raise UserError(f"a {base.router} checkpoint expands into a {base.router} model, not "
-                        f"router={hp.router}; expand a dense checkpoint for that")
-    R, P, q = base.n_layers, hp.expand_groups, hp.expand_per_group
-    if P < 1 or R % P or q < 0:
-        raise UserError(f"cannot make {P} groups of {R} layers with {q} new per group")
-    if hp.expand_init not in EXPAND_INITS:
-        raise UserError(f"expand_init={hp.expand_init!r}; choose from {', '.join(EXPAND_INITS)}")
-    if hp.expand_init in ("linear", "slerp") and not 1 <= hp.expand_tau <= R // P:
-        raise UserError(f"expand_tau={hp.expand_tau} must lie in [1, {R // P}] (layers per group)")
-    n_layers = P * (R // P + q)
-    if "n_layers" in overrides and overrides["n_layers"] != n_layers:
-        raise UserError(f"n_layers is derived when expanding: {n_layers}, not {overrides['n_layers']}")
-    hp = replace(hp, n_layers=n_layers, **{k: getattr(base, k) for k in fixed if k != "n_layers"})
-    return hp, expand_state(src["model"], R, P, q, hp.expand_init, hp.expand_tau, hp.seed)
-
-
-class StopSignal:
-    """SIGTERM / SIGINT (what schedulers and Ctrl-C send) ask for a checkpoint at the next step
-    boundary; a second signal stops at once (KeyboardInterrupt). Re-entrant: main() holds it
-    for the whole job, so a signal during start-up stops the job before its first step."""
-
-    def __init__(self):
-        self.signum, self.depth, self.previous, self.last_ckpt = 0, 0, {}, "none"
-
-    def __call__(self, signum, frame):
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __enter__(self):
-        if self.depth == 0:
-            self.signum = 0
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self)
-        self.depth += 1
-        return self
-
-    def __exit__(self, *exc):
-        self.depth -= 1
-        if self.depth == 0:
-            for sig, handler in self.previous.items():
-                signal.signal(sig, handler)
-
-
-STOP = StopSignal()  # handlers are installed only inside `with STOP:`
 
 
 def all_finite(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
@@ -1858,6 +1236,11 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
                 **model.router.val_fields(per_token[3 * L:].view(-1, L)))
 
 
+def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
+                             eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=True)
+
+
 def param_groups(raw: GPT) -> list:
     """AdamW groups: everything outside the blocks, then one group per block with the router's
     parameters of that block, so that a router can scale each layer's rate (DLO eq. 10)."""
@@ -1883,46 +1266,46 @@ def check_run(hp: Hyperparameters, d: Dist, ckpt: dict):
                         f"{ckpt['step']}")
 
 
-def check_val_capacity(hp: Hyperparameters, d: Dist, val_loader: "DistributedLoader"):
-    val_steps = hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)
-    if val_steps > val_loader.capacity():
+def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
+    """The training and validation loaders of this rank, checked: every shard sound, enough
+    validation tokens, and the checkpoint's data position (if any) in these shards."""
+    accum = hp.batch_size // (hp.device_batch_size * d.world)
+    train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
+                                     hp.seq_len, d.rank, d.world, hp.vocab_size)
+    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
+                                   d.rank, d.world, hp.vocab_size)
+    if hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world) > val_loader.capacity():
         raise UserError(f"val_tokens={hp.val_tokens} is more than the validation shards hold "
                         f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
                         f"({val_loader.capacity()} batches); validation would repeat tokens")
+    if ckpt is not None:
+        train_loader.check_position(**ckpt["loader"])
+    return train_loader, val_loader
 
 
-def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = None,
-          argv: list = ()) -> str:
+def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
-    init_state: starting weights (an expanded model), missing only zero-initialised routers.
     argv: the command-line arguments, for the record."""
     # setup: check everything, then create the run directory, the model and the optimiser
     check_run(hp, d, ckpt)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
     accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
-    train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
-                                     hp.seq_len, d.rank, d.world, hp.vocab_size)
-    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
-                                   d.rank, d.world, hp.vocab_size)
-    check_val_capacity(hp, d, val_loader)
-    if ckpt is not None:
-        train_loader.check_position(**ckpt["loader"])
+    train_loader, val_loader = loaders(hp, d, ckpt)
     if dist.is_initialized():
         dist.barrier()  # every rank has checked before rank 0 creates anything
-    run_dir = on_master(d, lambda: open_run_dir(hp, ckpt is not None,
+    run_dir = d.on_master(lambda: open_run_dir(hp.run_dir, hp.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
+    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {ckpt['step']})" if ckpt else "none"
     raw = GPT(hp).to(d.device)
-    if init_state is not None:
-        missing, unexpected = raw.load_state_dict(init_state, strict=False)
-        assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
-    opt = torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
-                            eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=True)
+    opt = optimizer(raw, hp)
     run = RunState(run_id=os.urandom(8).hex())
     # restore: weights, optimiser, routing state, data position, random state, the clock
     if ckpt is not None:
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
+        for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
+            group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
         raw.router.load_routing_state(ckpt["routing"])
         train_loader.restore(**ckpt["loader"])
         torch.set_rng_state(ckpt["rng"]["cpu"])
@@ -1935,10 +1318,10 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
     launcher = f"torchrun --nproc_per_node={d.world} train_gpt.py" if d.world > 1 else \
         "python train_gpt.py"
-    log = RunLog(run_dir, hp, dict(world_size=d.world, grad_accum=accum, num_steps=steps,
-                                   run_dir=run_dir, device=d.device, run_id=run.run_id,
-                                   command=" ".join([launcher, *map(shlex.quote, argv)]),
-                                   **provenance()),
+    log = RunLog(run_dir, {**asdict(hp), "world_size": d.world, "grad_accum": accum,
+                           "num_steps": steps, "run_dir": run_dir, "device": d.device,
+                           "run_id": run.run_id, **provenance(),
+                           "command": " ".join([launcher, *map(shlex.quote, argv)])},
                  d.master, resumed_at=start if ckpt else None, val_done=run.val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
@@ -1946,7 +1329,6 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
               f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
-    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
 
     def sync():
         if cuda:
@@ -1959,23 +1341,12 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, init_state: dict = No
         if not all_finite(raw, opt):
             raise RunStopped(f"non-finite weights after step {run.step}; the checkpoint was not "
                              f"replaced; last good checkpoint: {STOP.last_ckpt}")
-        failure = [""]
-        if d.master:
-            try:
-                save_checkpoint(run_dir, {
-                    **asdict(run), "hp": asdict(hp), "world_size": d.world,
-                    "model": raw.state_dict(), "optimizer": opt.state_dict(),
-                    "routing": raw.router.routing_state(),
-                    "loader": train_loader.state(),  # global: each rank derives its offset
-                    "rng": {"cpu": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state_all() if cuda else []}})
-            except OSError as e:
-                failure[0] = (f"cannot write the checkpoint of step {run.step} ({e.strerror}); "
-                              f"last good checkpoint: {STOP.last_ckpt}")
-        if dist.is_initialized():
-            dist.broadcast_object_list(failure, src=0)
-        if failure[0]:
-            raise RunStopped(failure[0])
+        try:  # the loader's position is global: each rank derives its offset
+            d.on_master(lambda: save_checkpoint(run_dir, checkpoint_state(run, hp, d.world, raw, opt,
+                                                                          train_loader.state())))
+        except UserError as e:
+            raise RunStopped(f"cannot write the checkpoint of step {run.step} ({e}); "
+                             f"last good checkpoint: {STOP.last_ckpt}") from None
         STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {run.step})"
 
     def end_warmup(warmup_ms):
@@ -2126,21 +1497,12 @@ def main(argv=None):
     try:
         with STOP:  # from the start: a first signal during start-up stops before step 1
             overrides = parse_overrides(argv)
-            ckpt = init_state = None
-            if overrides.get("resume"):
-                hp, ckpt = resume_settings(overrides)
-                if ckpt is None and hp.expand_from:  # restarted before its first checkpoint:
-                    hp, init_state = expand_settings(asdict(hp))  # its weights, expanded again
-            elif overrides.get("expand_from"):
-                hp, init_state = expand_settings(overrides)
-            else:
-                hp = resolve(overrides)
+            hp, ckpt = resume_settings(overrides) if overrides.get("resume") else (resolve(overrides), None)
             d = setup_distributed()
             try:
-                train(hp, d, ckpt, init_state, argv)
+                train(hp, d, ckpt, argv)
             finally:
-                while _held_locks:  # the job is over (in a test, the process goes on)
-                    _held_locks.pop().close()
+                release_locks()  # the job is over (in a test, the process goes on)
                 if dist.is_initialized():
                     dist.destroy_process_group()
     except UserError as e:

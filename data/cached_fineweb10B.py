@@ -21,9 +21,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # shards.py, beside this file: no torch, so this starts at once
-from shards import (ArgParser, UserError, cli, in_range, nonempty, shard_tokens,  # noqa: E402
-                    writable_dir)
+sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
+from support import ArgParser, UserError, cli, in_range, nonempty, writable_dir  # noqa: E402
+from data.shards import shard_tokens  # noqa: E402
 
 REPO = "kjj0/fineweb10B-gpt2"
 N_TRAIN = 103

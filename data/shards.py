@@ -1,133 +1,23 @@
-"""What the data scripts share, without torch (numpy only), so that fetching, tokenizing and
-checking shards never waits for torch to load.
+"""The shard format, numpy only (no torch), so that fetching, tokenizing and checking shards
+start at once. train_gpt.py's loader reads shards through these functions too.
 
-The shard format is the one train_gpt.py reads (modded-nanogpt): a header of HEADER_INTS
-int32 values (SHARD_MAGIC, SHARD_VERSION, the token count, then zeros) followed by the tokens
-as uint16. The constants below must equal train_gpt.py's; test_train.py checks that they do.
-
-Also here: the commands' option parser (argparse, bad input as one `error:` line), writing a
-file so that it appears whole or not at all, and proving a folder can be written to.
+A shard (modded-nanogpt's format) is a header of HEADER_INTS int32 values (SHARD_MAGIC,
+SHARD_VERSION, the token count, then zeros) followed by the tokens as uint16 GPT-2 BPE ids.
 """
 
-import argparse
-import contextlib
-import math
+import glob
 import os
-import sys
-import tempfile
 
 import numpy as np
+
+from support import UserError
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * np.dtype(np.int32).itemsize
+EOT = 50256  # GPT-2's <|endoftext|>, before each document
 
-
-# ---------------------------------------------------------------------------- command line
-
-class UserError(Exception):
-    """Bad input: cli() prints it as one `error: <message>` line and the status is 2."""
-
-
-def cli(main, argv, before_error=None) -> int:
-    """main(argv) as a command's exit status: 0 when it returns; 2, after one `error:` line on
-    stderr, for a UserError or an OSError on a path the user gave; 130 on Ctrl-C."""
-    try:
-        main(argv)
-    except KeyboardInterrupt:
-        return 130
-    except (UserError, OSError) as e:
-        if before_error is not None:
-            before_error()
-        if isinstance(e, OSError):
-            where = f"{e.filename}: " if e.filename else ""
-            message = where + (e.strerror or str(e))
-        else:
-            message = str(e)
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def in_range(kind, low, high=math.inf):
-    """An argparse type= for a number: a finite value of `kind` no smaller than low and no
-    larger than high; anything else is refused with a message holding the text given."""
-    def convert(text: str):
-        try:
-            value = kind(text)
-            ok = math.isfinite(value) and low <= value <= high
-        except (ValueError, OverflowError):
-            ok = False
-        if not ok:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}], "
-                                             f"got {text!r}")
-        return value
-    return convert
-
-
-def nonempty(text: str) -> str:
-    """An argparse type= for a path or name that may not be the empty string."""
-    if not text:
-        raise argparse.ArgumentTypeError("expected a non-empty value")
-    return text
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse with the project's conventions: options as --name=value, --help printing the
-    script's docstring and each option's default, and every parsing error a UserError (one
-    `error:` line, status 2) in place of argparse's usage text and exit."""
-
-    def __init__(self, prog: str, doc: str):
-        super().__init__(prog=prog, description=doc, allow_abbrev=False,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def error(self, message):
-        if message.startswith("argument "):  # "argument --x: ..." -> "--x: ..."
-            message = message[len("argument "):]
-        raise UserError(f"{message} (see {self.prog} --help)")
-
-
-# ---------------------------------------------------------------------------- files
-
-def writable_dir(path: str) -> str:
-    """Make the folder if it is missing and create (and delete) a file in it, so that a folder
-    that cannot take the output is refused before any long work."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
-            pass
-    except OSError as e:
-        raise UserError(f"cannot write to {path}: {e.strerror or e}") from None
-    return path
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Put data at path so that readers only ever see the previous file or all of the new one:
-    a temporary file beside it (deleted again if anything fails: an error, a full disk,
-    Ctrl-C) is synced and renamed over path, and the folder is synced so the rename lasts."""
-    folder = os.path.dirname(os.path.abspath(path))
-    handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    done = False
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-        done = True
-    finally:
-        if not done:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    listing = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(listing)
-    finally:
-        os.close(listing)
-
-
-# ---------------------------------------------------------------------------- shards
 
 def header(count: int) -> bytes:
     """The header bytes of a shard holding count tokens."""
@@ -168,3 +58,32 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
         raise UserError(f"{path}: token id {biggest} is outside the vocabulary "
                         f"(vocab_size={vocab_size})")
     return tokens
+
+
+def find_shards(pattern: str) -> list:
+    """The files a glob matches, sorted; a UserError when there are none or one is a folder."""
+    files = sorted(glob.glob(pattern))
+    for path in files:
+        if not os.path.isfile(path):
+            raise UserError(f"{pattern} matches {path}, which is not a shard file")
+    if not files:
+        hint = ("fetch FineWeb with `python data/cached_fineweb10B.py`, or train on the "
+                "embedded sample with --preset=smoke" if "fineweb" in pattern else "check the path")
+        raise UserError(f"no shards match {pattern}: {hint}")
+    return files
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 BPE. The name r50k_base (the same vocabulary) is tried first, as it is
+    found offline in TIKTOKEN_CACHE_DIR; then gpt2 (online, tiktoken downloads and caches it
+    once); if neither loads, a UserError says how to get it."""
+    import tiktoken
+    failures = []
+    for name in ("r50k_base", "gpt2"):
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:  # offline without a cached file, most often
+            failures.append(f"{name}: {type(e).__name__}")
+    raise UserError(f"cannot load the GPT-2 BPE from tiktoken ({'; '.join(failures)}); connect "
+                    "to the internet once, or set TIKTOKEN_CACHE_DIR to a folder holding the "
+                    "cached r50k_base file")

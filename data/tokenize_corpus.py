@@ -29,28 +29,11 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # shards.py, beside this file: no torch, so this starts at once
-from shards import (ArgParser, UserError, cli, header, in_range, nonempty,  # noqa: E402
-                    read_shard, writable_dir, write_atomically)
-
-EOT = 50256
+sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
+from support import (ArgParser, UserError, cli, in_range, nonempty, writable_dir,  # noqa: E402
+                     write_atomically)
+from data.shards import EOT, gpt2_encoding, header, read_shard  # noqa: E402
 GPT2_VOCAB = 50257
-
-
-def gpt2_encoding():
-    """tiktoken's GPT-2 BPE. The name r50k_base (the same vocabulary) is tried first, as it is
-    found offline in TIKTOKEN_CACHE_DIR; then gpt2; if neither loads, a UserError says how to
-    get it."""
-    import tiktoken
-    failures = []
-    for name in ("r50k_base", "gpt2"):
-        try:
-            return tiktoken.get_encoding(name)
-        except Exception as e:  # offline without a cached file, most often
-            failures.append(f"{name}: {type(e).__name__}")
-    raise UserError(f"cannot load the GPT-2 BPE from tiktoken ({'; '.join(failures)}); connect "
-                    "to the internet once, or set TIKTOKEN_CACHE_DIR to a folder holding the "
-                    "cached r50k_base file")
 
 
 def write_shard(path: str, tokens) -> None:

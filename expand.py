@@ -1,0 +1,195 @@
+"""Depth expansion (DLO, Tan et al. 2024, Section 3.1): a checkpoint with R layers in P groups
+becomes a step-0 checkpoint with q new layers after each group, which train_gpt.py then trains
+like any run it resumes.
+
+    python expand.py RUN_DIR NEW_RUN_DIR [--groups=P] [--per_group=q] [--init=identity]
+                     [--tau=2] [--field=value ...]
+    python train_gpt.py --resume=NEW_RUN_DIR
+
+The new run's settings are the checkpoint's, then any --field=value of train_gpt.py given here
+(the router, dlo_rho, lr, train_tokens, ...); n_layers is derived, P (R / P + q), and the other
+shape fields are the checkpoint's. Its optimiser state, step, clock and data position start
+afresh: our analogue of the paper's fine-tuning stage. A dense checkpoint may become any router
+whose parameters do not depend on the layer count (dense or DLO; new DLO routers start at zero,
+the model's own initialisation); a DLO checkpoint stays DLO, its routers moving with their
+layers. Policies for the new layers: identity (wo = w2 = 0, the function is unchanged), copy,
+random (Xavier uniform), linear (the mean of the group's last tau layers) and slerp (halfway
+between the last layer and the tau-th from last).
+"""
+
+import json
+import math
+import os
+import shlex
+import sys
+from dataclasses import asdict, replace
+
+import support
+
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()
+
+import torch  # noqa: E402
+
+import train_gpt as tg  # noqa: E402
+
+EXPAND_INITS = ("random", "copy", "identity", "linear", "slerp")
+
+
+def new_layer(layers: list, init: str, tau: int, gen: torch.Generator) -> dict:
+    """Weights of one added layer from its group's layers (state dicts, oldest first), by the
+    policies of DLO Section 3.1. identity keeps the function: wo = 0 and w2 = 0 make both
+    residual branches exactly 0 (an RMSNorm of zeros is zero)."""
+    last = layers[-1]
+    if init in ("copy", "identity"):
+        out = {k: v.clone() for k, v in last.items()}
+        if init == "identity":
+            out["attn.wo.weight"].zero_()
+            out["ffn.w2.weight"].zero_()
+        return out
+    if init == "random":  # Xavier uniform for matrices, 1 for norm weights
+        out = {}
+        for k, v in last.items():
+            if v.dim() < 2:
+                out[k] = torch.ones_like(v)
+            else:
+                bound = math.sqrt(6 / (v.size(0) + v.size(1)))
+                out[k] = (torch.rand(v.shape, generator=gen) * 2 - 1).to(v) * bound
+        return out
+    if init == "linear":  # equal weights alpha_k = 1 / tau on the last tau layers
+        return {k: sum(layer[k] for layer in layers[-tau:]) / tau for k in last}
+    out = {}  # slerp halfway between the last layer and the tau-th from last, per tensor
+    for k, u in last.items():
+        v = layers[-tau][k]
+        cos = (u.flatten() @ v.flatten() / (u.norm() * v.norm()).clamp(min=1e-12)).clamp(-1, 1)
+        omega = torch.arccos(cos)
+        if omega.abs() < 1e-6:  # parallel: slerp is the linear mean
+            out[k] = (u + v) / 2
+        else:
+            out[k] = (torch.sin(omega / 2) * u + torch.sin(omega / 2) * v) / torch.sin(omega)
+    return out
+
+
+def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int = 0):
+    """A model state with R layers in P groups of Q -> P groups of Q + q: each group's new
+    layers come after its originals. DLO routers move with their layers; new ones are left
+    out (their zero initialisation is the model's own)."""
+    Q, gen = R // P, torch.Generator().manual_seed(seed)
+    out = {k: v for k, v in state.items() if not k.startswith(("blocks.", "router.routers."))}
+
+    def layer_state(prefix, i):
+        return {k[len(f"{prefix}.{i}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{i}.")}
+
+    j = 0
+    for p in range(P):
+        group = [layer_state("blocks", p * Q + i) for i in range(Q)]
+        for i, layer in enumerate(group):
+            out.update({f"blocks.{j}.{k}": v for k, v in layer.items()})
+            out.update({f"router.routers.{j}.{k}": v
+                        for k, v in layer_state("router.routers", p * Q + i).items()})
+            j += 1
+        for _ in range(q):
+            out.update({f"blocks.{j}.{k}": v for k, v in new_layer(group, init, tau, gen).items()})
+            j += 1
+    return out
+
+def parser() -> support.ArgParser:
+    p = support.ArgParser("python expand.py", __doc__)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run whose checkpoint is expanded")
+    p.add_argument("out", type=support.nonempty, metavar="NEW_RUN_DIR",
+                   help="the new run's directory (it must not hold a checkpoint)")
+    p.add_argument("--groups", type=support.in_range(int, 1), default=1, metavar="P",
+                   help="the checkpoint's R layers form P groups of R / P (default: %(default)s)")
+    p.add_argument("--per_group", type=support.in_range(int, 0), default=1, metavar="Q",
+                   help="new layers appended to each group (default: %(default)s)")
+    p.add_argument("--init", choices=EXPAND_INITS, default="identity",
+                   help="how a new layer is made (default: %(default)s)")
+    p.add_argument("--tau", type=support.in_range(int, 1), default=2,
+                   help="layers merged by linear and slerp (default: %(default)s)")
+    return p
+
+
+def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int, init: str,
+                      tau: int) -> tg.Hyperparameters:
+    """The new run's settings, or a UserError naming what cannot be expanded that way."""
+    if not tg.ROUTERS[base.router].expandable:
+        raise support.UserError(f"expand a dense or DLO checkpoint: the {base.router} router is "
+                                f"tied to the layer count")
+    for k in ("resume", "run_dir", "preset", "stop_step"):
+        if k in overrides:
+            raise support.UserError(f"--{k} is not for expand.py: the new run is NEW_RUN_DIR, "
+                                    f"its settings the checkpoint's (a job's stop_step goes to "
+                                    f"train_gpt.py --resume)")
+    shape = [k for k in tg.MODEL_FIELDS if k not in ("router", "n_layers")]
+    changed = [f"{k} {getattr(base, k)} -> {overrides[k]}" for k in shape
+               if k in overrides and overrides[k] != getattr(base, k)]
+    if changed:
+        raise support.UserError("an expanded model keeps the checkpoint's shape: " + ", ".join(changed))
+    R = base.n_layers
+    if R % P:
+        raise support.UserError(f"cannot make {P} groups of {R} layers")
+    if init in ("linear", "slerp") and tau > R // P:
+        raise support.UserError(f"--tau={tau} must lie in [1, {R // P}] (layers per group)")
+    n_layers = P * (R // P + q)
+    if overrides.get("n_layers", n_layers) != n_layers:
+        raise support.UserError(f"n_layers is derived: {n_layers}, not {overrides['n_layers']}")
+    hp = tg.resolve({**overrides, "n_layers": n_layers, "stop_step": 0, "resume": ""}, base)
+    if base.router != "none" and hp.router != base.router:  # its router weights fit no other
+        raise support.UserError(f"a {base.router} checkpoint expands into a {base.router} model, "
+                                f"not router={hp.router}; expand a dense checkpoint for that")
+    if not tg.ROUTERS[hp.router].expandable:
+        raise support.UserError(f"router={hp.router} is tied to the layer count; expand into "
+                                f"a dense or DLO model")
+    tg.validate(hp, world=1)
+    tg.loaders(hp, tg.Dist())  # the data it will train on: resuming would refuse it later
+    return hp
+
+
+def main(argv):
+    try:
+        expand(argv)
+    finally:
+        support.release_locks()  # NEW_RUN_DIR is free for train_gpt.py, in this process too
+
+
+def expand(argv):
+    args, rest = parser().parse_known_args(argv)
+    if os.path.abspath(args.out) == os.path.abspath(args.run_dir):
+        raise support.UserError("NEW_RUN_DIR must differ from RUN_DIR: a new run is written")
+    src = tg.load_checkpoint(args.run_dir)
+    base = tg.saved_settings(src["hp"])
+    try:
+        overrides = tg.parse_overrides(rest)
+    except support.UserError as e:
+        raise support.UserError(f"{e} (or this command's own: --groups, --per_group, --init, "
+                                f"--tau)") from None
+    hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
+    support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
+    out = support.open_run_dir(args.out, "", resuming=False)
+    hp = replace(hp, run_dir=out)
+    torch.manual_seed(hp.seed)
+    model = tg.GPT(hp)
+    state = expand_state(src["model"], base.n_layers, args.groups, args.per_group, args.init,
+                         args.tau, hp.seed)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # only new routers (zero-initialised, as in a fresh model) may lack weights
+    assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
+    run = tg.RunState(run_id=os.urandom(8).hex())
+    tg.save_checkpoint(out, tg.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp),
+                                                {"shard": 0, "pos": 0}))
+    record = {"expanded_from": args.run_dir,
+              "source_step": src["step"], "groups": args.groups, "per_group": args.per_group,
+              "init": args.init, "tau": args.tau, "hp": asdict(hp), **support.provenance(),
+              "command": " ".join(["python expand.py", *map(shlex.quote, argv)])}
+    support.write_atomically(os.path.join(out, "expand.json"), json.dumps(record, indent=2).encode())
+    with open(os.path.join(out, "train.log"), "w") as f:  # train_gpt.py appends its jobs
+        f.write(f"expanded from {args.run_dir} (step {src['step']}, {base.n_layers} layers) to "
+                f"{hp.n_layers} layers by: {record['command']}\nsettings and provenance: "
+                f"expand.json\n")
+    print(f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
+          f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"
+          f"  python train_gpt.py --resume={out}")
+
+
+if __name__ == "__main__":
+    sys.exit(support.cli(main, sys.argv[1:]))

@@ -1,0 +1,494 @@
+"""What train_gpt.py and the commands beside it share that is not training. No torch import:
+the data scripts use it too, and start at once.
+
+  - Command lines: bad input is a UserError, printed by cli() (or train_gpt.main) as one
+    `error: ...` line with exit status 2. Options are --name=value with one boolean
+    convention (parse_bool); the trainer's options are the fields of a dataclass
+    (parse_fields, field_help), the other commands' go through ArgParser.
+  - Files that appear whole or not at all (write_atomically), checkpoints written that way
+    and checked when read; folders proven writable.
+  - Run directories: a fresh one per run, an exclusive lock while a job uses it, a fresh start
+    that keeps an aborted attempt's files, and the logs (RunLog) with their provenance.
+  - Stop signals: SIGTERM / SIGINT ask the trainer for a checkpoint at the next step.
+"""
+
+import argparse
+import contextlib
+import glob
+import hashlib
+import inspect
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+
+# -----------------------------------------------------------------------------
+# Command lines
+
+class UserError(Exception):
+    """Bad input from the user: one `error: <message>` line, exit status 2."""
+
+
+def cli(main, argv, before_error=None) -> int:
+    """A command's main(argv) -> exit status: 0 when it returns; 2 after one `error:` line for
+    a UserError or an OS error on a path the user gave; 130 on Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: Ctrl-C is
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)             # KeyboardInterrupt again
+    try:
+        main(argv)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except (UserError, OSError) as e:
+        if before_error is not None:
+            before_error()
+        text = str(e) if isinstance(e, UserError) else \
+            f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+        print(f"error: {text}", file=sys.stderr)
+        return 2
+
+
+def exit_quietly_on_signals():
+    """For a command run as a script, before it loads torch (seconds): Ctrl-C or SIGTERM exits
+    at once, 130 or 143, with no traceback. The trainer installs its own handlers later.
+    os._exit, not sys.exit: an exception raised inside a half-done C-extension import (numpy,
+    torch) can be caught and the import retried, which then fails with a traceback. Nothing has
+    been written before cli() takes the signals back, so there is nothing to clean up."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean option, the same in every command: 1/0, true/false, yes/no."""
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected bool (1/0/true/false/yes/no), got {text!r}")
+    return text.lower() in ("1", "true", "yes")
+
+
+def in_range(kind, low, high=math.inf):
+    """argparse type= for a number: a finite `kind` in [low, high]."""
+    def convert(text: str):
+        with contextlib.suppress(ValueError, OverflowError):
+            if math.isfinite(value := kind(text)) and low <= value <= high:
+                return value
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}], got {text!r}")
+    return convert
+
+
+def nonempty(text: str) -> str:
+    """argparse type= for a path or name that may not be empty."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty value")
+    return text
+
+
+def check_device(name: str) -> str:
+    """A device the commands can run on (cpu, cuda, cuda:K), or a UserError saying why not."""
+    import torch  # loaded already by every command that runs a model
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device={name}: not a device name (cpu, cuda or cuda:K)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device={name}: only cpu and cuda are supported")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device={name}: no CUDA device is available here")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device={name}: there are {torch.cuda.device_count()} CUDA devices")
+    return name
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse as every command but the trainer uses it: --name=value, --help with the
+    command's docstring and each default, and a parsing error as a UserError."""
+
+    def __init__(self, prog: str, doc: str):
+        super().__init__(prog, description=doc, allow_abbrev=False,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message):
+        raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
+
+
+def _parse_value(name: str, text: str, default):
+    kind = type(default)
+    try:
+        if kind is bool:
+            return parse_bool(text)
+        if kind is int:  # 1e6 and 10_000 are integers too
+            value = float(text.replace("_", ""))
+            if not value.is_integer():
+                raise ValueError
+            return int(value)
+        return kind(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
+
+
+def parse_fields(cls, argv) -> dict:
+    """--field=value pairs for the fields of dataclass cls, each typed against its default."""
+    defaults, valid = cls(), [f.name for f in fields(cls)]
+    overrides = {}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            raise UserError(f"bad argument {arg!r}: use --field=value")
+        name, text = arg[2:].split("=", 1)
+        if name not in valid:
+            raise UserError(f"unknown field {name!r}; valid fields: {', '.join(valid)}")
+        overrides[name] = _parse_value(name, text, getattr(defaults, name))
+    return overrides
+
+
+def field_help(cls) -> list:
+    """The lines of --help for dataclass cls: each field with its default and its trailing
+    comment, under the dataclass's own group comments."""
+    defaults, lines = cls(), []
+    for line in inspect.getsource(cls).splitlines()[2:]:
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        if not code and comment:
+            lines.append(f"\n{comment}:")
+        elif ":" in code:
+            value = getattr(defaults, code.split(":")[0])
+            text = f"--{code.split(':')[0]}={str(value).lower() if isinstance(value, bool) else value}"
+            lines.append(f"  {text:<36} {comment}".rstrip())
+    return lines
+
+
+def check_ranges(obj, ranges: dict):
+    """ranges: interval ("[0, 1)", "(0, inf)", ...) -> the names of the fields of obj that must
+    lie in it, space-separated. A UserError names the first field outside its interval (NaN
+    is outside every interval)."""
+    for interval, names in ranges.items():
+        low, high = (float(t) for t in interval[1:-1].split(","))
+        for name in names.split():
+            v = getattr(obj, name)
+            closed_low, closed_high = interval[0] == "[", interval[-1] == "]"
+            if not (low < v < high or v == low and closed_low or v == high and closed_high):
+                raise UserError(f"{name}={v} must lie in {interval}")
+
+
+def machine_memory() -> int:
+    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
+    import torch  # loaded already by the trainer, its only caller
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2**62
+
+
+# -----------------------------------------------------------------------------
+# Files and checkpoints
+
+def writable_dir(path: str) -> str:
+    """Create path if needed and prove it takes a file, before any long work writes there."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write to {path}: {e.strerror or e}") from None
+    return path
+
+
+def write_atomically(path: str, data: bytes):
+    """A temporary file beside path, synced and renamed over it, then the folder synced: a
+    reader sees the old file or all of the new one, and a failed write (a full disk, a second
+    signal) removes the temporary file before raising."""
+    folder = os.path.dirname(os.path.abspath(path))
+    handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    os.close(handle)
+    umask = os.umask(0)  # mkstemp makes the file 0600: give it the mode open() would
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def read_config(run_dir: str) -> dict:
+    """RUN_DIR/config.json, or {} when there is none."""
+    path = os.path.join(run_dir, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
+
+
+CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
+
+
+def save_checkpoint(run_dir: str, state: dict) -> str:
+    """torch.save to RUN_DIR/checkpoint.pt; the previous file stays until the new one is whole."""
+    import io
+    import torch
+    path, buf = os.path.join(run_dir, CHECKPOINT), io.BytesIO()
+    torch.save(state, buf)
+    write_atomically(path, buf.getvalue())
+    return path
+
+
+def read_checkpoint(run_dir: str, keys: tuple, problem) -> dict:
+    """RUN_DIR/checkpoint.pt, checked: it loads, holds every key in keys, and problem(state)
+    finds nothing wrong ("", else what). state["mtime"] is the file's."""
+    import torch
+    path = os.path.join(run_dir, CHECKPOINT)
+    if not os.path.isfile(path):
+        hint = ("; its run stopped before the first checkpoint, and --resume starts it afresh"
+                if os.path.exists(os.path.join(run_dir, "config.json")) else "")
+        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it{hint}")
+    try:
+        mtime = os.stat(path).st_mtime_ns
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = [k for k in keys if k not in state]
+        wrong = "" if missing else problem(state)
+    except Exception as e:  # truncated, overwritten, or from an incompatible version
+        raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
+                        f"version of train_gpt.py?)")
+    if wrong:
+        raise UserError(f"{path}: {wrong}")
+    state["mtime"] = mtime
+    return state
+
+
+# -----------------------------------------------------------------------------
+# Run directories: creation, locking, logs, provenance
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = ("train_gpt.py", "support.py", os.path.join("data", "shards.py"))  # what a run runs
+
+
+def provenance() -> dict:
+    """The git commit of this checkout (and whether its tree differs from it) and a hash of
+    each source file a run executes, which is what counts when the tree is dirty."""
+    def git(*args):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=20)
+            if r.returncode == 0:
+                return r.stdout.strip()
+        return None
+    commit = git("rev-parse", "HEAD")
+    out = {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+    for name in SOURCES:
+        with open(os.path.join(HERE, name), "rb") as f:
+            out[f"sha256 {name}"] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def describe_system() -> str:
+    import numpy as np
+    import torch  # loaded already by every caller
+    lines = [f"python {sys.version.split()[0]}  torch {torch.__version__}  "
+             f"cuda {torch.version.cuda}  numpy {np.__version__}",
+             f"platform {platform.platform()}  cpus {os.cpu_count()}"]
+    if torch.cuda.is_available():
+        lines.append(f"gpu {torch.cuda.get_device_name()} x {torch.cuda.device_count()}")
+        with contextlib.suppress(Exception):
+            lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                        timeout=20).stdout)
+    return "\n".join(lines)
+
+
+def new_run_dir(name: str) -> str:
+    """A fresh logs/<date_time>_<name>_<6 hex>/. mkdir fails on an existing folder, so two
+    jobs started in the same second never share one."""
+    while True:
+        path = os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") + f"_{name}_{os.urandom(3).hex()}")
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise UserError(f"cannot create {path}: {e.strerror}") from None
+
+
+LOCK = "lock"
+held_locks = []  # the open lock files of this process: closing one (or exiting) releases it
+
+
+def lock_run_dir(run_dir: str):
+    """An exclusive flock on RUN_DIR/lock for the rest of this process. The kernel drops it
+    when the process ends, however it ends, so a crashed job leaves no stale lock (on local
+    file systems; some network file systems do not honour flock)."""
+    import fcntl
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        f = open(os.path.join(run_dir, LOCK), "a+")
+    except OSError as e:
+        raise UserError(f"cannot use run_dir {run_dir}: {e.strerror}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another job"
+        f.close()
+        raise UserError(f"{run_dir} is in use by {holder}; wait for that job to end") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {platform.node()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    held_locks.append(f)
+
+
+def release_locks():
+    while held_locks:  # the job is over (in a test, the process goes on)
+        held_locks.pop().close()
+
+
+LOGS = ("train.log", "metrics.jsonl", "config.json")
+
+
+def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> str:
+    """Choose (default: a new one) and lock the run directory. Resuming, its checkpoint must be
+    the one read (mtime). A fresh start refuses a directory holding a checkpoint; one whose
+    run ended before its first checkpoint is started afresh, with the earlier attempt's files
+    moved to aborted_<k>/ so nothing is lost."""
+    run_dir = run_dir or new_run_dir(name)
+    lock_run_dir(run_dir)
+    path = os.path.join(run_dir, CHECKPOINT)
+    writable_dir(run_dir)  # before anything is written (a read-only folder: an error line)
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
+        if os.path.isfile(stale):  # write_atomically's name: a save killed half-way (SIGKILL)
+            os.remove(stale)
+    if resuming:
+        if (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != mtime:
+            raise UserError(f"{path} changed while this job started (another job was using "
+                            f"the run); resume again")
+        return run_dir
+    if os.path.exists(path):
+        raise UserError(f"{run_dir} already holds a run (a checkpoint); choose another directory, "
+                        f"or continue it with train_gpt.py --resume={run_dir}")
+    old = [n for n in LOGS if os.path.exists(os.path.join(run_dir, n))]
+    if old:
+        k = 1
+        while os.path.exists(os.path.join(run_dir, f"aborted_{k}")):
+            k += 1
+        aside = os.path.join(run_dir, f"aborted_{k}")
+        try:
+            os.makedirs(aside)
+            for n in old:
+                os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
+        except OSError as e:
+            raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
+        print(f"{run_dir} held a run that stopped before its first checkpoint; its files are "
+              f"in {aside}", file=sys.stderr)
+    return run_dir
+
+
+class RunLog:
+    """train.log (source, provenance, system, config, then the step lines), config.json and
+    metrics.jsonl; active on rank 0 only. A resumed run appends to train.log (and the source
+    again if it changed) and keeps the metrics its checkpoint has seen, so metrics.jsonl holds
+    each step once even after a crash. extra: provenance() and the command, at least."""
+
+    def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
+                 val_done: int = -1):
+        self.active = active
+        if not active:
+            return
+        config_path, metrics, log = (os.path.join(run_dir, n)
+                                     for n in ("config.json", "metrics.jsonl", "train.log"))
+        previous = read_config(run_dir) if resumed_at is not None else {}
+        new_log = resumed_at is None or not os.path.exists(log)
+        write_atomically(config_path, json.dumps(config, indent=2).encode())
+        self.log = open(log, "w" if resumed_at is None else "a")
+        sha = lambda c, n: c.get(f"sha256 {n}")  # noqa: E731
+        changed = [n for n in SOURCES if previous and sha(previous, n) != sha(config, n)]
+        if resumed_at is not None:
+            self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
+            if changed:
+                self.log.write("source changed since the last job: " + "; ".join(
+                    f"{n} sha256 {sha(previous, n)} -> {sha(config, n)}" for n in changed) + "\n")
+            kept = b""
+            with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
+                for line in f:
+                    with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
+                        m = json.loads(line)  # keep what the checkpoint has seen
+                        if m["step"] <= resumed_at and not (m["kind"] == "val" and m["step"] > val_done):
+                            kept += line
+            write_atomically(metrics, kept)
+        for name in SOURCES if new_log or not previous else changed:  # in full, as they ran
+            with open(os.path.join(HERE, name)) as f:  # the trainer's first, as it always was
+                self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n") + f.read())
+        self.metrics = open(metrics, "a")
+        dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
+        state = dirty[config["git_dirty"]]
+        self.log.write("=" * 100 + f"\ncommand: {config['command']}\n"
+                       f"git: {config['git_commit'] or 'not a git checkout'}{state}\n"
+                       + "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
+                       + describe_system() + "\nhyperparameters: " + json.dumps(config) + "\n"
+                       + "=" * 100 + "\n")
+        self.log.flush()
+
+    def print(self, line: str):
+        if self.active:
+            print(line, flush=True)
+            self.log.write(line + "\n")
+            self.log.flush()
+
+    def record(self, obj: dict):
+        if self.active:
+            self.metrics.write(json.dumps(obj) + "\n")
+            self.metrics.flush()
+
+    def close(self):
+        if self.active:
+            self.log.close()
+            self.metrics.close()
+
+
+# -----------------------------------------------------------------------------
+# Stop signals
+
+class StopSignal:
+    """SIGTERM / SIGINT (what schedulers and Ctrl-C send) ask for a checkpoint at the next step
+    boundary; a second signal stops at once (KeyboardInterrupt). Re-entrant: the trainer holds
+    it for the whole job, so a signal during start-up stops the job before its first step."""
+
+    def __init__(self):
+        self.signum, self.depth, self.previous, self.last_ckpt = 0, 0, {}, "none"
+
+    def __call__(self, signum, frame):
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self):
+        if self.depth == 0:
+            self.signum = 0
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self)
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        if self.depth == 0:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
+
+
+STOP = StopSignal()  # handlers are installed only inside `with STOP:`
