@@ -13,8 +13,9 @@ afresh: our analogue of the paper's fine-tuning stage. A dense checkpoint may be
 whose parameters do not depend on the layer count (dense or DLO; new DLO routers start at zero,
 the model's own initialisation); a DLO checkpoint stays DLO, its routers moving with their
 layers. Policies for the new layers: identity (wo = w2 = 0, the function is unchanged), copy,
-random (Xavier uniform), linear (the mean of the group's last tau layers) and slerp (halfway
-between the last layer and the tau-th from last).
+random (Xavier uniform), linear (the mean of the group's last tau layers, equal weights 1/tau)
+and slerp (halfway, per tensor, between the last layer and the tau-th from last): the weights
+of the merges are our choice, where Section 3.1 leaves them open.
 """
 
 import json
@@ -141,7 +142,7 @@ def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int,
         raise support.UserError(f"router={hp.router} is tied to the layer count; expand into "
                                 f"a dense or DLO model")
     tg.validate(hp, world=1)
-    tg.loaders(hp, tg.Dist())  # the data it will train on: resuming would refuse it later
+    tg.loaders(hp, support.Dist())  # the data it will train on: resuming would refuse it later
     return hp
 
 
@@ -175,7 +176,7 @@ def expand(argv):
     # only new routers (zero-initialised, as in a fresh model) may lack weights
     assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
     run = tg.RunState(run_id=os.urandom(8).hex())
-    tg.save_checkpoint(out, tg.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp),
+    support.save_checkpoint(out, tg.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp),
                                                 {"shard": 0, "pos": 0}))
     record = {"expanded_from": args.run_dir,
               "source_step": src["step"], "groups": args.groups, "per_group": args.per_group,

@@ -16,6 +16,7 @@ if __name__ == "__main__":
     support.exit_quietly_on_signals()
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
 from data.shards import EOT, gpt2_encoding  # noqa: E402
@@ -32,14 +33,18 @@ class KVCache:
         self.log_g = torch.zeros(hp.n_layers, hp.max_seq_len, device=device)  # per cached key
         self.n = [0] * hp.n_layers  # entries per block
 
-    def append(self, layer, k, v, log_g):
-        """k, v: (1, H_kv, 1, hd); log_g: (1, 1) or None -> the block's cached keys and values
-        (1, H_kv, n, hd) and their ln g (n,)."""
+    def attend(self, layer, q, k, v, log_g):
+        """Store this token's k, v (1, H_kv, 1, hd) and ln g as a key ((1, 1), or None: 0) at
+        `layer`, then its attention output (1, H, 1, hd) over the block's cached keys, each
+        logit plus the key's ln g (eq. 3). Every cached key is earlier: no causal mask."""
         n = self.n[layer]
         self.k[layer, :, n], self.v[layer, :, n] = k[0, :, 0], v[0, :, 0]
         self.log_g[layer, n] = 0.0 if log_g is None else log_g.reshape(())
         self.n[layer] = n + 1
-        return self.k[layer, :, :n + 1][None], self.v[layer, :, :n + 1][None], self.log_g[layer, :n + 1]
+        keys, values = self.k[layer, :, :n + 1][None], self.v[layer, :, :n + 1][None]
+        return F.scaled_dot_product_attention(
+            q.float(), keys, values, attn_mask=self.log_g[layer, None, None, None, :n + 1],
+            enable_gqa=q.size(1) != keys.size(1)).type_as(q)
 
 
 @torch.no_grad()

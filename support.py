@@ -10,6 +10,7 @@ the data scripts use it too, and start at once.
   - Run directories: a fresh one per run, an exclusive lock while a job uses it, a fresh start
     that keeps an aborted attempt's files, and the logs (RunLog) with their provenance.
   - Stop signals: SIGTERM / SIGINT ask the trainer for a checkpoint at the next step.
+  - Processes: the ranks of a torchrun job, a value all ranks agree on, finite weights.
 """
 
 import argparse
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 # -----------------------------------------------------------------------------
 # Command lines
@@ -36,22 +37,35 @@ class UserError(Exception):
 
 
 def cli(main, argv, before_error=None) -> int:
-    """A command's main(argv) -> exit status: 0 when it returns; 2 after one `error:` line for
-    a UserError or an OS error on a path the user gave; 130 on Ctrl-C."""
+    """A command's main(argv) -> exit status, with at most one `error: ...` line: 0 when it
+    returns; 2 for a UserError or an OS error on a path the user gave; 130 on Ctrl-C. A
+    training job (STOP.last_ckpt set) that fails, RunStopped or an OS error such as a full
+    disk, exits 1, its line naming the last checkpoint, as a second Ctrl-C's does."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: Ctrl-C is
     signal.signal(signal.SIGTERM, signal.SIG_DFL)             # KeyboardInterrupt again
+    STOP.last_ckpt = None  # (tests run several commands in one process)
+
+    def fail(text: str, status: int) -> int:
+        if before_error is not None:
+            before_error()
+        print(f"error: {text}", file=sys.stderr)
+        return status
     try:
         main(argv)
         return 0
     except KeyboardInterrupt:
-        return 130
-    except (UserError, OSError) as e:
-        if before_error is not None:
-            before_error()
-        text = str(e) if isinstance(e, UserError) else \
-            f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
-        print(f"error: {text}", file=sys.stderr)
-        return 2
+        if STOP.last_ckpt is None:
+            return 130
+        return fail(f"interrupted by a second signal; last checkpoint: {STOP.last_ckpt}", 130)
+    except UserError as e:
+        return fail(str(e), 2)
+    except RunStopped as e:
+        return fail(str(e), 1)
+    except OSError as e:
+        text = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+        if STOP.last_ckpt is None:
+            return fail(text, 2)
+        return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", 1)
 
 
 def exit_quietly_on_signals():
@@ -160,10 +174,14 @@ def field_help(cls) -> list:
     return lines
 
 
-def check_ranges(obj, ranges: dict):
+def check_fields(obj, ranges: dict, choices: dict):
     """ranges: interval ("[0, 1)", "(0, inf)", ...) -> the names of the fields of obj that must
-    lie in it, space-separated. A UserError names the first field outside its interval (NaN
-    is outside every interval)."""
+    lie in it, space-separated; choices: field -> the values it may take. A UserError names
+    the first field outside its interval (NaN is outside every interval) or its choices."""
+    for name, options in choices.items():
+        if getattr(obj, name) not in options:
+            raise UserError(f"{name}={getattr(obj, name)!r}; choose from "
+                            f"{', '.join(repr(o) for o in options)}")
     for interval, names in ranges.items():
         low, high = (float(t) for t in interval[1:-1].split(","))
         for name in names.split():
@@ -249,9 +267,10 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
     return path
 
 
-def read_checkpoint(run_dir: str, keys: tuple, problem) -> dict:
-    """RUN_DIR/checkpoint.pt, checked: it loads, holds every key in keys, and problem(state)
-    finds nothing wrong ("", else what). state["mtime"] is the file's."""
+def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
+    """RUN_DIR/checkpoint.pt, checked: it loads, holds every key in keys, and its "model"
+    weights have the names and shapes of build(its "hp"), a model made on the meta device
+    (shapes only). state["mtime"] is the file's."""
     import torch
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isfile(path):
@@ -262,16 +281,48 @@ def read_checkpoint(run_dir: str, keys: tuple, problem) -> dict:
         mtime = os.stat(path).st_mtime_ns
         state = torch.load(path, map_location="cpu", weights_only=True)
         missing = [k for k in keys if k not in state]
-        wrong = "" if missing else problem(state)
+        if not missing:
+            with torch.device("meta"):
+                expected = {k: v.shape for k, v in build(state["hp"]).state_dict().items()}
+            found = {k: getattr(v, "shape", None) for k, v in state["model"].items()}
+            wrong = sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
     except Exception as e:  # truncated, overwritten, or from an incompatible version
         raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
     if missing:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
                         f"version of train_gpt.py?)")
     if wrong:
-        raise UserError(f"{path}: {wrong}")
+        raise UserError(f"{path}: the weights do not fit the checkpoint's own settings "
+                        f"({', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''})")
     state["mtime"] = mtime
     return state
+
+
+def run_to_resume(run_dir: str, load) -> tuple:
+    """-> (its saved settings, its checkpoint): load(run_dir)'s (read_checkpoint), or
+    config.json's and None for a run that stopped before its first checkpoint. A checkpoint
+    must belong to the run of the config.json beside it (run_id): else it was copied in."""
+    config = read_config(run_dir)
+    if config and not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
+        return config, None
+    ckpt = load(run_dir)
+    if config and config.get("run_id") != ckpt["run_id"]:
+        raise UserError(f"{os.path.join(run_dir, CHECKPOINT)} belongs to another run (run_id "
+                        f"{ckpt['run_id']}, config.json says {config.get('run_id')}); "
+                        f"resume the run it came from")
+    return ckpt["hp"], ckpt
+
+
+def rng_state(cuda: bool) -> dict:
+    import torch
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if cuda else []}
+
+
+def set_rng_state(state: dict, cuda: bool):
+    import torch
+    torch.set_rng_state(state["cpu"])
+    if cuda and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # -----------------------------------------------------------------------------
@@ -398,6 +449,11 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     return run_dir
 
 
+def fmt_list(xs) -> str:
+    """Per-layer figures in a log line: [0.123 0.456 ...]."""
+    return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
+
+
 class RunLog:
     """train.log (source, provenance, system, config, then the step lines), config.json and
     metrics.jsonl; active on rank 0 only. A resumed run appends to train.log (and the source
@@ -469,7 +525,8 @@ class StopSignal:
     it for the whole job, so a signal during start-up stops the job before its first step."""
 
     def __init__(self):
-        self.signum, self.depth, self.previous, self.last_ckpt = 0, 0, {}, "none"
+        self.signum, self.depth, self.previous = 0, 0, {}
+        self.last_ckpt = None  # a training job's last good checkpoint ("none" before its first)
 
     def __call__(self, signum, frame):
         if self.signum:
@@ -492,3 +549,122 @@ class StopSignal:
 
 
 STOP = StopSignal()  # handlers are installed only inside `with STOP:`
+
+
+# -----------------------------------------------------------------------------
+# Processes: the distributed state of a training job (torch is imported where it is used)
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    device: str = "cpu"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def launcher(self) -> str:
+        """How to start the trainer again as this job was started (for "resume with:")."""
+        return f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1 else \
+            "python train_gpt.py"
+
+    def sync(self):
+        """Wait for the device's queued work (CUDA runs asynchronously): before timing."""
+        import torch
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def barrier(self):
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self):
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def on_master(self, fn):
+        """fn() on rank 0 only; every rank gets its result, or raises its UserError (an OS
+        error there is one too: no rank may wait for a rank that failed)."""
+        import torch.distributed as dist
+        box = [None]
+        if self.master:
+            try:
+                box[0] = ("ok", fn())
+            except (UserError, OSError) as e:
+                box[0] = ("error", str(e) if isinstance(e, UserError) else e.strerror or str(e))
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        if box[0][0] == "error":
+            raise UserError(box[0][1])
+        return box[0][1]
+
+
+def setup_distributed() -> Dist:
+    """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
+    import torch
+    import torch.distributed as dist
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return Dist(device="cuda" if cuda else "cpu")
+    d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(d.device)
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return d
+
+
+def all_reduce(t, op: str = "sum"):
+    """A tensor summed ("sum") or maximised ("max") over the ranks, in place; returns it."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t
+
+
+def add_sums(total: dict, more: dict) -> dict:
+    """Per-key sums of tensors: total (which may lack keys) plus more."""
+    return {k: total[k] + v if k in total else v for k, v in more.items()}
+
+
+def all_reduce_sums(sums: dict) -> dict:
+    """Each float64 tensor of a dict summed over the ranks, in one collective call."""
+    import torch
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in sums.values()]))
+    parts = flat.split([t.numel() for t in sums.values()])
+    return {k: part.view_as(t) for (k, t), part in zip(sums.items(), parts)}
+
+
+class RunStopped(Exception):
+    """The run cannot go on (non-finite loss or weights, a checkpoint that cannot be written):
+    the trainer prints `error: ...`, exit status 1."""
+
+
+def all_finite(model, opt) -> bool:
+    """Whether every weight and every optimiser moment is finite (one host sync)."""
+    import torch
+    tensors = [p.detach() for p in model.parameters()]
+    tensors += [v for state in opt.state.values() for v in state.values()
+                if torch.is_tensor(v) and v.is_floating_point()]
+    return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
+
+
+def save_or_stop(d: Dist, run_dir: str, step: int, model, opt, state):
+    """Save state() as the run's checkpoint (rank 0), unless the weights or the optimiser's
+    moments hold a non-finite number: then RunStopped, naming the last good checkpoint, which
+    is left as it was. Every rank learns whether the save worked, so none waits for a rank
+    that stopped."""
+    if not all_finite(model, opt):
+        raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
+                         f"replaced; last good checkpoint: {STOP.last_ckpt}")
+    try:
+        d.on_master(lambda: save_checkpoint(run_dir, state()))
+    except UserError as e:
+        raise RunStopped(f"cannot write the checkpoint of step {step} ({e}); "
+                         f"last good checkpoint: {STOP.last_ckpt}") from None
+    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {step})"

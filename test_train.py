@@ -903,10 +903,8 @@ def nan_on_call(n):
 
 def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))  # 2 micro-steps: step 5
-    with pytest.raises(SystemExit) as stop:
-        tg.main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"])
-    assert stop.value.code == 1
-    err = capsys.readouterr().err
+    code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
+    assert code == 1
     assert err == (f"error: non-finite loss at step 5; no update was applied; last good "
                    f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 4)\n")
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
@@ -916,8 +914,9 @@ def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
 
 def test_a_bounded_number_of_bad_steps_can_be_skipped(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))
-    tg.main(RESUME_RUN + ["--max_bad_steps=1", f"--run_dir={tmp_path}"])
-    assert "step:5/8 skipped: non-finite loss (1 of max_bad_steps=1)" in capsys.readouterr().out
+    code, out, err = run_main(RESUME_RUN + ["--max_bad_steps=1", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    assert "step:5/8 skipped: non-finite loss (1 of max_bad_steps=1)" in out
     train = [m for m in read_metrics(tmp_path) if m["kind"] == "train"]
     assert [m["step"] for m in train] == [1, 2, 3, 4, 6, 7, 8]
     assert all(math.isfinite(m["train_loss"]) for m in train)
@@ -967,18 +966,16 @@ def bad_inputs(tmp_path):
 
 def test_every_bad_input_gives_one_error_line_and_status_2(tmp_path, capsys):
     # in-process (the subprocess path is exercised by test_existing_run_is_not_overwritten):
-    # a traceback here would surface as an exception instead of SystemExit(2)
+    # a traceback here would surface as an exception instead of status 2
     for args, message in bad_inputs(tmp_path):
         run_dir = tmp_path / "r"
         if not args[0].startswith("--resume") and not any("--run_dir" in a for a in args):
             args = args + [f"--run_dir={run_dir}"]
-        with pytest.raises(SystemExit) as exit_:
-            tg.main(args)
-        out = capsys.readouterr()
-        assert exit_.value.code == 2, (args, out.err)
-        assert out.err.startswith("error: ") and out.err.count("\n") == 1, (args, out.err)
-        assert message in out.err, (args, out.err)
-        assert out.out == "" and not run_dir.exists()  # nothing written before the check
+        code, out, err = run_main(args, capsys)
+        assert code == 2, (args, err)
+        assert err.startswith("error: ") and err.count("\n") == 1, (args, err)
+        assert message in err, (args, err)
+        assert out == "" and not run_dir.exists()  # nothing written before the check
     assert (tmp_path / "corrupt_run" / "checkpoint.pt").read_bytes() == b"not a checkpoint"
     assert (tmp_path / "a_file").read_text() == "not a folder"
 
@@ -1106,12 +1103,9 @@ def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
 # ---------------------------------------------------------------------------- runs that survive
 
 def run_main(args, capsys):
-    """tg.main in this process -> (exit status, stdout, stderr)."""
-    try:
-        tg.main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
+    """train_gpt.py's job in this process, as its __main__ runs it -> (exit status, stdout,
+    stderr)."""
+    code = support.cli(tg.main, args)
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -7,11 +7,11 @@ as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et 
 Every Hyperparameters field can be set as --field=value (--help lists them). Read top to
 bottom, one banner per part: components; gated attention and the block; depth routers (the
 Router interface, then none, skip_middle with its controller, dlo, mod: a fourth router is a
-subclass there and a line in ROUTERS); the model; data; FLOPs; hyperparameters; distributed
-setup; checkpoints; the training loop; main(). Importing it has no side effects. Beside it:
-support.py (run directories, logs, checkpoint files, signals, command-line conventions),
-data/shards.py (the shard format), expand.py (DLO depth expansion), sample.py (the KV-cached
-decoder).
+subclass there and a line in ROUTERS); the model; data; FLOPs; hyperparameters; checkpoints
+and resuming; the training loop; main(). Importing it has no side effects. Beside it:
+support.py (command-line conventions, run directories, logs, checkpoint files, signals, the
+ranks of a torchrun job), data/shards.py (the shard format), expand.py (DLO depth expansion),
+sample.py (the KV-cached decoder).
 
 Deviations from Llama 3 (the paper's base model, Section 3.1):
   - Sandwich norm x + Norm(Module(Norm(x))) (paper Section 2.3); `sandwich_norm=False`: pre-norm.
@@ -46,8 +46,6 @@ DLO (Tan et al. 2024), `router=dlo`, deviations and choices:
   - Labels (eq. 5) rank the L x S similarities within each sequence; eqs. 6 and 8 average over
     the global batch. In training the MLP runs for every token (labels need every similarity)
     and skipped outputs are dropped; only evaluation and decoding skip the work.
-  - Linear merge: equal weights 1/tau; SLERP: halfway, per tensor, between the group's last
-    layer and the tau-th from last.
 
 Mixture-of-Depths (Raposo et al. 2024), `router=mod`, choices:
   - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every other one by default, so
@@ -79,15 +77,14 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
-from support import (CHECKPOINT, STOP, RunLog, UserError, check_ranges, field_help,  # noqa: E402
-                     machine_memory, open_run_dir, parse_fields, provenance, read_config,
-                     release_locks, save_checkpoint)
-from support import read_checkpoint  # noqa: E402
+from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, cli,  # noqa: E402
+                     add_sums, all_reduce, all_reduce_sums, check_fields, field_help, fmt_list, machine_memory, open_run_dir,
+                     parse_fields, provenance, read_checkpoint, release_locks, rng_state,
+                     run_to_resume, save_or_stop, set_rng_state, setup_distributed)
 
 # -----------------------------------------------------------------------------
 # Components: RMSNorm, rotary embeddings, SwiGLU
@@ -199,13 +196,9 @@ class Attention(nn.Module):
         q, k = self.rotary(q, pos), self.rotary(k, pos)
         if cache is None:
             y = gated_attention(q, k, v, log_g, impl, self.gate_axis)
-        else:  # every cached key is earlier (or this token): no causal mask needed
-            # on the query axis ln g is one constant on this token's row: softmax cancels it
-            key_log_g = log_g if self.gate_axis == "key" else None
-            k, v, key_log_g = cache[0].append(cache[1], k, v, key_log_g)
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                               attn_mask=key_log_g.float()[None, None, None, :],
-                                               enable_gqa=q.size(1) != k.size(1)).type_as(q)
+        else:  # one token against the cached keys (sample.py). On the query axis ln g is one
+            # constant on this token's row, which softmax cancels: the keys carry none
+            y = cache[0].attend(cache[1], q, k, v, log_g if self.gate_axis == "key" else None)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -287,9 +280,10 @@ def ran(trace: dict, block, mlp=None):
 
 class Router(nn.Module):
     """The hooks every router has, each defaulting to the dense behaviour (every token runs
-    every block). Sums are float64 tensors, (k, L) per key, summed over micro-batches and ranks
-    before the hooks that read them see them."""
+    every block). Sums are float64 tensors, (k, L), summed over micro-batches and ranks before
+    the hooks that read them see them."""
     fields = ()  # Hyperparameters fields read by this router only: set under another, an error
+    means = {}  # metric -> trace key: per-layer means over tokens in train and val records
     expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
 
     def __init__(self, hp: "Hyperparameters"):
@@ -300,8 +294,7 @@ class Router(nn.Module):
         """The router's own init, after the model's N(0, init_std) init of every linear."""
 
     def layer_params(self, layer: int) -> list:
-        """Its parameters that learn at block `layer`'s rate (see lr_scales)."""
-        return []
+        return []  # its parameters that learn at block `layer`'s rate (see lr_scales)
 
     def run(self, layer: int, block: "Block", x, trace: dict, impl: str, pos=None, cache=None):
         """Block `layer` on x (B, T, d) as this router routes it, recorded in trace."""
@@ -314,23 +307,10 @@ class Router(nn.Module):
         return route["block"].new_zeros((), dtype=torch.float32), None
 
     def update(self, sums, count: int, step: int):
-        """After each optimiser step, from loss()'s sums over the global batch."""
-
-    def step_fields(self, sums, count: int) -> dict:
-        """Its fields of each train record, from the step's loss() sums."""
-        return {}
+        """After each optimiser step, from loss()'s sums over the global batch of count tokens."""
 
     def lr_scales(self, step: int) -> list:
-        """Per block, a factor on the learning rate of its parameters (and layer_params)."""
-        return [1.0] * self.hp.n_layers
-
-    def val_sums(self, route: dict):
-        """Sums per validation batch for val_fields, or None."""
-        return None
-
-    def val_fields(self, means) -> dict:
-        """Its validation metrics, from val_sums per token."""
-        return {}
+        return [1.0] * self.hp.n_layers  # per block, a factor on its (and layer_params') rate
 
     def log_lines(self, v: dict, step: int) -> list:
         return []  # its lines of the validation log
@@ -423,6 +403,7 @@ class SkipMiddle(Router):
     expandable = False  # the gates and their mirror are tied to the layer count
     fields = ("gate_init", "gate_axis", "controller", "mu_start", "mu_end", "gamma", "delta",
               "fixed_coef")
+    means = {"gate_mean": "gates"}
 
     def __init__(self, hp):
         super().__init__(hp)
@@ -473,15 +454,6 @@ class SkipMiddle(Router):
         mean = sums[0] / count
         self.ctrl.update(mean, sums[1] / count - mean * mean)
 
-    def step_fields(self, sums, count):
-        return {"gate_mean": (sums[0] / count).tolist()}
-
-    def val_sums(self, route):
-        return route["gates"].double().sum(dim=(1, 2))[None]
-
-    def val_fields(self, means):
-        return {"gate_mean": means[0].tolist()}
-
     def log_lines(self, v, step):
         return [f"  gate_mean:{fmt_list(v['gate_mean'])}",
                 f"  alpha:{fmt_list(self.ctrl.alpha.tolist())} beta:{fmt_list(self.ctrl.beta.tolist())}"]
@@ -513,8 +485,8 @@ class DLO(Router):
     def __init__(self, hp):
         super().__init__(hp)
         self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(hp.n_layers))
-        # rho_{i,1}: the annealed rate of step 1 in every layer (the paper starts at rho; with
-        # annealing from 0 that would skip the most in exactly the step meant to skip least)
+        # rho_{i,1}: step 1's annealed rate in every layer (the paper's rho would skip the most
+        # in the very step meant to skip least)
         self.rates = torch.full((hp.n_layers,), self.overall(0), dtype=torch.float64)
 
     def reset_parameters(self):
@@ -573,9 +545,7 @@ class DLO(Router):
                 labels.double().sum(dim=(1, 2))[None])
 
     def update(self, sums, count, step):
-        """eq. (8) as a skip rate: the share of each layer's tokens labelled 0 (skip). The
-        paper writes the share labelled 1, which contradicts its own use as rho_i in top-k and
-        eq. (10)."""
+        """eq. (8) as a skip rate (module docstring): the share of each layer's tokens labelled 0."""
         self.rates = 1 - sums[0].double().cpu() / count
 
     def lr_scales(self, step):
@@ -969,7 +939,7 @@ def resolve(overrides: dict, base: Hyperparameters = None) -> Hyperparameters:
 # The range of every numeric field, checked before anything is written. A new field must be
 # listed (the bad-input test tries -1, nan and 1e30 on every field and wants an error).
 RANGES = {  # interval: the fields that must lie in it
-    "[2, inf)": "vocab_size",
+    "[2, 65536]": "vocab_size",  # shards hold uint16 token ids
     "[1, inf)": "n_layers dim n_heads n_kv_heads ffn_mult max_seq_len batch_size device_batch_size "
                 "seq_len train_tokens val_tokens mod_every loss_rows",
     "[0, inf)": "dlo_anneal_steps val_every save_every stop_step max_bad_steps untimed_steps seed "
@@ -984,21 +954,17 @@ CHOICES = {"router": ROUTERS, "controller": CONTROLLERS, "attn_impl": ("auto", "
 
 
 def param_count(hp: Hyperparameters) -> int:
+    """Parameters of GPT(hp) less its router's, by formula: validate needs it before any model
+    is built (building one, even on the meta device, takes minutes at an absurd n_layers)."""
     hd = hp.dim // max(hp.n_heads, 1)
     block = (2 * hp.dim * hp.n_heads * hd + 2 * hp.dim * hp.n_kv_heads * hd
              + 3 * hp.dim * hp.ffn_mult * hp.dim + 4 * hp.dim)
-    return 2 * hp.vocab_size * hp.dim + 2 * hp.dim + hp.n_layers * (block + hp.dim + 1)
+    return 2 * hp.vocab_size * hp.dim + 2 * hp.dim + hp.n_layers * block
 
 
 def validate(hp: Hyperparameters, world: int):
     """Every field in range and the settings consistent; UserError naming the first that is not."""
-    check_ranges(hp, RANGES)
-    for name, options in CHOICES.items():
-        if getattr(hp, name) not in options:
-            raise UserError(f"{name}={getattr(hp, name)!r}; choose from "
-                            f"{', '.join(repr(o) for o in options)}")
-    if hp.vocab_size > 2**16:
-        raise UserError(f"vocab_size={hp.vocab_size}: shards hold uint16 token ids (at most 65536)")
+    check_fields(hp, RANGES, CHOICES)
     if hp.seed >= 2**63:
         raise UserError(f"seed={hp.seed} must be below 2^63")
     if hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
@@ -1050,59 +1016,6 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 
 
 # -----------------------------------------------------------------------------
-# Setup: distributed state
-
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world: int = 1
-    device: str = "cpu"
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-    def on_master(self, fn):
-        """fn() on rank 0 only; every rank gets its result, or raises its UserError (an OS
-        error there is one too: no rank may wait for a rank that failed)."""
-        box = [None]
-        if self.master:
-            try:
-                box[0] = ("ok", fn())
-            except (UserError, OSError) as e:
-                box[0] = ("error", str(e) if isinstance(e, UserError) else e.strerror or str(e))
-        if dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
-        if box[0][0] == "error":
-            raise UserError(box[0][1])
-        return box[0][1]
-
-
-def setup_distributed() -> Dist:
-    """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        return Dist(device="cuda" if cuda else "cpu")
-    d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(d.device)
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
-    return d
-
-
-def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
-
-
-def fmt_list(xs) -> str:
-    return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
-
-
-# -----------------------------------------------------------------------------
 # Checkpoints and resuming (the files themselves: support.py)
 
 # fields that change the parameters or the function: a resumed run may not change them
@@ -1110,34 +1023,33 @@ MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_m
                 "sandwich_norm", "gate_axis")
 
 
-CHECKPOINT_KEYS = ("run_id", "step", "tokens", "train_ms", "timed_steps", "bad_steps", "val_done",
-                   "hp", "world_size", "model", "optimizer", "routing", "loader", "rng")
+@dataclass
+class RunState:
+    """What a run carries from step to step and from job to job; all of it is checkpointed."""
+    run_id: str = ""      # ties checkpoints to the config.json of their run
+    step: int = 0         # optimiser steps done: the lr schedule is a function of it
+    tokens: int = 0       # training tokens seen
+    train_ms: float = 0.0  # wall time of the timed steps of every job (see clock())
+    timed_steps: int = 0
+    bad_steps: int = 0    # non-finite losses skipped
+    val_done: int = -1    # the last step whose validation is recorded
 
 
-class RunStopped(Exception):
-    """The run cannot go on (non-finite loss): main() prints `error: ...`, exit status 1."""
+# a checkpoint: the RunState's fields, then what a job needs to go on exactly where one stopped
+CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
+    "hp", "world_size", "model", "optimizer", "routing", "loader", "rng")
 
 
-def checkpoint_state(run: "RunState", hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
+def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
     cuda = torch.cuda.is_available() and next(raw.parameters()).is_cuda
     return {**asdict(run), "hp": asdict(hp), "world_size": world, "model": raw.state_dict(),
             "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
-            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if cuda else []}}
-
-
-def weights_problem(state: dict) -> str:
-    """What is wrong with a checkpoint's weights for its own settings: names whose shapes differ."""
-    with torch.device("meta"):  # shapes only, no memory
-        expected = {k: v.shape for k, v in GPT(saved_settings(state["hp"])).state_dict().items()}
-    found = {k: getattr(v, "shape", None) for k, v in state["model"].items()}
-    bad = sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
-    return "" if not bad else (f"the weights do not fit the checkpoint's own settings "
-                               f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+            "rng": rng_state(cuda)}
 
 
 def load_checkpoint(run_dir: str) -> dict:
-    return read_checkpoint(run_dir, CHECKPOINT_KEYS, weights_problem)
+    return read_checkpoint(run_dir, CHECKPOINT_KEYS, lambda saved: GPT(saved_settings(saved)))
 
 
 def saved_settings(saved: dict, **changes) -> Hyperparameters:
@@ -1161,17 +1073,11 @@ def resume_settings(overrides: dict) -> tuple:
     run_dir = overrides["resume"]
     if overrides.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
-    config = read_config(run_dir)
-    if config and not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
-        base = saved_settings(config, stop_step=0)
-        return replace(resolve(overrides, base), run_dir=run_dir, resume=""), None
-    ckpt = load_checkpoint(run_dir)
-    if config and config.get("run_id") != ckpt["run_id"]:
-        raise UserError(f"{os.path.join(run_dir, CHECKPOINT)} belongs to another run (run_id "
-                        f"{ckpt['run_id']}, config.json says {config.get('run_id')}); "
-                        f"resume the run it came from")
-    base = saved_settings(ckpt["hp"], stop_step=0)  # stop_step: a setting of one job, not the run
+    saved, ckpt = run_to_resume(run_dir, load_checkpoint)
+    base = saved_settings(saved, stop_step=0)  # stop_step: a setting of one job, not the run
     hp = resolve(overrides, base)
+    if ckpt is None:
+        return replace(hp, run_dir=run_dir, resume=""), None
     changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in MODEL_FIELDS
                if getattr(base, k) != getattr(hp, k)]
     if changed:
@@ -1179,61 +1085,40 @@ def resume_settings(overrides: dict) -> tuple:
     return replace(hp, run_dir=run_dir), ckpt
 
 
-def all_finite(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
-    """Whether every weight and every AdamW moment is finite (one host sync)."""
-    tensors = [p.detach() for p in model.parameters()]
-    tensors += [v for state in opt.state.values() for v in state.values()
-                if torch.is_tensor(v) and v.is_floating_point()]
-    return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
-
-
 # -----------------------------------------------------------------------------
 # Training loop
 
-@dataclass
-class RunState:
-    """What a run carries from step to step and from job to job; all of it is checkpointed."""
-    run_id: str = ""      # ties checkpoints to the config.json of their run
-    step: int = 0         # optimiser steps done: the lr schedule is a function of it
-    tokens: int = 0       # training tokens seen
-    train_ms: float = 0.0  # wall time of the timed steps of every job (see clock())
-    timed_steps: int = 0
-    bad_steps: int = 0    # non-finite losses skipped
-    val_done: int = -1    # the last step whose validation is recorded
+def route_sums(route: dict, router: Router) -> dict:
+    """Per-layer sums over the tokens of a forward pass, float64 (L,) per key, detached: the
+    tokens that ran each block and each MLP, and the router's `means` (made means later)."""
+    keys = {"block_active": "block", "mlp_active": "mlp", **router.means}
+    return {name: route[key].detach().double().sum(dim=(1, 2)) for name, key in keys.items()}
 
 
 @torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
     """Validation over val_tokens, inference routing, all-reduced over ranks: the loss, the
-    share of tokens that ran each block and each MLP, FLOPs per token at those shares."""
+    share of tokens that ran each block and each MLP (and the router's means), the residual
+    norms, FLOPs per token at those shares."""
     model.eval()
     loader.reset()
-    L = hp.n_layers
-    steps = hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)
-    sums = None  # rows: loss, tokens, then per layer: block, mlp, resid norm, the router's own
-    for _ in range(steps):
+    sums = {}
+    for _ in range(hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)):
         x, y = loader.next_batch()
         x, y = x.to(d.device), y.to(d.device)
         with autocast:
             _, route, resid, loss = model(x, targets=y)
-        n = y.numel()
-        loss = loss * n  # the sum over this batch
-        extra = model.router.val_sums(route)
-        batch = torch.cat([torch.stack([loss.double(), torch.tensor(n, device=d.device).double()]),
-                           route["block"].sum(dim=(1, 2)).double(), route["mlp"].sum(dim=(1, 2)).double(),
-                           resid.double() * n] + ([] if extra is None else [extra.flatten()]))
-        sums = batch if sums is None else sums + batch
-    all_reduce(sums)
+        n = torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device)
+        sums = add_sums(sums, {"tokens": n, "loss": loss.double() * n, "resid_norm": resid.double() * n,
+                               **route_sums(route, model.router)})
+    sums = all_reduce_sums(sums)
     model.train()
-    per_token = sums[2:] / sums[1]
-    block, mlp, resid = (per_token[i * L:(i + 1) * L].tolist() for i in range(3))
-    fwd = flops_per_token(hp, block, mlp)
-    return dict(val_loss=(sums[0] / sums[1]).item(), sparsity=1 - sum(mlp) / L,
-                block_active=block, mlp_active=mlp, resid_norm=resid,
+    v = {k: (t / sums["tokens"]).tolist() for k, t in sums.items() if k != "tokens"}
+    fwd = flops_per_token(hp, v["block_active"], v["mlp_active"])
+    return dict(val_loss=v.pop("loss"), sparsity=1 - sum(v["mlp_active"]) / hp.n_layers, **v,
                 fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
                 fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none", compact=False)),
-                fwd_flops_per_seq=fwd * hp.seq_len,
-                **model.router.val_fields(per_token[3 * L:].view(-1, L)))
+                fwd_flops_per_seq=fwd * hp.seq_len)
 
 
 def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
@@ -1269,9 +1154,8 @@ def check_run(hp: Hyperparameters, d: Dist, ckpt: dict):
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
     validation tokens, and the checkpoint's data position (if any) in these shards."""
-    accum = hp.batch_size // (hp.device_batch_size * d.world)
-    train_loader = DistributedLoader(hp.train_files, hp.device_batch_size * accum,
-                                     hp.seq_len, d.rank, d.world, hp.vocab_size)
+    train_loader = DistributedLoader(hp.train_files, hp.batch_size // d.world, hp.seq_len,
+                                     d.rank, d.world, hp.vocab_size)  # all micro-steps
     val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
                                    d.rank, d.world, hp.vocab_size)
     if hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world) > val_loader.capacity():
@@ -1292,8 +1176,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     cuda = d.device.startswith("cuda")
     accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
     train_loader, val_loader = loaders(hp, d, ckpt)
-    if dist.is_initialized():
-        dist.barrier()  # every rank has checked before rank 0 creates anything
+    d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(hp.run_dir, hp.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {ckpt['step']})" if ckpt else "none"
@@ -1308,20 +1191,16 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
             group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
         raw.router.load_routing_state(ckpt["routing"])
         train_loader.restore(**ckpt["loader"])
-        torch.set_rng_state(ckpt["rng"]["cpu"])
-        if cuda and ckpt["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        set_rng_state(ckpt["rng"], cuda)
         run = RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
     start = run.step
     model = torch.compile(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
-    launcher = f"torchrun --nproc_per_node={d.world} train_gpt.py" if d.world > 1 else \
-        "python train_gpt.py"
     log = RunLog(run_dir, {**asdict(hp), "world_size": d.world, "grad_accum": accum,
                            "num_steps": steps, "run_dir": run_dir, "device": d.device,
                            "run_id": run.run_id, **provenance(),
-                           "command": " ".join([launcher, *map(shlex.quote, argv)])},
+                           "command": " ".join([d.launcher, *map(shlex.quote, argv)])},
                  d.master, resumed_at=start if ckpt else None, val_done=run.val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
@@ -1329,25 +1208,6 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
               f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
-    def checkpoint():
-        """Save (rank 0), unless the weights or AdamW state hold a non-finite number: then stop,
-        naming the last good checkpoint, which is left as it was. Every rank learns whether
-        the save worked, so none waits for a rank that stopped."""
-        if not all_finite(raw, opt):
-            raise RunStopped(f"non-finite weights after step {run.step}; the checkpoint was not "
-                             f"replaced; last good checkpoint: {STOP.last_ckpt}")
-        try:  # the loader's position is global: each rank derives its offset
-            d.on_master(lambda: save_checkpoint(run_dir, checkpoint_state(run, hp, d.world, raw, opt,
-                                                                          train_loader.state())))
-        except UserError as e:
-            raise RunStopped(f"cannot write the checkpoint of step {run.step} ({e}); "
-                             f"last good checkpoint: {STOP.last_ckpt}") from None
-        STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {run.step})"
 
     def end_warmup(warmup_ms):
         log.print(f"warm-up: steps {start + 1}-{run.step} of this job untimed, {warmup_ms:.0f}ms"
@@ -1361,8 +1221,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
         with STOP as stop:
             while True:
                 # every rank must agree to stop at the same boundary, or the others would hang
-                signalled = bool(all_reduce(torch.tensor(float(stop.signum), device=d.device),
-                                            dist.ReduceOp.MAX if dist.is_initialized() else None))
+                signalled = bool(all_reduce(torch.tensor(float(stop.signum), device=d.device), "max"))
                 step = run.step
                 ending = step == steps or signalled or (step == hp.stop_step and step > start)
                 # validation: every val_every steps and at the last one. A signal skips it (to
@@ -1370,22 +1229,24 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 # job runs it first
                 val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
                 if val_due and not signalled and run.val_done < step:
-                    sync()
+                    d.sync()
                     v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
                     log_validation(log, raw.router, v, run, steps)
                     run.val_done = step
                 # checkpoint: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
                 if (step > start or run.val_done != saved_val) and (ending or periodic):
-                    checkpoint()
+                    save_or_stop(d, run_dir, step, raw, opt, lambda: checkpoint_state(
+                        run, hp, d.world, raw, opt, train_loader.state()))  # position: global
                     saved_val = run.val_done
                 if ending:
                     break
-                sync()
+                d.sync()
                 t0 = time.perf_counter()
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
-                lm_loss, total, stats = train_step(model, raw.router, hp, opt, train_loader, d,
-                                                   autocast, accum, lrs, step)
+                stats = train_step(model, raw.router, hp, opt, train_loader, d, autocast, accum,
+                                   lrs, step)
+                lm_loss, total = stats["lm_loss"].item(), stats["total_loss"].item()
                 run.step += 1
                 if not math.isfinite(total):
                     run.bad_steps += 1
@@ -1396,9 +1257,9 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                               f"({run.bad_steps} of max_bad_steps={hp.max_bad_steps})")
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
-                count = stats[0, 0].item()
-                raw.router.update(stats[3:], count, step)
-                sync()
+                count = stats["tokens"].item()
+                raw.router.update(stats.get("router"), count, step)
+                d.sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
                 if run.step - start <= hp.untimed_steps:
                     warmup_ms += step_ms
@@ -1407,24 +1268,25 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 else:
                     run.train_ms += step_ms
                     run.timed_steps += 1
-                block, mlp = (stats[1] / count).tolist(), (stats[2] / count).tolist()
+                means = {k: (stats[k] / count).tolist()
+                         for k in ("block_active", "mlp_active", *raw.router.means)}
                 line = (f"step:{run.step}/{steps} train_loss:{lm_loss:.4f} "
                         f"{clock(run.train_ms, run.timed_steps)} "
                         f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
                 if cuda:  # executed work: all tokens, except what compact really skips
-                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, block if hp.compact else None):.1f}%"
+                    active = means["block_active"] if hp.compact else None
+                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, active):.1f}%"
                 log.print(line)
                 log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
                             "train_loss": lm_loss, "total_loss": total, "lr": lrs[0],
-                            "layer_lr": lrs[1:], "step_ms": step_ms, "block_active": block,
-                            "mlp_active": mlp, **raw.router.step_fields(stats[3:], count)})
+                            "layer_lr": lrs[1:], "step_ms": step_ms, **means})
         if 0 < run.step - start < hp.untimed_steps:
             end_warmup(warmup_ms)
         if run.step < steps or run.val_done < run.step:
             why = f"signal {signal.Signals(stop.signum).name}" if signalled else "stop_step"
             owed = "" if run.val_done == run.step or not val_due else " (its validation is still owed)"
             log.print(f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
-                      f"resume with: {launcher} --resume={run_dir}")
+                      f"resume with: {d.launcher} --resume={run_dir}")
         elif run.step == start:
             log.print(f"the run is complete at step {run.step}; nothing to do")
         if cuda:
@@ -1443,15 +1305,14 @@ def clock(train_ms: float, timed_steps: int) -> str:
     return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
 
 
-def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step):
-    """One optimiser step over the global batch. -> (mean LM loss, mean total loss, sums over
-    all micro-steps and ranks, rows: token count, tokens that ran each block, tokens that ran
-    each MLP, then the router's own sums for its update). The update is applied only when the
-    loss is finite."""
+def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
+    """One optimiser step over the global batch, applied only when the loss is finite. ->
+    float64 sums over all micro-steps and ranks: "lm_loss" and "total_loss" (the means),
+    "tokens", route_sums, and "router", the router's loss() sums for its update."""
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
     x_all, y_all = loader.next_batch()  # (accum * B, T) for this rank
-    stats, losses = None, torch.zeros(2, device=d.device)  # LM loss, LM + regulariser
+    sums = {}
     for micro in range(accum):
         sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
         x, y = x_all[sl].to(d.device), y_all[sl].to(d.device)
@@ -1460,19 +1321,19 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
         with no_sync:
             with autocast:
                 out = model(x, targets=y)
-                loss = out.loss
-                reg, sums = router.loss(out.route, step)
-            ((loss + reg) / accum).backward()
-        losses += torch.stack([loss.detach(), (loss + reg).detach()]) / accum
-        count = torch.full((1, hp.n_layers), float(y.numel()), dtype=torch.float64, device=d.device)
-        rows = [count, out.route["block"].sum(dim=(1, 2)).double()[None],
-                out.route["mlp"].sum(dim=(1, 2)).double()[None]] + ([] if sums is None else [sums])
-        stats = torch.cat(rows) if stats is None else stats + torch.cat(rows)
-    lm_loss, total = (all_reduce(losses) / d.world).tolist()
-    if math.isfinite(total):
+                reg, router_sums = router.loss(out.route, step)
+            ((out.loss + reg) / accum).backward()
+        share = accum * d.world  # of the global batch in this micro-batch
+        sums = add_sums(sums, {"lm_loss": out.loss.detach().double() / share,
+                               "total_loss": (out.loss + reg).detach().double() / share,
+                               "tokens": torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device),
+                               **route_sums(out.route, router),
+                               **({} if router_sums is None else {"router": router_sums.detach().double()})})
+    sums = all_reduce_sums(sums)
+    if math.isfinite(sums["total_loss"].item()):
         opt.step()
     opt.zero_grad(set_to_none=True)
-    return lm_loss, total, all_reduce(stats)
+    return sums
 
 
 def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: int):
@@ -1489,37 +1350,24 @@ def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: i
 # -----------------------------------------------------------------------------
 # main
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv):
+    """One training job. Its exit status (support.cli, as every command here): 0 done, or
+    stopped with a checkpoint by a signal or stop_step; 2 bad input, before anything is
+    written; 1 a failure mid-run; 130 a second signal."""
     if "--help" in argv or "-h" in argv:
         print(usage())
         return
-    try:
-        with STOP:  # from the start: a first signal during start-up stops before step 1
-            overrides = parse_overrides(argv)
-            hp, ckpt = resume_settings(overrides) if overrides.get("resume") else (resolve(overrides), None)
-            d = setup_distributed()
-            try:
-                train(hp, d, ckpt, argv)
-            finally:
-                release_locks()  # the job is over (in a test, the process goes on)
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except RunStopped as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print(f"error: interrupted by a second signal; last checkpoint: {STOP.last_ckpt}",
-              file=sys.stderr)
-        sys.exit(130)
-    except OSError as e:  # a log write on a full disk, a run directory gone mid-run
-        print(f"error: {e.strerror or e} ({e.filename or 'no file'}); last checkpoint: "
-              f"{STOP.last_ckpt}", file=sys.stderr)
-        sys.exit(1)
+    with STOP:  # from the start: a first signal during start-up stops before step 1
+        STOP.last_ckpt = "none"  # a job: its errors name the last checkpoint (support.cli)
+        overrides = parse_overrides(argv)
+        hp, ckpt = resume_settings(overrides) if overrides.get("resume") else (resolve(overrides), None)
+        d = setup_distributed()
+        try:
+            train(hp, d, ckpt, argv)
+        finally:
+            release_locks()  # the job is over (in a test, the process goes on)
+            d.close()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli(main, sys.argv[1:]))
