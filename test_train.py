@@ -1255,6 +1255,25 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys
     assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
 
 
+def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(tmp_path,
+                                                                              monkeypatch, capsys):
+    import errno
+    real = support.RunLog.record
+
+    def record(self, obj):
+        if obj.get("kind") == "train" and obj["step"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, obj)
+    monkeypatch.setattr(support.RunLog, "record", record)
+    code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
+    assert (code, err) == (1, f"error: No space left on device; last checkpoint: "
+                              f"{tmp_path / 'checkpoint.pt'} (step 2)\n")
+    monkeypatch.undo()
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # it goes on from step 2
+    assert code == 0, err
+    assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
+
+
 def test_a_checkpoint_from_another_run_or_shape_is_refused(tmp_path, capsys):
     for name in ("a", "b"):
         code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / name}", "--stop_step=2"],

@@ -13,6 +13,11 @@ A file already in the data folder with a valid header and size is skipped, so an
 fetch resumes where it stopped. Every file is checked after download (magic, version, token
 count against the file size) before it takes its final name; a bad one is reported and fetched
 again. Several files download at once (--workers, default 8).
+
+Why not huggingface_hub.snapshot_download(local_dir=...): in that mode (huggingface_hub 2.4)
+a file found in the Hugging Face cache is copied, not linked (20.8 GB twice); offline it does
+not look in the cache at all; and a file takes its final name before anything could check
+its shard header, while offline an existing file is returned as it is.
 """
 
 import os
