@@ -101,7 +101,7 @@ def parser() -> support.ArgParser:
                    help="the new run's directory (it must not hold a checkpoint)")
     p.add_argument("--groups", type=support.in_range(int, 1), default=1, metavar="P",
                    help="the checkpoint's R layers form P groups of R / P (default: %(default)s)")
-    p.add_argument("--per_group", type=support.in_range(int, 0), default=1, metavar="Q",
+    p.add_argument("--per_group", type=support.in_range(int, 1), default=1, metavar="Q",
                    help="new layers appended to each group (default: %(default)s)")
     p.add_argument("--init", choices=EXPAND_INITS, default="identity",
                    help="how a new layer is made (default: %(default)s)")

@@ -88,7 +88,7 @@ def main(argv):
     else:
         ids = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:args.val_tokens].tolist()
     ids = ids[:hp.max_seq_len]
-    if args.out:  # a page that cannot be written fails before the work, and creates nothing
+    if args.out:  # a page that cannot be written fails before the work (its folder is made)
         support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
         if os.path.isdir(args.out):
             raise support.UserError(f"--out={args.out} is a directory; give a file name")

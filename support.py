@@ -48,7 +48,8 @@ def cli(main, argv, before_error=None) -> int:
     def fail(text: str, status: int) -> int:
         if before_error is not None:
             before_error()
-        print(f"error: {text}", file=sys.stderr)
+        sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
+        sys.stderr.flush()
         return status
     try:
         main(argv)
@@ -159,6 +160,24 @@ def parse_fields(cls, argv) -> dict:
     return overrides
 
 
+def saved_fields(cls, saved) -> dict:
+    """The entries of saved (read from a run's files) that are fields of dataclass cls, each of
+    its default's type (an int stands for a float); others, e.g. fields of older versions,
+    are dropped. A UserError names the first that is wrong: the file was edited or damaged."""
+    if not isinstance(saved, dict):
+        raise UserError(f"saved settings are {type(saved).__name__}, not an object")
+    defaults, out = cls(), {}
+    for f in fields(cls):
+        if f.name in saved:
+            value, kind = saved[f.name], type(getattr(defaults, f.name))
+            if kind is float and type(value) is int:
+                value = float(value)
+            if type(value) is not kind:
+                raise UserError(f"saved {f.name}={value!r} is not a {kind.__name__}")
+            out[f.name] = value
+    return out
+
+
 def field_help(cls) -> list:
     """The lines of --help for dataclass cls: each field with its default and its trailing
     comment, under the dataclass's own group comments."""
@@ -247,11 +266,14 @@ def read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.json")
     try:
         with open(path) as f:
-            return json.load(f)
+            config = json.load(f)
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: not a run's config (a JSON object)")
+    return config
 
 
 CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
@@ -267,10 +289,20 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
     return path
 
 
+def mismatched_weights(weights: dict, build) -> list:
+    """The names where a state dict and the model build() makes on the meta device (shapes
+    only, no memory) differ: a name only one has, else a shape."""
+    import torch
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in build().state_dict().items()}
+    found = {k: getattr(v, "shape", None) for k, v in weights.items()}
+    return sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
+
+
 def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     """RUN_DIR/checkpoint.pt, checked: it loads, holds every key in keys, and its "model"
-    weights have the names and shapes of build(its "hp"), a model made on the meta device
-    (shapes only). state["mtime"] is the file's."""
+    weights fit build(state), the model its own settings make (build may also refuse a state
+    whose records are malformed). state["mtime"] is the file's."""
     import torch
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isfile(path):
@@ -281,11 +313,7 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
         mtime = os.stat(path).st_mtime_ns
         state = torch.load(path, map_location="cpu", weights_only=True)
         missing = [k for k in keys if k not in state]
-        if not missing:
-            with torch.device("meta"):
-                expected = {k: v.shape for k, v in build(state["hp"]).state_dict().items()}
-            found = {k: getattr(v, "shape", None) for k, v in state["model"].items()}
-            wrong = sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
+        wrong = [] if missing else mismatched_weights(state["model"], lambda: build(state))
     except Exception as e:  # truncated, overwritten, or from an incompatible version
         raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
     if missing:
@@ -587,21 +615,31 @@ class Dist:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def on_master(self, fn):
-        """fn() on rank 0 only; every rank gets its result, or raises its UserError (an OS
-        error there is one too: no rank may wait for a rank that failed)."""
+    def on_master(self, fn, share: bool = True):
+        """fn() on rank 0 only, and every rank learns whether it worked, so that none waits in
+        a collective for a rank that failed. A UserError or OS error there is a UserError on
+        every rank; anything else is re-raised on rank 0 and a RunStopped elsewhere. share:
+        every rank gets fn()'s result (else only rank 0, e.g. an object holding open files)."""
         import torch.distributed as dist
-        box = [None]
+        result, box = None, ["ok", "", None]  # outcome, message, shared result
         if self.master:
             try:
-                box[0] = ("ok", fn())
+                result = fn()
+                box[2] = result if share else None
             except (UserError, OSError) as e:
-                box[0] = ("error", str(e) if isinstance(e, UserError) else e.strerror or str(e))
+                box[:2] = "bad", str(e) if isinstance(e, UserError) else e.strerror or str(e)
+            except Exception as e:
+                box[:2] = "crash", f"{type(e).__name__}: {e}"
+                crash = e
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
-        if box[0][0] == "error":
-            raise UserError(box[0][1])
-        return box[0][1]
+        if box[0] == "crash":
+            if self.master:
+                raise crash
+            raise RunStopped(f"rank 0 failed ({box[1]})")
+        if box[0] == "bad":
+            raise UserError(box[1])
+        return result if self.master else box[2]
 
 
 def setup_distributed() -> Dist:

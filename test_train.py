@@ -933,8 +933,13 @@ def bad_inputs(tmp_path):
     smoke = ["--preset=smoke"]
     (tmp_path / "dir_000001.bin").mkdir()
     (tmp_path / "a_file").write_text("not a folder")
-    flex_cpu = [] if torch.cuda.is_available() else [
-        (smoke + ["--attn_impl=flex"], "attn_impl=flex cannot train on CPU")]
+    for name, config in (("list_config", [1, 2]), ("typed_config", {"beta1": "x"})):
+        (tmp_path / name).mkdir()  # a run that stopped before its checkpoint, its config edited
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    unreadable = [(smoke + ["--train_files=/proc/self/mem"], "/proc/self/mem: Input/output error")
+                  ] if os.path.exists("/proc/self/mem") else []  # a read error (Linux)
+    flex_cpu = unreadable + ([] if torch.cuda.is_available() else [
+        (smoke + ["--attn_impl=flex"], "attn_impl=flex cannot train on CPU")])
     return flex_cpu + [
         (smoke + [f"--train_files={tmp_path}/dir_*.bin"], "dir_000001.bin, which is not a shard"),
         (smoke + [f"--run_dir={tmp_path}/a_file"], f"cannot use run_dir {tmp_path}/a_file"),
@@ -961,6 +966,8 @@ def bad_inputs(tmp_path):
         ([f"--resume={tmp_path}/empty_run"], "empty_run: no checkpoint (checkpoint.pt) in it"),
         ([f"--resume={tmp_path}/corrupt_run"], "corrupt_run/checkpoint.pt: corrupt or incompatible"),
         (smoke + ["--val_tokens=100"], "val_tokens=100 is fewer than one validation batch"),
+        ([f"--resume={tmp_path}/list_config"], "list_config/config.json: not a run's config"),
+        ([f"--resume={tmp_path}/typed_config"], "saved beta1='x' is not a float"),
     ]
 
 
@@ -1063,7 +1070,7 @@ def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
         (skipview.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
         (skipview.main, [str(tmp_path / "none")], "no checkpoint"),
         (skipview.main, [], "the following arguments are required: RUN_DIR"),
-        (expand_.main, [str(run), f"{tmp_path}/x", "--per_group=-1"], "--per_group: expected int in [0, inf]"),
+        (expand_.main, [str(run), f"{tmp_path}/x", "--per_group=0"], "--per_group: expected int in [1, inf]"),
         (expand_.main, [str(run)], "the following arguments are required: NEW_RUN_DIR"),
         (tokenize.main, [str(text), f"--out={tmp_path}/s", "--shard_tokens=0"], "--shard_tokens: expected int in [1, inf], got '0'"),
         (tokenize.main, [str(text), f"--out={tmp_path}/s", "--workers=0"], "--workers: expected int in [1, inf], got '0'"),
@@ -1287,12 +1294,40 @@ def test_a_checkpoint_from_another_run_or_shape_is_refused(tmp_path, capsys):
     assert (b / "metrics.jsonl").read_bytes() == metrics
     state = torch.load(a / "checkpoint.pt", weights_only=True)
     for change, message in [(lambda s: s["hp"].update(dim=64), "weights do not fit"),
-                            (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer")]:
+                            (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),
+                            (lambda s: s.update(step="4"), "corrupt or incompatible"),
+                            (lambda s: s["hp"].update(lr="x"), "corrupt or incompatible"),
+                            (lambda s: s.update(loader={"shard": 0}), "data position")]:
         bad = {**state, "hp": dict(state["hp"])}
         change(bad)
         torch.save(bad, a / "checkpoint.pt")
         code, _, err = run_main([f"--resume={a}"], capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, monkeypatch, capsys):
+    mod = RESUME_RUN + ["--router=mod", "--mod_every=1", "--gamma=1e-3", "--mu_start=1.0",
+                        "--stop_step=2", f"--run_dir={tmp_path}"]
+    code, _, err = run_main(mod, capsys)
+    assert code == 0, err
+    code, _, err = run_main([f"--resume={tmp_path}", "--mod_every=2"], capsys)
+    assert code == 2 and "different model shape: mod_every 1 -> 2" in err, err
+    # a shape field left out of MODEL_FIELDS is still caught, by the weights themselves
+    monkeypatch.setattr(tg, "MODEL_FIELDS", tuple(f for f in tg.MODEL_FIELDS if f != "mod_every"))
+    code, _, err = run_main([f"--resume={tmp_path}", "--mod_every=2"], capsys)
+    assert code == 2 and "different model shape: router.routers.1.weight" in err, err
+
+
+def test_a_signal_that_reached_another_rank_stops_this_one_with_its_name(tmp_path, monkeypatch,
+                                                                          capsys):
+    real = tg.all_reduce
+
+    def other_rank_signalled(t, op="sum"):  # what the MAX all-reduce gives when rank 1 got SIGTERM
+        return t.fill_(signal.SIGTERM) if op == "max" and t.numel() == 1 else real(t, op)
+    monkeypatch.setattr(tg, "all_reduce", other_rank_signalled)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+    assert code == 0 and err == "", err
+    assert "stopped by signal SIGTERM at step 0" in out
 
 
 def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch,

@@ -81,10 +81,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
-from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, cli,  # noqa: E402
-                     add_sums, all_reduce, all_reduce_sums, check_fields, field_help, fmt_list, machine_memory, open_run_dir,
-                     parse_fields, provenance, read_checkpoint, release_locks, rng_state,
-                     run_to_resume, save_or_stop, set_rng_state, setup_distributed)
+from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
+                     all_reduce, all_reduce_sums, check_fields, cli, field_help, fmt_list,
+                     machine_memory, mismatched_weights, open_run_dir, parse_fields, provenance,
+                     read_checkpoint, release_locks, rng_state, run_to_resume, save_or_stop,
+                     saved_fields, set_rng_state, setup_distributed)
 
 # -----------------------------------------------------------------------------
 # Components: RMSNorm, rotary embeddings, SwiGLU
@@ -746,14 +747,16 @@ class DistributedLoader:
     def state(self) -> dict:
         return {"shard": self.shard, "pos": self.pos}
 
-    def restore(self, shard: int, pos: int):
-        self.check_position(shard, pos)
-        self._load(shard)
-        self.pos = pos
+    def restore(self, state: dict):
+        self.check_position(state)
+        self._load(state["shard"])
+        self.pos = state["pos"]
 
-    def check_position(self, shard: int, pos: int):
-        """A checkpoint's data position must exist in these shards (they may have changed)."""
-        if not (0 <= shard < len(self.files) and
+    def check_position(self, state: dict):
+        """A checkpoint's data position (state()) must exist in these shards (they may have
+        changed, or the checkpoint may have been edited)."""
+        shard, pos = (state.get(k) for k in ("shard", "pos")) if isinstance(state, dict) else (None,) * 2
+        if not (type(shard) is type(pos) is int and 0 <= shard < len(self.files) and
                 0 <= pos <= shard_tokens(self.files[shard]) - self.B * self.T * self.world - 1):
             raise UserError(f"the checkpoint's data position (shard {shard}, token {pos}) is "
                             f"not in the training shards now matched ({len(self.files)} files); "
@@ -954,8 +957,8 @@ CHOICES = {"router": ROUTERS, "controller": CONTROLLERS, "attn_impl": ("auto", "
 
 
 def param_count(hp: Hyperparameters) -> int:
-    """Parameters of GPT(hp) less its router's, by formula: validate needs it before any model
-    is built (building one, even on the meta device, takes minutes at an absurd n_layers)."""
+    """GPT(hp)'s parameters less its router's, by formula: a model is not built (even on the
+    meta device, that takes minutes at an absurd n_layers) before validate has refused it."""
     hd = hp.dim // max(hp.n_heads, 1)
     block = (2 * hp.dim * hp.n_heads * hd + 2 * hp.dim * hp.n_kv_heads * hd
              + 3 * hp.dim * hp.ffn_mult * hp.dim + 4 * hp.dim)
@@ -1020,7 +1023,7 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 
 # fields that change the parameters or the function: a resumed run may not change them
 MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_mult", "router",
-                "sandwich_norm", "gate_axis")
+                "sandwich_norm", "gate_axis", "mod_every")
 
 
 @dataclass
@@ -1049,14 +1052,17 @@ def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT",
 
 
 def load_checkpoint(run_dir: str) -> dict:
-    return read_checkpoint(run_dir, CHECKPOINT_KEYS, lambda saved: GPT(saved_settings(saved)))
+    def model_of(state):  # checks its records' types too: an edited file fails here, whole
+        saved_fields(RunState, state)
+        return GPT(saved_settings(state["hp"]))
+    return read_checkpoint(run_dir, CHECKPOINT_KEYS, model_of)
 
 
 def saved_settings(saved: dict, **changes) -> Hyperparameters:
-    """Settings saved by a run (checkpoint or config.json). Keys that are no longer fields are
-    dropped: the expand_* fields of older versions, whose work the weights already hold."""
-    names = {f.name for f in fields(Hyperparameters)}
-    return Hyperparameters(**{**{k: v for k, v in saved.items() if k in names}, **changes})
+    """Settings saved by a run (checkpoint or config.json), their types checked. Keys that are
+    no longer fields are dropped: the expand_* fields of older versions, whose work the
+    weights already hold."""
+    return Hyperparameters(**{**saved_fields(Hyperparameters, saved), **changes})
 
 
 def load_model(run_dir: str, device: str = "cpu") -> GPT:
@@ -1079,7 +1085,7 @@ def resume_settings(overrides: dict) -> tuple:
     if ckpt is None:
         return replace(hp, run_dir=run_dir, resume=""), None
     changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in MODEL_FIELDS
-               if getattr(base, k) != getattr(hp, k)]
+               if getattr(base, k) != getattr(hp, k)] or mismatched_weights(ckpt["model"], lambda: GPT(hp))[:3]
     if changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
     return replace(hp, run_dir=run_dir), ckpt
@@ -1098,14 +1104,12 @@ def route_sums(route: dict, router: Router) -> dict:
 @torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
     """Validation over val_tokens, inference routing, all-reduced over ranks: the loss, the
-    share of tokens that ran each block and each MLP (and the router's means), the residual
-    norms, FLOPs per token at those shares."""
+    route_sums and residual norms per token, FLOPs per token at the shares that ran."""
     model.eval()
     loader.reset()
     sums = {}
     for _ in range(hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)):
-        x, y = loader.next_batch()
-        x, y = x.to(d.device), y.to(d.device)
+        x, y = (t.to(d.device) for t in loader.next_batch())
         with autocast:
             _, route, resid, loss = model(x, targets=y)
         n = torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device)
@@ -1163,7 +1167,7 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
                         f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
                         f"({val_loader.capacity()} batches); validation would repeat tokens")
     if ckpt is not None:
-        train_loader.check_position(**ckpt["loader"])
+        train_loader.check_position(ckpt["loader"])
     return train_loader, val_loader
 
 
@@ -1190,18 +1194,18 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
         for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
             group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
         raw.router.load_routing_state(ckpt["routing"])
-        train_loader.restore(**ckpt["loader"])
+        train_loader.restore(ckpt["loader"])
         set_rng_state(ckpt["rng"], cuda)
         run = RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
     start = run.step
     model = torch.compile(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
-    log = RunLog(run_dir, {**asdict(hp), "world_size": d.world, "grad_accum": accum,
-                           "num_steps": steps, "run_dir": run_dir, "device": d.device,
-                           "run_id": run.run_id, **provenance(),
-                           "command": " ".join([d.launcher, *map(shlex.quote, argv)])},
-                 d.master, resumed_at=start if ckpt else None, val_done=run.val_done)
+    config = {**asdict(hp), "world_size": d.world, "grad_accum": accum, "num_steps": steps,
+              "run_dir": run_dir, "device": d.device, "run_id": run.run_id, **provenance(),
+              "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
+    log = d.on_master(lambda: RunLog(run_dir, config, True, start if ckpt else None, run.val_done),
+                      share=False) or RunLog(run_dir, config, active=False)  # rank 0 writes
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
@@ -1220,8 +1224,10 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     try:
         with STOP as stop:
             while True:
-                # every rank must agree to stop at the same boundary, or the others would hang
-                signalled = bool(all_reduce(torch.tensor(float(stop.signum), device=d.device), "max"))
+                # every rank stops at the same boundary, or the others would hang (a scheduler
+                # may signal some ranks only: the signal is the highest number any rank got)
+                signum = int(all_reduce(torch.tensor(float(stop.signum), device=d.device), "max"))
+                signalled = signum > 0
                 step = run.step
                 ending = step == steps or signalled or (step == hp.stop_step and step > start)
                 # validation: every val_every steps and at the last one. A signal skips it (to
@@ -1283,7 +1289,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
         if 0 < run.step - start < hp.untimed_steps:
             end_warmup(warmup_ms)
         if run.step < steps or run.val_done < run.step:
-            why = f"signal {signal.Signals(stop.signum).name}" if signalled else "stop_step"
+            why = f"signal {signal.Signals(signum).name}" if signalled else "stop_step"
             owed = "" if run.val_done == run.step or not val_due else " (its validation is still owed)"
             log.print(f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
                       f"resume with: {d.launcher} --resume={run_dir}")
@@ -1323,9 +1329,8 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
                 out = model(x, targets=y)
                 reg, router_sums = router.loss(out.route, step)
             ((out.loss + reg) / accum).backward()
-        share = accum * d.world  # of the global batch in this micro-batch
-        sums = add_sums(sums, {"lm_loss": out.loss.detach().double() / share,
-                               "total_loss": (out.loss + reg).detach().double() / share,
+        sums = add_sums(sums, {"lm_loss": out.loss.detach().double() / (accum * d.world),
+                               "total_loss": (out.loss + reg).detach().double() / (accum * d.world),
                                "tokens": torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device),
                                **route_sums(out.route, router),
                                **({} if router_sums is None else {"router": router_sums.detach().double()})})
@@ -1358,7 +1363,6 @@ def main(argv):
         print(usage())
         return
     with STOP:  # from the start: a first signal during start-up stops before step 1
-        STOP.last_ckpt = "none"  # a job: its errors name the last checkpoint (support.cli)
         overrides = parse_overrides(argv)
         hp, ckpt = resume_settings(overrides) if overrides.get("resume") else (resolve(overrides), None)
         d = setup_distributed()

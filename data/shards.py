@@ -5,6 +5,7 @@ A shard (modded-nanogpt's format) is a header of HEADER_INTS int32 values (SHARD
 SHARD_VERSION, the token count, then zeros) followed by the tokens as uint16 GPT-2 BPE ids.
 """
 
+import contextlib
 import glob
 import os
 
@@ -26,11 +27,22 @@ def header(count: int) -> bytes:
     return values.tobytes()
 
 
+@contextlib.contextmanager
+def named(path: str):
+    """An OS error while reading path names it (a read error, unlike open's, carries no name)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+        raise
+
+
 def shard_tokens(path: str) -> int:
     """The number of tokens in the shard at path, once its header is read and found sound (the
     magic number, the version, and a count that matches the file's size)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with named(path), open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(HEADER_BYTES)
     if len(head) < HEADER_BYTES:
         raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the "
@@ -52,7 +64,8 @@ def shard_tokens(path: str) -> int:
 def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
     """All tokens of a sound shard (see shard_tokens), each one checked to be below vocab_size."""
     count = shard_tokens(path)
-    tokens = np.fromfile(path, dtype=np.uint16, count=count, offset=HEADER_BYTES)
+    with named(path):
+        tokens = np.fromfile(path, dtype=np.uint16, count=count, offset=HEADER_BYTES)
     biggest = int(tokens.max()) if count else -1
     if biggest >= vocab_size:
         raise UserError(f"{path}: token id {biggest} is outside the vocabulary "

@@ -116,7 +116,7 @@ def tokenize(paths, out, name, shard_tokens, workers):
     """Encode every document in order and write shards; returns the shard paths."""
     for path in paths:
         if not os.path.isfile(path):
-            raise UserError(f"{path}: no such file")
+            raise UserError(f"{path}: " + ("a folder, not a file" if os.path.isdir(path) else "no such file"))
         if not os.access(path, os.R_OK):
             raise UserError(f"{path}: not readable")
     writable_dir(out)  # before the long work, not after it
