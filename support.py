@@ -627,7 +627,8 @@ class Dist:
                 result = fn()
                 box[2] = result if share else None
             except (UserError, OSError) as e:
-                box[:2] = "bad", str(e) if isinstance(e, UserError) else e.strerror or str(e)
+                box[:2] = "bad", str(e) if isinstance(e, UserError) else \
+                    f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
             except Exception as e:
                 box[:2] = "crash", f"{type(e).__name__}: {e}"
                 crash = e
