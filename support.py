@@ -63,10 +63,15 @@ def cli(main, argv, before_error=None) -> int:
     except RunStopped as e:
         return fail(str(e), 1)
     except OSError as e:
-        text = f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+        text = os_error_text(e)
         if STOP.last_ckpt is None:
             return fail(text, 2)
         return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", 1)
+
+
+def os_error_text(e: OSError) -> str:
+    """An OS error as an error line says it: the file, if known, then what went wrong."""
+    return f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
 
 
 def exit_quietly_on_signals():
@@ -627,8 +632,7 @@ class Dist:
                 result = fn()
                 box[2] = result if share else None
             except (UserError, OSError) as e:
-                box[:2] = "bad", str(e) if isinstance(e, UserError) else \
-                    f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}"
+                box[:2] = "bad", str(e) if isinstance(e, UserError) else os_error_text(e)
             except Exception as e:
                 box[:2] = "crash", f"{type(e).__name__}: {e}"
                 crash = e
