@@ -177,7 +177,7 @@ def expand(argv):
     assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
     run = tg.RunState(run_id=os.urandom(8).hex())
     support.save_checkpoint(out, tg.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp),
-                                                {"shard": 0, "pos": 0}))
+                                                     {"shard": 0, "pos": 0}))
     record = {"expanded_from": args.run_dir,
               "source_step": src["step"], "groups": args.groups, "per_group": args.per_group,
               "init": args.init, "tau": args.tau, "hp": asdict(hp), **support.provenance(),

@@ -1,16 +1,18 @@
-"""What train_gpt.py and the commands beside it share that is not training. No torch import:
-the data scripts use it too, and start at once.
+"""What train_gpt.py and the commands beside it share that is not training. No torch import
+at the top (only inside the functions that need it): the data scripts use it too, and start
+at once.
 
-  - Command lines: bad input is a UserError, printed by cli() (or train_gpt.main) as one
-    `error: ...` line with exit status 2. Options are --name=value with one boolean
-    convention (parse_bool); the trainer's options are the fields of a dataclass
+  - Command lines: every command's main runs under cli(), which gives its exit status; bad
+    input is a UserError, one `error: ...` line and status 2. Options are --name=value with
+    one boolean convention (parse_bool); the trainer's options are the fields of a dataclass
     (parse_fields, field_help), the other commands' go through ArgParser.
   - Files that appear whole or not at all (write_atomically), checkpoints written that way
     and checked when read; folders proven writable.
   - Run directories: a fresh one per run, an exclusive lock while a job uses it, a fresh start
     that keeps an aborted attempt's files, and the logs (RunLog) with their provenance.
   - Stop signals: SIGTERM / SIGINT ask the trainer for a checkpoint at the next step.
-  - Processes: the ranks of a torchrun job, a value all ranks agree on, finite weights.
+  - Processes: the ranks of a torchrun job (Dist), sums all ranks agree on, finite weights,
+    a checkpoint saved or the job stopped.
 """
 
 import argparse
@@ -38,9 +40,10 @@ class UserError(Exception):
 
 def cli(main, argv, before_error=None) -> int:
     """A command's main(argv) -> exit status, with at most one `error: ...` line: 0 when it
-    returns; 2 for a UserError or an OS error on a path the user gave; 130 on Ctrl-C. A
-    training job (STOP.last_ckpt set) that fails, RunStopped or an OS error such as a full
-    disk, exits 1, its line naming the last checkpoint, as a second Ctrl-C's does."""
+    returns; 2 for a UserError, or an OS error on a path the user gave; 1 for RunStopped (a
+    training job that cannot go on; its message names the last checkpoint); 130 on Ctrl-C.
+    Once a training job has its run directory (STOP.last_ckpt set), an OS error (a full disk)
+    is status 1 and a Ctrl-C (the second signal) 130, each line naming the last checkpoint."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: Ctrl-C is
     signal.signal(signal.SIGTERM, signal.SIG_DFL)             # KeyboardInterrupt again
     STOP.last_ckpt = None  # (tests run several commands in one process)
@@ -178,7 +181,7 @@ def saved_fields(cls, saved) -> dict:
             if kind is float and type(value) is int:
                 value = float(value)
             if type(value) is not kind:
-                raise UserError(f"saved {f.name}={value!r} is not a {kind.__name__}")
+                raise UserError(f"saved {f.name}={value!r} is not of type {kind.__name__}")
             out[f.name] = value
     return out
 
@@ -319,6 +322,8 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
         missing = [k for k in keys if k not in state]
         wrong = [] if missing else mismatched_weights(state["model"], lambda: build(state))
+    except UserError as e:  # build found a record of the wrong type
+        raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
     except Exception as e:  # truncated, overwritten, or from an incompatible version
         raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
     if missing:
@@ -331,19 +336,23 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     return state
 
 
-def run_to_resume(run_dir: str, load) -> tuple:
-    """-> (its saved settings, its checkpoint): load(run_dir)'s (read_checkpoint), or
-    config.json's and None for a run that stopped before its first checkpoint. A checkpoint
+def run_to_resume(run_dir: str, load, settings) -> tuple:
+    """-> (settings(its saved settings), its checkpoint): load(run_dir)'s (read_checkpoint),
+    or config.json's and None for a run that stopped before its first checkpoint. A checkpoint
     must belong to the run of the config.json beside it (run_id): else it was copied in."""
     config = read_config(run_dir)
     if config and not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
-        return config, None
+        try:
+            return settings(config), None
+        except UserError as e:
+            raise UserError(f"{os.path.join(run_dir, 'config.json')}: {e} (an edited or damaged "
+                            f"file)") from None
     ckpt = load(run_dir)
     if config and config.get("run_id") != ckpt["run_id"]:
         raise UserError(f"{os.path.join(run_dir, CHECKPOINT)} belongs to another run (run_id "
                         f"{ckpt['run_id']}, config.json says {config.get('run_id')}); "
                         f"resume the run it came from")
-    return ckpt["hp"], ckpt
+    return settings(ckpt["hp"]), ckpt
 
 
 def rng_state(cuda: bool) -> dict:
@@ -487,6 +496,12 @@ def fmt_list(xs) -> str:
     return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
 
 
+def clock(train_ms: float, timed_steps: int) -> str:
+    """The timing fields of the trainer's train and validation lines: the same in both."""
+    avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
+    return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
+
+
 class RunLog:
     """train.log (source, provenance, system, config, then the step lines), config.json and
     metrics.jsonl; active on rank 0 only. A resumed run appends to train.log (and the source
@@ -626,25 +641,26 @@ class Dist:
         every rank; anything else is re-raised on rank 0 and a RunStopped elsewhere. share:
         every rank gets fn()'s result (else only rank 0, e.g. an object holding open files)."""
         import torch.distributed as dist
-        result, box = None, ["ok", "", None]  # outcome, message, shared result
+        result, failure, outcome = None, None, ("ok", "")  # ok | bad (the user's) | crash
         if self.master:
             try:
                 result = fn()
-                box[2] = result if share else None
             except (UserError, OSError) as e:
-                box[:2] = "bad", str(e) if isinstance(e, UserError) else os_error_text(e)
+                outcome = ("bad", str(e) if isinstance(e, UserError) else os_error_text(e))
             except Exception as e:
-                box[:2] = "crash", f"{type(e).__name__}: {e}"
-                crash = e
+                failure, outcome = e, ("crash", f"{type(e).__name__}: {e}")
+        box = [outcome, result if share else None]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
-        if box[0] == "crash":
-            if self.master:
-                raise crash
-            raise RunStopped(f"rank 0 failed ({box[1]})")
-        if box[0] == "bad":
-            raise UserError(box[1])
-        return result if self.master else box[2]
+        (kind, message), shared = box
+        if kind == "crash":
+            if failure is not None:
+                raise failure
+            ckpt = f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else ""
+            raise RunStopped(f"rank 0 failed ({message}){ckpt}")
+        if kind == "bad":
+            raise UserError(message)
+        return result if self.master else shared
 
 
 def setup_distributed() -> Dist:
@@ -671,8 +687,8 @@ def all_reduce(t, op: str = "sum"):
 
 
 def add_sums(total: dict, more: dict) -> dict:
-    """Per-key sums of tensors: total (which may lack keys) plus more."""
-    return {k: total[k] + v if k in total else v for k, v in more.items()}
+    """Per-key sums of tensors: total plus more, a key missing from either counting as 0."""
+    return {k: total.get(k, 0) + more.get(k, 0) for k in {**total, **more}}
 
 
 def all_reduce_sums(sums: dict) -> dict:
@@ -684,8 +700,9 @@ def all_reduce_sums(sums: dict) -> dict:
 
 
 class RunStopped(Exception):
-    """The run cannot go on (non-finite loss or weights, a checkpoint that cannot be written):
-    the trainer prints `error: ...`, exit status 1."""
+    """A training job cannot go on (non-finite loss or weights, a checkpoint or log that cannot
+    be written, rank 0 failing): cli() prints its message, which names the last checkpoint,
+    with exit status 1."""
 
 
 def all_finite(model, opt) -> bool:
@@ -711,3 +728,15 @@ def save_or_stop(d: Dist, run_dir: str, step: int, model, opt, state):
         raise RunStopped(f"cannot write the checkpoint of step {step} ({e}); "
                          f"last good checkpoint: {STOP.last_ckpt}") from None
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {step})"
+
+
+def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,
+             val_done: int = -1) -> RunLog:
+    """The job's RunLog: rank 0 writes it, the others hold an inactive one. The run directory
+    exists by now, so a failure to write the logs is a failure mid-run (RunStopped, naming the
+    last checkpoint), and it reaches every rank."""
+    try:
+        log = d.on_master(lambda: RunLog(run_dir, config, True, resumed_at, val_done), share=False)
+    except UserError as e:
+        raise RunStopped(f"cannot write the run's logs ({e}); last checkpoint: {STOP.last_ckpt}") from None
+    return log if d.master else RunLog(run_dir, config, active=False)

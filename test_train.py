@@ -967,7 +967,7 @@ def bad_inputs(tmp_path):
         ([f"--resume={tmp_path}/corrupt_run"], "corrupt_run/checkpoint.pt: corrupt or incompatible"),
         (smoke + ["--val_tokens=100"], "val_tokens=100 is fewer than one validation batch"),
         ([f"--resume={tmp_path}/list_config"], "list_config/config.json: not a run's config"),
-        ([f"--resume={tmp_path}/typed_config"], "saved beta1='x' is not a float"),
+        ([f"--resume={tmp_path}/typed_config"], "typed_config/config.json: saved beta1='x' is not of type float"),
     ]
 
 
@@ -1281,6 +1281,17 @@ def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(t
     assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
 
 
+def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").mkdir()  # the run directory exists: not bad input any more
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert (code, err) == (1, f"error: cannot write the run's logs ({tmp_path / 'metrics.jsonl'}: "
+                              f"Is a directory); last checkpoint: {tmp_path / 'checkpoint.pt'} "
+                              f"(step 2)\n")
+
+
 def test_a_checkpoint_from_another_run_or_shape_is_refused(tmp_path, capsys):
     for name in ("a", "b"):
         code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / name}", "--stop_step=2"],
@@ -1295,14 +1306,22 @@ def test_a_checkpoint_from_another_run_or_shape_is_refused(tmp_path, capsys):
     state = torch.load(a / "checkpoint.pt", weights_only=True)
     for change, message in [(lambda s: s["hp"].update(dim=64), "weights do not fit"),
                             (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),
-                            (lambda s: s.update(step="4"), "corrupt or incompatible"),
-                            (lambda s: s["hp"].update(lr="x"), "corrupt or incompatible"),
-                            (lambda s: s.update(loader={"shard": 0}), "data position")]:
+                            (lambda s: s.update(step="4"), "saved step='4' is not of type int"),
+                            (lambda s: s["hp"].update(lr="x"), "saved lr='x' is not of type float"),
+                            (lambda s: s.update(loader={"shard": 0}), "data position"),
+                            (lambda s: s.update(routing={}), "corrupt or incompatible"),
+                            (lambda s: s.update(rng={"cuda": []}), "corrupt or incompatible"),
+                            (lambda s: s.update(optimizer={"state": {}}), "corrupt or incompatible")]:
         bad = {**state, "hp": dict(state["hp"])}
         change(bad)
         torch.save(bad, a / "checkpoint.pt")
-        code, _, err = run_main([f"--resume={a}"], capsys)
+        logs = {f: (a / f).read_bytes() for f in ("train.log", "metrics.jsonl", "config.json")}
+        code, out, err = run_main([f"--resume={a}"], capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
+        assert out == "" and logs == {f: (a / f).read_bytes() for f in logs}  # nothing written
+    torch.save(state, a / "checkpoint.pt")
+    code, _, err = run_main([f"--resume={a}", "--max_seq_len=-1"], capsys)  # checked first
+    assert code == 2 and err == "error: max_seq_len=-1 must lie in [1, inf)\n", err
 
 
 def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, monkeypatch, capsys):

@@ -82,8 +82,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
-                     all_reduce, all_reduce_sums, check_fields, cli, field_help, fmt_list,
-                     machine_memory, mismatched_weights, open_run_dir, parse_fields, provenance,
+                     all_reduce, all_reduce_sums, check_fields, cli, clock, field_help, fmt_list,
+                     machine_memory, mismatched_weights, open_log, open_run_dir, parse_fields, provenance,
                      read_checkpoint, release_locks, rng_state, run_to_resume, save_or_stop,
                      saved_fields, set_rng_state, setup_distributed)
 
@@ -755,7 +755,7 @@ class DistributedLoader:
     def check_position(self, state: dict):
         """A checkpoint's data position (state()) must exist in these shards (they may have
         changed, or the checkpoint may have been edited)."""
-        shard, pos = (state.get(k) for k in ("shard", "pos")) if isinstance(state, dict) else (None,) * 2
+        shard, pos = (state.get("shard"), state.get("pos")) if isinstance(state, dict) else (None, None)
         if not (type(shard) is type(pos) is int and 0 <= shard < len(self.files) and
                 0 <= pos <= shard_tokens(self.files[shard]) - self.B * self.T * self.world - 1):
             raise UserError(f"the checkpoint's data position (shard {shard}, token {pos}) is "
@@ -867,8 +867,7 @@ class Hyperparameters:
     # Mixture-of-Depths router (Raposo et al. 2024)
     mod_capacity: float = 0.125  # share of each sequence that runs a routed block (paper's best)
     mod_every: int = 2           # route every mod_every-th block (the paper: every other)
-    mod_aux_coef: float = 0.01   # weight of the BCE teaching r > 0 to the top-k (> 0: the
-                                 # inference rule r > 0 is learnt only through it)
+    mod_aux_coef: float = 0.01   # BCE weight teaching r > 0 the top-k (inference's only teacher)
     # optimisation (Table 2)
     lr: float = 1e-3             # AdamW peak learning rate, one for all parameters
     beta1: float = 0.8
@@ -957,11 +956,10 @@ CHOICES = {"router": ROUTERS, "controller": CONTROLLERS, "attn_impl": ("auto", "
 
 
 def param_count(hp: Hyperparameters) -> int:
-    """GPT(hp)'s parameters less its router's, by formula: a model is not built (even on the
-    meta device, that takes minutes at an absurd n_layers) before validate has refused it."""
+    """GPT(hp)'s parameters less its router's, by formula: no model is built before validate."""
     hd = hp.dim // max(hp.n_heads, 1)
     block = (2 * hp.dim * hp.n_heads * hd + 2 * hp.dim * hp.n_kv_heads * hd
-             + 3 * hp.dim * hp.ffn_mult * hp.dim + 4 * hp.dim)
+             + 3 * hp.dim * hp.ffn_mult * hp.dim + (4 if hp.sandwich_norm else 2) * hp.dim)
     return 2 * hp.vocab_size * hp.dim + 2 * hp.dim + hp.n_layers * block
 
 
@@ -1045,17 +1043,16 @@ CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
 
 def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
-    cuda = torch.cuda.is_available() and next(raw.parameters()).is_cuda
     return {**asdict(run), "hp": asdict(hp), "world_size": world, "model": raw.state_dict(),
             "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
-            "rng": rng_state(cuda)}
+            "rng": rng_state(next(raw.parameters()).is_cuda)}
 
 
 def load_checkpoint(run_dir: str) -> dict:
-    def model_of(state):  # checks its records' types too: an edited file fails here, whole
+    def check_and_build(state):  # its counters' and settings' types, then the model they make
         saved_fields(RunState, state)
         return GPT(saved_settings(state["hp"]))
-    return read_checkpoint(run_dir, CHECKPOINT_KEYS, model_of)
+    return read_checkpoint(run_dir, CHECKPOINT_KEYS, check_and_build)
 
 
 def saved_settings(saved: dict, **changes) -> Hyperparameters:
@@ -1079,13 +1076,13 @@ def resume_settings(overrides: dict) -> tuple:
     run_dir = overrides["resume"]
     if overrides.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
-    saved, ckpt = run_to_resume(run_dir, load_checkpoint)
-    base = saved_settings(saved, stop_step=0)  # stop_step: a setting of one job, not the run
+    # stop_step is a setting of one job, not of the run
+    base, ckpt = run_to_resume(run_dir, load_checkpoint, lambda saved: saved_settings(saved, stop_step=0))
     hp = resolve(overrides, base)
     if ckpt is None:
         return replace(hp, run_dir=run_dir, resume=""), None
     changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in MODEL_FIELDS
-               if getattr(base, k) != getattr(hp, k)] or mismatched_weights(ckpt["model"], lambda: GPT(hp))[:3]
+               if getattr(base, k) != getattr(hp, k)]  # (check_run compares the weights)
     if changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
     return replace(hp, run_dir=run_dir), ckpt
@@ -1117,9 +1114,10 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
                                **route_sums(route, model.router)})
     sums = all_reduce_sums(sums)
     model.train()
-    v = {k: (t / sums["tokens"]).tolist() for k, t in sums.items() if k != "tokens"}
+    tokens, loss = sums.pop("tokens"), sums.pop("loss")
+    v = {k: (t / tokens).tolist() for k, t in sums.items()}  # per-layer means
     fwd = flops_per_token(hp, v["block_active"], v["mlp_active"])
-    return dict(val_loss=v.pop("loss"), sparsity=1 - sum(v["mlp_active"]) / hp.n_layers, **v,
+    return dict(val_loss=(loss / tokens).item(), sparsity=1 - sum(v["mlp_active"]) / hp.n_layers, **v,
                 fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
                 fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none", compact=False)),
                 fwd_flops_per_seq=fwd * hp.seq_len)
@@ -1153,6 +1151,8 @@ def check_run(hp: Hyperparameters, d: Dist, ckpt: dict):
     if ckpt is not None and 0 < hp.stop_step <= ckpt["step"]:
         raise UserError(f"stop_step={hp.stop_step} is not after the checkpoint's step "
                         f"{ckpt['step']}")
+    if ckpt is not None and (wrong := mismatched_weights(ckpt["model"], lambda: GPT(hp))):
+        raise UserError(f"cannot resume with a different model shape: {', '.join(wrong[:3])}")
 
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
@@ -1174,38 +1174,40 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
 def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
     argv: the command-line arguments, for the record."""
-    # setup: check everything, then create the run directory, the model and the optimiser
+    # setup: check everything, build the model and restore the checkpoint; then write anything
     check_run(hp, d, ckpt)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
     accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
     train_loader, val_loader = loaders(hp, d, ckpt)
+    raw = GPT(hp).to(d.device)
+    opt = optimizer(raw, hp)
+    run = RunState(run_id=os.urandom(8).hex())
+    if ckpt is not None:  # weights, optimiser, routing state, data position, random state, clock
+        try:
+            raw.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            raw.router.load_routing_state(ckpt["routing"])
+            set_rng_state(ckpt["rng"], cuda)
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # edited or damaged
+            raise UserError(f"{os.path.join(hp.run_dir, CHECKPOINT)}: corrupt or incompatible "
+                            f"checkpoint ({type(e).__name__})") from None
+        for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
+            group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
+        train_loader.restore(ckpt["loader"])
+        run = RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
+    start = run.step
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(hp.run_dir, hp.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {ckpt['step']})" if ckpt else "none"
-    raw = GPT(hp).to(d.device)
-    opt = optimizer(raw, hp)
-    run = RunState(run_id=os.urandom(8).hex())
-    # restore: weights, optimiser, routing state, data position, random state, the clock
-    if ckpt is not None:
-        raw.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
-            group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
-        raw.router.load_routing_state(ckpt["routing"])
-        train_loader.restore(ckpt["loader"])
-        set_rng_state(ckpt["rng"], cuda)
-        run = RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
-    start = run.step
     model = torch.compile(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
     config = {**asdict(hp), "world_size": d.world, "grad_accum": accum, "num_steps": steps,
               "run_dir": run_dir, "device": d.device, "run_id": run.run_id, **provenance(),
               "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
-    log = d.on_master(lambda: RunLog(run_dir, config, True, start if ckpt else None, run.val_done),
-                      share=False) or RunLog(run_dir, config, active=False)  # rank 0 writes
+    log = open_log(d, run_dir, config, resumed_at=start if ckpt else None, val_done=run.val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
@@ -1305,12 +1307,6 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     return run_dir
 
 
-def clock(train_ms: float, timed_steps: int) -> str:
-    """The timing fields of train and validation lines: the same figures in both."""
-    avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
-    return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
-
-
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
     """One optimiser step over the global batch, applied only when the loss is finite. ->
     float64 sums over all micro-steps and ranks: "lm_loss" and "total_loss" (the means),
@@ -1329,11 +1325,14 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
                 out = model(x, targets=y)
                 reg, router_sums = router.loss(out.route, step)
             ((out.loss + reg) / accum).backward()
-        sums = add_sums(sums, {"lm_loss": out.loss.detach().double() / (accum * d.world),
-                               "total_loss": (out.loss + reg).detach().double() / (accum * d.world),
-                               "tokens": torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device),
-                               **route_sums(out.route, router),
-                               **({} if router_sums is None else {"router": router_sums.detach().double()})})
+        parts = accum * d.world  # micro-batches in the global batch: the losses sum to means
+        more = {"lm_loss": out.loss.detach().double() / parts,
+                "total_loss": (out.loss + reg).detach().double() / parts,
+                "tokens": torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device),
+                **route_sums(out.route, router)}
+        if router_sums is not None:
+            more["router"] = router_sums.detach().double()
+        sums = add_sums(sums, more)
     sums = all_reduce_sums(sums)
     if math.isfinite(sums["total_loss"].item()):
         opt.step()
