@@ -800,24 +800,28 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, capsys):
         assert (run / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
 
 
+def when_mapped(proc, library):
+    """Wait until the process has mapped a shared library whose path holds `library` (a point
+    inside its imports), or has ended; without /proc, a moment after start-up."""
+    if not os.path.exists("/proc/self/maps"):
+        return time.sleep(0.3)
+    while proc.poll() is None:
+        try:
+            if library in Path(f"/proc/{proc.pid}/maps").read_text():
+                return
+        except OSError:  # it ended meanwhile
+            return
+        time.sleep(0.001)
+
+
 def test_ctrl_c_while_a_command_loads_torch_is_quiet(tmp_path):
     # The signal lands at several points of torch's import, found in /proc/PID/maps so that a
     # faster machine does not move them: as its libraries map, and once numpy's C extension is
     # in (CI once caught one inside numpy's, which left a half-loaded module behind)
-    def at(proc, library):
-        if not os.path.exists("/proc/self/maps"):
-            return time.sleep(0.3)  # elsewhere: a moment after start-up
-        while proc.poll() is None:
-            try:
-                if library in Path(f"/proc/{proc.pid}/maps").read_text():
-                    return
-            except OSError:  # it ended meanwhile
-                return
-            time.sleep(0.001)
     commands = (["expand.py", str(tmp_path / "a"), str(tmp_path / "b")], ["sample.py", str(tmp_path)])
     for command, library in itertools.product(commands, ("libtorch", "_multiarray_umath")):
         proc = subprocess.Popen([sys.executable, *command], cwd=HERE, stderr=subprocess.PIPE, text=True)
-        at(proc, library)
+        when_mapped(proc, library)
         assert proc.poll() is None, "the command ended before the signal: no torch import?"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -1400,7 +1404,7 @@ def test_a_first_signal_during_start_up_stops_cleanly(tmp_path, monkeypatch, cap
 
 def test_sigint_while_the_trainer_starts_exits_quietly(tmp_path):
     proc = start_run(["--preset=smoke", f"--run_dir={tmp_path / 'r'}"])
-    time.sleep(0.3)  # python is up, torch still loading
+    when_mapped(proc, "_multiarray_umath")  # torch is loading
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert "Traceback" not in err and err.count("\n") <= 1, err
