@@ -588,8 +588,10 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
                                                "--workers=2"])
     assert r.returncode == 0, r.stderr
     enc = gpt2()
-    expected = [t for d in docs for t in [50256] + enc.encode_ordinary(d)]
-    files = sorted(out.iterdir())
+    expected = [t for d in docs if d for t in [50256] + enc.encode_ordinary(d)]  # "" skipped
+    files = sorted(out.glob("*.bin"))
+    assert json.loads((out / "t.manifest.json").read_text())["shards"] == {
+        f.name: sha256(f.read_bytes()) for f in files}
     assert files[-1].name == "t_val_000000.bin"  # sorted: train shards come first
     assert [f.name for f in files[:-1]] == [f"t_train_{i:06d}.bin" for i in range(1, len(files))]
     got = np.concatenate([tg.read_shard(str(out / "t_val_000000.bin"))] +
@@ -616,24 +618,61 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
         assert list(out.iterdir()) == []
 
 
-def test_retokenizing_into_a_used_folder_leaves_no_stale_shards(tmp_path):
+def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_path):
     big = "many words make many tokens " * 40
     (tmp_path / "big.txt").write_text(big)
     (tmp_path / "small.txt").write_text("few words")
+    (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n')
     out = tmp_path / "shards"
     out.mkdir()
-    (out / "other_train_000001.bin").write_bytes(b"another corpus, kept")
+    others = {"other_train_000001.bin": b"another corpus, kept",  # a name sharing the prefix:
+              "corpus_big_train_000001.bin": b"corpus_big is not corpus"}
+    for name, data in others.items():
+        (out / name).write_bytes(data)
+    tokenize = lambda src: run_data_script("tokenize_corpus.py", [  # noqa: E731
+        str(tmp_path / src), f"--out={out}", "--shard_tokens=50", "--workers=1"])
     n_big = -(-(1 + len(gpt2().encode_ordinary(big))) // 50)
     assert n_big > 2
-    for name, n_shards in (("big.txt", n_big), ("small.txt", 1)):
-        r = run_data_script("tokenize_corpus.py", [str(tmp_path / name), f"--out={out}",
-                                                   "--shard_tokens=50", "--workers=1"])
+    for src, n_shards in (("big.txt", n_big), ("small.txt", 1)):
+        r = tokenize(src)
         assert r.returncode == 0, r.stderr
-        assert len(glob.glob(str(out / "corpus_*.bin"))) == n_shards
-    assert f"removed {n_big - 1} shard(s) of an earlier corpus named 'corpus'" in r.stderr
-    assert (out / "other_train_000001.bin").read_bytes() == b"another corpus, kept"
+        assert len([p for p in out.iterdir() if re.fullmatch(r"corpus_(val|train)_\d+\.bin", p.name)]) == n_shards
+    assert f"removed {n_big - 1} shard(s) of the previous corpus 'corpus'" in r.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = tokenize("blank.jsonl")  # no documents: an error, and the corpus stays as it was
+    assert r.returncode == 2 and r.stderr == ("error: the input holds no documents (no non-empty "
+                                              "text); nothing was written\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert all((out / n).read_bytes() == data for n, data in others.items())
     assert list(tg.read_shard(str(out / "corpus_val_000000.bin"))) == \
         [50256] + gpt2().encode_ordinary("few words")
+
+
+def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
+    # a downloaded FineWeb, or shards an older version wrote: never replaced or removed
+    (tmp_path / "a.txt").write_text("some words " * 30)
+    out = tmp_path / "fineweb10B"
+    out.mkdir()
+    download = {f"fineweb_{s}_{i:06d}.bin": f"download {i}".encode()
+                for i, s in enumerate(["val", "train", "train"])}
+    for name, data in download.items():
+        (out / name).write_bytes(data)
+    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
+                                               "--name=fineweb", "--shard_tokens=20", "--workers=1"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "fineweb_train_000001.bin (and 2 more) is named like a shard of corpus 'fineweb' but " \
+           "was not written by this script" in r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == download
+    # its own corpus, edited since it was written, is not its own any more
+    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
+                                               "--name=mine", "--shard_tokens=20", "--workers=1"])
+    assert r.returncode == 0, r.stderr
+    (out / "mine_train_000002.bin").write_bytes(b"edited")
+    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
+                                               "--name=mine", "--workers=1"])
+    assert r.returncode == 2 and "mine_train_000002.bin (and 0 more)" in r.stderr
+    assert (out / "mine_train_000002.bin").read_bytes() == b"edited"
+    assert not list(out.glob(".mine.*"))  # no temporary folder left
 
 
 def test_sample_regenerates_byte_for_byte(tmp_path):
@@ -642,7 +681,7 @@ def test_sample_regenerates_byte_for_byte(tmp_path):
         pytest.skip(f"the sample was made with Python {made_with}")
     r = run_data_script("tokenize_corpus.py", [f"--out={tmp_path}"])
     assert r.returncode == 0, r.stderr
-    for name in ("sample_train_000001.bin", "sample_val_000000.bin"):
+    for name in ("sample_train_000001.bin", "sample_val_000000.bin", "sample.manifest.json"):
         assert (tmp_path / name).read_bytes() == (Path(HERE) / "data" / "sample" / name).read_bytes()
 
 

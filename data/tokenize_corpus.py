@@ -8,9 +8,16 @@ Input: .txt files (each file one document, UTF-8) and .jsonl files (one JSON obj
 its "text" field one document). Each document is encoded with the GPT-2 BPE (tiktoken) and
 preceded by <|endoftext|> (50256), as in FineWeb. Tokens go into shards of --shard_tokens
 tokens (the last one shorter) in the modded-nanogpt format that train_gpt.py reads; the first
-shard is named as validation: NAME_val_000000.bin, then NAME_train_000001.bin, ... Shards are
-written under temporary names and renamed only when the whole corpus encoded, so a failed run
-leaves nothing that looks finished. Encoding uses --workers processes.
+shard is named as validation: NAME_val_000000.bin, then NAME_train_000001.bin, ... Documents
+with empty text are skipped; an input with none is an error. Encoding uses --workers processes.
+
+What it may delete (class Corpus): shards are written into a temporary folder inside --out and
+take their names only when the whole corpus is encoded; then the shards of the previous version
+of the same corpus (the files NAME.manifest.json lists, with the content it records) that the
+new one does not replace are removed. A file named like a shard of NAME that is not in that
+manifest (a FineWeb download, your own shards, one edited since) is never replaced or removed:
+the command refuses before any work. A failed run leaves nothing; a killed one (SIGKILL) leaves
+its hidden temporary folder .NAME.<random> in --out.
 
 With no input it regenerates data/sample/ from CPython's `pydoc_data.topics`, split by document
 (every 10th topic, in sorted order, to validation). That text depends on the Python version:
@@ -19,11 +26,15 @@ the committed sample was made with the version in data/sample/README.md.
 Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~200 MB).
 """
 
+import contextlib
 import glob
+import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -36,14 +47,90 @@ from data.shards import EOT, gpt2_encoding, header, read_shard  # noqa: E402
 GPT2_VOCAB = 50257
 
 
-def write_shard(path: str, tokens) -> None:
-    """Header (magic, version, count) then uint16 tokens; via a temporary file and rename."""
+def shard_bytes(tokens) -> bytes:
+    """Header (magic, version, count) then the tokens as uint16."""
     tokens = np.asarray(tokens)
     if tokens.dtype != np.uint16:
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
-            raise UserError(f"{path}: token ids must fit uint16")
+            raise UserError("token ids must fit uint16")
         tokens = tokens.astype(np.uint16)
-    write_atomically(path, header(len(tokens)) + tokens.tobytes())
+    return header(len(tokens)) + tokens.tobytes()
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Corpus:
+    """The shards of one corpus NAME in folder OUT, replaced whole or not at all. Shards are
+    written into a temporary folder inside OUT (.NAME.<random>); commit() moves them into place,
+    deletes the shards of this corpus's previous version, and writes NAME.manifest.json (each
+    shard's name and sha256). Only files listed in that manifest, with the content it records,
+    are ever replaced or deleted: a file named like a shard of NAME that this script did not
+    write (a download, another tool's, one edited since) is refused before any work. On any
+    failure the temporary folder, and OUT if this created it, are removed; nothing else is
+    touched."""
+
+    def __init__(self, out: str, name: str):
+        self.out, self.name, self.shards = out, name, {}
+        pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
+        self.manifest = os.path.join(out, f"{name}.manifest.json")
+        ours = {}
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or damaged
+            with open(self.manifest) as f:
+                ours = dict(json.load(f)["shards"])
+        present = sorted(n for n in (os.listdir(out) if os.path.isdir(out) else ())
+                         if pattern.fullmatch(n))
+        foreign = [n for n in present if ours.get(n) != sha256_of(os.path.join(out, n))]
+        if foreign:
+            raise UserError(f"{os.path.join(out, foreign[0])} (and {len(foreign) - 1} more) "
+                            f"is named like a shard of corpus {name!r} but was not written by "
+                            f"this script, or changed since: choose another --name or --out; "
+                            f"nothing was written")
+        self.previous = present
+        self.made_out = not os.path.isdir(out)
+        os.makedirs(out, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=out)
+
+    def add(self, tokens) -> str:
+        """Write the next shard (the first is validation) into the temporary folder."""
+        n = len(self.shards)
+        shard = f"{self.name}_{'val' if n == 0 else 'train'}_{n:06d}.bin"
+        data = shard_bytes(tokens)
+        with open(os.path.join(self.tmp, shard), "wb") as f:
+            f.write(data)
+        self.shards[shard] = hashlib.sha256(data).hexdigest()
+        return shard
+
+    def commit(self) -> list:
+        """Publish the new shards, then drop the previous version's others; -> their paths."""
+        if not self.shards:
+            raise UserError("the input holds no documents (no non-empty text); nothing was written")
+        for shard in self.shards:
+            os.replace(os.path.join(self.tmp, shard), os.path.join(self.out, shard))
+        stale = [n for n in self.previous if n not in self.shards]
+        for n in stale:
+            os.remove(os.path.join(self.out, n))
+        if stale:
+            print(f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in "
+                  f"{self.out}", file=sys.stderr)
+        write_atomically(self.manifest, json.dumps(
+            {"written_by": "data/tokenize_corpus.py", "shards": self.shards}, indent=1).encode())
+        return [os.path.join(self.out, n) for n in self.shards]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for n in os.listdir(self.tmp):  # only what add() wrote there
+            os.remove(os.path.join(self.tmp, n))
+        os.rmdir(self.tmp)
+        if exc[0] is not None and self.made_out and not os.listdir(self.out):
+            os.rmdir(self.out)
 
 
 # ---------------------------------------------------------------------------- reading documents
@@ -121,48 +208,30 @@ def tokenize(paths, out, name, shard_tokens, workers):
             raise UserError(f"{path}: not readable")
     writable_dir(out)  # before the long work, not after it
     gpt2_encoding()  # fail early, with the clear message, before any worker starts
-    written, n_docs, n_tokens = [], 0, 0
+    n_docs, n_tokens = 0, 0
     shard, fill = np.empty(shard_tokens, dtype=np.uint16), 0  # 2 bytes a token, not a list
     progress = Progress()
-
-    def flush_shard(tokens):
-        split = "val" if not written else "train"
-        final = os.path.join(out, f"{name}_{split}_{len(written):06d}.bin")
-        write_shard(final + ".part", tokens)
-        written.append(final)
-
     pool = mp.Pool(workers) if workers > 1 else None
     try:
-        results = pool.imap(_encode, documents(paths), chunksize=16) if pool else \
-            map(_encode, documents(paths))
-        for doc_name, ids in results:
-            if isinstance(ids, str):
-                raise UserError(f"{doc_name}: {ids}")
-            n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
-            while len(ids):  # a long document may span several shards
-                take = min(len(ids), shard_tokens - fill)
-                shard[fill:fill + take], fill, ids = ids[:take], fill + take, ids[take:]
-                if fill == shard_tokens:
-                    flush_shard(shard)
-                    fill = 0
-            progress.update(n_docs, n_tokens, len(written))
-        if fill:
-            flush_shard(shard[:fill])
-        for path in written:  # all encoded: now the shards take their real names
-            os.replace(path + ".part", path)
-        # shards of an earlier corpus of the same name would be read as part of this one
-        stale = sorted(set(glob.glob(os.path.join(glob.escape(out), f"{glob.escape(name)}_*_*.bin")))
-                       - set(written))
-        for path in stale:
-            os.remove(path)
-        if stale:
-            print(f"removed {len(stale)} shard(s) of an earlier corpus named {name!r} in {out}",
-                  file=sys.stderr)
-    except BaseException:
-        for path in written:
-            if os.path.exists(path + ".part"):
-                os.remove(path + ".part")
-        raise
+        with Corpus(out, name) as corpus:
+            results = pool.imap(_encode, documents(paths), chunksize=16) if pool else \
+                map(_encode, documents(paths))
+            for doc_name, ids in results:
+                if isinstance(ids, str):
+                    raise UserError(f"{doc_name}: {ids}")
+                if len(ids) == 1:  # empty text: no document
+                    continue
+                n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+                while len(ids):  # a long document may span several shards
+                    take = min(len(ids), shard_tokens - fill)
+                    shard[fill:fill + take], fill, ids = ids[:take], fill + take, ids[take:]
+                    if fill == shard_tokens:
+                        corpus.add(shard)
+                        fill = 0
+                progress.update(n_docs, n_tokens, len(corpus.shards))
+            if fill:
+                corpus.add(shard[:fill])
+            written = corpus.commit()
     finally:
         if pool:
             pool.terminate()
@@ -178,9 +247,10 @@ def make_sample(out):
     train, val = [], []
     for i, key in enumerate(sorted(topics)):
         (val if i % 10 == 0 else train).extend([EOT] + enc.encode_ordinary(topics[key]))
-    os.makedirs(out, exist_ok=True)
-    write_shard(os.path.join(out, "sample_val_000000.bin"), val)
-    write_shard(os.path.join(out, "sample_train_000001.bin"), train)
+    with Corpus(out, "sample") as corpus:
+        corpus.add(val)
+        corpus.add(train)
+        corpus.commit()
     print(f"python {sys.version.split()[0]}: {len(train):,} train and {len(val):,} val tokens "
           f"written to {out}")
 
