@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def cli(main, argv, before_error=None) -> int:
     Once a training job has its run directory (STOP.last_ckpt set), an OS error (a full disk)
     is status 1 and a Ctrl-C (the second signal) 130, each line naming the last checkpoint."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: Ctrl-C is
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)             # KeyboardInterrupt again
+    for sig in SAVE_SIGNALS[1:]:                               # KeyboardInterrupt again
+        signal.signal(sig, signal.SIG_DFL)
     STOP.last_ckpt = None  # (tests run several commands in one process)
 
     def fail(text: str, status: int) -> int:
@@ -78,13 +80,13 @@ def os_error_text(e: OSError) -> str:
 
 
 def exit_quietly_on_signals():
-    """For a command run as a script, before it loads torch (seconds): Ctrl-C or SIGTERM exits
-    at once, 130 or 143, with no traceback. The trainer installs its own handlers later.
+    """For a command run as a script, before it loads torch (seconds): Ctrl-C, SIGTERM or
+    SIGUSR1 exits at once, 130, 143 or 138, with no traceback. The trainer installs its own handlers later.
     os._exit, not sys.exit: an exception raised inside a half-done C-extension import (numpy,
     torch) can be caught and the import retried, which then fails with a traceback. Nothing has
     been written before cli() takes the signals back, so there is nothing to clean up."""
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    for sig in SAVE_SIGNALS:
+        signal.signal(sig, lambda signum, _: os._exit(128 + signum))
 
 
 def parse_bool(text: str) -> bool:
@@ -231,6 +233,27 @@ def machine_memory() -> int:
 # -----------------------------------------------------------------------------
 # Files and checkpoints
 
+def kind_of(path: str) -> str:
+    """What is at path, for an error line: 'a file', 'a folder', 'a broken symbolic link',
+    'a symbolic link loop', 'a character device', ..., 'nothing' (or why it cannot be seen)."""
+    import errno
+    import stat
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if os.path.islink(path):
+            return "a broken symbolic link"
+        return "nothing" if e.errno in (errno.ENOENT, errno.ENOTDIR) else (e.strerror or str(e)).lower()
+    for test, kind in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
 def writable_dir(path: str) -> str:
     """Create path if needed and prove it takes a file, before any long work writes there."""
     try:
@@ -270,13 +293,13 @@ def write_atomically(path: str, data: bytes):
 
 
 def read_config(run_dir: str) -> dict:
-    """RUN_DIR/config.json, or {} when there is none."""
+    """RUN_DIR/config.json, or None when there is none."""
     path = os.path.join(run_dir, "config.json")
     try:
         with open(path) as f:
             config = json.load(f)
     except FileNotFoundError:
-        return {}
+        return None
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
     if not isinstance(config, dict):
@@ -314,9 +337,8 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     import torch
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isfile(path):
-        hint = ("; its run stopped before the first checkpoint, and --resume starts it afresh"
-                if os.path.exists(os.path.join(run_dir, "config.json")) else "")
-        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it{hint}")
+        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it" + (
+            f" ({path} is {kind_of(path)})" if os.path.lexists(path) else ""))
     try:
         mtime = os.stat(path).st_mtime_ns
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -336,23 +358,45 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     return state
 
 
-def run_to_resume(run_dir: str, load, settings) -> tuple:
+def saved_steps(run_dir: str) -> list:
+    """The steps at which RUN_DIR's logs (metrics.jsonl) record a saved checkpoint."""
+    steps = []
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
+                m = json.loads(line)
+                steps += [m["step"]] if m["kind"] == "checkpoint" else []
+    return steps
+
+
+def run_to_resume(run_dir: str, load, settings, required) -> tuple:
     """-> (settings(its saved settings), its checkpoint): load(run_dir)'s (read_checkpoint),
-    or config.json's and None for a run that stopped before its first checkpoint. A checkpoint
-    must belong to the run of the config.json beside it (run_id): else it was copied in."""
-    config = read_config(run_dir)
-    if config and not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
-        try:
-            return settings(config), None
-        except UserError as e:
-            raise UserError(f"{os.path.join(run_dir, 'config.json')}: {e} (an edited or damaged "
-                            f"file)") from None
-    ckpt = load(run_dir)
-    if config and config.get("run_id") != ckpt["run_id"]:
-        raise UserError(f"{os.path.join(run_dir, CHECKPOINT)} belongs to another run (run_id "
-                        f"{ckpt['run_id']}, config.json says {config.get('run_id')}); "
-                        f"resume the run it came from")
-    return settings(ckpt["hp"]), ckpt
+    or config.json's and None for a run that never saved one (no checkpoint.pt, and no save in
+    its logs, which the trainer records: a run whose checkpoint vanished is not started afresh). config.json, where there
+    is one, must be this run's: an object with the checkpoint's run_id and every setting of
+    the run (the checkpoint's, or else the names in required), each of its type."""
+    config, path = read_config(run_dir), os.path.join(run_dir, CHECKPOINT)
+    if config is not None and not os.path.lexists(path):
+        if saves := saved_steps(run_dir):
+            raise UserError(f"{path} is gone, but the run's logs record a checkpoint saved at "
+                            f"step {saves[-1]}: put it back to resume (a run starts afresh only "
+                            f"if it never saved); nothing was written")
+    ckpt = load(run_dir) if config is None or os.path.lexists(path) else None
+    saved = ckpt["hp"] if ckpt else config
+    try:
+        if config is not None:
+            if not isinstance(config.get("run_id"), str):
+                raise UserError("it holds no run_id")
+            if missing := [k for k in required if k not in config and (not ckpt or k in ckpt["hp"])]:
+                raise UserError(f"it lacks the setting {missing[0]!r}")
+            settings(config)  # each of its type
+    except UserError as e:
+        raise UserError(f"{os.path.join(run_dir, 'config.json')}: {e} (an edited or damaged "
+                        f"file)") from None
+    if ckpt and config is not None and config["run_id"] != ckpt["run_id"]:
+        raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
+                        f"says {config['run_id']}); resume the run it came from")
+    return settings(saved), ckpt
 
 
 def rng_state(cuda: bool) -> dict:
@@ -458,22 +502,23 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     """Choose (default: a new one) and lock the run directory. Resuming, its checkpoint must be
     the one read (mtime). A fresh start refuses a directory holding a checkpoint; one whose
     run ended before its first checkpoint is started afresh, with the earlier attempt's files
-    moved to aborted_<k>/ so nothing is lost."""
+    moved to aborted_<k>/ so nothing is lost (only a run that never saved starts afresh)."""
     run_dir = run_dir or new_run_dir(name)
     lock_run_dir(run_dir)
     path = os.path.join(run_dir, CHECKPOINT)
     writable_dir(run_dir)  # before anything is written (a read-only folder: an error line)
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
-        if os.path.isfile(stale):  # write_atomically's name: a save killed half-way (SIGKILL)
+    for stale in [p for n in (CHECKPOINT, PREVIOUS)
+                  for p in glob.glob(os.path.join(glob.escape(run_dir), n + ".????????.tmp"))]:
+        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write/link_atomically's
             os.remove(stale)
     if resuming:
         if (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != mtime:
             raise UserError(f"{path} changed while this job started (another job was using "
                             f"the run); resume again")
         return run_dir
-    if os.path.exists(path):
-        raise UserError(f"{run_dir} already holds a run (a checkpoint); choose another directory, "
-                        f"or continue it with train_gpt.py --resume={run_dir}")
+    if os.path.lexists(path) or saved_steps(run_dir):
+        raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose another "
+                        f"directory, or continue it with train_gpt.py --resume={run_dir}")
     old = [n for n in LOGS if os.path.exists(os.path.join(run_dir, n))]
     if old:
         k = 1
@@ -515,7 +560,7 @@ class RunLog:
             return
         config_path, metrics, log = (os.path.join(run_dir, n)
                                      for n in ("config.json", "metrics.jsonl", "train.log"))
-        previous = read_config(run_dir) if resumed_at is not None else {}
+        previous = (read_config(run_dir) if resumed_at is not None else None) or {}
         new_log = resumed_at is None or not os.path.exists(log)
         write_atomically(config_path, json.dumps(config, indent=2).encode())
         self.log = open(log, "w" if resumed_at is None else "a")
@@ -567,10 +612,15 @@ class RunLog:
 # -----------------------------------------------------------------------------
 # Stop signals
 
+SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedulers, Slurm's --signal
+
+
 class StopSignal:
-    """SIGTERM / SIGINT (what schedulers and Ctrl-C send) ask for a checkpoint at the next step
-    boundary; a second signal stops at once (KeyboardInterrupt). Re-entrant: the trainer holds
-    it for the whole job, so a signal during start-up stops the job before its first step."""
+    """SAVE_SIGNALS (what Ctrl-C, schedulers and Slurm's --signal warning send) ask for a
+    checkpoint at the next step boundary; a second signal stops at once (KeyboardInterrupt).
+    Re-entrant: the trainer holds it for the whole job, so a signal during start-up stops the
+    job before its first step. finish(): the job is over, its checkpoint saved; a signal from
+    then until the process exits is ignored, so that a complete run ends with status 0."""
 
     def __init__(self):
         self.signum, self.depth, self.previous = 0, 0, {}
@@ -583,8 +633,8 @@ class StopSignal:
 
     def __enter__(self):
         if self.depth == 0:
-            self.signum = 0
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            self.signum, self.finished = 0, False
+            for sig in SAVE_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self)
         self.depth += 1
         return self
@@ -593,7 +643,12 @@ class StopSignal:
         self.depth -= 1
         if self.depth == 0:
             for sig, handler in self.previous.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, signal.SIG_IGN if self.finished else handler)
+
+    finished = False
+
+    def finish(self):
+        self.finished = True
 
 
 STOP = StopSignal()  # handlers are installed only inside `with STOP:`
@@ -714,20 +769,76 @@ def all_finite(model, opt) -> bool:
     return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
 
-def save_or_stop(d: Dist, run_dir: str, step: int, model, opt, state):
-    """Save state() as the run's checkpoint (rank 0), unless the weights or the optimiser's
-    moments hold a non-finite number: then RunStopped, naming the last good checkpoint, which
-    is left as it was. Every rank learns whether the save worked, so none waits for a rank
-    that stopped."""
-    if not all_finite(model, opt):
-        raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
-                         f"replaced; last good checkpoint: {STOP.last_ckpt}")
+PREVIOUS = "checkpoint.prev.pt"  # the checkpoint before the newest, while the newest is unproven
+
+
+class Checkpoints:
+    """The run's checkpoint.pt, saved only with finite weights, and the proof that it trains.
+    A checkpoint is proven once a step taken from it has a finite loss. Until then the one
+    before it (proven) stays as checkpoint.prev.pt, so that a finite but exploded update saved
+    at the step it happened cannot take the place of one that trains: if the run stops for
+    non-finite numbers before the newest is proven, the previous one is put back as
+    checkpoint.pt and named as the last good one. run.kept: the step of checkpoint.prev.pt
+    (-1: none), saved in each checkpoint."""
+
+    def __init__(self, d: Dist, run_dir: str, run, resumed: bool):
+        self.d, self.dir, self.run = d, run_dir, run
+        self.path, self.previous = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
+        self.step = run.step if resumed else None  # the newest checkpoint's step
+        self.proven = not resumed  # a resumed job doubts its checkpoint until a finite step
+        STOP.last_ckpt = f"{self.path} (step {self.step})" if resumed else "none"
+
+    def save(self, step: int, model, opt, state):
+        """Save state() as the newest checkpoint (rank 0), unless a weight or an optimiser
+        moment is not finite: then RunStopped, naming the last good checkpoint. Every rank
+        learns whether the save worked, so none waits for a rank that stopped."""
+        if not all_finite(model, opt):
+            raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
+                             f"replaced; last good checkpoint: {self.last_good()}")
+        keep = self.proven and self.step is not None
+        self.run.kept = self.step if keep else self.run.kept
+        try:
+            self.d.on_master(lambda: (keep and link_atomically(self.path, self.previous),
+                                      save_checkpoint(self.dir, state())))
+        except UserError as e:
+            raise RunStopped(f"cannot write the checkpoint of step {step} ({e}); "
+                             f"last good checkpoint: {self.last_good()}") from None
+        self.step, self.proven = step, False
+        STOP.last_ckpt = f"{self.path} (step {step})"
+
+    def trained(self):
+        """A step from the newest checkpoint had a finite loss: it is proven."""
+        if not self.proven:
+            self.proven, self.run.kept = True, -1
+            self.d.on_master(lambda: os.path.exists(self.previous) and os.remove(self.previous))
+
+    def last_good(self) -> str:
+        """The last good checkpoint, for an error line: the newest if proven, else the one
+        before it, put back as checkpoint.pt."""
+        if self.proven or self.step is None:
+            return STOP.last_ckpt
+        if self.d.on_master(lambda: os.path.exists(self.previous)):
+            self.d.on_master(lambda: os.replace(self.previous, self.path))
+            STOP.last_ckpt = (f"{self.path} (step {self.run.kept}, put back: the checkpoint of "
+                              f"step {self.step} had not trained a finite step)")
+            self.proven = True
+            return STOP.last_ckpt
+        return f"none known: {STOP.last_ckpt} has not trained a finite step"
+
+
+def link_atomically(path: str, link: str):
+    """link becomes a second name of path's file (a copy where hard links are not allowed)."""
+    tmp = f"{link}.{os.urandom(4).hex()}.tmp"
     try:
-        d.on_master(lambda: save_checkpoint(run_dir, state()))
-    except UserError as e:
-        raise RunStopped(f"cannot write the checkpoint of step {step} ({e}); "
-                         f"last good checkpoint: {STOP.last_ckpt}") from None
-    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {step})"
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, link)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,

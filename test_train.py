@@ -20,7 +20,7 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -761,7 +761,7 @@ def test_resume_is_bitwise_identical(tmp_path):
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
     r = run_script([f"--resume={part}"])
     assert r.returncode == 0, r.stderr
-    strip = lambda ms: [timing(m) for m in ms if m["kind"] != "warmup"]  # noqa: E731
+    strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
     a, b = strip(read_metrics(full)), strip(read_metrics(part))
     assert len(a) == 8 + 3 and a == b  # same floats, bit for bit (json keeps every bit)
     # the clock spans both jobs: each left its first step untimed, so 6 of 8 steps are timed
@@ -930,14 +930,15 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: Slurm's warning
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
     proc = start_run(RESUME_RUN + ["--train_tokens=1024000", f"--run_dir={tmp_path}"])
     wait_for_line(proc, "step:2/4000 train_loss")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
-    assert f"stopped by signal SIGTERM at step {step}" in out
+    assert f"stopped by signal {signal.Signals(signum).name} at step {step}" in out
     assert f"resume with: python train_gpt.py --resume={tmp_path}" in out
 
 
@@ -959,11 +960,96 @@ def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))  # 2 micro-steps: step 5
     code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 1
+    # the checkpoint of step 4 has not trained a finite step: the one before it is the good one
     assert err == (f"error: non-finite loss at step 5; no update was applied; last good "
-                   f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 4)\n")
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
+                   f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 2, put back: the checkpoint "
+                   f"of step 4 had not trained a finite step)\n")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
+    assert sorted(p.name for p in tmp_path.glob("checkpoint*")) == ["checkpoint.pt"]
     metrics = read_metrics(tmp_path)  # every line whole
     assert [m["step"] for m in metrics if m["kind"] == "train"] == [1, 2, 3, 4]
+
+
+def test_an_exploded_update_never_replaces_the_checkpoint_that_trains(tmp_path, capsys):
+    # a finite update so large that the next loss is not finite, saved at the step it happened
+    code, _, err = run_main(RESUME_RUN + ["--stop_step=4", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    good = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    code, _, err = run_main([f"--resume={tmp_path}", "--lr=1e8", "--save_every=1"], capsys)
+    assert code == 1
+    assert err == (f"error: non-finite loss at step 6; no update was applied; last good "
+                   f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 4, put back: the checkpoint "
+                   f"of step 5 had not trained a finite step)\n")
+    back = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert back["step"] == 4 and all(torch.equal(back["model"][k], v) for k, v in good["model"].items())
+    assert not (tmp_path / "checkpoint.prev.pt").exists()
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # and the run goes on from it
+    assert code == 0, err
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
+
+
+def test_a_checkpoint_that_never_trained_is_not_called_good(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(3))  # step 2, after saving 1
+    code, _, err = run_main(RESUME_RUN + ["--save_every=1", f"--run_dir={tmp_path}"], capsys)
+    assert code == 1 and err.endswith(f"last good checkpoint: none known: {tmp_path / 'checkpoint.pt'} "
+                                      f"(step 1) has not trained a finite step\n"), err
+
+
+def test_a_run_whose_checkpoint_vanished_is_not_started_afresh(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    (tmp_path / "checkpoint.pt").unlink()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
+        code, out, err = run_main(args, capsys)
+        assert code == 2 and err.count("\n") == 1 and out == "", err
+        assert ("checkpoint.pt is gone, but the run's logs record a checkpoint saved at step 2"
+                if "--resume" in args[0] else "already holds a run that saved a checkpoint") in err
+    (tmp_path / "checkpoint.pt").symlink_to(tmp_path / "moved.pt")  # a link whose file is gone
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert code == 2 and "checkpoint.pt is a broken symbolic link" in err, err
+    (tmp_path / "checkpoint.pt").unlink()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + ["--stop_step=4", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    good = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value, message in (("step", -3, "step=-3 must lie in [0, inf]"),
+                                ("val_done", 9, "val_done=9 must lie in [-1, 4]"),
+                                ("train_ms", float("nan"), "train_ms=nan must lie in [0, inf]"),
+                                ("bad_steps", 5, "bad_steps=5 must lie in [0, 4]")):
+        torch.save({**good, key: value}, tmp_path / "checkpoint.pt")
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+        code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+        assert code == 2 and f"checkpoint.pt: {message} (an edited or damaged checkpoint)" in err, err
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    torch.save(good, tmp_path / "checkpoint.pt")
+    for edited, message in (({}, "it holds no run_id"),
+                            ({"run_id": config["run_id"]}, "it lacks the setting 'train_files'"),
+                            ({**config, "lr": "fast"}, "saved lr='fast' is not of type float")):
+        (tmp_path / "config.json").write_text(json.dumps(edited))
+        code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+        assert code == 2 and f"config.json: {message} (an edited or damaged file)" in err, err
+        assert json.loads((tmp_path / "config.json").read_text()) == edited  # not overwritten
+
+
+def after_exit(signum):
+    """python -c code that runs train_gpt.py as a script and sends itself signum at exit."""
+    return (f"import atexit, os, runpy, sys; sys.argv[0] = 'train_gpt.py'; "
+            f"atexit.register(lambda: os.kill(os.getpid(), {int(signum)})); "
+            f"runpy.run_path('train_gpt.py', run_name='__main__')")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_a_signal_after_the_final_save_leaves_status_0(tmp_path, signum):
+    r = subprocess.run([sys.executable, "-c", after_exit(signum), *RESUME_RUN, f"--run_dir={tmp_path}"],
+                       cwd=HERE, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
 
 
 def test_a_bounded_number_of_bad_steps_can_be_skipped(tmp_path, monkeypatch, capsys):
@@ -987,7 +1073,9 @@ def bad_inputs(tmp_path):
     smoke = ["--preset=smoke"]
     (tmp_path / "dir_000001.bin").mkdir()
     (tmp_path / "a_file").write_text("not a folder")
-    for name, config in (("list_config", [1, 2]), ("typed_config", {"beta1": "x"})):
+    settings = {**asdict(tg.Hyperparameters()), "run_id": "ab12"}
+    for name, config in (("list_config", [1, 2]), ("typed_config", {**settings, "beta1": "x"}),
+                         ("bare_config", {"run_id": "ab12"})):
         (tmp_path / name).mkdir()  # a run that stopped before its checkpoint, its config edited
         (tmp_path / name / "config.json").write_text(json.dumps(config))
     unreadable = [(smoke + ["--train_files=/proc/self/mem"], "/proc/self/mem: Input/output error")
@@ -1022,6 +1110,7 @@ def bad_inputs(tmp_path):
         (smoke + ["--val_tokens=100"], "val_tokens=100 is fewer than one validation batch"),
         ([f"--resume={tmp_path}/list_config"], "list_config/config.json: not a run's config"),
         ([f"--resume={tmp_path}/typed_config"], "typed_config/config.json: saved beta1='x' is not of type float"),
+        ([f"--resume={tmp_path}/bare_config"], "bare_config/config.json: it lacks the setting 'train_files'"),
     ]
 
 
@@ -1267,7 +1356,7 @@ def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
     code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
     assert code == 0, err
     ref, run = (read_metrics(tmp_path / r) for r in ("ref", "run"))
-    strip = lambda ms: [timing(m) for m in ms if m["kind"] != "warmup"]  # noqa: E731
+    strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
     assert val_steps(tmp_path / "run") == [0, 4, 8] and strip(ref) == strip(run)
     code, out, _ = run_main([f"--resume={tmp_path / 'run'}"], capsys)  # nothing left to do
     assert code == 0 and "the run is complete at step 8" in out
@@ -2123,7 +2212,7 @@ DDP_COMPACT = r'''
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt as tg
-from dataclasses import replace
+from dataclasses import asdict, replace
 torch.distributed.init_process_group("gloo")
 rank = torch.distributed.get_rank()
 hp = replace(tg.Hyperparameters(), vocab_size=97, n_layers=4, dim=32, n_heads=4, n_kv_heads=2,

@@ -84,7 +84,7 @@ from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
                      all_reduce, all_reduce_sums, check_fields, cli, clock, field_help, fmt_list,
                      machine_memory, mismatched_weights, open_log, open_run_dir, parse_fields, provenance,
-                     read_checkpoint, release_locks, rng_state, run_to_resume, save_or_stop,
+                     read_checkpoint, release_locks, rng_state, run_to_resume, Checkpoints,
                      saved_fields, set_rng_state, setup_distributed)
 
 # -----------------------------------------------------------------------------
@@ -1034,6 +1034,16 @@ class RunState:
     timed_steps: int = 0
     bad_steps: int = 0    # non-finite losses skipped
     val_done: int = -1    # the last step whose validation is recorded
+    kept: int = -1        # the step of checkpoint.prev.pt (support.Checkpoints), -1: none
+
+    def check(self):
+        """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
+        s = self.step
+        for name, low, high in (("step", 0, math.inf), ("tokens", 0, math.inf),
+                                ("train_ms", 0, math.inf), ("timed_steps", 0, s),
+                                ("bad_steps", 0, s), ("val_done", -1, s), ("kept", -1, s - 1)):
+            if not low <= getattr(self, name) <= high:  # NaN too
+                raise UserError(f"{name}={getattr(self, name)} must lie in [{low}, {high}]")
 
 
 # a checkpoint: the RunState's fields, then what a job needs to go on exactly where one stopped
@@ -1049,8 +1059,8 @@ def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT",
 
 
 def load_checkpoint(run_dir: str) -> dict:
-    def check_and_build(state):  # its counters' and settings' types, then the model they make
-        saved_fields(RunState, state)
+    def check_and_build(state):  # its counters' types and values, its settings', then the model
+        RunState(**saved_fields(RunState, state)).check()
         return GPT(saved_settings(state["hp"]))
     return read_checkpoint(run_dir, CHECKPOINT_KEYS, check_and_build)
 
@@ -1077,7 +1087,8 @@ def resume_settings(overrides: dict) -> tuple:
     if overrides.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
     # stop_step is a setting of one job, not of the run
-    base, ckpt = run_to_resume(run_dir, load_checkpoint, lambda saved: saved_settings(saved, stop_step=0))
+    base, ckpt = run_to_resume(run_dir, load_checkpoint, lambda saved: saved_settings(saved, stop_step=0),
+                               [f.name for f in fields(Hyperparameters)])
     hp = resolve(overrides, base)
     if ckpt is None:
         return replace(hp, run_dir=run_dir, resume=""), None
@@ -1200,7 +1211,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(hp.run_dir, hp.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
-    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {ckpt['step']})" if ckpt else "none"
+    saves = Checkpoints(d, run_dir, run, resumed=ckpt is not None)
     model = torch.compile(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
@@ -1244,8 +1255,9 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 # checkpoint: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
                 if (step > start or run.val_done != saved_val) and (ending or periodic):
-                    save_or_stop(d, run_dir, step, raw, opt, lambda: checkpoint_state(
+                    saves.save(step, raw, opt, lambda: checkpoint_state(
                         run, hp, d.world, raw, opt, train_loader.state()))  # position: global
+                    log.record({"kind": "checkpoint", "step": step})  # (support.saved_steps)
                     saved_val = run.val_done
                 if ending:
                     break
@@ -1260,11 +1272,12 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                     run.bad_steps += 1
                     if run.bad_steps > hp.max_bad_steps:
                         raise RunStopped(f"non-finite loss at step {run.step}; no update was "
-                                         f"applied; last good checkpoint: {STOP.last_ckpt}")
+                                         f"applied; last good checkpoint: {saves.last_good()}")
                     log.print(f"step:{run.step}/{steps} skipped: non-finite loss "
                               f"({run.bad_steps} of max_bad_steps={hp.max_bad_steps})")
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
+                saves.trained()
                 count = stats["tokens"].item()
                 raw.router.update(stats.get("router"), count, step)
                 d.sync()
@@ -1367,6 +1380,7 @@ def main(argv):
         d = setup_distributed()
         try:
             train(hp, d, ckpt, argv)
+            STOP.finish()  # saved: a late signal changes nothing
         finally:
             release_locks()  # the job is over (in a test, the process goes on)
             d.close()
