@@ -31,6 +31,7 @@ import json
 import math
 import os
 import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -117,15 +118,46 @@ def run_state(run_dir: str) -> str:
     return "resume" if os.path.exists(os.path.join(run_dir, tg.CHECKPOINT)) else "fresh"
 
 
+class Stopped(Exception):
+    """A signal reached the sweep; the run in flight saved its checkpoint and stopped."""
+
+
 def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""):
+    """Run script to its end. It runs in a session of its own, so that a Ctrl-C at the
+    terminal reaches this sweep alone, which passes each of the trainer's saving signals on
+    once (to torchrun's whole group): the run saves its checkpoint, this waits for it, then
+    raises Stopped. A second signal, passed on too, stops the run at once."""
     cmd = ([sys.executable, script] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", script])
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run(cmd + args, cwd=here, capture_output=True, text=True)
-    if r.returncode:
-        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise support.UserError(f"{label or ' '.join(args[-1:])}: {script} exited {r.returncode}: {tail}")
+    got, proc = [], None
+
+    def send(sig):
+        proc.send_signal(sig) if nproc == 1 else os.killpg(proc.pid, sig)
+
+    def forward(sig, _):
+        got.append(sig)
+        if proc is not None:
+            send(sig)
+    previous = {sig: signal.signal(sig, forward) for sig in support.SAVE_SIGNALS}
+    try:
+        proc = subprocess.Popen(cmd + args, cwd=here, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if got:  # one that came before the trainer existed
+            send(got[0])
+        _, err = proc.communicate()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    label = label or " ".join(args[-1:])
+    if proc.returncode:
+        tail = (err.strip().splitlines() or ["(no output)"])[-1]
+        kind = support.UserError if proc.returncode == 2 and not got else support.RunStopped
+        raise kind(f"{label}: {script} exited {proc.returncode}: {tail}")
+    if got:
+        raise Stopped(f"sweep stopped by {signal.Signals(got[0]).name}; {label} saved its "
+                      f"checkpoint; run the same command again to go on")
 
 
 def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
@@ -371,7 +403,11 @@ def main(argv):
         "records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"))
     support.writable_dir(runs_dir)
     t0 = time.time()
-    done = run_grid(grid, runs_dir, seeds, nproc)
+    try:
+        done = run_grid(grid, runs_dir, seeds, nproc)
+    except Stopped as e:
+        print(e, flush=True)
+        return
     rows = [{"name": name, "seed": seed, **measure(run_dir, device)} for name, seed, run_dir in done]
     lines = summarise(rows)
     command = "python sweep.py " + " ".join(argv)

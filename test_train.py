@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import signal
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -1939,6 +1940,23 @@ class TokenSpans(__import__("html.parser").parser.HTMLParser):
     def handle_data(self, data):
         if self.inside:
             self.spans[-1][0] += data
+
+
+def test_ctrl_c_on_a_sweep_lets_the_run_in_flight_save_and_stop(tmp_path):
+    # the sweep gets the signal (the trainer runs in a session of its own, as after a Ctrl-C
+    # at a terminal) and passes it on once: the trainer finishes its step and saves
+    sweep, metrics = load_command("sweep.py"), tmp_path / "metrics.jsonl"
+
+    def interrupt():
+        deadline = time.time() + 120
+        while not (metrics.exists() and '"step": 2' in metrics.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* saved its checkpoint"):
+        sweep.launch(RESUME_RUN + ["--train_tokens=1024000", f"--run_dir={tmp_path}"], 1)
+    step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
+    assert step >= 2 and f"stopped by signal SIGINT at step {step}" in (tmp_path / "train.log").read_text()
 
 
 def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys):
