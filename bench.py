@@ -152,15 +152,13 @@ def main(argv):
     for name in sizes or ["smoke"]:
         hp, batch, rows = bench_size(name, device, repeats, compile_)
         results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
-    os.makedirs(out, exist_ok=True)
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
-    with open(os.path.join(out, "bench.md"), "w") as f:
-        f.write(f"    python bench.py {' '.join(argv)}\n\n{support.describe_system()}\n\n"
-                f"batch per size: {sizes_line}; "
-                f"median of {repeats} after one warm-up\n\n{table}\n")
-    with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump(dict(argv=argv, repeats=repeats, device=device, results=results), f, indent=1)
+    support.write_atomically(os.path.join(out, "bench.md"), (
+        f"    python bench.py {' '.join(argv)}\n\n{support.describe_system()}\n\n"
+        f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n").encode())
+    support.write_atomically(os.path.join(out, "bench.json"), json.dumps(
+        dict(argv=argv, repeats=repeats, device=device, results=results), indent=1).encode())
     print(f"written to {out}")
 
 

@@ -183,10 +183,10 @@ def expand(argv):
               "init": args.init, "tau": args.tau, "hp": asdict(hp), **support.provenance(),
               "command": " ".join(["python expand.py", *map(shlex.quote, argv)])}
     support.write_atomically(os.path.join(out, "expand.json"), json.dumps(record, indent=2).encode())
-    with open(os.path.join(out, "train.log"), "w") as f:  # train_gpt.py appends its jobs
-        f.write(f"expanded from {args.run_dir} (step {src['step']}, {base.n_layers} layers) to "
-                f"{hp.n_layers} layers by: {record['command']}\nsettings and provenance: "
-                f"expand.json\n")
+    support.write_atomically(os.path.join(out, "train.log"), (  # train_gpt.py appends its jobs
+        f"expanded from {args.run_dir} (step {src['step']}, {base.n_layers} layers) to "
+        f"{hp.n_layers} layers by: {record['command']}\nsettings and provenance: "
+        f"expand.json\n").encode())
     print(f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
           f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"
           f"  python train_gpt.py --resume={out}")

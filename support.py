@@ -17,6 +17,7 @@ at once.
 
 import argparse
 import contextlib
+import errno
 import glob
 import hashlib
 import inspect
@@ -41,7 +42,8 @@ class UserError(Exception):
 
 def cli(main, argv, before_error=None) -> int:
     """A command's main(argv) -> exit status, with at most one `error: ...` line: 0 when it
-    returns; 2 for a UserError, or an OS error on a path the user gave; 1 for RunStopped (a
+    returns; 2 for a UserError, or an OS error on a path the user gave; 1 for a full disk
+    (DISK_FULL, whenever it is found: the machine's state, not bad input), for RunStopped (a
     training job that cannot go on; its message names the last checkpoint); 130 on Ctrl-C.
     Once a training job has its run directory (STOP.last_ckpt set), an OS error (a full disk)
     is status 1 and a Ctrl-C (the second signal) 130, each line naming the last checkpoint."""
@@ -70,8 +72,11 @@ def cli(main, argv, before_error=None) -> int:
     except OSError as e:
         text = os_error_text(e)
         if STOP.last_ckpt is None:
-            return fail(text, 2)
+            return fail(text, 1 if e.errno in DISK_FULL else 2)  # a full disk is not bad input
         return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", 1)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 
 
 def os_error_text(e: OSError) -> str:
@@ -236,7 +241,6 @@ def machine_memory() -> int:
 def kind_of(path: str) -> str:
     """What is at path, for an error line: 'a file', 'a folder', 'a broken symbolic link',
     'a symbolic link loop', 'a character device', ..., 'nothing' (or why it cannot be seen)."""
-    import errno
     import stat
     try:
         mode = os.stat(path).st_mode
@@ -254,15 +258,54 @@ def kind_of(path: str) -> str:
     return "not a file"
 
 
+PROBE_BYTES = 1 << 20
+
+
+def refuse(e: OSError, path: str, doing: str = "write to"):
+    """An OS error met while checking a path the user gave: a full disk is an OS error naming
+    path (status 1), anything else bad input (`cannot <doing> <path>: why`, status 2)."""
+    if e.errno in DISK_FULL:
+        raise OSError(e.errno, e.strerror, path) from None
+    raise UserError(f"cannot {doing} {path}: {e.strerror or e}") from None
+
+
 def writable_dir(path: str) -> str:
-    """Create path if needed and prove it takes a file, before any long work writes there."""
+    """Prove, before any long work, that folder path (or, while it does not exist, the folder
+    it would be made in) takes a file of PROBE_BYTES, written and synced: an empty file fits
+    on a full disk, a megabyte does not. Nothing is left behind: the probe is removed and no
+    folder is made (each command makes its output folder when it writes its output)."""
+    if not path:
+        raise UserError("expected a folder, got an empty path")
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UserError(f"cannot write to {path}: {existing} is {kind_of(existing)}, not a folder")
+    probe = None
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
-            pass
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write_test_")
+        with named(probe), os.fdopen(handle, "wb") as f:
+            f.write(bytes(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
-        raise UserError(f"cannot write to {path}: {e.strerror or e}") from None
+        refuse(e, path)
+    finally:
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                os.remove(probe)
     return path
+
+
+@contextlib.contextmanager
+def named(path: str):
+    """An OS error while writing or reading path names it (a write error carries no name)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+        raise
 
 
 def write_atomically(path: str, data: bytes):
@@ -270,13 +313,14 @@ def write_atomically(path: str, data: bytes):
     reader sees the old file or all of the new one, and a failed write (a full disk, a second
     signal) removes the temporary file before raising."""
     folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
     handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
     os.close(handle)
     umask = os.umask(0)  # mkstemp makes the file 0600: give it the mode open() would
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)
     try:
-        with open(tmp, "wb") as f:
+        with named(path), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -460,7 +504,7 @@ def new_run_dir(name: str) -> str:
         except FileExistsError:
             continue
         except OSError as e:
-            raise UserError(f"cannot create {path}: {e.strerror}") from None
+            refuse(e, path, "create")
 
 
 LOCK = "lock"
@@ -476,7 +520,7 @@ def lock_run_dir(run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         f = open(os.path.join(run_dir, LOCK), "a+")
     except OSError as e:
-        raise UserError(f"cannot use run_dir {run_dir}: {e.strerror}") from None
+        refuse(e, run_dir, "use run_dir")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -595,13 +639,15 @@ class RunLog:
     def print(self, line: str):
         if self.active:
             print(line, flush=True)
-            self.log.write(line + "\n")
-            self.log.flush()
+            with named(self.log.name):
+                self.log.write(line + "\n")
+                self.log.flush()
 
     def record(self, obj: dict):
         if self.active:
-            self.metrics.write(json.dumps(obj) + "\n")
-            self.metrics.flush()
+            with named(self.metrics.name):
+                self.metrics.write(json.dumps(obj) + "\n")
+                self.metrics.flush()
 
     def close(self):
         if self.active:

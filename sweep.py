@@ -27,6 +27,7 @@ dense run of the same grid and seed, listed before it, then trained with --resum
 """
 
 import csv
+import io
 import json
 import math
 import os
@@ -310,10 +311,11 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
     keys = ["name", "seeds", "val_loss", "delta", "delta_std", "verdict", "sparsity",
             "flops_per_token", "ms_per_token_masked", "ms_per_token_compact",
             "dense_ms_at_equal_flops"]
-    with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows({k: ln[k] for k in keys} for ln in lines)
+    csv_text = io.StringIO(newline="")
+    w = csv.DictWriter(csv_text, keys)
+    w.writeheader()
+    w.writerows({k: ln[k] for k in keys} for ln in lines)
+    support.write_atomically(os.path.join(out, "results.csv"), csv_text.getvalue().encode())
     table = ["| run | seeds | val CE | CE - dense frontier | std | verdict | sparsity | "
              "fwd MFLOPs/token | eval ms/1k tok masked | compact | dense at equal FLOPs |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -330,17 +332,16 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
             per_block.append(f"| {r['name']} | {r['seed']} | "
                              f"{' '.join(f'{z:.2f}' for z in r['gate_zero'])} | "
                              f"{' '.join(f'{z:.2f}' for z in r['target_zero'])} |")
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write("\n".join(table) + "\n\n" + "\n".join(per_block) + "\n")
+    support.write_atomically(os.path.join(out, "table.md"),
+                             ("\n".join(table) + "\n\n" + "\n".join(per_block) + "\n").encode())
     figure = plot(out, lines)
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(f"# Figure 2, grid `{grid_name}`\n\n    {command}\n\n"
-                f"Verdict: {verdict_text(lines)}\n\n"
-                + ("![figure](figure.png)\n\n" if figure else "(no figure: matplotlib is not "
-                   "installed)\n\n")
-                + "\n".join(table) + "\n\nPer gated block, the share of validation tokens with "
-                "g = 0 against the controller's target (1 - mu*):\n\n" + "\n".join(per_block)
-                + f"\n\nHardware:\n\n```\n{support.describe_system()}\n```\n")
+    readme = (f"# Figure 2, grid `{grid_name}`\n\n    {command}\n\nVerdict: {verdict_text(lines)}\n\n"
+              + ("![figure](figure.png)\n\n" if figure else "(no figure: matplotlib is not "
+                 "installed)\n\n")
+              + "\n".join(table) + "\n\nPer gated block, the share of validation tokens with "
+              "g = 0 against the controller's target (1 - mu*):\n\n" + "\n".join(per_block)
+              + f"\n\nHardware:\n\n```\n{support.describe_system()}\n```\n")
+    support.write_atomically(os.path.join(out, "README.md"), readme.encode())
 
 
 def plot(out: str, lines: list) -> bool:
@@ -368,7 +369,9 @@ def plot(out: str, lines: list) -> bool:
         ax.set_ylabel("validation cross-entropy")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "figure.png"), dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    support.write_atomically(os.path.join(out, "figure.png"), png.getvalue())
     plt.close(fig)
     return True
 

@@ -616,7 +616,7 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
                                                    "--shard_tokens=1"])
         assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
         assert r.stderr.count("\n") == 1
-        assert list(out.iterdir()) == []
+        assert not out.exists()  # not even the folder
 
 
 def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_path):
@@ -1251,6 +1251,46 @@ def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
             assert len(options) >= 2 and out.count("(default") >= len(options), (module, out)
 
 
+def disk_nearly_full(limit=256 << 10):
+    """For a subprocess: files may not grow past limit bytes (RLIMIT_FSIZE, EFBIG), the way a
+    disk with little space left refuses a write (ENOSPC); both are DISK_FULL."""
+    import resource
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the write kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+def test_a_full_disk_is_found_before_the_work_and_leaves_nothing(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'run'}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    (tmp_path / "t.txt").write_text("some text " * 50)
+    out = tmp_path / "out" / "deeper"
+    for cmd in (["bench.py", f"--out={out}"], ["sweep.py", "--grid=cpu", f"--out={out}"],
+                ["skipview.py", str(tmp_path / "run"), f"--out={out}/page.html"],
+                ["data/tokenize_corpus.py", str(tmp_path / "t.txt"), f"--out={out}"],
+                [os.path.join("data", "cached_fineweb10B.py"), "1", f"--out={out}"]):
+        r = subprocess.run([sys.executable, *cmd], cwd=HERE, capture_output=True, text=True,
+                           timeout=300, preexec_fn=disk_nearly_full,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, (cmd, r.stderr)
+        assert r.stderr.startswith(f"error: {out}") and "File too large" in r.stderr, (cmd, r.stderr)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "t.txt"], cmd  # nothing left
+
+
+def test_a_disk_that_fills_mid_write_names_the_file_and_keeps_what_was_there(tmp_path):
+    big = tmp_path / "big.txt"  # 1.2M tokens: shards of 1M tokens are 2 MB, over the limit
+    big.write_text(" word" * 1_200_000)
+    r = run_data_script("tokenize_corpus.py", [str(big), f"--out={tmp_path / 's'}", "--workers=1",
+                                               "--shard_tokens=1000000"])
+    assert r.returncode == 0, r.stderr
+    before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
+    r = subprocess.run([sys.executable, "data/tokenize_corpus.py", str(big), f"--out={tmp_path / 's'}",
+                        "--workers=1", "--shard_tokens=1000000"], cwd=HERE, capture_output=True,
+                       text=True, timeout=300, preexec_fn=lambda: disk_nearly_full(3 << 19))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == f"error: {tmp_path / 's' / 'corpus_val_000000.bin'}: File too large"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()} == before
+
+
 # ---------------------------------------------------------------------------- runs that survive
 
 def run_main(args, capsys):
@@ -1396,7 +1436,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(support, "open", fake_open, raising=False)
     code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 1
-    assert err == (f"error: cannot write the checkpoint of step 4 (No space left on device); "
+    assert err == (f"error: cannot write the checkpoint of step 4 ({tmp_path / 'checkpoint.pt'}: "
+                   f"No space left on device); "
                    f"last good checkpoint: {tmp_path / 'checkpoint.pt'} (step 2)\n")
     assert not glob.glob(str(tmp_path / "checkpoint.pt.*.tmp"))  # the partial file is gone
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2

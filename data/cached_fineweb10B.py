@@ -46,6 +46,7 @@ def valid(path: str) -> bool:
 def place(src: str, dest: str) -> None:
     """Put src at dest atomically: hard link (or copy) to a temporary name, then rename."""
     tmp = dest + ".part"
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
     if os.path.exists(tmp):
         os.remove(tmp)
     try:

@@ -5,13 +5,12 @@ A shard (modded-nanogpt's format) is a header of HEADER_INTS int32 values (SHARD
 SHARD_VERSION, the token count, then zeros) followed by the tokens as uint16 GPT-2 BPE ids.
 """
 
-import contextlib
 import glob
 import os
 
 import numpy as np
 
-from support import UserError
+from support import UserError, named
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -25,17 +24,6 @@ def header(count: int) -> bytes:
     values = np.zeros(HEADER_INTS, dtype=np.int32)
     values[:3] = SHARD_MAGIC, SHARD_VERSION, count
     return values.tobytes()
-
-
-@contextlib.contextmanager
-def named(path: str):
-    """An OS error while reading path names it (a read error, unlike open's, carries no name)."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror or str(e), path) from None
-        raise
 
 
 def shard_tokens(path: str) -> int:

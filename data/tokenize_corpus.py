@@ -41,8 +41,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import (ArgParser, UserError, cli, in_range, nonempty, writable_dir,  # noqa: E402
-                     write_atomically)
+from support import (ArgParser, UserError, cli, in_range, named, nonempty,  # noqa: E402
+                     writable_dir, write_atomically)
 from data.shards import EOT, gpt2_encoding, header, read_shard  # noqa: E402
 GPT2_VOCAB = 50257
 
@@ -94,14 +94,18 @@ class Corpus:
         self.previous = present
         self.made_out = not os.path.isdir(out)
         os.makedirs(out, exist_ok=True)
-        self.tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=out)
+        try:
+            self.tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=out)
+        except OSError:
+            self.__exit__(OSError)
+            raise
 
     def add(self, tokens) -> str:
         """Write the next shard (the first is validation) into the temporary folder."""
         n = len(self.shards)
         shard = f"{self.name}_{'val' if n == 0 else 'train'}_{n:06d}.bin"
         data = shard_bytes(tokens)
-        with open(os.path.join(self.tmp, shard), "wb") as f:
+        with named(os.path.join(self.out, shard)), open(os.path.join(self.tmp, shard), "wb") as f:
             f.write(data)
         self.shards[shard] = hashlib.sha256(data).hexdigest()
         return shard
@@ -126,9 +130,10 @@ class Corpus:
         return self
 
     def __exit__(self, *exc):
-        for n in os.listdir(self.tmp):  # only what add() wrote there
-            os.remove(os.path.join(self.tmp, n))
-        os.rmdir(self.tmp)
+        if hasattr(self, "tmp"):
+            for n in os.listdir(self.tmp):  # only what add() wrote there
+                os.remove(os.path.join(self.tmp, n))
+            os.rmdir(self.tmp)
         if exc[0] is not None and self.made_out and not os.listdir(self.out):
             os.rmdir(self.out)
 
