@@ -129,13 +129,13 @@ def parser() -> support.ArgParser:
     p = support.ArgParser("python bench.py", __doc__)
     p.add_argument("--size", action="append", choices=list(SIZES),
                    help="model size to time; repeat the option for several (default: smoke)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
+    p.add_argument("--device", type=support.check_device, default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
     p.add_argument("--repeats", type=support.in_range(int, 1), default=3, metavar="N",
                    help="timed runs per measurement, the median reported (default: %(default)s)")
     p.add_argument("--compile", type=support.parse_bool, default=False, metavar="BOOL",
                    help="torch.compile the model (CUDA only): 1/0, true/false, yes/no "
                    "(default: 0)")
-    p.add_argument("--out", default="", metavar="DIR",
+    p.add_argument("--out", type=support.path_arg, metavar="DIR",
                    help="output folder (default: a new dated folder under logs/)")
     return p
 
@@ -143,7 +143,7 @@ def parser() -> support.ArgParser:
 def main(argv):
     args = parser().parse_args(argv)
     sizes, repeats, compile_, out = args.size or [], args.repeats, args.compile, args.out
-    device = support.check_device(args.device)
+    device = args.device
     out = support.writable_dir(out or os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
                                               "_skip_bench_" + device.split(":")[0]))
     print(support.describe_system())

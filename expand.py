@@ -96,8 +96,8 @@ def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed:
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python expand.py", __doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run whose checkpoint is expanded")
-    p.add_argument("out", type=support.nonempty, metavar="NEW_RUN_DIR",
+    p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="the run whose checkpoint is expanded")
+    p.add_argument("out", type=support.path_arg, metavar="NEW_RUN_DIR",
                    help="the new run's directory (it must not hold a checkpoint)")
     p.add_argument("--groups", type=support.in_range(int, 1), default=1, metavar="P",
                    help="the checkpoint's R layers form P groups of R / P (default: %(default)s)")

@@ -64,7 +64,8 @@ def generate(model: tg.GPT, prompt: list, max_new_tokens: int, temperature: floa
         if pos == len(tokens) - 1 and temperature == 0:  # greedy
             tokens.append(int(logits.argmax()))
         elif pos == len(tokens) - 1:  # past the prompt: sample the next token
-            logits = (logits - logits.max()) / temperature  # <= 0: no overflow, however small T
+            # <= 0: no overflow, however small T; float64, where a T of 1e-50 is not 0
+            logits = (logits.double() - logits.max()) / temperature
             if top_k:
                 logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float("inf")
             tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=rng)))
@@ -73,7 +74,7 @@ def generate(model: tg.GPT, prompt: list, max_new_tokens: int, temperature: floa
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python sample.py", __doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a checkpoint")
+    p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="a run directory with a checkpoint")
     p.add_argument("--prompt", default="\n", metavar="TEXT",
                    help="text to continue; empty: start from <|endoftext|> (default: a newline)")
     p.add_argument("--tokens", type=support.in_range(int, 1), default=100, metavar="N",
@@ -84,7 +85,7 @@ def parser() -> support.ArgParser:
                    help="sample among the K likeliest tokens; 0: all (default: %(default)s)")
     p.add_argument("--seed", type=support.in_range(int, 0, 2**63 - 1), default=0,
                    help="random seed of the sampler (default: %(default)s)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    p.add_argument("--device", type=support.check_device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:K (default: %(default)s)")
     return p
 
@@ -92,7 +93,7 @@ def parser() -> support.ArgParser:
 def main(argv):
     args = parser().parse_args(argv)
     n, temperature, top_k, seed = args.tokens, args.temperature, args.top_k, args.seed
-    device = support.check_device(args.device)
+    device = args.device
     enc = gpt2_encoding()
     prompt = enc.encode_ordinary(args.prompt) or [EOT]
     model = tg.load_model(args.run_dir, device)

@@ -64,20 +64,20 @@ def terminal_view(pieces: list, counts: list) -> str:
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python skipview.py", __doc__)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with a checkpoint")
+    p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="a run directory with a checkpoint")
     p.add_argument("--text", help="the text to show (default: the first --val_tokens tokens of "
                    "the run's validation shard)")
     p.add_argument("--val_tokens", type=support.in_range(int, 1), default=256, metavar="N",
                    help="validation tokens to show without --text (default: %(default)s)")
-    p.add_argument("--out", default="", metavar="FILE",
+    p.add_argument("--out", type=support.path_arg, metavar="FILE",
                    help="also write the HTML page there (default: no page)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
+    p.add_argument("--device", type=support.check_device, default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
     return p
 
 
 def main(argv):
     args = parser().parse_args(argv)
-    device = support.check_device(args.device)
+    device = args.device
     model = tg.load_model(args.run_dir, device)
     hp = model.hp
     enc = gpt2_encoding()
@@ -88,10 +88,11 @@ def main(argv):
     else:
         ids = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:args.val_tokens].tolist()
     ids = ids[:hp.max_seq_len]
-    if args.out:  # a page that cannot be written fails before the work (its folder is made)
+    if args.out:  # a page that cannot be written fails before the work
+        if os.path.lexists(args.out) and not os.path.isfile(args.out):
+            raise support.UserError(f"--out={args.out} is {support.kind_of(args.out)}; give a "
+                                    f"file name")
         support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
-        if os.path.isdir(args.out):
-            raise support.UserError(f"--out={args.out} is a directory; give a file name")
     counts, per_layer, units = token_depths(model, ids, device)
     unit = "MLPs" if hp.router == "dlo" else "blocks"
     pieces = [enc.decode([i]) for i in ids]

@@ -101,21 +101,40 @@ def parse_bool(text: str) -> bool:
     return text.lower() in ("1", "true", "yes")
 
 
+FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, 3.4028234663852886e38  # float32's normal range
+
+
+def float32_safe(value: float) -> bool:
+    """Whether a setting survives float32, where the numbers are used: 0, or a normal float32
+    (1e-50 would become 0, and 1e39 infinity)."""
+    return value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX
+
+
 def in_range(kind, low, high=math.inf):
-    """argparse type= for a number: a finite `kind` in [low, high]."""
+    """argparse type= for a number: a finite `kind` in [low, high] (a float also float32_safe).
+    The bounds stay on it (.kind, .low, .high) for the tests that generate bad values."""
     def convert(text: str):
         with contextlib.suppress(ValueError, OverflowError):
-            if math.isfinite(value := kind(text)) and low <= value <= high:
+            value = kind(text)
+            if math.isfinite(value) and low <= value <= high and (kind is int or float32_safe(value)):
                 return value
-        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}]"
+                                         f"{'' if kind is int else ', 0 or of float32 size'}, got {text!r}")
+    convert.kind, convert.low, convert.high = kind, low, high
     return convert
 
 
 def nonempty(text: str) -> str:
-    """argparse type= for a path or name that may not be empty."""
+    """argparse type= for a name that may not be empty."""
     if not text:
         raise argparse.ArgumentTypeError("expected a non-empty value")
     return text
+
+
+def path_arg(text: str) -> str:
+    """argparse type= for a file or folder: not empty (what is there is checked where used,
+    and an error names it: kind_of)."""
+    return nonempty(text)
 
 
 def check_device(name: str) -> str:
@@ -148,6 +167,8 @@ class ArgParser(argparse.ArgumentParser):
 
 def _parse_value(name: str, text: str, default):
     kind = type(default)
+    if not text:
+        raise UserError(f"--{name}=: expected a value (leave the field out for its default)")
     try:
         if kind is bool:
             return parse_bool(text)
@@ -223,6 +244,9 @@ def check_fields(obj, ranges: dict, choices: dict):
             closed_low, closed_high = interval[0] == "[", interval[-1] == "]"
             if not (low < v < high or v == low and closed_low or v == high and closed_high):
                 raise UserError(f"{name}={v} must lie in {interval}")
+            if isinstance(v, float) and not float32_safe(v):
+                raise UserError(f"{name}={v} is not 0 and outside float32's range (the numbers "
+                                f"are float32): it would become 0 or infinity")
 
 
 def machine_memory() -> int:
@@ -267,6 +291,15 @@ def refuse(e: OSError, path: str, doing: str = "write to"):
     if e.errno in DISK_FULL:
         raise OSError(e.errno, e.strerror, path) from None
     raise UserError(f"cannot {doing} {path}: {e.strerror or e}") from None
+
+
+def need(path: str, kind: str) -> str:
+    """path, if it is kind ('a file' or 'a folder'); else a UserError saying what is there."""
+    found = kind_of(path)
+    if found != kind:
+        raise UserError(f"{path}: no such {kind[2:]}" if found == "nothing" else
+                        f"{path} is {found}, not {kind}")
+    return path
 
 
 def writable_dir(path: str) -> str:
@@ -379,7 +412,7 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     weights fit build(state), the model its own settings make (build may also refuse a state
     whose records are malformed). state["mtime"] is the file's."""
     import torch
-    path = os.path.join(run_dir, CHECKPOINT)
+    path = os.path.join(need(run_dir, "a folder"), CHECKPOINT)
     if not os.path.isfile(path):
         raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it" + (
             f" ({path} is {kind_of(path)})" if os.path.lexists(path) else ""))
@@ -419,7 +452,7 @@ def run_to_resume(run_dir: str, load, settings, required) -> tuple:
     its logs, which the trainer records: a run whose checkpoint vanished is not started afresh). config.json, where there
     is one, must be this run's: an object with the checkpoint's run_id and every setting of
     the run (the checkpoint's, or else the names in required), each of its type."""
-    config, path = read_config(run_dir), os.path.join(run_dir, CHECKPOINT)
+    config, path = read_config(need(run_dir, "a folder")), os.path.join(run_dir, CHECKPOINT)
     if config is not None and not os.path.lexists(path):
         if saves := saved_steps(run_dir):
             raise UserError(f"{path} is gone, but the run's logs record a checkpoint saved at "
@@ -516,6 +549,8 @@ def lock_run_dir(run_dir: str):
     when the process ends, however it ends, so a crashed job leaves no stale lock (on local
     file systems; some network file systems do not honour flock)."""
     import fcntl
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        raise UserError(f"cannot use run_dir {run_dir}: it is {kind_of(run_dir)}, not a folder")
     try:
         os.makedirs(run_dir, exist_ok=True)
         f = open(os.path.join(run_dir, LOCK), "a+")

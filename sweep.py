@@ -386,11 +386,11 @@ def parser() -> support.ArgParser:
                    help="seeds per configuration (default: %(default)s)")
     p.add_argument("--nproc_per_node", type=support.in_range(int, 1), default=1, metavar="N",
                    help="processes per run; above 1 under torchrun (default: %(default)s)")
-    p.add_argument("--runs", default="", metavar="DIR",
+    p.add_argument("--runs", type=support.path_arg, metavar="DIR",
                    help="folder of the run directories (default: logs/sweep_<grid>)")
-    p.add_argument("--out", default="", metavar="DIR",
+    p.add_argument("--out", type=support.path_arg, metavar="DIR",
                    help="record folder (default: records/<date>_figure2_<grid>)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+    p.add_argument("--device", type=support.check_device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the evaluation is measured: cpu, cuda or cuda:K "
                    "(default: %(default)s)")
     return p
@@ -399,7 +399,7 @@ def parser() -> support.ArgParser:
 def main(argv):
     args = parser().parse_args(argv)
     seeds, nproc = args.seeds, args.nproc_per_node
-    device = support.check_device(args.device)
+    device = args.device
     grid = GRIDS[args.grid]
     runs_dir = args.runs or os.path.join("logs", f"sweep_{args.grid}")
     out = support.writable_dir(args.out or os.path.join(

@@ -1074,6 +1074,7 @@ def bad_inputs(tmp_path):
     smoke = ["--preset=smoke"]
     (tmp_path / "dir_000001.bin").mkdir()
     (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
     settings = {**asdict(tg.Hyperparameters()), "run_id": "ab12"}
     for name, config in (("list_config", [1, 2]), ("typed_config", {**settings, "beta1": "x"}),
                          ("bare_config", {"run_id": "ab12"})):
@@ -1084,7 +1085,14 @@ def bad_inputs(tmp_path):
     flex_cpu = unreadable + ([] if torch.cuda.is_available() else [
         (smoke + ["--attn_impl=flex"], "attn_impl=flex cannot train on CPU")])
     return flex_cpu + [
-        (smoke + [f"--train_files={tmp_path}/dir_*.bin"], "dir_000001.bin, which is not a shard"),
+        (smoke + [f"--train_files={tmp_path}/dir_*.bin"], "dir_000001.bin, which is a folder, not a shard"),
+        (smoke + [f"--train_files={tmp_path}/loop"], "which is a symbolic link loop, not a shard file"),
+        (smoke + ["--val_files=/dev/null"], "which is a character device, not a shard file"),
+        (smoke + ["--run_dir=/dev/null"], "cannot use run_dir /dev/null: it is a character device"),
+        ([f"--resume={tmp_path}/loop"], "loop is a symbolic link loop, not a folder"),
+        ([f"--resume={tmp_path}/a_file"], "a_file is a file, not a folder"),
+        (["--train_files="], "--train_files=: expected a value"),
+        (smoke + ["--lr=1e-50"], "lr=1e-50 is not 0 and outside float32's range"),
         (smoke + [f"--run_dir={tmp_path}/a_file"], f"cannot use run_dir {tmp_path}/a_file"),
         (smoke + [f"--run_dir={tmp_path}/a_file/run"], "cannot use run_dir"),
         (smoke + ["--val_tokens=1e6"], "more than the validation shards hold"),
@@ -1150,6 +1158,10 @@ def test_every_field_has_a_checked_range(tmp_path):
         else:
             assert f.name in strings, f"a new text field {f.name}: add its bad value here"
             candidates = [bad_values[f.name]] if f.name in bad_values else []
+        never = ["", "nan", "inf"] + (["1e-50", "1e39"] if type(default) is float else [])
+        for value in never if isinstance(default, (int, float)) and not isinstance(default, bool) else []:
+            with pytest.raises(tg.UserError):  # refused for every number, whatever its range
+                tg.validate(tg.resolve(tg.parse_overrides(["--preset=smoke", f"--{f.name}={value}"])), 1)
         refused = 0
         for value in candidates:
             try:
@@ -1289,6 +1301,64 @@ def test_a_disk_that_fills_mid_write_names_the_file_and_keeps_what_was_there(tmp
     assert r.returncode == 1, r.stderr
     assert r.stderr.splitlines()[-1] == f"error: {tmp_path / 's' / 'corpus_val_000000.bin'}: File too large"
     assert {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()} == before
+
+
+COMMANDS = ("sample.py", "bench.py", "sweep.py", "skipview.py", "expand.py",
+            "data/tokenize_corpus.py", "data/cached_fineweb10B.py")
+
+
+def bad_values(action, loop):
+    """(value, what the error line must say) for an option, generated from its type: every
+    path gets an empty value, a symbolic link loop and a device; every number non-numbers,
+    non-finite values, values past each bound, and (floats) values float32 cannot hold."""
+    kind = action.type
+    if kind is support.path_arg:
+        return [("", "expected a non-empty value"), (str(loop), "symbolic link loop"),
+                ("/dev/null", "character device")]
+    if hasattr(kind, "low"):
+        past = [str(kind.low - 1)] + ([] if kind.high == math.inf else [str(kind.high + 1)])
+        tiny = ["1e-50", "1e39", "-1e-50"] if kind.kind is float else ["1.5", "1e400"]
+        return [(v, "expected") for v in ["", "x", "nan", "inf", "-inf", *past, *tiny]]
+    if kind is support.parse_bool:
+        return [(v, "expected bool") for v in ("", "2", "maybe")]
+    if kind is support.check_device:
+        return [("", "not a device name"), ("tpu", "--device=tpu"), ("cuda:99", "--device=cuda:99")]
+    if action.choices:
+        return [("", "invalid choice"), ("nope", "invalid choice")]
+    if kind is support.nonempty:
+        return [("", "expected a non-empty value")]
+    return []  # free text (a prompt)
+
+
+def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path, capsys):
+    # generated from each command's parser: a new option is covered, or this fails
+    run = tmp_path / "run"  # dense: expand.py takes it
+    code, _, err = run_main(TINY_RUN + ["--router=none", f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    (tmp_path / "t.txt").write_text("some text")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    required = {"run_dir": str(run), "out": str(tmp_path / "new"), "files": str(tmp_path / "t.txt")}
+    checked = 0
+    for path in COMMANDS:
+        module = load_command(path)
+        main = getattr(module, "run", None) or (lambda argv, m=module.main: support.cli(m, argv))
+        actions = [a for a in module.parser()._actions if a.dest != "help"]
+        assert all(bad_values(a, loop) or a.dest in ("prompt", "text") for a in actions), path
+        for action in actions:
+            for value, message in bad_values(action, loop):
+                argv = [f"--out={tmp_path / 's'}"] if path.endswith("tokenize_corpus.py") else []
+                argv += [value if a is action else required[a.dest] for a in actions  # in order
+                         if not a.option_strings and (a is action or a.dest in required)]
+                argv += [f"{action.option_strings[0]}={value}"] if action.option_strings else []
+                code = main(argv)
+                out = capsys.readouterr()
+                assert code == 2 and out.err.startswith("error: "), (path, argv, out.err)
+                dash = value.startswith("-") and not action.option_strings  # read as an option
+                assert out.err.count("\n") == 1 and (message in out.err or dash), (path, argv, out.err)
+                checked += 1
+    assert checked > 100 and not (tmp_path / "s").exists() and not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "run", "t.txt"]
 
 
 # ---------------------------------------------------------------------------- runs that survive

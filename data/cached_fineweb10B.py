@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import ArgParser, UserError, cli, in_range, nonempty, writable_dir  # noqa: E402
+from support import ArgParser, UserError, cli, in_range, path_arg, writable_dir  # noqa: E402
 from data.shards import shard_tokens  # noqa: E402
 
 REPO = "kjj0/fineweb10B-gpt2"
@@ -84,7 +84,7 @@ def parser() -> ArgParser:
     p.add_argument("count", nargs="?", type=in_range(int, 0, N_TRAIN), default=N_TRAIN,
                    metavar="N", help="training shards to fetch after the validation shard, "
                    f"0..{N_TRAIN} (default: all %(default)s)")
-    p.add_argument("--out", type=nonempty, default=os.path.join(HERE, "fineweb10B"),
+    p.add_argument("--out", type=path_arg, default=os.path.join(HERE, "fineweb10B"),
                    metavar="DIR", help="data folder (default: %(default)s)")
     p.add_argument("--workers", type=in_range(int, 1), default=8, metavar="K",
                    help="files downloaded at once (default: %(default)s)")

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from support import UserError, named
+from support import UserError, kind_of, named
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -66,7 +66,7 @@ def find_shards(pattern: str) -> list:
     files = sorted(glob.glob(pattern))
     for path in files:
         if not os.path.isfile(path):
-            raise UserError(f"{pattern} matches {path}, which is not a shard file")
+            raise UserError(f"{pattern} matches {path}, which is {kind_of(path)}, not a shard file")
     if not files:
         hint = ("fetch FineWeb with `python data/cached_fineweb10B.py`, or train on the "
                 "embedded sample with --preset=smoke" if "fineweb" in pattern else "check the path")

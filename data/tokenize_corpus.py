@@ -41,8 +41,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import (ArgParser, UserError, cli, in_range, named, nonempty,  # noqa: E402
-                     writable_dir, write_atomically)
+from support import (ArgParser, UserError, cli, in_range, named, need, nonempty,  # noqa: E402
+                     path_arg, writable_dir, write_atomically)
 from data.shards import EOT, gpt2_encoding, header, read_shard  # noqa: E402
 GPT2_VOCAB = 50257
 
@@ -76,6 +76,8 @@ class Corpus:
     touched."""
 
     def __init__(self, out: str, name: str):
+        if os.sep in name or name in (".", ".."):
+            raise UserError(f"--name={name}: a name, not a path")
         self.out, self.name, self.shards = out, name, {}
         pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
         self.manifest = os.path.join(out, f"{name}.manifest.json")
@@ -207,8 +209,7 @@ class Progress:
 def tokenize(paths, out, name, shard_tokens, workers):
     """Encode every document in order and write shards; returns the shard paths."""
     for path in paths:
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: " + ("a folder, not a file" if os.path.isdir(path) else "no such file"))
+        need(path, "a file")
         if not os.access(path, os.R_OK):
             raise UserError(f"{path}: not readable")
     writable_dir(out)  # before the long work, not after it
@@ -262,7 +263,7 @@ def make_sample(out):
 
 def check(folder, vocab_size=GPT2_VOCAB):
     """Verify every *.bin shard in folder: header, size, token range. Prints the counts."""
-    files = sorted(glob.glob(os.path.join(folder, "*.bin")))
+    files = sorted(glob.glob(os.path.join(glob.escape(need(folder, "a folder")), "*.bin")))
     if not files:
         raise UserError(f"{folder}: no .bin shards")
     total = 0
@@ -276,9 +277,9 @@ def check(folder, vocab_size=GPT2_VOCAB):
 
 def parser() -> ArgParser:
     p = ArgParser("python data/tokenize_corpus.py", __doc__)
-    p.add_argument("files", nargs="*", metavar="FILE",
+    p.add_argument("files", nargs="*", type=path_arg, metavar="FILE",
                    help=".txt or .jsonl files to encode (none: regenerate the embedded sample)")
-    p.add_argument("--out", type=nonempty, metavar="DIR",
+    p.add_argument("--out", type=path_arg, metavar="DIR",
                    help="folder for the shards, required with FILEs (default: data/sample)")
     p.add_argument("--name", type=nonempty, default="corpus",
                    help="shard names start with it (default: %(default)s)")
@@ -286,7 +287,7 @@ def parser() -> ArgParser:
                    help="tokens per shard, the last one shorter (default: %(default)s)")
     p.add_argument("--workers", type=in_range(int, 1), default=max(1, (os.cpu_count() or 1) - 1),
                    metavar="K", help="encoding processes (default: CPUs - 1, here %(default)s)")
-    p.add_argument("--check", type=nonempty, metavar="DIR",
+    p.add_argument("--check", type=path_arg, metavar="DIR",
                    help="only verify every *.bin shard in DIR (default: off)")
     return p
 
