@@ -500,7 +500,7 @@ def test_two_processes_match_one(tmp_path):
     two = run_script(args + [f"--run_dir={tmp_path / 'two'}"], nproc=2)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
-    m1, m2 = ([m for m in read_metrics(tmp_path / run) if m["kind"] != "warmup"]
+    m1, m2 = ([m for m in read_metrics(tmp_path / run) if m["kind"] in ("train", "val")]
               for run in ("one", "two"))
     assert json.loads((tmp_path / "two" / "config.json").read_text())["grad_accum"] == 2
     assert len(m1) == len(m2) == 4  # 3 train steps and the final validation
@@ -1180,7 +1180,8 @@ def load_command(path):
     return module
 
 
-def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
+def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
+    # what the generated test above cannot know: files, runs, texts, the options' meaning
     sample, bench = load_command("sample.py"), load_command("bench.py")
     sweep, skipview, expand_ = load_command("sweep.py"), load_command("skipview.py"), load_command("expand.py")
     tokenize, fetch = load_command("data/tokenize_corpus.py"), load_command("data/cached_fineweb10B.py")
@@ -1192,53 +1193,29 @@ def test_every_option_of_the_other_commands_is_checked(tmp_path, capsys):
     text.write_text("some text")
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
     cases = [
-        (sample.main, [str(run), "--tokens=0"], "--tokens: expected int in [1, inf], got '0'"),
-        (sample.main, [str(run), "--tokens=many"], "--tokens: expected int in [1, inf], got 'many'"),
-        (sample.main, [str(run), "--top_k=-1"], "--top_k: expected int in [0, inf], got '-1'"),
-        (sample.main, [str(run), "--temperature=nan"], "--temperature: expected float in [0, inf], got 'nan'"),
-        (sample.main, [str(run), "--temperature=-1"], "--temperature: expected float in [0, inf], got '-1'"),
-        (sample.main, [str(run), "--seed=-3"], "--seed: expected int in [0, "),
-        (sample.main, [str(run), "--device=tpu"], "--device=tpu"),
-        (sample.main, [str(run), "--device=cuda:99"], "--device=cuda:99"),
         (sample.main, [str(run), "--prompt=" + "word " * 40], "context holds 32, so no token could follow"),
         (sample.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
-        (sample.main, [str(tmp_path / "none")], "no checkpoint"),
+        (sample.main, [str(tmp_path / "none")], "none: no such folder"),
         (sample.main, [], "the following arguments are required: RUN_DIR"),
-        (bench.main, ["--size=huge"], "--size: invalid choice: 'huge'"),
-        (bench.main, ["--device=tpu"], "--device=tpu"),
-        (bench.main, ["--repeats=0"], "--repeats: expected int in [1, inf], got '0'"),
-        (bench.main, ["--compile=2"], "--compile: expected bool (1/0/true/false/yes/no), got '2'"),
         (bench.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
-        (sweep.main, ["--grid=nope"], "--grid: invalid choice: 'nope'"),
-        (sweep.main, ["--seeds=0"], "--seeds: expected int in [1, inf], got '0'"),
-        (sweep.main, ["--nproc_per_node=two"], "--nproc_per_node: expected int in [1, inf], got 'two'"),
-        (sweep.main, ["--device=tpu"], "--device=tpu"),
         (sweep.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
         (sweep.main, [f"--runs={a_file}", f"--out={tmp_path}/record"], f"cannot write to {a_file}"),
         (sweep.main, ["--bogus=1"], "unrecognized arguments: --bogus=1"),
         (sweep.main, ["cpu"], "unrecognized arguments: cpu"),
-        (skipview.main, [str(run), "--val_tokens=0"], "--val_tokens: expected int in [1, inf], got '0'"),
-        (skipview.main, [str(run), "--val_tokens=x"], "--val_tokens: expected int in [1, inf], got 'x'"),
-        (skipview.main, [str(run), "--device=tpu"], "--device=tpu"),
-        (skipview.main, [str(run), f"--out={tmp_path}"], "is a directory"),
+        (skipview.main, [str(run), f"--out={tmp_path}"], "is a folder; give a file name"),
         (skipview.main, [str(run), f"--out={a_file}/page.html"], f"cannot write to {a_file}"),
         (skipview.main, [str(run), "--text="], "--text is empty"),
         (skipview.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
-        (skipview.main, [str(tmp_path / "none")], "no checkpoint"),
+        (skipview.main, [str(tmp_path / "none")], "none: no such folder"),
         (skipview.main, [], "the following arguments are required: RUN_DIR"),
-        (expand_.main, [str(run), f"{tmp_path}/x", "--per_group=0"], "--per_group: expected int in [1, inf]"),
         (expand_.main, [str(run)], "the following arguments are required: NEW_RUN_DIR"),
-        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--shard_tokens=0"], "--shard_tokens: expected int in [1, inf], got '0'"),
-        (tokenize.main, [str(text), f"--out={tmp_path}/s", "--workers=0"], "--workers: expected int in [1, inf], got '0'"),
         (tokenize.main, [str(text), f"--out={a_file}"], f"cannot write to {a_file}"),
         (tokenize.main, [str(tmp_path / "none.txt"), f"--out={tmp_path}/s"], "no such file"),
         (tokenize.main, [str(tmp_path / "bad.jsonl"), f"--out={tmp_path}/s"], "not valid UTF-8"),
         (tokenize.main, [str(text)], "give --out=DIR"),
-        (tokenize.main, [f"--check={tmp_path}/none"], "no .bin shards"),
-        (tokenize.main, ["--check="], "--check: expected a non-empty value"),
+        (tokenize.main, [f"--check={tmp_path}/none"], "none: no such folder"),
+        (tokenize.main, [f"--check={tmp_path}/run"], "no .bin shards"),
         (tokenize.main, ["--bogus=1"], "unrecognized arguments: --bogus=1"),
-        (fetch.main, ["104"], "N: expected int in [0, 103], got '104'"),
-        (fetch.main, ["--workers=0"], "--workers: expected int in [1, inf], got '0'"),
         (fetch.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
         (fetch.main, ["--bogus"], "unrecognized arguments: --bogus"),
     ]
@@ -1938,7 +1915,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
             ((tmp_path / "dense", tmp_path / 'x', "--init=linear", "--tau=3"), "--tau=3"),
             ((tmp_path / "dense", tmp_path / 'x', "--init=magic"), "--init: invalid choice"),
             ((tmp_path / "dense", tmp_path / 'x', "--nope=1"), "unknown field 'nope'"),
-            ((tmp_path / "nowhere", tmp_path / 'x'), "nowhere: no checkpoint"),
+            ((tmp_path / "nowhere", tmp_path / 'x'), "nowhere: no such folder"),
             ((tmp_path / "dense", tmp_path / 'x', "--val_tokens=1e8"), "more than the validation shards hold"),
             ((tmp_path / "dense", tmp_path / "dlo"), "already holds a run")):
         r = expand_cli(*args)
