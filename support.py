@@ -7,10 +7,13 @@ at once.
     one boolean convention (parse_bool); the trainer's options are the fields of a dataclass
     (parse_fields, field_help), the other commands' go through ArgParser.
   - Files that appear whole or not at all (write_atomically), checkpoints written that way
-    and checked when read; folders proven writable.
+    and checked when read, the previous one kept until the newest has trained a finite step
+    (Checkpoints); folders proven writable before the work (writable_dir), a full disk an
+    error of its own (DISK_FULL, status 1); paths named by what is there (kind_of, need).
   - Run directories: a fresh one per run, an exclusive lock while a job uses it, a fresh start
     that keeps an aborted attempt's files, and the logs (RunLog) with their provenance.
-  - Stop signals: SIGTERM / SIGINT ask the trainer for a checkpoint at the next step.
+  - Stop signals: SIGTERM / SIGINT / SIGUSR1 ask the trainer for a checkpoint at the next
+    step; after the final save they are ignored.
   - Processes: the ranks of a torchrun job (Dist), sums all ranks agree on, finite weights,
     a checkpoint saved or the job stopped.
 """

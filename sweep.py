@@ -10,7 +10,8 @@ estimated forward FLOPs per token, with the verdict as a number.
 Each configuration of the grid trains through train_gpt.py in its own run directory under
 --runs, as a subprocess (under torchrun when --nproc_per_node > 1). A run that finished is
 skipped and one with a checkpoint is resumed, so rerunning the command after a crash finishes
-the grid without redoing finished runs. Then, in this process, on each run's final weights:
+the grid without redoing finished runs. A Ctrl-C (SIGINT, SIGTERM or SIGUSR1) reaches the run
+in flight once: it saves its checkpoint, and the sweep waits for it, then stops (status 0). Then, in this process, on each run's final weights:
 validation cross-entropy and estimated FLOPs per token at the measured sparsity come from the
 run's last validation record; evaluation tokens per second are measured here, masked and (for
 gated runs) compacted, side by side. The dense frontier is cross-entropy against log FLOPs per
