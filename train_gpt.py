@@ -81,10 +81,10 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
-from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
+from support import (CHECKPOINT, STOP, Checkpoints, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
                      all_reduce, all_reduce_sums, check_fields, cli, clock, field_help, fmt_list,
                      machine_memory, mismatched_weights, open_log, open_run_dir, parse_fields, provenance,
-                     read_checkpoint, release_locks, rng_state, run_to_resume, Checkpoints,
+                     read_checkpoint, release_locks, rng_state, run_to_resume,
                      saved_fields, set_rng_state, setup_distributed)
 
 # -----------------------------------------------------------------------------
