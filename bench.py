@@ -129,7 +129,8 @@ def parser() -> support.ArgParser:
     p = support.ArgParser("python bench.py", __doc__)
     p.add_argument("--size", action="append", choices=list(SIZES),
                    help="model size to time; repeat the option for several (default: smoke)")
-    p.add_argument("--device", type=support.check_device, default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
+    p.add_argument("--device", type=support.check_device, default="cpu",
+                   help="cpu, cuda or cuda:K (default: %(default)s)")
     p.add_argument("--repeats", type=support.in_range(int, 1), default=3, metavar="N",
                    help="timed runs per measurement, the median reported (default: %(default)s)")
     p.add_argument("--compile", type=support.parse_bool, default=False, metavar="BOOL",

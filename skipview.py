@@ -71,7 +71,8 @@ def parser() -> support.ArgParser:
                    help="validation tokens to show without --text (default: %(default)s)")
     p.add_argument("--out", type=support.path_arg, metavar="FILE",
                    help="also write the HTML page there (default: no page)")
-    p.add_argument("--device", type=support.check_device, default="cpu", help="cpu, cuda or cuda:K (default: %(default)s)")
+    p.add_argument("--device", type=support.check_device, default="cpu",
+                   help="cpu, cuda or cuda:K (default: %(default)s)")
     return p
 
 

@@ -89,7 +89,8 @@ def os_error_text(e: OSError) -> str:
 
 def exit_quietly_on_signals():
     """For a command run as a script, before it loads torch (seconds): Ctrl-C, SIGTERM or
-    SIGUSR1 exits at once, 130, 143 or 138, with no traceback. The trainer installs its own handlers later.
+    SIGUSR1 exits at once, 130, 143 or 138, with no traceback. The trainer installs its own
+    handlers later.
     os._exit, not sys.exit: an exception raised inside a half-done C-extension import (numpy,
     torch) can be caught and the import retried, which then fails with a traceback. Nothing has
     been written before cli() takes the signals back, so there is nothing to clean up."""
@@ -121,8 +122,9 @@ def in_range(kind, low, high=math.inf):
             value = kind(text)
             if math.isfinite(value) and low <= value <= high and (kind is int or float32_safe(value)):
                 return value
-        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}]"
-                                         f"{'' if kind is int else ', 0 or of float32 size'}, got {text!r}")
+        size = "" if kind is int else ", 0 or of float32 size"
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}]{size}, "
+                                         f"got {text!r}")
     convert.kind, convert.low, convert.high = kind, low, high
     return convert
 
@@ -451,10 +453,10 @@ def saved_steps(run_dir: str) -> list:
 
 def run_to_resume(run_dir: str, load, settings, required) -> tuple:
     """-> (settings(its saved settings), its checkpoint): load(run_dir)'s (read_checkpoint),
-    or config.json's and None for a run that never saved one (no checkpoint.pt, and no save in
-    its logs, which the trainer records: a run whose checkpoint vanished is not started afresh). config.json, where there
-    is one, must be this run's: an object with the checkpoint's run_id and every setting of
-    the run (the checkpoint's, or else the names in required), each of its type."""
+    or config.json's and None for a run that never saved one (no checkpoint.pt, and no save
+    recorded in its logs: a run whose checkpoint vanished is not started afresh). config.json,
+    where there is one, must be this run's: an object with the checkpoint's run_id and every
+    setting of the run (the checkpoint's, or else the names in required), each of its type."""
     config, path = read_config(need(run_dir, "a folder")), os.path.join(run_dir, CHECKPOINT)
     if config is not None and not os.path.lexists(path):
         if saves := saved_steps(run_dir):
@@ -645,34 +647,35 @@ class RunLog:
         previous = (read_config(run_dir) if resumed_at is not None else None) or {}
         new_log = resumed_at is None or not os.path.exists(log)
         write_atomically(config_path, json.dumps(config, indent=2).encode())
-        self.log = open(log, "w" if resumed_at is None else "a")
-        sha = lambda c, n: c.get(f"sha256 {n}")  # noqa: E731
-        changed = [n for n in SOURCES if previous and sha(previous, n) != sha(config, n)]
-        if resumed_at is not None:
-            self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
-            if changed:
-                self.log.write("source changed since the last job: " + "; ".join(
-                    f"{n} sha256 {sha(previous, n)} -> {sha(config, n)}" for n in changed) + "\n")
-            kept = b""
-            with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
-                for line in f:
-                    with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
-                        m = json.loads(line)  # keep what the checkpoint has seen
-                        if m["step"] <= resumed_at and not (m["kind"] == "val" and m["step"] > val_done):
-                            kept += line
-            write_atomically(metrics, kept)
-        for name in SOURCES if new_log or not previous else changed:  # in full, as they ran
-            with open(os.path.join(HERE, name)) as f:  # the trainer's first, as it always was
-                self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n") + f.read())
-        self.metrics = open(metrics, "a")
-        dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
-        state = dirty[config["git_dirty"]]
-        self.log.write("=" * 100 + f"\ncommand: {config['command']}\n"
-                       f"git: {config['git_commit'] or 'not a git checkout'}{state}\n"
-                       + "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
-                       + describe_system() + "\nhyperparameters: " + json.dumps(config) + "\n"
-                       + "=" * 100 + "\n")
-        self.log.flush()
+        with named(log):  # a write error carries no file name
+            self.log = open(log, "w" if resumed_at is None else "a")
+            sha = lambda c, n: c.get(f"sha256 {n}")  # noqa: E731
+            changed = [n for n in SOURCES if previous and sha(previous, n) != sha(config, n)]
+            if resumed_at is not None:
+                self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
+                if changed:
+                    self.log.write("source changed since the last job: " + "; ".join(
+                        f"{n} sha256 {sha(previous, n)} -> {sha(config, n)}" for n in changed) + "\n")
+                kept = b""
+                with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
+                    for line in f:
+                        with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
+                            m = json.loads(line)  # keep what the checkpoint has seen
+                            if m["step"] <= resumed_at and not (m["kind"] == "val" and m["step"] > val_done):
+                                kept += line
+                write_atomically(metrics, kept)
+            for name in SOURCES if new_log or not previous else changed:  # in full, as they ran
+                with open(os.path.join(HERE, name)) as f:  # the trainer's first, as it always was
+                    self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n") + f.read())
+            self.metrics = open(metrics, "a")
+            dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
+            state = dirty[config["git_dirty"]]
+            self.log.write("=" * 100 + f"\ncommand: {config['command']}\n"
+                           f"git: {config['git_commit'] or 'not a git checkout'}{state}\n"
+                           + "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
+                           + describe_system() + "\nhyperparameters: " + json.dumps(config) + "\n"
+                           + "=" * 100 + "\n")
+            self.log.flush()
 
     def print(self, line: str):
         if self.active:

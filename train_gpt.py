@@ -1087,8 +1087,8 @@ def resume_settings(overrides: dict) -> tuple:
     if overrides.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
     # stop_step is a setting of one job, not of the run
-    base, ckpt = run_to_resume(run_dir, load_checkpoint, lambda saved: saved_settings(saved, stop_step=0),
-                               [f.name for f in fields(Hyperparameters)])
+    base, ckpt = run_to_resume(run_dir, load_checkpoint, lambda saved: saved_settings(
+        saved, stop_step=0), [f.name for f in fields(Hyperparameters)])
     hp = resolve(overrides, base)
     if ckpt is None:
         return replace(hp, run_dir=run_dir, resume=""), None
