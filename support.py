@@ -661,8 +661,9 @@ class RunLog:
                     for line in f:
                         with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
                             m = json.loads(line)  # keep what the checkpoint has seen
-                            if m["step"] <= resumed_at and not (m["kind"] == "val" and m["step"] > val_done):
-                                kept += line
+                            seen = m["step"] <= resumed_at and not (m["kind"] == "val"
+                                                                    and m["step"] > val_done)
+                            kept += line if seen else b""
                 write_atomically(metrics, kept)
             for name in SOURCES if new_log or not previous else changed:  # in full, as they ran
                 with open(os.path.join(HERE, name)) as f:  # the trainer's first, as it always was
