@@ -5,6 +5,7 @@ hand-computed controller steps, FlopCounterMode, shards written by the test, a o
 run against a two-process one.
 """
 
+import errno
 import glob
 import importlib.util
 import itertools
@@ -608,7 +609,7 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
     (tmp_path / "e.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    out = tmp_path / "shards"
+    out = tmp_path / "shards" / "deeper"
     for name, message in (("c.jsonl", "c.jsonl:2: not a JSON object with a \"text\" field"),
                           ("d.txt", "d.txt: not valid UTF-8"),
                           ("e.jsonl", "e.jsonl:2: not valid UTF-8")):
@@ -616,7 +617,7 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
                                                    "--shard_tokens=1"])
         assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
         assert r.stderr.count("\n") == 1
-        assert not out.exists()  # not even the folder
+        assert not (tmp_path / "shards").exists()  # not even the folders it made for --out
 
 
 def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_path):
@@ -674,6 +675,55 @@ def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
     assert r.returncode == 2 and "mine_train_000002.bin (and 0 more)" in r.stderr
     assert (out / "mine_train_000002.bin").read_bytes() == b"edited"
     assert not list(out.glob(".mine.*"))  # no temporary folder left
+
+
+def test_a_manifest_it_did_not_write_is_refused_like_a_shard(tmp_path):
+    (tmp_path / "a.txt").write_text("some words " * 30)
+    (tmp_path / "theirs.json").write_text('{"shards": {}}')
+    out = tmp_path / "s"
+    out.mkdir()
+    for make in (lambda m: m.write_text('{"shards": {}}'),  # another tool's
+                 lambda m: m.write_text("not json"),
+                 lambda m: m.mkdir(),
+                 lambda m: m.symlink_to(tmp_path / "theirs.json")):
+        manifest = out / "corpus.manifest.json"
+        make(manifest)
+        r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
+                                                   "--workers=1"])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"{manifest} is the manifest of corpus 'corpus' but was not written" in r.stderr
+        assert [p.name for p in out.iterdir()] == ["corpus.manifest.json"]
+        manifest.rmdir() if manifest.is_dir() and not manifest.is_symlink() else manifest.unlink()
+    assert (tmp_path / "theirs.json").read_text() == '{"shards": {}}'
+
+
+def test_a_corpus_cut_short_at_either_manifest_write_stays_its_own(tmp_path, monkeypatch):
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
+    (tmp_path / "short.txt").write_text("few words")
+    out, real = tmp_path / "s", tokenize.write_atomically
+    corpus = lambda: {p.name: p.read_bytes() for p in out.iterdir()}  # noqa: E731
+    for fail_at in (1, 2):  # the manifest written before the shards move, the one after
+        tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
+        before, calls = corpus(), []
+
+        def disk_full(path, data):
+            calls.append(path)
+            if len(calls) == fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            real(path, data)
+        monkeypatch.setattr(tokenize, "write_atomically", disk_full)
+        with pytest.raises(OSError):
+            tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
+        monkeypatch.undo()
+        if fail_at == 1:
+            assert corpus() == before  # nothing moved yet
+        else:  # the new corpus is in place, the previous one's extra shards are gone
+            assert sorted(n for n in corpus() if n.endswith(".bin")) == ["c_val_000000.bin"]
+        # either way every file is still known as this corpus's: the next run goes on
+        assert len(tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)) == 1
+        assert not list(out.glob(".c.*"))
+        shutil.rmtree(out)
 
 
 def test_sample_regenerates_byte_for_byte(tmp_path):

@@ -15,9 +15,9 @@ What it may delete (class Corpus): shards are written into a temporary folder in
 take their names only when the whole corpus is encoded; then the shards of the previous version
 of the same corpus (the files NAME.manifest.json lists, with the content it records) that the
 new one does not replace are removed. A file named like a shard of NAME that is not in that
-manifest (a FineWeb download, your own shards, one edited since) is never replaced or removed:
-the command refuses before any work. A failed run leaves nothing; a killed one (SIGKILL) leaves
-its hidden temporary folder .NAME.<random> in --out.
+manifest (a FineWeb download, your own shards, one edited since), or a manifest this script did
+not write, is never replaced or removed: the command refuses before any work. A failed run
+leaves nothing; a killed one (SIGKILL) leaves its hidden temporary folder .NAME.<random>.
 
 With no input it regenerates data/sample/ from CPython's `pydoc_data.topics`, split by document
 (every 10th topic, in sorted order, to validation). That text depends on the Python version:
@@ -67,40 +67,61 @@ def sha256_of(path: str) -> str:
 
 class Corpus:
     """The shards of one corpus NAME in folder OUT, replaced whole or not at all. Shards are
-    written into a temporary folder inside OUT (.NAME.<random>); commit() moves them into place,
-    deletes the shards of this corpus's previous version, and writes NAME.manifest.json (each
-    shard's name and sha256). Only files listed in that manifest, with the content it records,
-    are ever replaced or deleted: a file named like a shard of NAME that this script did not
-    write (a download, another tool's, one edited since) is refused before any work. On any
-    failure the temporary folder, and OUT if this created it, are removed; nothing else is
-    touched."""
+    written into a temporary folder inside OUT (.NAME.<random>); commit() writes
+    NAME.manifest.json (each shard's name and sha256, the previous version's too until it is
+    gone), moves the shards into place, deletes the previous version's others, then drops them
+    from the manifest. Only files the manifest lists, with the content it records, are ever
+    replaced or deleted: a shard-named file or a manifest this script did not write (a download,
+    another tool's, one edited since) is refused before any work. On any failure the temporary
+    folder, and the folders this created for OUT, are removed; nothing else is touched."""
+    WRITER = "data/tokenize_corpus.py"
 
     def __init__(self, out: str, name: str):
         if os.sep in name or name in (".", ".."):
             raise UserError(f"--name={name}: a name, not a path")
         self.out, self.name, self.shards = out, name, {}
-        pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
         self.manifest = os.path.join(out, f"{name}.manifest.json")
-        ours = {}
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or damaged
-            with open(self.manifest) as f:
-                ours = dict(json.load(f)["shards"])
+        ours = self.read_manifest()  # name -> the sha256 of each version this script wrote
+        pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
         present = sorted(n for n in (os.listdir(out) if os.path.isdir(out) else ())
                          if pattern.fullmatch(n))
-        foreign = [n for n in present if ours.get(n) != sha256_of(os.path.join(out, n))]
+        self.previous = {n: sha256_of(os.path.join(out, n)) for n in present}
+        foreign = [n for n, sha in self.previous.items() if sha not in ours.get(n, ())]
         if foreign:
-            raise UserError(f"{os.path.join(out, foreign[0])} (and {len(foreign) - 1} more) "
-                            f"is named like a shard of corpus {name!r} but was not written by "
-                            f"this script, or changed since: choose another --name or --out; "
-                            f"nothing was written")
-        self.previous = present
-        self.made_out = not os.path.isdir(out)
-        os.makedirs(out, exist_ok=True)
+            self.refuse(os.path.join(out, foreign[0]) + f" (and {len(foreign) - 1} more) is named "
+                        f"like a shard of corpus {name!r}")
+        self.made, top = None, os.path.abspath(out)  # the topmost folder this makes for OUT
+        while not os.path.lexists(top):
+            self.made, top = top, os.path.dirname(top)
         try:
+            os.makedirs(out, exist_ok=True)
             self.tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=out)
         except OSError:
             self.__exit__(OSError)
             raise
+
+    def refuse(self, what: str):
+        raise UserError(f"{what} but was not written by this script, or changed since: choose "
+                        f"another --name or --out; nothing was written")
+
+    def read_manifest(self) -> dict:
+        """{shard: [sha256, ...]} from NAME.manifest.json; {} when there is none."""
+        if not os.path.lexists(self.manifest):
+            return {}
+        try:
+            if os.path.islink(self.manifest) or not os.path.isfile(self.manifest):
+                raise ValueError
+            with open(self.manifest, "rb") as f:
+                m = json.load(f)
+            if m["written_by"] != self.WRITER:
+                raise ValueError
+            ours = {}
+            for part in ("shards", "previous"):
+                for n, sha in m.get(part, {}).items():
+                    ours.setdefault(n, []).append(str(sha))
+            return ours
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.refuse(f"{self.manifest} is the manifest of corpus {self.name!r}")
 
     def add(self, tokens) -> str:
         """Write the next shard (the first is validation) into the temporary folder."""
@@ -112,10 +133,17 @@ class Corpus:
         self.shards[shard] = hashlib.sha256(data).hexdigest()
         return shard
 
+    def write_manifest(self, previous: dict):
+        m = {"written_by": self.WRITER, "shards": self.shards}
+        if previous:  # the files of the version being replaced, while any may remain
+            m["previous"] = previous
+        write_atomically(self.manifest, json.dumps(m, indent=1).encode())
+
     def commit(self) -> list:
         """Publish the new shards, then drop the previous version's others; -> their paths."""
         if not self.shards:
             raise UserError("the input holds no documents (no non-empty text); nothing was written")
+        self.write_manifest(self.previous)  # first: a failure after it leaves only known files
         for shard in self.shards:
             os.replace(os.path.join(self.tmp, shard), os.path.join(self.out, shard))
         stale = [n for n in self.previous if n not in self.shards]
@@ -124,8 +152,7 @@ class Corpus:
         if stale:
             print(f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in "
                   f"{self.out}", file=sys.stderr)
-        write_atomically(self.manifest, json.dumps(
-            {"written_by": "data/tokenize_corpus.py", "shards": self.shards}, indent=1).encode())
+        self.write_manifest({})
         return [os.path.join(self.out, n) for n in self.shards]
 
     def __enter__(self):
@@ -136,8 +163,14 @@ class Corpus:
             for n in os.listdir(self.tmp):  # only what add() wrote there
                 os.remove(os.path.join(self.tmp, n))
             os.rmdir(self.tmp)
-        if exc[0] is not None and self.made_out and not os.listdir(self.out):
-            os.rmdir(self.out)
+        if exc[0] is None or not self.made:
+            return
+        folder = os.path.abspath(self.out)
+        while os.path.isdir(folder) and not os.listdir(folder):  # what this made, deepest first
+            os.rmdir(folder)
+            if folder == self.made:
+                break
+            folder = os.path.dirname(folder)
 
 
 # ---------------------------------------------------------------------------- reading documents
