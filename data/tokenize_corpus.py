@@ -26,7 +26,6 @@ the committed sample was made with the version in data/sample/README.md.
 Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~200 MB).
 """
 
-import contextlib
 import glob
 import hashlib
 import json
