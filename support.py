@@ -587,10 +587,10 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     the one read (mtime). A fresh start refuses a directory holding a checkpoint; one whose
     run ended before its first checkpoint is started afresh, with the earlier attempt's files
     moved to aborted_<k>/ so nothing is lost (only a run that never saved starts afresh)."""
-    run_dir = run_dir or new_run_dir(name)
-    lock_run_dir(run_dir)
+    writable_dir(run_dir or "logs")  # before anything is written, folders and lock included:
+    run_dir = run_dir or new_run_dir(name)  # a full disk or a read-only folder is an error
+    lock_run_dir(run_dir)                   # line, with nothing left behind
     path = os.path.join(run_dir, CHECKPOINT)
-    writable_dir(run_dir)  # before anything is written (a read-only folder: an error line)
     for stale in [p for n in (CHECKPOINT, PREVIOUS)
                   for p in glob.glob(os.path.join(glob.escape(run_dir), n + ".????????.tmp"))]:
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write/link_atomically's
@@ -780,16 +780,19 @@ class Dist:
 
     def on_master(self, fn, share: bool = True):
         """fn() on rank 0 only, and every rank learns whether it worked, so that none waits in
-        a collective for a rank that failed. A UserError or OS error there is a UserError on
-        every rank; anything else is re-raised on rank 0 and a RunStopped elsewhere. share:
-        every rank gets fn()'s result (else only rank 0, e.g. an object holding open files)."""
+        a collective for a rank that failed. A full disk there is that OS error on every rank,
+        a UserError or other OS error a UserError; anything else is re-raised on rank 0 and a
+        RunStopped elsewhere. share: every rank gets fn()'s result (else only rank 0, e.g. an
+        object holding open files)."""
         import torch.distributed as dist
-        result, failure, outcome = None, None, ("ok", "")  # ok | bad (the user's) | crash
+        result, failure, outcome = None, None, ("ok", "")  # ok | disk | bad (the user's) | crash
         if self.master:
             try:
                 result = fn()
             except (UserError, OSError) as e:
-                outcome = ("bad", str(e) if isinstance(e, UserError) else os_error_text(e))
+                outcome = (("disk", (e.errno, e.strerror, e.filename))
+                           if isinstance(e, OSError) and e.errno in DISK_FULL else
+                           ("bad", str(e) if isinstance(e, UserError) else os_error_text(e)))
             except Exception as e:
                 failure, outcome = e, ("crash", f"{type(e).__name__}: {e}")
         box = [outcome, result if share else None]
@@ -801,6 +804,8 @@ class Dist:
                 raise failure
             ckpt = f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else ""
             raise RunStopped(f"rank 0 failed ({message}){ckpt}")
+        if kind == "disk":
+            raise OSError(*message)
         if kind == "bad":
             raise UserError(message)
         return result if self.master else shared

@@ -1303,7 +1303,8 @@ def test_a_full_disk_is_found_before_the_work_and_leaves_nothing(tmp_path, capsy
     assert code == 0, err
     (tmp_path / "t.txt").write_text("some text " * 50)
     out = tmp_path / "out" / "deeper"
-    for cmd in (["bench.py", f"--out={out}"], ["sweep.py", "--grid=cpu", f"--out={out}"],
+    for cmd in (["train_gpt.py", *RESUME_RUN, f"--run_dir={out}"],
+                ["bench.py", f"--out={out}"], ["sweep.py", "--grid=cpu", f"--out={out}"],
                 ["skipview.py", str(tmp_path / "run"), f"--out={out}/page.html"],
                 ["data/tokenize_corpus.py", str(tmp_path / "t.txt"), f"--out={out}"],
                 [os.path.join("data", "cached_fineweb10B.py"), "1", f"--out={out}"]):
