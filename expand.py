@@ -18,6 +18,7 @@ and slerp (halfway, per tensor, between the last layer and the tau-th from last)
 of the merges are our choice, where Section 3.1 leaves them open.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -165,9 +166,28 @@ def expand(argv):
         raise support.UserError(f"{e} (or this command's own: --groups, --per_group, --init, "
                                 f"--tau)") from None
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
-    support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
-    out = support.open_run_dir(args.out, "", resuming=False)
-    hp = replace(hp, run_dir=out)
+    made = not os.path.lexists(args.out)
+    ours = [n for n in (support.LOCK, support.CHECKPOINT, "expand.json")  # what this will write
+            if not os.path.lexists(os.path.join(args.out, n))]
+    out = support.open_run_dir(args.out, "", resuming=False)  # probes it: a full disk is found
+    try:
+        write_run(out, replace(hp, run_dir=out), src, base, args, argv)
+    except BaseException:  # a disk that fills during the writes: take back what this wrote
+        support.release_locks()
+        for n in ours:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, n))
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
+    print(f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
+          f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"
+          f"  python train_gpt.py --resume={out}")
+
+
+def write_run(out: str, hp: tg.Hyperparameters, src: dict, base: tg.Hyperparameters, args, argv):
+    """NEW_RUN_DIR's checkpoint (step 0 of the expanded model), expand.json and train.log."""
     torch.manual_seed(hp.seed)
     model = tg.GPT(hp)
     state = expand_state(src["model"], base.n_layers, args.groups, args.per_group, args.init,
@@ -187,9 +207,6 @@ def expand(argv):
         f"expanded from {args.run_dir} (step {src['step']}, {base.n_layers} layers) to "
         f"{hp.n_layers} layers by: {record['command']}\nsettings and provenance: "
         f"expand.json\n").encode())
-    print(f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
-          f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"
-          f"  python train_gpt.py --resume={out}")
 
 
 if __name__ == "__main__":

@@ -554,8 +554,6 @@ def lock_run_dir(run_dir: str):
     when the process ends, however it ends, so a crashed job leaves no stale lock (on local
     file systems; some network file systems do not honour flock)."""
     import fcntl
-    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
-        raise UserError(f"cannot use run_dir {run_dir}: it is {kind_of(run_dir)}, not a folder")
     try:
         os.makedirs(run_dir, exist_ok=True)
         f = open(os.path.join(run_dir, LOCK), "a+")

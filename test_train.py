@@ -1138,13 +1138,13 @@ def bad_inputs(tmp_path):
         (smoke + [f"--train_files={tmp_path}/dir_*.bin"], "dir_000001.bin, which is a folder, not a shard"),
         (smoke + [f"--train_files={tmp_path}/loop"], "which is a symbolic link loop, not a shard file"),
         (smoke + ["--val_files=/dev/null"], "which is a character device, not a shard file"),
-        (smoke + ["--run_dir=/dev/null"], "cannot use run_dir /dev/null: it is a character device"),
+        (smoke + ["--run_dir=/dev/null"], "cannot write to /dev/null: /dev/null is a character device"),
         ([f"--resume={tmp_path}/loop"], "loop is a symbolic link loop, not a folder"),
         ([f"--resume={tmp_path}/a_file"], "a_file is a file, not a folder"),
         (["--train_files="], "--train_files=: expected a value"),
         (smoke + ["--lr=1e-50"], "lr=1e-50 is not 0 and outside float32's range"),
-        (smoke + [f"--run_dir={tmp_path}/a_file"], f"cannot use run_dir {tmp_path}/a_file"),
-        (smoke + [f"--run_dir={tmp_path}/a_file/run"], "cannot use run_dir"),
+        (smoke + [f"--run_dir={tmp_path}/a_file"], f"cannot write to {tmp_path}/a_file: {tmp_path}/a_file is a file"),
+        (smoke + [f"--run_dir={tmp_path}/a_file/run"], f"{tmp_path}/a_file is a file, not a folder"),
         (smoke + ["--val_tokens=1e6"], "more than the validation shards hold"),
         (smoke + ["--lr=inf"], "lr=inf must lie in (0, inf)"),
         (smoke + ["--beta2=1"], "beta2=1.0 must lie in [0, 1)"),
@@ -1973,6 +1973,12 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
         assert message in r.stderr, (args, r.stderr)
         assert not (tmp_path / "x").exists()
+    # a disk that fills while the new checkpoint is written: named, status 1, nothing left
+    r = subprocess.run([sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x"], cwd=HERE,
+                       capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: disk_nearly_full(2 << 20))  # over the 1 MiB probe
+    assert r.returncode == 1 and r.stderr == f"error: {tmp_path / 'x' / 'checkpoint.pt'}: File too large\n"
+    assert not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------------------- Figure 2 harness
