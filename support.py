@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -82,8 +83,10 @@ def cli(main, argv, before_error=None) -> int:
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 
 
-def os_error_text(e: OSError) -> str:
+def os_error_text(e: Exception) -> str:
     """An OS error as an error line says it: the file, if known, then what went wrong."""
+    if not isinstance(e, OSError):
+        return str(e)
     return f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
 
 
@@ -440,15 +443,21 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     return state
 
 
+SAVED = "checkpoint saved at step "  # a train.log line, beside metrics.jsonl's record (RunLog)
+
+
 def saved_steps(run_dir: str) -> list:
-    """The steps at which RUN_DIR's logs (metrics.jsonl) record a saved checkpoint."""
+    """The steps at which RUN_DIR's logs record a saved checkpoint: metrics.jsonl's "checkpoint"
+    records and train.log's SAVED lines (both, so that deleting one log does not hide a save)."""
     steps = []
     with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
                 m = json.loads(line)
                 steps += [m["step"]] if m["kind"] == "checkpoint" else []
-    return steps
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, "train.log"), "rb") as f:
+        steps += [int(n) for n in re.findall(rb"^" + SAVED.encode() + rb"(\d+)$", f.read(), re.M)]
+    return sorted(set(steps))
 
 
 def run_to_resume(run_dir: str, load, settings, required) -> tuple:
@@ -683,6 +692,11 @@ class RunLog:
                 self.log.write(line + "\n")
                 self.log.flush()
 
+    def saved(self, step: int):
+        """A checkpoint of step is on disk: said in both logs (saved_steps reads them)."""
+        self.print(f"{SAVED}{step}")
+        self.record({"kind": "checkpoint", "step": step})
+
     def record(self, obj: dict):
         if self.active:
             with named(self.metrics.name):
@@ -891,8 +905,8 @@ class Checkpoints:
         try:
             self.d.on_master(lambda: (keep and link_atomically(self.path, self.previous),
                                       save_checkpoint(self.dir, state())))
-        except UserError as e:
-            raise RunStopped(f"cannot write the checkpoint of step {step} ({e}); "
+        except (UserError, OSError) as e:  # a full disk, or a folder made read-only
+            raise RunStopped(f"cannot write the checkpoint of step {step} ({os_error_text(e)}); "
                              f"last good checkpoint: {self.last_good()}") from None
         self.step, self.proven = step, False
         STOP.last_ckpt = f"{self.path} (step {step})"
@@ -939,6 +953,7 @@ def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,
     last checkpoint), and it reaches every rank."""
     try:
         log = d.on_master(lambda: RunLog(run_dir, config, True, resumed_at, val_done), share=False)
-    except UserError as e:
-        raise RunStopped(f"cannot write the run's logs ({e}); last checkpoint: {STOP.last_ckpt}") from None
+    except (UserError, OSError) as e:
+        raise RunStopped(f"cannot write the run's logs ({os_error_text(e)}); last checkpoint: "
+                         f"{STOP.last_ckpt}") from None
     return log if d.master else RunLog(run_dir, config, active=False)

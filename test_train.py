@@ -1061,6 +1061,12 @@ def test_a_run_whose_checkpoint_vanished_is_not_started_afresh(tmp_path, capsys)
     assert code == 2 and "checkpoint.pt is a broken symbolic link" in err, err
     (tmp_path / "checkpoint.pt").unlink()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    for log in ("metrics.jsonl", "train.log"):  # either log alone still says it saved
+        kept = (tmp_path / log).read_bytes()
+        (tmp_path / log).unlink()
+        code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+        assert code == 2 and "record a checkpoint saved at step 2" in err, err
+        (tmp_path / log).write_bytes(kept)
 
 
 def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp_path, capsys):

@@ -1257,7 +1257,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 if (step > start or run.val_done != saved_val) and (ending or periodic):
                     saves.save(step, raw, opt, lambda: checkpoint_state(
                         run, hp, d.world, raw, opt, train_loader.state()))  # position: global
-                    log.record({"kind": "checkpoint", "step": step})  # (support.saved_steps)
+                    log.saved(step)
                     saved_val = run.val_done
                 if ending:
                     break
