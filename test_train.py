@@ -1074,10 +1074,11 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
     assert code == 0, err
     good = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     config = json.loads((tmp_path / "config.json").read_text())
-    for key, value, message in (("step", -3, "step=-3 must lie in [0, inf]"),
-                                ("val_done", 9, "val_done=9 must lie in [-1, 4]"),
-                                ("train_ms", float("nan"), "train_ms=nan must lie in [0, inf]"),
-                                ("bad_steps", 5, "bad_steps=5 must lie in [0, 4]")):
+    for key, value, message in (("step", -3, "step=-3 must be finite, in [0, inf]"),
+                                ("val_done", 9, "val_done=9 must be finite, in [-1, 4]"),
+                                ("train_ms", float("nan"), "train_ms=nan must be finite, in [0, inf]"),
+                                ("train_ms", float("inf"), "train_ms=inf must be finite, in [0, inf]"),
+                                ("bad_steps", 5, "bad_steps=5 must be finite, in [0, 4]")):
         torch.save({**good, key: value}, tmp_path / "checkpoint.pt")
         before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
         code, _, err = run_main([f"--resume={tmp_path}"], capsys)
@@ -1086,11 +1087,12 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
     torch.save(good, tmp_path / "checkpoint.pt")
     for edited, message in (({}, "it holds no run_id"),
                             ({"run_id": config["run_id"]}, "it lacks the setting 'train_files'"),
-                            ({**config, "lr": "fast"}, "saved lr='fast' is not of type float")):
+                            ({**config, "lr": "fast"}, "saved lr='fast' is not of type float"),
+                            ({**config, "lr": float("nan")}, "lr=nan must lie in (0, inf)")):
         (tmp_path / "config.json").write_text(json.dumps(edited))
         code, _, err = run_main([f"--resume={tmp_path}"], capsys)
         assert code == 2 and f"config.json: {message} (an edited or damaged file)" in err, err
-        assert json.loads((tmp_path / "config.json").read_text()) == edited  # not overwritten
+        assert (tmp_path / "config.json").read_text() == json.dumps(edited)  # not overwritten
 
 
 def after_exit(signum):

@@ -1042,8 +1042,8 @@ class RunState:
         for name, low, high in (("step", 0, math.inf), ("tokens", 0, math.inf),
                                 ("train_ms", 0, math.inf), ("timed_steps", 0, s),
                                 ("bad_steps", 0, s), ("val_done", -1, s), ("kept", -1, s - 1)):
-            if not low <= getattr(self, name) <= high:  # NaN too
-                raise UserError(f"{name}={getattr(self, name)} must lie in [{low}, {high}]")
+            if not (low <= getattr(self, name) <= high and math.isfinite(getattr(self, name))):
+                raise UserError(f"{name}={getattr(self, name)} must be finite, in [{low}, {high}]")
 
 
 # a checkpoint: the RunState's fields, then what a job needs to go on exactly where one stopped
@@ -1066,10 +1066,12 @@ def load_checkpoint(run_dir: str) -> dict:
 
 
 def saved_settings(saved: dict, **changes) -> Hyperparameters:
-    """Settings saved by a run (checkpoint or config.json), their types checked. Keys that are
-    no longer fields are dropped: the expand_* fields of older versions, whose work the
-    weights already hold."""
-    return Hyperparameters(**{**saved_fields(Hyperparameters, saved), **changes})
+    """Settings saved by a run (checkpoint or config.json), their types and ranges checked.
+    Keys that are no longer fields are dropped: the expand_* fields of older versions, whose
+    work the weights already hold."""
+    hp = Hyperparameters(**{**saved_fields(Hyperparameters, saved), **changes})
+    check_fields(hp, RANGES, CHOICES)
+    return hp
 
 
 def load_model(run_dir: str, device: str = "cpu") -> GPT:
