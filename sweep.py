@@ -153,13 +153,15 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     label = label or " ".join(args[-1:])
+    if got and proc.returncode in (0, 128 + got[-1], -got[-1]):  # it obeyed the signal
+        done = ("saved its checkpoint" if proc.returncode == 0 else  # else: still starting, or
+                "stopped at once, keeping its last checkpoint")      # a second signal
+        raise Stopped(f"sweep stopped by {signal.Signals(got[0]).name}; {label} {done}; run "
+                      f"the same command again to go on")
     if proc.returncode:
         tail = (err.strip().splitlines() or ["(no output)"])[-1]
         kind = support.UserError if proc.returncode == 2 and not got else support.RunStopped
         raise kind(f"{label}: {script} exited {proc.returncode}: {tail}")
-    if got:
-        raise Stopped(f"sweep stopped by {signal.Signals(got[0]).name}; {label} saved its "
-                      f"checkpoint; run the same command again to go on")
 
 
 def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:

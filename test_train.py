@@ -2112,6 +2112,19 @@ def test_ctrl_c_on_a_sweep_lets_the_run_in_flight_save_and_stop(tmp_path):
     assert step >= 2 and f"stopped by signal SIGINT at step {step}" in (tmp_path / "train.log").read_text()
 
 
+def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monkeypatch):
+    sweep, real = load_command("sweep.py"), subprocess.Popen
+
+    def interrupted_popen(*args, **kwargs):  # the Ctrl-C lands as the trainer is starting
+        proc = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return proc
+    monkeypatch.setattr(sweep.subprocess, "Popen", interrupted_popen)
+    with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* stopped at once"):
+        sweep.launch(RESUME_RUN + [f"--run_dir={tmp_path}"], 1)
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
 def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys):
     skipview = load_command("skipview.py")
     run = tmp_path / "run"
