@@ -64,6 +64,8 @@ def cli(main, argv, before_error=None) -> int:
         return status
     try:
         main(argv)
+        with named("standard output"):  # a full disk or closed pipe behind it: an error line
+            sys.stdout.flush()
         return 0
     except KeyboardInterrupt:
         if STOP.last_ckpt is None:
@@ -74,6 +76,8 @@ def cli(main, argv, before_error=None) -> int:
     except RunStopped as e:
         return fail(str(e), 1)
     except OSError as e:
+        if e.filename == "standard output":  # what it could not take is lost: drop it, so the
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit flush is quiet
         text = os_error_text(e)
         if STOP.last_ckpt is None:
             return fail(text, 1 if e.errno in DISK_FULL else 2)  # a full disk is not bad input

@@ -1285,6 +1285,10 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         assert out.err.count("\n") == 1 and message in out.err, (argv, out.err)
     assert not (tmp_path / "s").exists() or not list((tmp_path / "s").iterdir())
     assert a_file.read_text() == "x"
+    with open("/dev/full", "w") as full:  # standard output on a full disk: named, status 1
+        r = subprocess.run([sys.executable, "sample.py", str(run), "--tokens=3"], cwd=HERE,
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.endswith("error: standard output: No space left on device\n")
     # one boolean spelling everywhere, as train_gpt.py's fields: 1/0, true/false, yes/no
     assert [support.parse_bool(v) for v in ("1", "TRUE", "Yes", "0", "false", "NO")] == [True] * 3 + [False] * 3
     # --help (and -h): status 0, the usage, and every option's default
