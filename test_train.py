@@ -570,6 +570,14 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     assert "Rerun `python data/cached_fineweb10B.py 2`" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["fineweb_train_000001.bin",
                                                      "fineweb_val_000000.bin"]
+    # the first file alone is tried first: when it cannot be had, no other is tried (offline,
+    # each would wait through the hub's retries), though the cache holds one of them
+    fake_hub_cache(tmp_path / "hub2", {"fineweb_train_000001.bin": range(50, 300)})
+    r = run_data_script("cached_fineweb10B.py", ["1", f"--out={tmp_path / 'data2'}"],
+                        **{**env, "HF_HUB_CACHE": str(tmp_path / "hub2")})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "(fineweb_val_000000.bin; " in r.stderr and "; the others were not tried)" in r.stderr
+    assert not (tmp_path / "data2").exists()
 
 
 def gpt2():

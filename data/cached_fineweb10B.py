@@ -96,14 +96,19 @@ def main(argv) -> None:
     out, workers, count = args.out, args.workers, args.count
     names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
     writable_dir(out)  # before any download starts
-    with ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]") for i, n in enumerate(names)]
-        failed = [(n, f.result()) for n, f in zip(names, futures) if f.result() is not None]
+    first = fetch(names[0], out, f"[1/{len(names)}]")  # alone: offline, each of the others
+    failed = [(names[0], first)] if first else []      # would wait through the same retries
+    if not first:
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]")
+                       for i, n in enumerate(names) if i]
+            failed = [(n, f.result()) for n, f in zip(names[1:], futures) if f.result() is not None]
     if failed:
         listed = ", ".join(n for n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
+        untried = "; the others were not tried" if first and len(names) > 1 else ""
         raise UserError(f"{len(failed)} of {len(names)} files missing ({listed}; "
-                        f"{failed[0][1]}): no network and not in the Hugging Face cache, or "
-                        f"a full disk? "
+                        f"{failed[0][1]}{untried}): no network and not in the Hugging Face "
+                        f"cache, or a full disk? "
                         f"Rerun `python data/cached_fineweb10B.py {count}` when online; "
                         f"files already fetched are kept")
     print(f"{len(names)} files in {out}")
