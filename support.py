@@ -261,6 +261,17 @@ def check_fields(obj, ranges: dict, choices: dict):
                                 f"are float32): it would become 0 or infinity")
 
 
+# Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (no sparsity), by a part of
+# torch.cuda.get_device_name(): the first entry that matches wins, so PCIe and NVL come first.
+PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+              ("A100", 312e12))
+
+
+def peak_flops(device_name: str, given: float = 0.0) -> float:
+    """MFU's denominator per GPU: given, else the table's for the device; 0 when unknown."""
+    return given or next((f for part, f in PEAK_FLOPS if part in device_name), 0.0)
+
+
 def machine_memory() -> int:
     """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
     import torch  # loaded already by the trainer, its only caller

@@ -399,14 +399,21 @@ def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     # a global batch of 3 sequences of 64 tokens with a RoPE table of 256: the old count
     # (a max_seq_len sequence per batch entry) would have overstated the MFU about 4x
     hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256,
-              seq_len=64, batch_size=3, peak_flops=1e12)
+              seq_len=64, batch_size=3)
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     step_flops = counted_flops(tg.GPT(hp), 3, 64, backward=True)  # forward + backward
     step_s = 0.25  # a made-up step time
-    assert tg.mfu(hp, step_s, 1) == pytest.approx(step_flops / step_s / 1e12, rel=0.02)
-    assert tg.mfu(hp, step_s, 2) == pytest.approx(tg.mfu(hp, step_s, 1) / 2)
-    sparse = tg.mfu(replace(hp, router="skip_middle"), step_s, 1, active=[0.5, 0.5])
-    assert sparse < 0.7 * tg.mfu(hp, step_s, 1)  # compact: only the work executed counts
+    assert tg.mfu(hp, step_s, 1, 1e12) == pytest.approx(step_flops / step_s / 1e12, rel=0.02)
+    assert tg.mfu(hp, step_s, 2, 1e12) == pytest.approx(tg.mfu(hp, step_s, 1, 1e12) / 2)
+    sparse = tg.mfu(replace(hp, router="skip_middle"), step_s, 1, 1e12, active=[0.5, 0.5])
+    assert sparse < 0.7 * tg.mfu(hp, step_s, 1, 1e12)  # compact: only the work executed counts
+    # the peak follows the device's name (as torch.cuda.get_device_name gives it), or is given
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                       ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
+                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+                       ("Tesla V100-SXM2-16GB", 0.0), ("", 0.0)):
+        assert support.peak_flops(name) == peak, name
+        assert support.peak_flops(name, given=1e12) == 1e12
 
 
 def test_query_axis_flops_keep_every_token_as_a_key():

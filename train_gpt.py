@@ -818,12 +818,13 @@ def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None) -> floa
     return forward_flops(hp, active, mlp_active) / hp.seq_len
 
 
-def mfu(hp: "Hyperparameters", step_s: float, world: int, active=None) -> float:
+def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None) -> float:
     """Model FLOPs utilisation of one optimiser step over the real tokens it trained on
     (batch_size x seq_len): 3x the forward FLOPs of the work executed, over the peak of all
-    devices. active: per-layer fraction of tokens the blocks actually ran (compact only)."""
+    devices (peak FLOP/s per device). active: per-layer fraction of tokens the blocks actually
+    ran (compact only)."""
     tokens = hp.batch_size * hp.seq_len
-    return 3 * flops_per_token(hp, active) * tokens / step_s / (hp.peak_flops * world)
+    return 3 * flops_per_token(hp, active) * tokens / step_s / (peak * world)
 
 
 # -----------------------------------------------------------------------------
@@ -884,7 +885,7 @@ class Hyperparameters:
     # evaluation and logging
     val_every: int = 250         # steps between validations (0: only at the end)
     val_tokens: int = 10_485_760  # validation tokens per evaluation, split over ranks
-    peak_flops: float = 989e12   # per-GPU dense bf16 peak for MFU (H100 SXM)
+    peak_flops: float = 0.0      # per-GPU dense bf16 peak for MFU; 0: the device's (support.PEAK_FLOPS)
     untimed_steps: int = 10      # first steps of each job kept off the clock (compile warm-up)
     # long runs
     save_every: int = 250        # steps between checkpoints (0: only at the end)
@@ -945,8 +946,8 @@ RANGES = {  # interval: the fields that must lie in it
     "[1, inf)": "n_layers dim n_heads n_kv_heads ffn_mult max_seq_len batch_size device_batch_size "
                 "seq_len train_tokens val_tokens mod_every loss_rows",
     "[0, inf)": "dlo_anneal_steps val_every save_every stop_step max_bad_steps untimed_steps seed "
-                "gamma delta fixed_coef weight_decay dlo_gamma",
-    "(0, inf)": "rope_theta init_std lr adam_eps peak_flops dlo_beta mod_aux_coef",
+                "gamma delta fixed_coef weight_decay dlo_gamma peak_flops",
+    "(0, inf)": "rope_theta init_std lr adam_eps dlo_beta mod_aux_coef",
     "(0, 1)": "norm_eps gate_eps",
     "[0, 1]": "mu_start mu_end warmup_frac warmup_start",
     "[0, 1)": "beta1 beta2 dlo_rho",
@@ -1222,9 +1223,10 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
               "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
     log = open_log(d, run_dir, config, resumed_at=start if ckpt else None, val_done=run.val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", hp.peak_flops)
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
-              f"run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
+              f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
 
@@ -1296,9 +1298,9 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 line = (f"step:{run.step}/{steps} train_loss:{lm_loss:.4f} "
                         f"{clock(run.train_ms, run.timed_steps)} "
                         f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
-                if cuda:  # executed work: all tokens, except what compact really skips
+                if peak:  # executed work: all tokens, except what compact really skips
                     active = means["block_active"] if hp.compact else None
-                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, active):.1f}%"
+                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, peak, active):.1f}%"
                 log.print(line)
                 log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
                             "train_loss": lm_loss, "total_loss": total, "lr": lrs[0],
