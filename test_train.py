@@ -294,6 +294,22 @@ def test_controller_updates_match_hand_computed_steps():
         assert torch.equal(c.alpha, before[0]) and torch.equal(c.beta, before[1])
 
 
+def test_controller_state_follows_the_model_and_is_used_where_it_lives():
+    # on a GPU the loss and the update must not copy the coefficients between host and
+    # device every micro-step: they are buffers that move with the model. The meta device
+    # stands in for the GPU here (any read or copy to the host raises there)
+    model = tg.GPT(tiny(n_layers=4)).to("meta")
+    ctrl = model.router.ctrl
+    assert {t.device.type for t in (ctrl.alpha, ctrl.beta, ctrl.mu, ctrl.var)} == {"meta"}
+    gates = torch.rand(4, 2, 8, device="meta")
+    reg, sums = model.router.loss({"gates": gates}, 0)
+    model.router.update(sums, 16.0, 0)
+    assert reg.device.type == "meta" and ctrl.alpha.device.type == "meta"
+    assert "alpha" not in str(list(model.state_dict()))  # routing state, saved on its own
+    saved = tg.GPT(tiny(n_layers=4)).router.routing_state()["controller"]
+    assert saved["alpha"].device.type == "cpu" and saved["alpha"].dtype == torch.float64
+
+
 def test_controller_losses_match_hand_computed_values():
     gates = torch.tensor([[[1.0, 1.0], [1.0, 1.0]],
                           [[0.0, 1.0], [0.5, 0.5]],

@@ -349,20 +349,24 @@ def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
     return torch.cat([half, half.flip(0)])
 
 
-class GateController:
+class GateController(nn.Module):
     """The loss on the per-layer gate mean and variance, and the coefficients' update (Table
     1): proportional_tol, eq. 5 loss and eq. 6 update (the paper's); proportional / adaptive,
     gamma * dev / gamma * sign(dev); the sparsity* ones, fixed coefficients; none, no loss.
-    alpha and beta are training state (float64, on the CPU)."""
+    alpha and beta are training state (float64 buffers on the model's device, so neither the
+    loss nor the update copies anything between host and device; saved via routing_state)."""
 
     def __init__(self, hp: "Hyperparameters"):
+        super().__init__()
         self.kind, self.gamma, self.delta = hp.controller, hp.gamma, hp.delta
-        self.mu = mean_targets(hp)              # (L,) mean targets
-        self.var = self.mu * (1 - self.mu)      # (L,) Bernoulli variance targets
+        mu = mean_targets(hp)
         adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
         init = 0.0 if adaptive else hp.fixed_coef
-        self.alpha = torch.full_like(self.mu, init)
-        self.beta = torch.full_like(self.mu, init if self.kind != "sparsity" else 0.0)
+        for name, value in (("mu", mu),                  # (L,) mean targets
+                            ("var", mu * (1 - mu)),      # (L,) Bernoulli variance targets
+                            ("alpha", torch.full_like(mu, init)),
+                            ("beta", torch.full_like(mu, init if self.kind != "sparsity" else 0.0))):
+            self.register_buffer(name, value, persistent=False)
 
     def loss(self, gates):
         """gates: (L, B, T) -> scalar; eq. (4) statistics over this micro-batch."""
@@ -379,8 +383,7 @@ class GateController:
 
     def update(self, mean, var):
         """mean, var: (L,) statistics of the whole global batch, identical on every rank."""
-        for coef, dev in ((self.alpha, mean.double().cpu() - self.mu),
-                          (self.beta, var.double().cpu() - self.var)):
+        for coef, dev in ((self.alpha, mean.double() - self.mu), (self.beta, var.double() - self.var)):
             if self.kind == "proportional_tol":
                 coef += self.gamma * dev * (dev.abs() > self.delta)  # eq. (6)
             elif self.kind == "proportional":
@@ -388,10 +391,10 @@ class GateController:
             elif self.kind == "adaptive":
                 coef += self.gamma * torch.sign(dev)
 
-    def state_dict(self):
-        return {"alpha": self.alpha.clone(), "beta": self.beta.clone()}
+    def coefficients(self) -> dict:
+        return {"alpha": self.alpha.cpu(), "beta": self.beta.cpu()}  # (a copy: a new tensor)
 
-    def load_state_dict(self, state):
+    def load_coefficients(self, state):
         self.alpha.copy_(state["alpha"])
         self.beta.copy_(state["beta"])
 
@@ -468,10 +471,10 @@ class SkipMiddle(Router):
         return hp.gate_axis == "query"  # later tokens still attend to a skipped one
 
     def routing_state(self):
-        return {"controller": self.ctrl.state_dict()}
+        return {"controller": self.ctrl.coefficients()}
 
     def load_routing_state(self, state):
-        self.ctrl.load_state_dict(state["controller"])
+        self.ctrl.load_coefficients(state["controller"])
 
 
 class DLO(Router):
@@ -1105,6 +1108,14 @@ def resume_settings(overrides: dict) -> tuple:
 # -----------------------------------------------------------------------------
 # Training loop
 
+def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
+    """A CPU batch on device; to a GPU from pinned memory without blocking the host (the
+    copy is ordered before the kernels that read it on the same stream)."""
+    if device == "cpu":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 def route_sums(route: dict, router: Router) -> dict:
     """Per-layer sums over the tokens of a forward pass, float64 (L,) per key, detached: the
     tokens that ran each block and each MLP, and the router's `means` (made means later)."""
@@ -1120,10 +1131,10 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     loader.reset()
     sums = {}
     for _ in range(hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)):
-        x, y = (t.to(d.device) for t in loader.next_batch())
+        x, y = (to_device(t, d.device) for t in loader.next_batch())
         with autocast:
             _, route, resid, loss = model(x, targets=y)
-        n = torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device)
+        n = y.new_full((), y.numel(), dtype=torch.float64)
         sums = add_sums(sums, {"tokens": n, "loss": loss.double() * n, "resid_norm": resid.double() * n,
                                **route_sums(route, model.router)})
     sums = all_reduce_sums(sums)
@@ -1243,7 +1254,8 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
             while True:
                 # every rank stops at the same boundary, or the others would hang (a scheduler
                 # may signal some ranks only: the signal is the highest number any rank got)
-                signum = int(all_reduce(torch.tensor(float(stop.signum), device=d.device), "max"))
+                signum = int(all_reduce(torch.tensor(  # (one process: no collective, no copy)
+                    float(stop.signum), device=d.device if d.world > 1 else "cpu"), "max"))
                 signalled = signum > 0
                 step = run.step
                 ending = step == steps or signalled or (step == hp.stop_step and step > start)
@@ -1270,7 +1282,8 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
                 stats = train_step(model, raw.router, hp, opt, train_loader, d, autocast, accum,
                                    lrs, step)
-                lm_loss, total = stats["lm_loss"].item(), stats["total_loss"].item()
+                lm_loss, total, count = torch.stack(  # the step's one read of its figures
+                    [stats["lm_loss"], stats["total_loss"], stats["tokens"]]).tolist()
                 run.step += 1
                 if not math.isfinite(total):
                     run.bad_steps += 1
@@ -1282,7 +1295,6 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
                 saves.trained()
-                count = stats["tokens"].item()
                 raw.router.update(stats.get("router"), count, step)
                 d.sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
@@ -1330,11 +1342,11 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
     "tokens", route_sums, and "router", the router's loss() sums for its update."""
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
-    x_all, y_all = loader.next_batch()  # (accum * B, T) for this rank
+    x_all, y_all = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
     sums = {}
     for micro in range(accum):
         sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
-        x, y = x_all[sl].to(d.device), y_all[sl].to(d.device)
+        x, y = x_all[sl], y_all[sl]
         # only the last micro-step all-reduces gradients
         no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
         with no_sync:
@@ -1345,7 +1357,7 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
         parts = accum * d.world  # micro-batches in the global batch: the losses sum to means
         more = {"lm_loss": out.loss.detach().double() / parts,
                 "total_loss": (out.loss + reg).detach().double() / parts,
-                "tokens": torch.tensor(float(y.numel()), dtype=torch.float64, device=d.device),
+                "tokens": y.new_full((), y.numel(), dtype=torch.float64),  # made there: no copy
                 **route_sums(out.route, router)}
         if router_sums is not None:
             more["router"] = router_sums.detach().double()
