@@ -106,8 +106,7 @@ def main(argv):
         print(f"note: the context holds {hp.max_seq_len} tokens: sampling {n} after the "
               f"{len(prompt)}-token prompt", file=sys.stderr)
     tokens, cache = generate(model, prompt, n, temperature, top_k, seed)
-    with support.named("standard output"):  # a full disk or closed pipe: an error line naming it
-        print(enc.decode(tokens), flush=True)
+    print(enc.decode(tokens))
     fed = len(tokens) - 1  # the last sampled token is never fed back
     dense = hp.n_layers * fed
     print(f"\n--- KV cache: {sum(cache.n)} of {dense} entries ({100 * sum(cache.n) / dense:.1f}% "

@@ -44,6 +44,18 @@ class UserError(Exception):
     """Bad input from the user: one `error: <message>` line, exit status 2."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A SAVE_SIGNAL outside training (the trainer handles them itself, StopSignal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupted(signum, _frame):
+    raise Interrupted(signum)
+
+
 def cli(main, argv, before_error=None) -> int:
     """A command's main(argv) -> exit status, with at most one `error: ...` line: 0 when it
     returns; 2 for a UserError, or an OS error on a path the user gave; 1 for a full disk
@@ -51,40 +63,67 @@ def cli(main, argv, before_error=None) -> int:
     training job that cannot go on; its message names the last checkpoint); 130 on Ctrl-C.
     Once a training job has its run directory (STOP.last_ckpt set), an OS error (a full disk)
     is status 1 and a Ctrl-C (the second signal) 130, each line naming the last checkpoint."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # imports done: Ctrl-C is
-    for sig in SAVE_SIGNALS[1:]:                               # KeyboardInterrupt again
-        signal.signal(sig, signal.SIG_DFL)
+    for sig in SAVE_SIGNALS:  # imports done: each unwinds (KeyboardInterrupt), so a command
+        signal.signal(sig, interrupted)  # takes back what it was writing, then exits 128+N
     STOP.last_ckpt = None  # (tests run several commands in one process)
 
     def fail(text: str, status: int) -> int:
+        try:
+            sys.stdout.flush()
+        except OSError:  # what stdout could not take is lost: drop it, so that the flush at
+            with contextlib.suppress(OSError, ValueError):  # exit adds no second message
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         if before_error is not None:
             before_error()
         sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
         sys.stderr.flush()
         return status
+    stdout, sys.stdout = sys.stdout, NamedStdout(sys.stdout)
     try:
         main(argv)
-        with named("standard output"):  # a full disk or closed pipe behind it: an error line
-            sys.stdout.flush()
+        sys.stdout.flush()
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        status = 128 + getattr(e, "signum", signal.SIGINT)
         if STOP.last_ckpt is None:
-            return 130
-        return fail(f"interrupted by a second signal; last checkpoint: {STOP.last_ckpt}", 130)
+            return status
+        return fail(f"interrupted by a second signal; last checkpoint: {STOP.last_ckpt}", status)
     except UserError as e:
         return fail(str(e), 2)
     except RunStopped as e:
         return fail(str(e), 1)
     except OSError as e:
-        if e.filename == "standard output":  # what it could not take is lost: drop it, so the
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit flush is quiet
         text = os_error_text(e)
         if STOP.last_ckpt is None:
             return fail(text, 1 if e.errno in DISK_FULL else 2)  # a full disk is not bad input
         return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", 1)
+    finally:
+        sys.stdout = stdout
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
+
+
+STDOUT = "standard output"
+
+
+class NamedStdout:
+    """sys.stdout while a command runs: a write that fails (a full disk, a closed pipe behind
+    it) is an OS error naming it, so its error line says what could not be written."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        with named(STDOUT):
+            return self.stream.write(text)
+
+    def flush(self):
+        with named(STDOUT):
+            self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def os_error_text(e: Exception) -> str:
@@ -184,9 +223,11 @@ def _parse_value(name: str, text: str, default):
     try:
         if kind is bool:
             return parse_bool(text)
-        if kind is int:  # 1e6 and 10_000 are integers too
+        if kind is int:  # 10_000 and 1e6 are integers too; 1e6 only while float is exact
+            with contextlib.suppress(ValueError):
+                return int(text)
             value = float(text.replace("_", ""))
-            if not value.is_integer():
+            if not (value.is_integer() and abs(value) <= 2**53):
                 raise ValueError
             return int(value)
         return kind(text)
@@ -719,9 +760,11 @@ class RunLog:
                 self.metrics.flush()
 
     def close(self):
-        if self.active:
-            self.log.close()
-            self.metrics.close()
+        if self.active:  # every write was flushed: a failure here would only hide the first
+            with contextlib.suppress(OSError):
+                self.log.close()
+            with contextlib.suppress(OSError):
+                self.metrics.close()
 
 
 # -----------------------------------------------------------------------------
@@ -743,7 +786,7 @@ class StopSignal:
 
     def __call__(self, signum, frame):
         if self.signum:
-            raise KeyboardInterrupt
+            raise Interrupted(signum)
         self.signum = signum
 
     def __enter__(self):

@@ -148,14 +148,14 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         if got:  # one that came before the trainer existed
             send(got[0])
-        _, err = proc.communicate()
+        out, err = proc.communicate()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     label = label or " ".join(args[-1:])
-    if got and proc.returncode in (0, 128 + got[-1], -got[-1]):  # it obeyed the signal
-        done = ("saved its checkpoint" if proc.returncode == 0 else  # else: still starting, or
-                "stopped at once, keeping its last checkpoint")      # a second signal
+    if got and proc.returncode in {0} | {128 + s for s in got} | {-s for s in got}:  # obeyed
+        done = ("saved its checkpoint" if proc.returncode == 0 and "checkpoint: none;" not in out
+                else "stopped, keeping its last checkpoint if it had one")  # (starting, or twice)
         raise Stopped(f"sweep stopped by {signal.Signals(got[0]).name}; {label} {done}; run "
                       f"the same command again to go on")
     if proc.returncode:

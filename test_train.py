@@ -708,6 +708,24 @@ def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
     assert not list(out.glob(".mine.*"))  # no temporary folder left
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
+    # what a scheduler sends (scancel: SIGTERM; Slurm's --signal: SIGUSR1) mid-way through
+    (tmp_path / "big.jsonl").write_text((json.dumps({"text": " word" * 20_000}) + "\n") * 300)
+    out = tmp_path / "out" / "deeper"
+    proc = subprocess.Popen([sys.executable, "data/tokenize_corpus.py", str(tmp_path / "big.jsonl"),
+                             f"--out={out}", "--workers=1", "--shard_tokens=10000"], cwd=HERE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while not list(out.glob(".corpus.*/*.bin")) and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()  # no shard, no temporary folder, no folder it made
+
+
 def test_a_manifest_it_did_not_write_is_refused_like_a_shard(tmp_path):
     (tmp_path / "a.txt").write_text("some words " * 30)
     (tmp_path / "theirs.json").write_text('{"shards": {}}')
@@ -1318,10 +1336,16 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         assert out.err.count("\n") == 1 and message in out.err, (argv, out.err)
     assert not (tmp_path / "s").exists() or not list((tmp_path / "s").iterdir())
     assert a_file.read_text() == "x"
-    with open("/dev/full", "w") as full:  # standard output on a full disk: named, status 1
-        r = subprocess.run([sys.executable, "sample.py", str(run), "--tokens=3"], cwd=HERE,
-                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
-    assert r.returncode == 1 and r.stderr.endswith("error: standard output: No space left on device\n")
+    # standard output on a full disk: named, status 1, buffered or not, nothing more at exit
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    for cmd, unbuffered in ((["sample.py", str(run), "--tokens=3"], "1"),
+                            (["skipview.py", str(run)], ""),
+                            (["train_gpt.py", *RESUME_RUN, f"--run_dir={tmp_path / 'r2'}"], "")):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([sys.executable, *cmd], cwd=HERE, stdout=full, stderr=subprocess.PIPE,
+                               text=True, timeout=300, env={**env, "PYTHONUNBUFFERED": unbuffered})
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, (cmd, r.stderr)
+        assert r.stderr.startswith("error: standard output: No space left on device"), (cmd, r.stderr)
     # one boolean spelling everywhere, as train_gpt.py's fields: 1/0, true/false, yes/no
     assert [support.parse_bool(v) for v in ("1", "TRUE", "Yes", "0", "false", "NO")] == [True] * 3 + [False] * 3
     # --help (and -h): status 0, the usage, and every option's default
@@ -2157,7 +2181,7 @@ def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monk
         os.kill(os.getpid(), signal.SIGINT)
         return proc
     monkeypatch.setattr(sweep.subprocess, "Popen", interrupted_popen)
-    with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* stopped at once"):
+    with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"):
         sweep.launch(RESUME_RUN + [f"--run_dir={tmp_path}"], 1)
     assert not (tmp_path / "checkpoint.pt").exists()
 
