@@ -166,7 +166,7 @@ def expand(argv):
         raise support.UserError(f"{e} (or this command's own: --groups, --per_group, --init, "
                                 f"--tau)") from None
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
-    made = not os.path.lexists(args.out)
+    made = support.first_missing(args.out)
     ours = [n for n in (support.LOCK, support.CHECKPOINT, "expand.json")  # what this will write
             if not os.path.lexists(os.path.join(args.out, n))]
     out = support.open_run_dir(args.out, "", resuming=False)  # probes it: a full disk is found
@@ -177,9 +177,8 @@ def expand(argv):
         for n in ours:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(out, n))
-        if made:
-            with contextlib.suppress(OSError):
-                os.rmdir(out)
+        with contextlib.suppress(OSError):
+            support.remove_made(out, made)
         raise
     print(f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
           f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"

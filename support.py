@@ -394,6 +394,25 @@ def writable_dir(path: str) -> str:
     return path
 
 
+def first_missing(path: str):
+    """The topmost folder that making path would create (None if path exists): what a
+    command that makes path removes again on failure (remove_made)."""
+    made, top = None, os.path.abspath(path)
+    while not os.path.lexists(top):
+        made, top = top, os.path.dirname(top)
+    return made
+
+
+def remove_made(path: str, made):
+    """Remove the empty folders from path up to made (first_missing's), deepest first."""
+    folder = os.path.abspath(path)
+    while made and os.path.isdir(folder) and not os.listdir(folder):
+        os.rmdir(folder)
+        if folder == made:
+            break
+        folder = os.path.dirname(folder)
+
+
 @contextlib.contextmanager
 def named(path: str):
     """An OS error while writing or reading path names it (a write error carries no name)."""

@@ -640,7 +640,7 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
     (tmp_path / "e.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    out = tmp_path / "shards" / "deeper"
+    out = tmp_path / "shards" / "b" / ".." / "deeper"  # makedirs makes shards/b too
     for name, message in (("c.jsonl", "c.jsonl:2: not a JSON object with a \"text\" field"),
                           ("d.txt", "d.txt: not valid UTF-8"),
                           ("e.jsonl", "e.jsonl:2: not valid UTF-8")):
@@ -706,6 +706,31 @@ def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
     assert r.returncode == 2 and "mine_train_000002.bin (and 0 more)" in r.stderr
     assert (out / "mine_train_000002.bin").read_bytes() == b"edited"
     assert not list(out.glob(".mine.*"))  # no temporary folder left
+    os.mkfifo(out / "fifo_val_000000.bin")  # never read (that would wait for a writer)
+    (out / "link_val_000000.bin").symlink_to(out / "mine_val_000000.bin")
+    for name in ("fifo", "link"):
+        r = subprocess.run([sys.executable, "data/tokenize_corpus.py", str(tmp_path / "a.txt"),
+                            f"--out={out}", f"--name={name}", "--workers=1"], cwd=HERE,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"{name}_val_000000.bin (and 0 more) is named like" in r.stderr
+
+
+def test_a_shard_that_appears_while_tokenizing_is_not_replaced(tmp_path, monkeypatch):
+    tokenize = load_command("data/tokenize_corpus.py")
+    out, real = tmp_path / "s", tokenize.documents
+
+    def documents(paths):  # another job writes a shard of the same name meanwhile
+        for i, doc in enumerate(real(paths)):
+            if i == 1:
+                (out / "c_train_000001.bin").write_bytes(b"theirs")
+            yield doc
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n"
+                                              for i in range(3)))
+    monkeypatch.setattr(tokenize, "documents", documents)
+    with pytest.raises(support.UserError, match="changed while this ran"):
+        tokenize.tokenize([str(tmp_path / "a.jsonl")], str(out), "c", 20, 1)
+    assert [p.name for p in out.iterdir()] == ["c_train_000001.bin"]
+    assert (out / "c_train_000001.bin").read_bytes() == b"theirs"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
@@ -2043,10 +2068,10 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
         assert message in r.stderr, (args, r.stderr)
         assert not (tmp_path / "x").exists()
     # a disk that fills while the new checkpoint is written: named, status 1, nothing left
-    r = subprocess.run([sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x"], cwd=HERE,
-                       capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x" / "y"],
+                       cwd=HERE, capture_output=True, text=True, timeout=300,
                        preexec_fn=lambda: disk_nearly_full(2 << 20))  # over the 1 MiB probe
-    assert r.returncode == 1 and r.stderr == f"error: {tmp_path / 'x' / 'checkpoint.pt'}: File too large\n"
+    assert r.returncode == 1 and r.stderr == f"error: {tmp_path / 'x' / 'y' / 'checkpoint.pt'}: File too large\n"
     assert not (tmp_path / "x").exists()
 
 

@@ -32,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -40,8 +41,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import (ArgParser, UserError, cli, in_range, named, need, nonempty,  # noqa: E402
-                     path_arg, writable_dir, write_atomically)
+from support import (ArgParser, UserError, cli, first_missing, in_range, named, need,  # noqa: E402
+                     nonempty, path_arg, remove_made, writable_dir, write_atomically)
 from data.shards import EOT, gpt2_encoding, header, read_shard  # noqa: E402
 GPT2_VOCAB = 50257
 
@@ -71,33 +72,42 @@ class Corpus:
     gone), moves the shards into place, deletes the previous version's others, then drops them
     from the manifest. Only files the manifest lists, with the content it records, are ever
     replaced or deleted: a shard-named file or a manifest this script did not write (a download,
-    another tool's, one edited since) is refused before any work. On any failure the temporary
+    another tool's, one edited since; a link or a FIFO, unread) is refused before any work, and
+    one that appears or changes while this runs stops the commit. On any failure the temporary
     folder, and the folders this created for OUT, are removed; nothing else is touched."""
     WRITER = "data/tokenize_corpus.py"
 
     def __init__(self, out: str, name: str):
         if os.sep in name or name in (".", ".."):
             raise UserError(f"--name={name}: a name, not a path")
+        out = os.path.abspath(out)  # a/b/../c: the folders made are the ones removed
         self.out, self.name, self.shards = out, name, {}
         self.manifest = os.path.join(out, f"{name}.manifest.json")
         ours = self.read_manifest()  # name -> the sha256 of each version this script wrote
-        pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
-        present = sorted(n for n in (os.listdir(out) if os.path.isdir(out) else ())
-                         if pattern.fullmatch(n))
-        self.previous = {n: sha256_of(os.path.join(out, n)) for n in present}
-        foreign = [n for n, sha in self.previous.items() if sha not in ours.get(n, ())]
+        self.pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
+        self.found = self.present()
+        foreign = [n for n, (sha, _) in self.found.items() if sha not in ours.get(n, ())]
         if foreign:
             self.refuse(os.path.join(out, foreign[0]) + f" (and {len(foreign) - 1} more) is named "
                         f"like a shard of corpus {name!r}")
-        self.made, top = None, os.path.abspath(out)  # the topmost folder this makes for OUT
-        while not os.path.lexists(top):
-            self.made, top = top, os.path.dirname(top)
+        self.made = first_missing(out)
         try:
             os.makedirs(out, exist_ok=True)
             self.tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=out)
         except OSError:
             self.__exit__(OSError)
             raise
+
+    def present(self) -> dict:
+        """{shard-named file in OUT: (its sha256, or None if not a regular file; its stat)}."""
+        found = {}
+        for n in sorted(os.listdir(self.out) if os.path.isdir(self.out) else ()):
+            if self.pattern.fullmatch(n):
+                path, st = os.path.join(self.out, n), os.lstat(os.path.join(self.out, n))
+                regular = stat.S_ISREG(st.st_mode)  # a FIFO or a link is never read, nor ours
+                found[n] = (sha256_of(path) if regular else None, (st.st_ino, st.st_size,
+                                                                   st.st_mtime_ns))
+        return found
 
     def refuse(self, what: str):
         raise UserError(f"{what} but was not written by this script, or changed since: choose "
@@ -142,10 +152,15 @@ class Corpus:
         """Publish the new shards, then drop the previous version's others; -> their paths."""
         if not self.shards:
             raise UserError("the input holds no documents (no non-empty text); nothing was written")
-        self.write_manifest(self.previous)  # first: a failure after it leaves only known files
+        now = {n: st for n, (_, st) in self.present().items()}
+        if now != {n: st for n, (_, st) in self.found.items()}:
+            raise UserError(f"the shards of corpus {self.name!r} in {self.out} changed while this "
+                            f"ran (another job?); nothing was written")
+        self.write_manifest({n: sha for n, (sha, _) in self.found.items()})  # first: a failure
+        # after it leaves only files it lists
         for shard in self.shards:
             os.replace(os.path.join(self.tmp, shard), os.path.join(self.out, shard))
-        stale = [n for n in self.previous if n not in self.shards]
+        stale = [n for n in self.found if n not in self.shards]
         for n in stale:
             os.remove(os.path.join(self.out, n))
         if stale:
@@ -162,14 +177,8 @@ class Corpus:
             for n in os.listdir(self.tmp):  # only what add() wrote there
                 os.remove(os.path.join(self.tmp, n))
             os.rmdir(self.tmp)
-        if exc[0] is None or not self.made:
-            return
-        folder = os.path.abspath(self.out)
-        while os.path.isdir(folder) and not os.listdir(folder):  # what this made, deepest first
-            os.rmdir(folder)
-            if folder == self.made:
-                break
-            folder = os.path.dirname(folder)
+        if exc[0] is not None:
+            remove_made(self.out, self.made)
 
 
 # ---------------------------------------------------------------------------- reading documents
@@ -247,7 +256,11 @@ def tokenize(paths, out, name, shard_tokens, workers):
     writable_dir(out)  # before the long work, not after it
     gpt2_encoding()  # fail early, with the clear message, before any worker starts
     n_docs, n_tokens = 0, 0
-    shard, fill = np.empty(shard_tokens, dtype=np.uint16), 0  # 2 bytes a token, not a list
+    try:
+        shard, fill = np.empty(shard_tokens, dtype=np.uint16), 0  # 2 bytes a token, not a list
+    except MemoryError:
+        raise UserError(f"--shard_tokens={shard_tokens}: the {2 * shard_tokens / 2**30:.1f} GiB "
+                        f"a shard takes in memory are not available") from None
     progress = Progress()
     pool = mp.Pool(workers) if workers > 1 else None
     try:
@@ -315,7 +328,7 @@ def parser() -> ArgParser:
                    help="folder for the shards, required with FILEs (default: data/sample)")
     p.add_argument("--name", type=nonempty, default="corpus",
                    help="shard names start with it (default: %(default)s)")
-    p.add_argument("--shard_tokens", type=in_range(int, 1), default=100_000_000, metavar="N",
+    p.add_argument("--shard_tokens", type=in_range(int, 1, 2**31 - 1), default=100_000_000, metavar="N",
                    help="tokens per shard, the last one shorter (default: %(default)s)")
     p.add_argument("--workers", type=in_range(int, 1), default=max(1, (os.cpu_count() or 1) - 1),
                    metavar="K", help="encoding processes (default: CPUs - 1, here %(default)s)")
