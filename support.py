@@ -521,9 +521,10 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
 SAVED = "checkpoint saved at step "  # a train.log line, beside metrics.jsonl's record (RunLog)
 
 
-def saved_steps(run_dir: str) -> list:
-    """The steps at which RUN_DIR's logs record a saved checkpoint: metrics.jsonl's "checkpoint"
-    records and train.log's SAVED lines (both, so that deleting one log does not hide a save)."""
+def signs_of_a_save(run_dir: str) -> str:
+    """What, besides checkpoint.pt, shows that RUN_DIR's run saved a checkpoint ("": nothing):
+    a save recorded in its logs, metrics.jsonl's "checkpoint" records or train.log's SAVED
+    lines (either, so that deleting one log does not hide a save), or checkpoint.prev.pt."""
     steps = []
     with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
         for line in f:
@@ -532,7 +533,11 @@ def saved_steps(run_dir: str) -> list:
                 steps += [m["step"]] if m["kind"] == "checkpoint" else []
     with contextlib.suppress(OSError), open(os.path.join(run_dir, "train.log"), "rb") as f:
         steps += [int(n) for n in re.findall(rb"^" + SAVED.encode() + rb"(\d+)$", f.read(), re.M)]
-    return sorted(set(steps))
+    if steps:
+        return f"the run's logs record a checkpoint saved at step {max(steps)}"
+    if os.path.lexists(os.path.join(run_dir, PREVIOUS)):
+        return f"{PREVIOUS} (an earlier one) is there"
+    return ""
 
 
 def run_to_resume(run_dir: str, load, settings, required) -> tuple:
@@ -542,11 +547,9 @@ def run_to_resume(run_dir: str, load, settings, required) -> tuple:
     where there is one, must be this run's: an object with the checkpoint's run_id and every
     setting of the run (the checkpoint's, or else the names in required), each of its type."""
     config, path = read_config(need(run_dir, "a folder")), os.path.join(run_dir, CHECKPOINT)
-    if config is not None and not os.path.lexists(path):
-        if saves := saved_steps(run_dir):
-            raise UserError(f"{path} is gone, but the run's logs record a checkpoint saved at "
-                            f"step {saves[-1]}: put it back to resume (a run starts afresh only "
-                            f"if it never saved); nothing was written")
+    if config is not None and not os.path.lexists(path) and (sign := signs_of_a_save(run_dir)):
+        raise UserError(f"{path} is gone, but {sign}: put it back to resume (a run starts "
+                        f"afresh only if it never saved); nothing was written")
     ckpt = load(run_dir) if config is None or os.path.lexists(path) else None
     saved = ckpt["hp"] if ckpt else config
     try:
@@ -682,7 +685,7 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
             raise UserError(f"{path} changed while this job started (another job was using "
                             f"the run); resume again")
         return run_dir
-    if os.path.lexists(path) or saved_steps(run_dir):
+    if os.path.lexists(path) or signs_of_a_save(run_dir):
         raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose another "
                         f"directory, or continue it with train_gpt.py --resume={run_dir}")
     old = [n for n in LOGS if os.path.exists(os.path.join(run_dir, n))]
@@ -768,7 +771,7 @@ class RunLog:
                 self.log.flush()
 
     def saved(self, step: int):
-        """A checkpoint of step is on disk: said in both logs (saved_steps reads them)."""
+        """A checkpoint of step is on disk: said in both logs (signs_of_a_save reads them)."""
         self.print(f"{SAVED}{step}")
         self.record({"kind": "checkpoint", "step": step})
 

@@ -1143,6 +1143,13 @@ def test_a_run_whose_checkpoint_vanished_is_not_started_afresh(tmp_path, capsys)
         code, _, err = run_main([f"--resume={tmp_path}"], capsys)
         assert code == 2 and "record a checkpoint saved at step 2" in err, err
         (tmp_path / log).write_bytes(kept)
+    for log in ("metrics.jsonl", "train.log"):  # both logs gone, an earlier checkpoint left
+        (tmp_path / log).unlink()
+    (tmp_path / "checkpoint.prev.pt").write_bytes(b"an earlier save")
+    for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
+        code, _, err = run_main(args, capsys)
+        assert code == 2 and ("checkpoint.prev.pt (an earlier one) is there" if "--resume" in args[0]
+                              else "already holds a run that saved") in err, err
 
 
 def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp_path, capsys):
