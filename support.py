@@ -250,20 +250,22 @@ def parse_fields(cls, argv) -> dict:
 
 
 def saved_fields(cls, saved) -> dict:
-    """The entries of saved (read from a run's files) that are fields of dataclass cls, each of
-    its default's type (an int stands for a float); others, e.g. fields of older versions,
-    are dropped. A UserError names the first that is wrong: the file was edited or damaged."""
+    """The entries of saved (read from a run's files) that are fields of dataclass cls: every
+    field, each of its default's type (an int stands for a float); others, e.g. fields of older
+    versions, are dropped. A UserError names the first that is missing or wrong: the file was
+    edited or damaged (no default stands in for a setting the run had)."""
     if not isinstance(saved, dict):
         raise UserError(f"saved settings are {type(saved).__name__}, not an object")
     defaults, out = cls(), {}
     for f in fields(cls):
-        if f.name in saved:
-            value, kind = saved[f.name], type(getattr(defaults, f.name))
-            if kind is float and type(value) is int:
-                value = float(value)
-            if type(value) is not kind:
-                raise UserError(f"saved {f.name}={value!r} is not of type {kind.__name__}")
-            out[f.name] = value
+        if f.name not in saved:
+            raise UserError(f"it lacks the setting {f.name!r}")
+        value, kind = saved[f.name], type(getattr(defaults, f.name))
+        if kind is float and type(value) is int:
+            value = float(value)
+        if type(value) is not kind:
+            raise UserError(f"saved {f.name}={value!r} is not of type {kind.__name__}")
+        out[f.name] = value
     return out
 
 
@@ -540,12 +542,12 @@ def signs_of_a_save(run_dir: str) -> str:
     return ""
 
 
-def run_to_resume(run_dir: str, load, settings, required) -> tuple:
+def run_to_resume(run_dir: str, load, settings) -> tuple:
     """-> (settings(its saved settings), its checkpoint): load(run_dir)'s (read_checkpoint),
     or config.json's and None for a run that never saved one (no checkpoint.pt, and no save
     recorded in its logs: a run whose checkpoint vanished is not started afresh). config.json,
-    where there is one, must be this run's: an object with the checkpoint's run_id and every
-    setting of the run (the checkpoint's, or else the names in required), each of its type."""
+    where there is one, must be this run's: an object with the checkpoint's run_id and
+    settings(config) must accept it (every setting, each of its type and range)."""
     config, path = read_config(need(run_dir, "a folder")), os.path.join(run_dir, CHECKPOINT)
     if config is not None and not os.path.lexists(path) and (sign := signs_of_a_save(run_dir)):
         raise UserError(f"{path} is gone, but {sign}: put it back to resume (a run starts "
@@ -556,9 +558,7 @@ def run_to_resume(run_dir: str, load, settings, required) -> tuple:
         if config is not None:
             if not isinstance(config.get("run_id"), str):
                 raise UserError("it holds no run_id")
-            if missing := [k for k in required if k not in config and (not ckpt or k in ckpt["hp"])]:
-                raise UserError(f"it lacks the setting {missing[0]!r}")
-            settings(config)  # each of its type
+            settings(config)  # every setting, each of its type and range
     except UserError as e:
         raise UserError(f"{os.path.join(run_dir, 'config.json')}: {e} (an edited or damaged "
                         f"file)") from None

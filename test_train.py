@@ -5,6 +5,7 @@ hand-computed controller steps, FlopCounterMode, shards written by the test, a o
 run against a two-process one.
 """
 
+import copy
 import errno
 import glob
 import importlib.util
@@ -1166,6 +1167,21 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
         before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
         code, _, err = run_main([f"--resume={tmp_path}"], capsys)
         assert code == 2 and f"checkpoint.pt: {message} (an edited or damaged checkpoint)" in err, err
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    # settings that lack one (no default stands in for it), and non-finite state
+    nan = float("nan")
+    for edit, message in (
+            (lambda c: c["hp"].pop("lr"), "it lacks the setting 'lr'"),
+            (lambda c: c["model"]["embed.weight"].__setitem__((0, 0), nan), "non-finite weights"),
+            (lambda c: next(iter(c["optimizer"]["state"].values()))["exp_avg_sq"].fill_(nan),
+             "non-finite weights, optimiser"),
+            (lambda c: c["routing"]["controller"]["alpha"].fill_(nan), "controller state")):
+        edited = copy.deepcopy(good)
+        edit(edited)
+        torch.save(edited, tmp_path / "checkpoint.pt")
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+        code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+        assert code == 2 and message in err and "(an edited or damaged checkpoint)" in err, err
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     torch.save(good, tmp_path / "checkpoint.pt")
     for edited, message in (({}, "it holds no run_id"),

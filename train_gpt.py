@@ -82,7 +82,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Checkpoints, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
-                     all_reduce, all_reduce_sums, check_fields, cli, clock, field_help, fmt_list,
+                     all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_help, fmt_list,
                      machine_memory, mismatched_weights, open_log, open_run_dir, parse_fields, provenance,
                      read_checkpoint, release_locks, rng_state, run_to_resume,
                      saved_fields, set_rng_state, setup_distributed)
@@ -1070,9 +1070,9 @@ def load_checkpoint(run_dir: str) -> dict:
 
 
 def saved_settings(saved: dict, **changes) -> Hyperparameters:
-    """Settings saved by a run (checkpoint or config.json), their types and ranges checked.
-    Keys that are no longer fields are dropped: the expand_* fields of older versions, whose
-    work the weights already hold."""
+    """Settings saved by a run (checkpoint or config.json): every field, its type and range
+    checked. Keys that are no longer fields are dropped: the expand_* fields of older
+    versions, whose work the weights already hold."""
     hp = Hyperparameters(**{**saved_fields(Hyperparameters, saved), **changes})
     check_fields(hp, RANGES, CHOICES)
     return hp
@@ -1094,7 +1094,7 @@ def resume_settings(overrides: dict) -> tuple:
         raise UserError("--resume continues in its own directory; drop --run_dir")
     # stop_step is a setting of one job, not of the run
     base, ckpt = run_to_resume(run_dir, load_checkpoint, lambda saved: saved_settings(
-        saved, stop_step=0), [f.name for f in fields(Hyperparameters)])
+        saved, stop_step=0))
     hp = resolve(overrides, base)
     if ckpt is None:
         return replace(hp, run_dir=run_dir, resume=""), None
@@ -1217,6 +1217,11 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # edited or damaged
             raise UserError(f"{os.path.join(hp.run_dir, CHECKPOINT)}: corrupt or incompatible "
                             f"checkpoint ({type(e).__name__})") from None
+        routing = [t for v in raw.router.routing_state().values()  # tensors, or dicts of them
+                   for t in (v.values() if isinstance(v, dict) else [v])]
+        if not (all_finite(raw, opt) and all(t.isfinite().all() for t in routing)):  # never saved so
+            raise UserError(f"{os.path.join(hp.run_dir, CHECKPOINT)}: non-finite weights, optimiser "
+                            f"or controller state (an edited or damaged checkpoint)")
         for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
             group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
         train_loader.restore(ckpt["loader"])
