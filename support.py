@@ -667,6 +667,13 @@ def release_locks():
 LOGS = ("train.log", "metrics.jsonl", "config.json")
 
 
+def refuse_a_run_that_saved(run_dir: str):
+    """A fresh start may not use a directory whose run saved a checkpoint."""
+    if os.path.lexists(os.path.join(run_dir, CHECKPOINT)) or signs_of_a_save(run_dir):
+        raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose another "
+                        f"directory, or continue it with train_gpt.py --resume={run_dir}")
+
+
 def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> str:
     """Choose (default: a new one) and lock the run directory. Resuming, its checkpoint must be
     the one read (mtime). A fresh start refuses a directory holding a checkpoint; one whose
@@ -674,7 +681,9 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     moved to aborted_<k>/ so nothing is lost (only a run that never saved starts afresh)."""
     writable_dir(run_dir or "logs")  # before anything is written, folders and lock included:
     run_dir = run_dir or new_run_dir(name)  # a full disk or a read-only folder is an error
-    lock_run_dir(run_dir)                   # line, with nothing left behind
+    if not resuming:                        # line, with nothing left behind
+        refuse_a_run_that_saved(run_dir)
+    lock_run_dir(run_dir)
     path = os.path.join(run_dir, CHECKPOINT)
     for stale in [p for n in (CHECKPOINT, PREVIOUS)
                   for p in glob.glob(os.path.join(glob.escape(run_dir), n + ".????????.tmp"))]:
@@ -685,9 +694,7 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
             raise UserError(f"{path} changed while this job started (another job was using "
                             f"the run); resume again")
         return run_dir
-    if os.path.lexists(path) or signs_of_a_save(run_dir):
-        raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose another "
-                        f"directory, or continue it with train_gpt.py --resume={run_dir}")
+    refuse_a_run_that_saved(run_dir)  # again under the lock: another job may have saved since
     old = [n for n in LOGS if os.path.exists(os.path.join(run_dir, n))]
     if old:
         k = 1

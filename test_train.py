@@ -1147,10 +1147,12 @@ def test_a_run_whose_checkpoint_vanished_is_not_started_afresh(tmp_path, capsys)
     for log in ("metrics.jsonl", "train.log"):  # both logs gone, an earlier checkpoint left
         (tmp_path / log).unlink()
     (tmp_path / "checkpoint.prev.pt").write_bytes(b"an earlier save")
+    (tmp_path / "lock").unlink()  # (a run directory copied without it)
     for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
         code, _, err = run_main(args, capsys)
         assert code == 2 and ("checkpoint.prev.pt (an earlier one) is there" if "--resume" in args[0]
                               else "already holds a run that saved") in err, err
+        assert not (tmp_path / "lock").exists()  # a refusal leaves nothing, not even a lock
 
 
 def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp_path, capsys):
@@ -1549,10 +1551,11 @@ def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(t
     try:
         wait_for_line(proc, "step:2/4000 train_loss")
         metrics = (tmp_path / "metrics.jsonl").read_bytes()
-        for second in (args, [f"--resume={tmp_path}"]):
+        for second, message in ((args, "already holds a run that saved a checkpoint"),
+                                [[f"--resume={tmp_path}"], f"is in use by pid {proc.pid} on "]):
             r = run_script(second)
             assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-            assert r.stderr.startswith(f"error: {tmp_path} is in use by pid {proc.pid} on ")
+            assert r.stderr.startswith(f"error: {tmp_path} {message}"), r.stderr
         assert (tmp_path / "metrics.jsonl").read_bytes().startswith(metrics)
     finally:
         proc.kill()
