@@ -214,6 +214,8 @@ def measure(run_dir: str, device: str) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         val = [m for m in map(json.loads, f) if m["kind"] == "val"][-1]
     model = tg.load_model(run_dir, device).eval()
+    if device.startswith("cuda"):  # its blocks compiled, the same way on both paths measured
+        tg.compile_model(model)
     hp = model.hp
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)

@@ -229,11 +229,17 @@ class Block(nn.Module):
         """The FFN branch Norm(FFN(Norm(x))), without the residual."""
         return self.ffn_out(self.ffn(self.ffn_in(x)))
 
+    pack = 1  # packed lengths are multiples of this (compile_model sets PACK: few shapes)
+
     def forward(self, x, g, impl, compact=False, pos=None, cache=None, keys=None):
         """compact: run attention and FFN on the tokens with keys > 0 only; exact, because a
         token with keys = g = 0 adds nothing to its residual and is invisible as a key."""
         if compact and g is not None:
             return self.forward_compact(x, g, impl, g if keys is None else keys)
+        return self.dense(x, g, impl, pos, cache, keys)
+
+    def dense(self, x, g, impl, pos=None, cache=None, keys=None):
+        """The block on every token of x (compile_model compiles this, shared by all blocks)."""
         x = self.attend(x, g, impl, pos, cache, keys)
         return x + (self.mlp(x) if g is None else g * self.mlp(x))
 
@@ -248,15 +254,13 @@ class Block(nn.Module):
         # one host sync per block. With no active token the block still runs on one padding
         # token (g = 0, x unchanged) so that every parameter gets a gradient, zero here: under
         # DDP a rank where a block's parameters got none would stall the all-reduce
-        Tc = max(1, int(counts.max()))
-        if x.is_cuda:  # a few padded lengths, so compiled kernels and block masks are reused
-            Tc = min(T, -(-Tc // 128) * 128)
+        Tc = min(T, -(-max(1, int(counts.max())) // self.pack) * self.pack)  # padded: few shapes
         # stable sort puts active tokens first, in their original order; (B, Tc) positions
         pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tc]
         valid = (torch.arange(Tc, device=x.device)[None, :] < counts[:, None])[..., None]  # (B, Tc, 1)
         index = pos[..., None].expand(B, Tc, d)
         gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
-        return x.scatter(1, index, self.forward(x.gather(1, index), gc, impl, pos=pos, keys=kc))
+        return x.scatter(1, index, self.dense(x.gather(1, index), gc, impl, pos=pos, keys=kc))
 
 
 # -----------------------------------------------------------------------------
@@ -491,7 +495,8 @@ class DLO(Router):
         self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(hp.n_layers))
         # rho_{i,1}: step 1's annealed rate in every layer (the paper's rho would skip the most
         # in the very step meant to skip least)
-        self.rates = torch.full((hp.n_layers,), self.overall(0), dtype=torch.float64)
+        self.register_buffer("rates", torch.full((hp.n_layers,), self.overall(0),
+                                                 dtype=torch.float64), persistent=False)
 
     def reset_parameters(self):
         for router in self.routers:  # zero: every r is exactly beta / 2 = 1 (Section 3.2)
@@ -511,10 +516,13 @@ class DLO(Router):
         z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
         r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
         a = block.attend(x, None, impl, pos, cache)
-        if self.training:  # the top floor((1 - rho_i) S) tokens of each sequence by r
-            k = math.floor((1 - float(self.rates[layer])) * x.size(1))
-            top = r[..., 0].topk(k, dim=1).indices  # (B, k)
-            run = torch.zeros_like(r[..., 0], dtype=torch.bool).scatter(1, top, True)[..., None]
+        if self.training:  # the top floor((1 - rho_i) S) tokens of each sequence by r, chosen
+            # on the device (k is a tensor: no host read, no shape that changes with it)
+            k = torch.floor((1 - self.rates[layer]) * x.size(1))
+            order = r[..., 0].argsort(dim=1, descending=True, stable=True)  # (B, T) by rank
+            first = torch.arange(x.size(1), device=x.device) < k  # (T,) per rank: in the top k
+            run = torch.empty_like(order, dtype=torch.bool).scatter(
+                1, order, first.expand_as(order))[..., None]
         else:  # inference rule
             run = r >= hp.dlo_beta / 2
         if hp.compact and not self.training:  # the MLP on the running tokens only
@@ -550,11 +558,11 @@ class DLO(Router):
 
     def update(self, sums, count, step):
         """eq. (8) as a skip rate (module docstring): the share of each layer's tokens labelled 0."""
-        self.rates = 1 - sums[0].double().cpu() / count
+        self.rates.copy_(1 - sums[0].double() / count)  # on the device
 
     def lr_scales(self, step):
         """eq. (10): zeta_i / zeta_bar = (1 - rho_i,t) / (1 - rho^t)."""
-        return ((1 - self.rates) / (1 - self.overall(step))).tolist()
+        return ((1 - self.rates) / (1 - self.overall(step))).tolist()  # (a host read per step)
 
     def log_lines(self, v, step):
         return [f"  train_skip_rates:{fmt_list(self.rates.tolist())} rho_t:{self.overall(step):.3f}"]
@@ -564,10 +572,10 @@ class DLO(Router):
         return hp.n_layers * T * 2 * hp.dim  # routers, all tokens
 
     def routing_state(self):
-        return {"rates": self.rates.clone()}
+        return {"rates": self.rates.cpu().clone()}
 
     def load_routing_state(self, state):
-        self.rates = state["rates"].clone()
+        self.rates.copy_(state["rates"])
 
 
 class MixtureOfDepths(Router):
@@ -1148,6 +1156,23 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
                 fwd_flops_per_seq=fwd * hp.seq_len)
 
 
+PACK = 128  # compiled compact blocks: packed lengths are multiples of this
+
+
+def compile_model(raw: GPT) -> nn.Module:
+    """torch.compile where it stays compiled. A dense path compiles as one graph: the whole
+    model. With compact, each block reads its active count on the host (it sets the packed
+    length), which would split the model's graph at every block and compile what follows once
+    per layer until dynamo's recompile limit; so each block's dense part is compiled instead
+    (one code for all blocks: per mode, training or evaluation, a graph per packed length, at
+    most max_seq_len / PACK, and one for ungated blocks) and the routers run eagerly around it."""
+    lengths = -(-raw.hp.max_seq_len // PACK)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * lengths + 2)
+    for block in raw.blocks:
+        block.dense, block.pack = torch.compile(block.dense, dynamic=False), PACK
+    return raw if raw.hp.compact else torch.compile(raw)
+
+
 def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
                              eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=True)
@@ -1231,7 +1256,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     run_dir = d.on_master(lambda: open_run_dir(hp.run_dir, hp.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
     saves = Checkpoints(d, run_dir, run, resumed=ckpt is not None)
-    model = torch.compile(raw) if hp.compile and cuda else raw
+    model = compile_model(raw) if hp.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
     config = {**asdict(hp), "world_size": d.world, "grad_accum": accum, "num_steps": steps,
