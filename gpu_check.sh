@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, on a fresh CUDA machine that has torch, numpy, tiktoken,
-# huggingface_hub and pytest (no network needed: it runs on the embedded sample, cycled). About 10
-# minutes on one H100. Writes everything to one record folder:
+# Every GPU check, in stages, resumable: run the same command again until it says "all done".
+# Each call runs the stages not done yet that fit in its time budget (default 450 s, so a call
+# stays under 8 minutes), then stops; a stage whose output exists is skipped. Needs a CUDA
+# machine with torch, numpy, tiktoken, huggingface_hub and pytest, and a C compiler and the
+# Python headers (torch.compile builds kernels at run time); no network (the embedded sample).
 #
-#     bash gpu_check.sh [OUT]        # default: records/<date>_gpu_check_<gpu name>
+#     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
-#   cuda_tests.txt          the CUDA tests of test_train.py (Flex score_mod vs SDPA with gate
-#                           gradients, compiled vs eager, bf16 vs fp32, compact under compile)
-#   paper_none/, paper_skip_middle/
-#                           the paper configuration (12 layers, dim 768, seq 1024, compiled,
-#                           bf16), 40 steps of one 32 x 1024 device batch each: train.log has
-#                           tok/s and mfu per step and the peak memory
-#   bench/                  bench.py at paper size: masked vs compacted blocks at forced sparsity
-#   summary.txt             the figures above in a few lines
+# Stages (estimated seconds on one H100, until measured; summary.txt grows as they finish):
+#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)  60
+#   tests    the CUDA tests of test_train.py                                              240
+#   ddp      torchrun --nproc_per_node=1 (NCCL, DDP over the compiled model), 30 steps     120
+#   paper_none, paper_skip_middle
+#            the paper configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16),
+#            40 steps each; run folders outside the record (no 2.3 GB checkpoint in it), their
+#            logs copied in                                                           180 each
+#   bench    bench.py --size=paper --compile=1: masked against compacted blocks           300
+#   gpu1     sweep.py --grid=gpu1 in pieces: each call trains until its budget is spent, then
+#            SIGTERM makes the run in flight save; the next call goes on (~25 min in all)
 set -uo pipefail
 cd "$(dirname "$0")"
 if ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -21,27 +26,100 @@ if ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; the
 fi
 gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 out=${1:-records/$(date +%F)_gpu_check_$gpu}
-if ! mkdir -p "$out" || [ -n "$(ls -A "$out")" ]; then
-    echo "error: $out cannot be created or is not empty" >&2
+budget=${GPU_CHECK_SECONDS:-450}
+if ! mkdir -p "$out"; then
+    echo "error: cannot create $out" >&2
     exit 2
 fi
 export OMP_NUM_THREADS=8
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+ran=0
 
-python -m pytest -q test_train.py -k cuda -rs > "$out/cuda_tests.txt" 2>&1
-echo "cuda tests: $(tail -1 "$out/cuda_tests.txt")" | tee "$out/summary.txt"
+stage() {  # stage NAME ESTIMATE_S COMMAND...: run it unless done, if it fits in what is left
+    local name=$1 estimate=$2 t0=$SECONDS
+    shift 2
+    [ -e "$out/$name.done" ] && return 0
+    if (( ran && SECONDS + estimate > budget )); then  # (the first stage of a call always runs)
+        echo "next: $name (~${estimate} s); run 'bash gpu_check.sh $out' again"
+        exit 0
+    fi
+    echo "== $name (~${estimate} s estimated)"
+    "$@" > "$out/$name.txt" 2>&1
+    local status=$?
+    echo "$name: exit $status, $((SECONDS - t0)) s$(summary_of "$name")" | tee -a "$out/summary.txt"
+    touch "$out/$name.done"
+    ran=1
+}
+
+summary_of() {  # one stage's figures for summary.txt
+    case $1 in
+        tests) echo "; $(tail -1 "$out/tests.txt")" ;;
+        paper_*) echo "; $(grep -h '^step:40/40 train' "$out/$1/train.log" | grep -o 'step_avg.*')" \
+                      "$(grep -h 'peak memory' "$out/$1/train.log")" ;;
+        *) ;;
+    esac
+}
+
+env_check() {
+    nvidia-smi
+    python -c "import torch, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    python -c "
+import torch
+f = torch.compile(lambda x: torch.sin(x) * 2)
+x = torch.randn(1024, device='cuda')
+assert torch.allclose(f(x), torch.sin(x) * 2)
+print('torch.compile: ok')"
+}
 
 sample=(--train_files='data/sample/sample_train_*.bin' --val_files='data/sample/sample_train_*.bin')
-for router in none skip_middle; do
-    # the global batch is one device batch (the sample holds ~4 of them); validation reads the
-    # training shard because the validation one holds less than a batch: timing only
-    python train_gpt.py --router=$router "${sample[@]}" --batch_size=32 --device_batch_size=32 \
-        --train_tokens=$((40 * 32 * 1024)) --val_every=0 --val_tokens=32768 --save_every=0 \
-        --untimed_steps=10 --run_dir="$out/paper_$router" > "$out/paper_$router.txt" 2>&1
-    echo "paper router=$router: exit $? $(grep -h '^step:40/40 train' "$out/paper_$router/train.log" \
-        | grep -o 'step_avg.*') $(grep -h 'peak memory' "$out/paper_$router/train.log")" \
-        | tee -a "$out/summary.txt"
-done
 
-python bench.py --size=paper --device=cuda --compile=1 --out="$out/bench" > "$out/bench.txt" 2>&1
-echo "bench.py --size=paper: exit $?; table in $out/bench/" | tee -a "$out/summary.txt"
+ddp_run() {  # a small gated, compacted model under torchrun: NCCL, DDP, compile together
+    local run
+    run=$(mktemp -d) || return 1
+    torchrun --standalone --nproc_per_node=1 train_gpt.py --router=skip_middle --compact=true \
+        "${sample[@]}" --n_layers=4 --dim=256 --max_seq_len=256 --seq_len=256 --batch_size=16 \
+        --device_batch_size=8 --train_tokens=$((30 * 16 * 256)) --val_every=10 \
+        --val_tokens=8192 --save_every=10 --untimed_steps=5 --run_dir="$run/run"
+    local status=$?
+    mkdir -p "$out/ddp" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/ddp/"
+    rm -rf "$run"  # made by mktemp above: only this stage's run folder
+    return $status
+}
+
+paper_run() {  # paper_run ROUTER: the global batch is one device batch (the sample holds ~4);
+    local run  # validation reads the training shard (the validation one is too small): timing
+    run=$(mktemp -d) || return 1
+    python train_gpt.py --router="$1" "${sample[@]}" --batch_size=32 --device_batch_size=32 \
+        --train_tokens=$((40 * 32 * 1024)) --val_every=0 --val_tokens=32768 --save_every=0 \
+        --untimed_steps=10 --run_dir="$run/run"
+    local status=$?
+    mkdir -p "$out/paper_$1" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/paper_$1/"
+    rm -rf "$run"  # made by mktemp above: only this stage's run folder
+    return $status
+}
+
+stage env 60 env_check
+stage tests 240 python -m pytest -q test_train.py -k cuda -rs
+stage ddp 120 ddp_run
+stage paper_none 180 paper_run none
+stage paper_skip_middle 180 paper_run skip_middle
+stage bench 300 python bench.py --size=paper --device=cuda --compile=1 --out="$out/bench"
+
+# the gpu1 grid: trains until the budget is spent; SIGTERM lets the run in flight save, and
+# sweep.py then stops with status 0; done once it has written its record
+if [ ! -e "$out/gpu1/results.csv" ]; then
+    left=$((budget - SECONDS))
+    if (( left < 120 )); then
+        echo "next: gpu1 grid; run 'bash gpu_check.sh $out' again"
+        exit 0
+    fi
+    echo "== gpu1 grid, for up to $left s"
+    timeout --signal=TERM --kill-after=30 "$left" python sweep.py --grid=gpu1 \
+        --runs="logs/gpu_check_gpu1" --out="$out/gpu1" >> "$out/gpu1.txt" 2>&1
+    if [ -e "$out/gpu1/results.csv" ]; then
+        echo "gpu1: done; $(tail -1 "$out/gpu1.txt")" | tee -a "$out/summary.txt"
+    else
+        echo "gpu1: $(tail -1 "$out/gpu1.txt"); run 'bash gpu_check.sh $out' again"
+        exit 0
+    fi
+fi
+echo "all done: $out (commit it)"
