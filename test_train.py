@@ -412,6 +412,12 @@ def test_dense_flops_per_token_match_flop_counter_at_the_trained_length(monkeypa
     assert tg.flops_per_token(hp) == pytest.approx(reference / seq_len, rel=0.02)
 
 
+def test_auto_attention_is_flex_only_on_cuda_and_where_its_kernels_compile():
+    for dim, cuda, impl in ((64, True, "flex"), (32, True, "sdpa"), (64, False, "sdpa")):
+        assert tg.attention_impl(tiny(dim=dim, n_heads=4, attn_impl="auto"), cuda) == impl
+    assert tg.attention_impl(tiny(dim=32, attn_impl="sdpa"), True) == "sdpa"
+
+
 def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     # a global batch of 3 sequences of 64 tokens with a RoPE table of 256: the old count
     # (a max_seq_len sequence per batch entry) would have overstated the MFU about 4x
@@ -1244,6 +1250,7 @@ def bad_inputs(tmp_path):
     flex_cpu = unreadable + ([] if torch.cuda.is_available() else [
         (smoke + ["--attn_impl=flex"], "attn_impl=flex cannot train on CPU")])
     return flex_cpu + [
+        (smoke + ["--attn_impl=flex", "--dim=32"], "attn_impl=flex needs a head dimension of at least 16"),
         (smoke + [f"--train_files={tmp_path}/dir_*.bin"], "dir_000001.bin, which is a folder, not a shard"),
         (smoke + [f"--train_files={tmp_path}/loop"], "which is a symbolic link loop, not a shard file"),
         (smoke + ["--val_files=/dev/null"], "which is a character device, not a shard file"),

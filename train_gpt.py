@@ -173,6 +173,17 @@ def gated_attention(q, k, v, log_g, impl: str, axis: str = "key"):
     return out.type_as(q)
 
 
+FLEX_MIN_HEAD_DIM = 16  # Inductor's Flex kernels refuse smaller head dimensions
+
+
+def attention_impl(hp: "Hyperparameters", cuda: bool) -> str:
+    """attn_impl, with auto resolved: Flex on CUDA (it needs CUDA for its backward) where the
+    head dimension allows it, else SDPA, the exact path."""
+    if hp.attn_impl != "auto":
+        return hp.attn_impl
+    return "flex" if cuda and hp.dim // hp.n_heads >= FLEX_MIN_HEAD_DIM else "sdpa"
+
+
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional gating of keys."""
 
@@ -713,9 +724,7 @@ class GPT(nn.Module):
         (1, 1); a block it skips keeps no K/V for it. Routing follows the module's mode:
         training (model.train()) or inference (model.eval()). With targets (B, T), the mean
         cross-entropy is computed in chunks of loss_rows tokens and no logits are returned."""
-        impl = self.hp.attn_impl
-        if impl == "auto":  # Flex needs CUDA for its backward; SDPA is the exact CPU path
-            impl = "flex" if idx.is_cuda else "sdpa"
+        impl = attention_impl(self.hp, idx.is_cuda)
         x = self.embed_norm(self.embed(idx))
         trace, resid = collections.defaultdict(list), []
         for layer, block in enumerate(self.blocks):
@@ -858,7 +867,7 @@ class Hyperparameters:
     max_seq_len: int = 1024      # RoPE table size (longest context for sampling)
     init_std: float = 0.02       # normal init of every weight matrix
     sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
-    attn_impl: str = "auto"      # auto (flex on CUDA, sdpa on CPU) | flex | sdpa
+    attn_impl: str = "auto"      # auto (flex on CUDA at head dim >= 16, else sdpa) | flex | sdpa
     # gates and sparsity control (Section 2.4)
     router: str = "skip_middle"  # depth router: none (dense) | skip_middle (the paper) | dlo | mod
     compact: bool = False        # run routed blocks on the tokens that run them only (exact)
@@ -1190,6 +1199,9 @@ def param_groups(raw: GPT) -> list:
 def check_run(hp: Hyperparameters, d: Dist, ckpt: dict):
     """Refuse settings that cannot train here, before anything is written."""
     validate(hp, d.world)
+    if hp.attn_impl == "flex" and hp.dim // hp.n_heads < FLEX_MIN_HEAD_DIM:
+        raise UserError(f"attn_impl=flex needs a head dimension of at least {FLEX_MIN_HEAD_DIM} "
+                        f"(dim / n_heads = {hp.dim // hp.n_heads}); use auto or sdpa")
     if hp.attn_impl == "flex" and not d.device.startswith("cuda"):
         raise UserError("attn_impl=flex cannot train on CPU (FlexAttention has no CPU "
                         "backward); use auto or sdpa")
@@ -1266,7 +1278,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", hp.peak_flops)
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
-              f"grad_accum:{accum} world:{d.world} attn:{hp.attn_impl} device:{d.device} "
+              f"grad_accum:{accum} world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
               f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
