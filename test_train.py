@@ -111,21 +111,26 @@ def test_paper_gate_init_closes_most_middle_gates_at_step_0():
     assert (gates[0] > 0).float().mean() > 0.5  # the first block still runs for most tokens
 
 
+def flex_or_sdpa(impl, q):
+    """What the model passes for each path: Flex's causal block mask for q's length, or None."""
+    return tg.causal_block_mask(q.size(2), str(q.device)) if impl == "flex" else None
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
 def test_attention_matches_reference_softmax(impl):
     q, k, v, log_g = random_qkv_logg()
     ref = reference_attention(q, k, v, log_g)
-    out = tg.gated_attention(q, k, v, log_g, impl)
+    out = tg.gated_attention(q, k, v, log_g, flex_or_sdpa(impl, q))
     assert (out - ref).abs().max().item() < 1e-5
-    dense = tg.gated_attention(q, k, v, None, impl)
+    dense = tg.gated_attention(q, k, v, None, flex_or_sdpa(impl, q))
     assert (dense - reference_attention(q, k, v, None)).abs().max().item() < 1e-5
     assert (dense - out).abs().max().item() > 1e-2  # the gate term really changes the output
 
 
 def test_sdpa_and_flex_paths_agree():
     q, k, v, log_g = random_qkv_logg(T=40, seed=3)
-    a = tg.gated_attention(q, k, v, log_g, "sdpa")
-    b = tg.gated_attention(q, k, v, log_g, "flex")
+    a = tg.gated_attention(q, k, v, log_g, None)
+    b = tg.gated_attention(q, k, v, log_g, flex_or_sdpa("flex", q))
     assert (a - b).abs().max().item() < 1e-5
 
 
@@ -134,8 +139,8 @@ def test_query_axis_gate_is_cancelled_by_softmax(impl):
     # the authors' released indexing: ln g_i on every logit of query row i, a constant per row
     q, k, v, log_g = random_qkv_logg(seed=4)
     ungated = reference_attention(q, k, v, None)
-    on_query = tg.gated_attention(q, k, v, log_g, impl, axis="query")
-    on_key = tg.gated_attention(q, k, v, log_g, impl, axis="key")
+    on_query = tg.gated_attention(q, k, v, log_g, flex_or_sdpa(impl, q), axis="query")
+    on_key = tg.gated_attention(q, k, v, log_g, flex_or_sdpa(impl, q), axis="key")
     assert (on_query - ungated).abs().max().item() < 1e-5
     assert (on_key - ungated).abs().max().item() > 1e-2
 
@@ -146,10 +151,10 @@ def test_query_axis_block_attends_as_an_ungated_block():
     block = tg.Block(hp)
     x = block.attn_in(torch.randn(4, 12, hp.dim))
     log_g = torch.log(mixed_gates(4, 12).squeeze(-1).clamp(min=1e-6))
-    ungated = block.attn(x, None, "sdpa")
-    assert (block.attn(x, log_g, "sdpa") - ungated).abs().max().item() < 1e-5
+    ungated = block.attn(x, None, None)
+    assert (block.attn(x, log_g, None) - ungated).abs().max().item() < 1e-5
     block.attn.gate_axis = "key"
-    assert (block.attn(x, log_g, "sdpa") - ungated).abs().max().item() > 1e-3
+    assert (block.attn(x, log_g, None) - ungated).abs().max().item() > 1e-3
 
 
 def test_gate_settings_that_make_no_sense_are_refused():
@@ -169,7 +174,7 @@ def test_sdpa_gradients_match_reference():
     ins = [t.clone().requires_grad_() for t in (q, k, v, log_g)]
     ref_ins = [t.clone().requires_grad_() for t in (q, k, v, log_g)]
     w = torch.randn(2, 4, 24, 8)
-    (tg.gated_attention(*ins, "sdpa") * w).sum().backward()
+    (tg.gated_attention(*ins, None) * w).sum().backward()
     (reference_attention(*ref_ins) * w).sum().backward()
     for a, b in zip(ins, ref_ins):
         assert (a.grad - b.grad).abs().max().item() < 1e-5
@@ -186,8 +191,8 @@ def test_zero_gate_key_has_no_influence_on_other_tokens():
     for gate in (0.0, 1.0):
         lg = log_g.clone()
         lg[0, j] = math.log(max(gate, 1e-6))
-        before = tg.gated_attention(q, k, v, lg, "sdpa")
-        after = tg.gated_attention(q, k2, v2, lg, "sdpa")
+        before = tg.gated_attention(q, k, v, lg, None)
+        after = tg.gated_attention(q, k2, v2, lg, None)
         change[gate] = (after - before)[:, :, others].abs().max().item()
     assert change[1.0] > 1e-2  # an open key does influence later tokens
     # a closed key acts only through the 1e-6 floor on g: about a millionth of the effect
@@ -201,11 +206,11 @@ def test_block_leaves_gated_token_untouched():
     x = torch.randn(1, 10, hp.dim)
     g = torch.rand(1, 10, 1) * 0.9 + 0.1
     g[0, 3] = 0.0
-    y = block(x, g, "sdpa")
+    y = block(x, g, None)
     assert torch.equal(y[0, 3], x[0, 3])  # g = 0: the residual passes through unchanged
     x2 = x.clone()
     x2[0, 3] += 5.0
-    y2 = block(x2, g, "sdpa")
+    y2 = block(x2, g, None)
     others = [i for i in range(10) if i != 3]
     assert (y2 - y)[0, others].abs().max().item() < 1e-4
 
@@ -417,6 +422,30 @@ def test_auto_attention_is_flex_only_on_cuda_and_where_its_kernels_compile():
         assert tg.attention_impl(tiny(dim=dim, n_heads=4, attn_impl="auto"), cuda) == impl
     assert tg.attention_impl(tiny(dim=32, attn_impl="sdpa"), True) == "sdpa"
 
+
+def test_flex_block_mask_is_built_once_per_length_outside_the_layer_loop(monkeypatch):
+    import torch.nn.attention.flex_attention as fa
+    built, real = [], fa.create_block_mask  # each mask built, by its query length
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(a[3]) or real(*a, **k))
+    tg.causal_block_mask.cache_clear()
+    x = torch.randint(0, 97, (2, 32))
+    with torch.no_grad():
+        sdpa = tg.GPT(tiny(n_layers=6, max_seq_len=32, seq_len=32)).eval()
+        model = tg.GPT(replace(sdpa.hp, attn_impl="flex")).eval()
+        model.load_state_dict(sdpa.state_dict())
+        out = [model(x).logits, model(x).logits, model(x[:, :20]).logits]
+        assert built == [32, 20]  # eagerly: one per length for all 6 layers and both calls
+        assert (out[0] - sdpa(x).logits).abs().max() < 1e-4  # the mask is the causal one
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(x)
+        assert built == [32, 20, 32] and explained.graph_break_count == 0  # compiled: once per
+        # forward, before the layer loop (dynamo traces through lru_cache)
+        block = model.blocks[0]  # compacted: a mask per packed length, each built once
+        for keep in (5, 9, 5, 9):
+            g = torch.zeros(2, 32, 1)
+            g[:, :keep] = 0.5
+            block(torch.randn(2, 32, 32), g, tg.causal_block_mask(32, "cpu"), compact=True)
+        assert built == [32, 20, 32, 5, 9]
 
 def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     # a global batch of 3 sequences of 64 tokens with a RoPE table of 256: the old count
@@ -1840,7 +1869,7 @@ def test_compact_block_matches_the_dense_masked_block():
     for compact in (False, True):
         block.zero_grad()
         xi, gi = x.clone().requires_grad_(), g.clone().requires_grad_()
-        y = block(xi, gi, "sdpa", compact)
+        y = block(xi, gi, None, compact)
         (y * w).sum().backward()
         results.append((y.detach(), grads(block), xi.grad, gi.grad))
     (y0, p0, x0, g0), (y1, p1, x1, g1) = results
@@ -2304,12 +2333,12 @@ def test_a_routed_block_matches_the_block_run_on_the_chosen_tokens_alone():
     block, x = model.blocks[1], torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
     trace = __import__("collections").defaultdict(list)
     with torch.no_grad():
-        out = model.router.run(1, block, x, trace, "sdpa")
+        out = model.router.run(1, block, x, trace, None)
         r, chosen = trace["logits"][0], trace["block"][0]
         for b in range(2):
             pos = chosen[b].nonzero().squeeze(1)
             xs = x[b, pos][None]
-            y = block.attend(xs, r[b, pos][None, :, None], "sdpa", pos=pos[None],
+            y = block.attend(xs, r[b, pos][None, :, None], None, pos=pos[None],
                              keys=torch.ones(1, len(pos), 1))
             y = y + r[b, pos][None, :, None] * block.mlp(y)
             assert (out[b, pos] - y[0]).abs().max().item() < 1e-4
@@ -2596,22 +2625,52 @@ def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypa
     assert after_one <= 2 + 2 * (256 // tg.PACK + 1), dict(counts["stats"])
 
 
+def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(tmp_path, monkeypatch):
+    # train() wraps the compiled model in DDP; dynamo then compiles inside DDP's forward and
+    # splits the graph at each gradient bucket (DDPOptimizer), so each bucket's all-reduce can
+    # start while the backward of the blocks before it runs: communication overlaps the backward
+    import torch.distributed as dist
+    graphs, real = [], torch.compile
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=backend, **kw))
+    hp = tiny(dim=256, max_seq_len=32, seq_len=32)  # about 1M parameters a block: 4 MB
+    x = torch.randint(0, 97, (2, 32))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    counts = {}
+    try:
+        for ddp in (False, True):
+            graphs.clear()
+            torch._dynamo.reset()
+            model = tg.compile_model(tg.GPT(hp))
+            if ddp:  # in train()'s order; buckets of 1 MB (the least DDPOptimizer takes)
+                model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+            model(x, targets=x).loss.backward()
+            counts[ddp] = len(graphs)
+    finally:
+        dist.destroy_process_group()
+    assert counts[False] == 1 and counts[True] > hp.n_layers, counts  # a graph per bucket
+
+
 @pytest.mark.parametrize("router,compact", [("none", False), ("skip_middle", False),
                                             ("skip_middle", True), ("dlo", False), ("dlo", True),
                                             ("mod", False), ("mod", True)])
-def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, monkeypatch):
+@pytest.mark.parametrize("attn", ["sdpa", "flex"])
+def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, attn, monkeypatch):
     # graph breaks and recompiles are dynamo's decisions, the same on CPU and CUDA: traced here
-    # with the eager backend, dynamo told to fail where it would give up (its recompile limit)
+    # with the eager backend, dynamo told to fail where it would give up (its recompile limit).
+    # Flex, CUDA's attention, has no backward on CPU: its training steps run forward only
     import torch._dynamo
     real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{"backend": "eager", **kw}))
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
     hp = tiny(router=router, compact=compact, n_layers=12, dim=64, max_seq_len=256, seq_len=256,
-              mod_every=2, dlo_rho=0.5)
+              mod_every=2, dlo_rho=0.5, attn_impl=attn)
     torch.manual_seed(0)
     raw = tg.GPT(hp)
     if router == "skip_middle":
@@ -2620,9 +2679,11 @@ def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, mo
     active = set()
     for step in range(20):  # training: a new batch, the router's loss and update each step
         idx = torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(step))
-        out = model(idx, targets=torch.roll(idx, -1, 1))
-        reg, sums = raw.router.loss(out.route, step)
-        (out.loss + reg).backward()
+        with torch.set_grad_enabled(attn == "sdpa"):
+            out = model(idx, targets=torch.roll(idx, -1, 1))
+            reg, sums = raw.router.loss(out.route, step)
+        if attn == "sdpa":
+            (out.loss + reg).backward()
         raw.router.update(sums, idx.numel(), step)
         active.add(str(out.route["block"].sum(dim=2).amax(dim=1).tolist()))
     raw.eval()

@@ -131,7 +131,7 @@ class SwiGLU(nn.Module):
 # -----------------------------------------------------------------------------
 # Gated attention (eq. 3) and the gated block (Section 2)
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=64)
 def causal_block_mask(T: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
     return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device=device)
@@ -145,22 +145,19 @@ def flex_attention_fn(compiled: bool):
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
-def gated_attention(q, k, v, log_g, impl: str, axis: str = "key"):
+def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
     """Causal attention with ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
     log_g: (B, T) per position, or None (dense). axis 'key': logit (i, j) gets ln g_j (eq. 3);
     'query': ln g_i, as in the authors' code, a constant per softmax row that cancels (an
-    ablation). impl 'flex': FlexAttention, score_mod and causal block mask; 'sdpa': an additive
-    fp32 mask, exact and differentiable on CPU, where Flex has no backward."""
+    ablation). mask: the causal BlockMask for T (causal_block_mask) -> FlexAttention with a
+    score_mod; None -> SDPA with an additive fp32 mask, exact and differentiable on CPU, where
+    Flex has no backward."""
     gqa = q.size(1) != k.size(1)
-    if impl == "flex":
-        flex = flex_attention_fn(compiled=q.is_cuda)
-        block_mask = causal_block_mask(q.size(2), str(q.device))
+    if mask is not None:
         def score_mod(score, b, h, q_idx, kv_idx):  # ln g of the key (eq. 3) or the query
             return score + log_g[b, kv_idx if axis == "key" else q_idx]
-        return flex(q, k, v, score_mod=None if log_g is None else score_mod,
-                    block_mask=block_mask, enable_gqa=gqa)
-    if impl != "sdpa":
-        raise ValueError(f"unknown attention impl {impl!r}")
+        return flex_attention_fn(compiled=q.is_cuda)(
+            q, k, v, score_mod=None if log_g is None else score_mod, block_mask=mask, enable_gqa=gqa)
     if log_g is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     T = q.size(2)
@@ -198,7 +195,7 @@ class Attention(nn.Module):
         self.rotary = Rotary(self.head_dim, hp.max_seq_len, hp.rope_theta)
         self.gate_axis = hp.gate_axis
 
-    def forward(self, x, log_g, impl, pos=None, cache=None):
+    def forward(self, x, log_g, mask, pos=None, cache=None):
         """x: (B, T, d); log_g: (B, T) per position or None; pos: (B, T) positions or None.
         cache: (KVCache, layer) to decode one token (B = T = 1) against the cached keys."""
         B, T, _ = x.shape
@@ -207,7 +204,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.rotary(q, pos), self.rotary(k, pos)
         if cache is None:
-            y = gated_attention(q, k, v, log_g, impl, self.gate_axis)
+            y = gated_attention(q, k, v, log_g, mask, self.gate_axis)
         else:  # one token against the cached keys (sample.py). On the query axis ln g is one
             # constant on this token's row, which softmax cancels: the keys carry none
             y = cache[0].attend(cache[1], q, k, v, log_g if self.gate_axis == "key" else None)
@@ -229,11 +226,11 @@ class Block(nn.Module):
         self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
-    def attend(self, x, g, impl, pos=None, cache=None, keys=None):
+    def attend(self, x, g, mask, pos=None, cache=None, keys=None):
         """x + g * Norm(Attn(Norm(x))), keys weighted by `keys` (default g); g None: ungated."""
         keys = g if keys is None else keys
         log_g = None if keys is None else torch.log(keys.squeeze(-1).float().clamp(min=self.gate_eps))
-        y = self.attn_out(self.attn(self.attn_in(x), log_g, impl, pos, cache))  # log_g (B, T) per key
+        y = self.attn_out(self.attn(self.attn_in(x), log_g, mask, pos, cache))  # log_g (B, T) per key
         return x + (y if g is None else g * y)
 
     def mlp(self, x):
@@ -242,19 +239,19 @@ class Block(nn.Module):
 
     pack = 1  # packed lengths are multiples of this (compile_model sets PACK: few shapes)
 
-    def forward(self, x, g, impl, compact=False, pos=None, cache=None, keys=None):
+    def forward(self, x, g, mask, compact=False, pos=None, cache=None, keys=None):
         """compact: run attention and FFN on the tokens with keys > 0 only; exact, because a
         token with keys = g = 0 adds nothing to its residual and is invisible as a key."""
         if compact and g is not None:
-            return self.forward_compact(x, g, impl, g if keys is None else keys)
-        return self.dense(x, g, impl, pos, cache, keys)
+            return self.forward_compact(x, g, mask, g if keys is None else keys)
+        return self.dense(x, g, mask, pos, cache, keys)
 
-    def dense(self, x, g, impl, pos=None, cache=None, keys=None):
+    def dense(self, x, g, mask, pos=None, cache=None, keys=None):
         """The block on every token of x (compile_model compiles this, shared by all blocks)."""
-        x = self.attend(x, g, impl, pos, cache, keys)
+        x = self.attend(x, g, mask, pos, cache, keys)
         return x + (self.mlp(x) if g is None else g * self.mlp(x))
 
-    def forward_compact(self, x, g, impl, keys):
+    def forward_compact(self, x, g, mask, keys):
         """Gather each sequence's active tokens to the front, in order (B, Tc), run the block
         with their original positions, scatter the results back. Order is kept, so causality
         by packed index is causality by position; the padding sits after every active token,
@@ -271,7 +268,8 @@ class Block(nn.Module):
         valid = (torch.arange(Tc, device=x.device)[None, :] < counts[:, None])[..., None]  # (B, Tc, 1)
         index = pos[..., None].expand(B, Tc, d)
         gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
-        return x.scatter(1, index, self.dense(x.gather(1, index), gc, impl, pos=pos, keys=kc))
+        mask = None if mask is None else causal_block_mask(Tc, str(x.device))  # cached per length
+        return x.scatter(1, index, self.dense(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
 
 # -----------------------------------------------------------------------------
@@ -312,9 +310,9 @@ class Router(nn.Module):
     def layer_params(self, layer: int) -> list:
         return []  # its parameters that learn at block `layer`'s rate (see lr_scales)
 
-    def run(self, layer: int, block: "Block", x, trace: dict, impl: str, pos=None, cache=None):
+    def run(self, layer: int, block: "Block", x, trace: dict, mask, pos=None, cache=None):
         """Block `layer` on x (B, T, d) as this router routes it, recorded in trace."""
-        x = block(x, None, impl, pos=pos, cache=cache)
+        x = block(x, None, mask, pos=pos, cache=cache)
         ran(trace, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device))
         return x
 
@@ -435,7 +433,7 @@ class SkipMiddle(Router):
             if self.hp.gate_init == "zero":  # ablation: every g is exactly 1, the dense model
                 nn.init.zeros_(gate.weight)
 
-    def run(self, layer, block, x, trace, impl, pos=None, cache=None):
+    def run(self, layer, block, x, trace, mask, pos=None, cache=None):
         L = self.hp.n_layers
         if layer < L // 2:
             # eq. (1): s = ReLU(w.h + b) as clamp, so d/dz at z = 0 is 1 (module docstring)
@@ -448,7 +446,7 @@ class SkipMiddle(Router):
         # decoding, a token skipped under key gating is invisible later: run nothing. Under
         # query gating later tokens still attend to it, so its K/V are computed.
         if cache is None or self.hp.gate_axis == "query" or bool(g.any()):
-            x = block(x, g, impl, self.hp.compact and cache is None, pos, cache)
+            x = block(x, g, mask, self.hp.compact and cache is None, pos, cache)
         ran(trace, trace["gates"][-1] > 0)
         return x
 
@@ -522,11 +520,11 @@ class DLO(Router):
         return hp.dlo_rho if hp.dlo_anneal_steps == 0 or t > hp.dlo_anneal_steps else \
             hp.dlo_rho * t / hp.dlo_anneal_steps
 
-    def run(self, layer, block, x, trace, impl, pos=None, cache=None):
+    def run(self, layer, block, x, trace, mask, pos=None, cache=None):
         hp = self.hp
         z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
         r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
-        a = block.attend(x, None, impl, pos, cache)
+        a = block.attend(x, None, mask, pos, cache)
         if self.training:  # the top floor((1 - rho_i) S) tokens of each sequence by r, chosen
             # on the device (k is a tensor: no host read, no shape that changes with it)
             k = torch.floor((1 - self.rates[layer]) * x.size(1))
@@ -608,9 +606,9 @@ class MixtureOfDepths(Router):
     def layer_params(self, layer):
         return list(self.routers[self.routed.index(layer)].parameters()) if layer in self.routed else []
 
-    def run(self, layer, block, x, trace, impl, pos=None, cache=None):
+    def run(self, layer, block, x, trace, mask, pos=None, cache=None):
         if layer not in self.routed:
-            return super().run(layer, block, x, trace, impl, pos, cache)
+            return super().run(layer, block, x, trace, mask, pos, cache)
         r = self.routers[self.routed.index(layer)](x).float()[..., 0]  # (B, T)
         trace["logits"].append(r)
         if self.training:
@@ -624,7 +622,7 @@ class MixtureOfDepths(Router):
         if cache is not None and not bool(chosen.any()):
             return x  # a token that passes the block keeps no K/V there
         keys = chosen[..., None].to(x.dtype)  # (B, T, 1): the chosen tokens are the only keys
-        return block(x, (r[..., None] * keys).type_as(x), impl, self.hp.compact and cache is None,
+        return block(x, (r[..., None] * keys).type_as(x), mask, self.hp.compact and cache is None,
                      pos, cache, keys=keys)
 
     def loss(self, route, step):
@@ -724,11 +722,14 @@ class GPT(nn.Module):
         (1, 1); a block it skips keeps no K/V for it. Routing follows the module's mode:
         training (model.train()) or inference (model.eval()). With targets (B, T), the mean
         cross-entropy is computed in chunks of loss_rows tokens and no logits are returned."""
-        impl = attention_impl(self.hp, idx.is_cuda)
+        # Flex: one causal block mask per forward, before the layer loop (eagerly, one per
+        # length: lru_cache; a compiled model builds it once in its graph). Decoding: none
+        flex = cache is None and attention_impl(self.hp, idx.is_cuda) == "flex"
+        mask = causal_block_mask(idx.size(1), str(idx.device)) if flex else None
         x = self.embed_norm(self.embed(idx))
         trace, resid = collections.defaultdict(list), []
         for layer, block in enumerate(self.blocks):
-            x = self.router.run(layer, block, x, trace, impl, pos, None if cache is None else (cache, layer))
+            x = self.router.run(layer, block, x, trace, mask, pos, None if cache is None else (cache, layer))
             if not self.training:  # a statistic for validation, kept off the training path
                 resid.append(x.detach().float().norm(dim=-1).mean())
         route = {k: torch.stack(v) for k, v in trace.items()}
