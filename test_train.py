@@ -5,6 +5,7 @@ hand-computed controller steps, FlopCounterMode, shards written by the test, a o
 run against a two-process one.
 """
 
+import contextlib
 import copy
 import errno
 import glob
@@ -2623,6 +2624,32 @@ def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypa
     # the whole model once per grad mode (masked), the blocks' dense part per grad mode and
     # packed length (compact; tg.compile_model)
     assert after_one <= 2 + 2 * (256 // tg.PACK + 1), dict(counts["stats"])
+
+
+@pytest.mark.parametrize("router", ["none", "skip_middle", "dlo", "mod"])
+def test_a_training_step_and_its_router_update_read_the_device_once(router, monkeypatch):
+    # on a GPU every value read back to the host waits for the queued work: count the reads
+    # made by train_gpt.py's own code (item, tolist, bool, float, int) in a step, the router's
+    # update and its learning-rate scales (README: what the host waits for)
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+        def counted(t, *a, real=real, name=name):
+            if sys._getframe(1).f_code.co_filename == tg.__file__:
+                reads.append(f"{name} at line {sys._getframe(1).f_lineno}")
+            return real(t, *a)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    hp = tiny(router=router, vocab_size=50257, batch_size=4, device_batch_size=2, dlo_rho=0.5)
+    model = tg.GPT(hp)
+    opt = torch.optim.AdamW(tg.param_groups(model), lr=1e-3)
+    loader = tg.DistributedLoader(f"{HERE}/data/sample/sample_train_*.bin", 4, hp.seq_len, 0, 1, hp.vocab_size)
+    lrs = [1e-3] * (hp.n_layers + 1)
+    stats = tg.train_step(model, model.router, hp, opt, loader, support.Dist(), contextlib.nullcontext(),
+                          2, lrs, 0)
+    model.router.update(stats.get("router"), stats["tokens"][0], 0)
+    model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
+    assert len(reads) == 1 + (router == "dlo"), reads
+    assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 
 
 def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(tmp_path, monkeypatch):

@@ -1325,8 +1325,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
                 stats = train_step(model, raw.router, hp, opt, train_loader, d, autocast, accum,
                                    lrs, step)
-                lm_loss, total, count = torch.stack(  # the step's one read of its figures
-                    [stats["lm_loss"], stats["total_loss"], stats["tokens"]]).tolist()
+                lm_loss, total, count = (stats[k][0] for k in ("lm_loss", "total_loss", "tokens"))
                 run.step += 1
                 if not math.isfinite(total):
                     run.bad_steps += 1
@@ -1348,7 +1347,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                 else:
                     run.train_ms += step_ms
                     run.timed_steps += 1
-                means = {k: (stats[k] / count).tolist()
+                means = {k: [v / count for v in stats[k]]
                          for k in ("block_active", "mlp_active", *raw.router.means)}
                 line = (f"step:{run.step}/{steps} train_loss:{lm_loss:.4f} "
                         f"{clock(run.train_ms, run.timed_steps)} "
@@ -1381,8 +1380,9 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
 
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
     """One optimiser step over the global batch, applied only when the loss is finite. ->
-    float64 sums over all micro-steps and ranks: "lm_loss" and "total_loss" (the means),
-    "tokens", route_sums, and "router", the router's loss() sums for its update."""
+    sums over all micro-steps and ranks, read to the host as lists of floats: "lm_loss" and
+    "total_loss" (the means), "tokens", route_sums; and "router", the router's loss() sums
+    for its update, a float64 tensor left on the device."""
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
     x_all, y_all = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
@@ -1406,7 +1406,12 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
             more["router"] = router_sums.detach().double()
         sums = add_sums(sums, more)
     sums = all_reduce_sums(sums)
-    if math.isfinite(sums["total_loss"].item()):
+    # the step's one host read: every figure but the router's sums (they stay on the device)
+    flat = torch.cat([t.reshape(-1) for k, t in sums.items() if k != "router"]).tolist()
+    for k, t in sums.items():
+        if k != "router":
+            sums[k], flat = flat[:t.numel()], flat[t.numel():]  # lists of floats
+    if math.isfinite(sums["total_loss"][0]):
         opt.step()
     opt.zero_grad(set_to_none=True)
     return sums
