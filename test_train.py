@@ -301,6 +301,25 @@ def test_controller_updates_match_hand_computed_steps():
         assert torch.equal(c.alpha, before[0]) and torch.equal(c.beta, before[1])
 
 
+def test_router_update_feeds_the_controller_the_global_batch_mean_and_variance():
+    # SkipMiddle.loss gives sums over each micro-batch, update turns the sums over the global
+    # batch into eq. (4)'s statistics: the mean and the population variance of each layer's
+    # gates over every token (not the second moment, not a mean of per-micro-batch variances)
+    hp = tiny(controller="proportional", mu_start=1.0, mu_end=0.5, gamma=0.1)
+    router = tg.GPT(hp).router
+    torch.manual_seed(0)
+    micro = [torch.rand(4, 2, 8) ** 2, torch.rand(4, 3, 8)]  # (L, B, T): two micro-batches
+    sums = sum(router.loss({"gates": g}, 0)[1] for g in micro)
+    router.update(sums, sum(g[0].numel() for g in micro), 0)
+    every = torch.cat([g.flatten(1) for g in micro], dim=1).double()  # (L, all tokens)
+    mean = every.mean(dim=1)
+    var = ((every - mean[:, None]) ** 2).mean(dim=1)  # written out: population variance
+    ref = controller("proportional")
+    ref.update(mean, var)
+    assert torch.allclose(router.ctrl.alpha, ref.alpha) and torch.allclose(router.ctrl.beta, ref.beta)
+    assert (ref.beta.abs() > 1e-4).all()  # the variance terms are not vanishing
+
+
 def test_controller_state_follows_the_model_and_is_used_where_it_lives():
     # on a GPU the loss and the update must not copy the coefficients between host and
     # device every micro-step: they are buffers that move with the model. The meta device
@@ -1350,7 +1369,7 @@ def test_every_field_has_a_checked_range(tmp_path):
         if isinstance(default, bool):
             candidates = ["maybe"]
         elif isinstance(default, (int, float)):
-            candidates = ["-1", "nan", "1e30", "0"]
+            candidates = numeric_range_is_checked(f.name, default)
         else:
             assert f.name in strings, f"a new text field {f.name}: add its bad value here"
             candidates = [bad_values[f.name]] if f.name in bad_values else []
@@ -1366,7 +1385,25 @@ def test_every_field_has_a_checked_range(tmp_path):
                 tg.find_shards(hp.train_files), tg.find_shards(hp.val_files)
             except tg.UserError:
                 refused += 1  # any other exception fails the test: a traceback for the user
-        assert refused or not candidates, f"--{f.name}: no out-of-range value is refused"
+        assert refused == len(candidates), f"--{f.name}: an out-of-range value is accepted"
+
+
+def numeric_range_is_checked(name, default) -> list:
+    """Checks that the default and the values at (or just inside) each end of the field's
+    interval in RANGES are accepted by the range check; -> values just outside it, as text."""
+    interval = [i for i, names in tg.RANGES.items() if name in names.split()]
+    assert len(interval) == 1, f"a numeric field {name} without exactly one range in RANGES"
+    interval = interval[0]
+    low, high = (float(t) for t in interval[1:-1].split(","))
+    step = 1 if type(default) is int else 1e-3
+    inside = [default, low if interval[0] == "[" else low + step]
+    inside += [high if interval[-1] == "]" else high - step] if math.isfinite(high) else [1e30]
+    for value in inside:
+        support.check_fields(replace(tg.Hyperparameters(), **{name: type(default)(value)}),
+                             tg.RANGES, {})  # raises if refused
+    outside = [low - step if interval[0] == "[" else low]
+    return [str(type(default)(v)) for v in outside + ([high + step if interval[-1] == "]" else high]
+                                                      if math.isfinite(high) else [])]
 
 
 def load_command(path):
