@@ -10,7 +10,7 @@
 # Stages (estimated seconds on one H100, until measured; summary.txt grows as they finish):
 #   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)  60
 #   tests    the CUDA tests of test_train.py                                              240
-#   ddp      torchrun --nproc_per_node=1 (NCCL, DDP over the compiled model), 30 steps     120
+#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)   120
 #   paper_none, paper_skip_middle
 #            the paper configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16),
 #            40 steps each; run folders outside the record (no 2.3 GB checkpoint in it), their
@@ -72,7 +72,8 @@ print('torch.compile: ok')"
 
 sample=(--train_files='data/sample/sample_train_*.bin' --val_files='data/sample/sample_train_*.bin')
 
-ddp_run() {  # a small gated, compacted model under torchrun: NCCL, DDP, compile together
+ddp_run() {  # a small gated, compacted model under torchrun: launcher, NCCL, compile. With one
+            # rank train() wraps no DDP; DDP's graph split is tested on CPU (gloo, test_train.py)
     local run
     run=$(mktemp -d) || return 1
     torchrun --standalone --nproc_per_node=1 train_gpt.py --router=skip_middle --compact=true \
@@ -108,7 +109,7 @@ stage bench 300 python bench.py --size=paper --device=cuda --compile=1 --out="$o
 # it trains until the budget is spent; SIGTERM lets the run in flight save, and sweep.py then
 # stops with status 0; done once it has written its record
 if [ ! -e "$out/checks.done" ]; then
-    echo "checks: all done" | tee -a "$out/summary.txt"
+    echo "checks: finished (exit status of each stage above)" | tee -a "$out/summary.txt"
     touch "$out/checks.done"
 fi
 if [ ! -e "$out/gpu1/results.csv" ]; then

@@ -467,6 +467,7 @@ def test_flex_block_mask_is_built_once_per_length_outside_the_layer_loop(monkeyp
             block(torch.randn(2, 32, 32), g, tg.causal_block_mask(32, "cpu"), compact=True)
         assert built == [32, 20, 32, 5, 9]
 
+
 def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     # a global batch of 3 sequences of 64 tokens with a RoPE table of 256: the old count
     # (a max_seq_len sequence per batch entry) would have overstated the MFU about 4x
