@@ -54,7 +54,9 @@ summary_of() {  # one stage's figures for summary.txt
     case $1 in
         tests) echo "; $(tail -1 "$out/tests.txt")" ;;
         paper_*) echo "; $(grep -h '^step:40/40 train' "$out/$1/train.log" | grep -o 'step_avg.*')" \
-                      "$(grep -h 'peak memory' "$out/$1/train.log")" ;;
+                      "$(grep -h '^peak memory' "$out/$1/train.log");" \
+                      "$(grep -h '^step:1/40 train' "$out/$1/train.log" | grep -o 'train_loss:[0-9.]*')" \
+                      "-> $(grep -h '^step:40/40 val' "$out/$1/train.log" | grep -o 'val_loss:[0-9.]*')" ;;
         *) ;;
     esac
 }
@@ -77,7 +79,7 @@ ddp_run() {  # a small gated, compacted model under torchrun: launcher, NCCL, co
     local run
     run=$(mktemp -d) || return 1
     torchrun --standalone --nproc_per_node=1 train_gpt.py --router=skip_middle --compact=true \
-        "${sample[@]}" --n_layers=4 --dim=256 --max_seq_len=256 --seq_len=256 --batch_size=16 \
+        "${sample[@]}" --n_layers=4 --dim=256 --n_heads=4 --n_kv_heads=4 --max_seq_len=256 --seq_len=256 --batch_size=16 \
         --device_batch_size=8 --train_tokens=$((30 * 16 * 256)) --val_every=10 \
         --val_tokens=8192 --save_every=10 --untimed_steps=5 --run_dir="$run/run"
     local status=$?

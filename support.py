@@ -928,7 +928,7 @@ def setup_distributed() -> Dist:
 def all_reduce(t, op: str = "sum"):
     """A tensor summed ("sum") or maximised ("max") over the ranks, in place; returns it."""
     import torch.distributed as dist
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_world_size() > 1:  # (one rank: no collective)
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t
 

@@ -2475,8 +2475,11 @@ def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
 
 # ---------------------------------------------------------------------------- the loss in chunks
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 1000])
-def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows):
+@pytest.mark.parametrize("rows,compiled", [(1, False), (7, False), (16, False), (1000, False),
+                                           (7, True), (1000, True)])
+def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, compiled):
+    # compiled: torch 2.11's torch.compile (any backend) gave all-zero gradients when the
+    # loss's forward wrote its gradients into buffers made beforehand (seen on an H100)
     torch.manual_seed(0)
     hp = tiny(loss_rows=rows)
     model = tg.GPT(hp)
@@ -2486,7 +2489,7 @@ def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows):
     reference.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    loss = model(idx, targets=targets).loss
+    loss = (torch.compile(model, backend="aot_eager") if compiled else model)(idx, targets=targets).loss
     loss.backward()
     assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -2546,8 +2549,10 @@ def test_cuda_compiled_model_matches_eager():
     idx = torch.randint(0, 97, (4, 128), device="cuda")
     (l0, g0), (l1, g1) = cuda_step(eager, idx), cuda_step(compiled, idx)
     assert (l0 - l1).abs().item() < 1e-4
+    g1 = {name.replace("_orig_mod.", ""): g for name, g in g1.items()}
+    assert g0.keys() == g1.keys()
     for name in g0:
-        assert_close_rel(g0[name], g1[name.replace("_orig_mod.", "")], 1e-3)
+        assert_close_rel(g0[name], g1[name], 1e-3)
 
 
 @cuda

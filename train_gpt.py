@@ -145,6 +145,19 @@ def flex_attention_fn(compiled: bool):
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
+@torch.library.custom_op("depth_routing::stored", mutates_args=())
+def stored(x: torch.Tensor) -> torch.Tensor:
+    """An identity Inductor cannot fuse into its consumer. Inductor up to torch 2.11 (at least)
+    inlines the producers of a tensor that a score_mod reads into the Flex kernel and fails on
+    them ("convert FlexibleLayout to FixedLayout first", seen on an H100 with a whole compiled
+    model); an opaque op's output is a stored buffer, read as it is."""
+    return x.clone()
+
+
+stored.register_fake(torch.empty_like)
+stored.register_autograd(lambda ctx, grad: grad)
+
+
 def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
     """Causal attention with ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
     log_g: (B, T) per position, or None (dense). axis 'key': logit (i, j) gets ln g_j (eq. 3);
@@ -154,6 +167,7 @@ def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
     Flex has no backward."""
     gqa = q.size(1) != k.size(1)
     if mask is not None:
+        log_g = None if log_g is None else stored(log_g)
         def score_mod(score, b, h, q_idx, kv_idx):  # ln g of the key (eq. 3) or the query
             return score + log_g[b, kv_idx if axis == "key" else q_idx]
         return flex_attention_fn(compiled=q.is_cuda)(
@@ -662,15 +676,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of the logits h W^T against targets, `rows` rows at a time, so the
     (N, V) logits and their gradient never exist whole (at the paper's device batch they are
     6.6 GB each in fp32). When a gradient is wanted, each chunk's gradients with respect to h
-    and W (softmax minus one-hot) are formed at once and kept; backward only scales them."""
+    and W (softmax minus one-hot) are formed at once and kept; backward only scales them. The
+    kept gradients are built without writing into buffers made beforehand: Inductor (torch
+    2.11, CUDA) saved such buffers as they were before the writes, and every gradient was 0."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, rows: int, grads: bool):
         """h: (N, d); weight: (V, d); targets: (N,) -> scalar fp32 sum over the N rows."""
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        w = weight.to(h.dtype)
-        grad_h = torch.empty_like(h) if grads else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if grads else None
+        w, total, grad_h, grad_w = weight.to(h.dtype), torch.zeros((), device=h.device), [], 0.0
         for i in range(0, h.size(0), rows):
             hc, tc = h[i:i + rows], targets[i:i + rows]
             logits = (hc @ w.t()).float()  # (n, V), the only logits alive
@@ -678,13 +691,13 @@ class LinearCrossEntropy(torch.autograd.Function):
             top = logits.amax(dim=-1)
             e = logits.sub_(top[:, None]).exp_()  # in place: no second (n, V) buffer
             z = e.sum(dim=-1)
-            total += (top + z.log() - picked).sum()  # logsumexp - the target's logit
+            total = total + (top + z.log() - picked).sum()  # logsumexp - the target's logit
             if grads:
                 p = e.div_(z[:, None])  # the softmax
                 p[torch.arange(len(tc), device=h.device), tc] -= 1.0
-                grad_h[i:i + rows] = p.to(h.dtype) @ w
-                grad_w += p.t() @ hc.float()
-        ctx.save_for_backward(grad_h, grad_w)
+                grad_h.append(p.to(h.dtype) @ w)
+                grad_w = grad_w + p.t() @ hc.float()
+        ctx.save_for_backward(torch.cat(grad_h) if grads else None, grad_w if grads else None)
         ctx.weight_dtype = weight.dtype
         return total
 
