@@ -72,12 +72,15 @@ def new_layer(layers: list, init: str, tau: int, gen: torch.Generator) -> dict:
     return out
 
 
-def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int = 0):
+def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int = 0,
+                 router_layers: str = ""):
     """A model state with R layers in P groups of Q -> P groups of Q + q: each group's new
-    layers come after its originals. DLO routers move with their layers; new ones are left
-    out (their zero initialisation is the model's own)."""
+    layers come after its originals. The router's per-layer modules (router.<router_layers>,
+    DLO's routers) move with their layers; new ones are left out (their zero initialisation
+    is the model's own)."""
     Q, gen = R // P, torch.Generator().manual_seed(seed)
-    out = {k: v for k, v in state.items() if not k.startswith(("blocks.", "router.routers."))}
+    moving = ["blocks"] + ([f"router.{router_layers}"] if router_layers else [])
+    out = {k: v for k, v in state.items() if not k.startswith(tuple(f"{m}." for m in moving))}
 
     def layer_state(prefix, i):
         return {k[len(f"{prefix}.{i}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{i}.")}
@@ -86,9 +89,8 @@ def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed:
     for p in range(P):
         group = [layer_state("blocks", p * Q + i) for i in range(Q)]
         for i, layer in enumerate(group):
-            out.update({f"blocks.{j}.{k}": v for k, v in layer.items()})
-            out.update({f"router.routers.{j}.{k}": v
-                        for k, v in layer_state("router.routers", p * Q + i).items()})
+            for m in moving:
+                out.update({f"{m}.{j}.{k}": v for k, v in layer_state(m, p * Q + i).items()})
             j += 1
         for _ in range(q):
             out.update({f"blocks.{j}.{k}": v for k, v in new_layer(group, init, tau, gen).items()})
@@ -136,7 +138,7 @@ def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int,
     if overrides.get("n_layers", n_layers) != n_layers:
         raise support.UserError(f"n_layers is derived: {n_layers}, not {overrides['n_layers']}")
     hp = tg.resolve({**overrides, "n_layers": n_layers, "stop_step": 0, "resume": ""}, base)
-    if base.router != "none" and hp.router != base.router:  # its router weights fit no other
+    if tg.ROUTERS[base.router].layer_modules and hp.router != base.router:  # its router weights fit no other
         raise support.UserError(f"a {base.router} checkpoint expands into a {base.router} model, "
                                 f"not router={hp.router}; expand a dense checkpoint for that")
     if not tg.ROUTERS[hp.router].expandable:
@@ -190,7 +192,7 @@ def write_run(out: str, hp: tg.Hyperparameters, src: dict, base: tg.Hyperparamet
     torch.manual_seed(hp.seed)
     model = tg.GPT(hp)
     state = expand_state(src["model"], base.n_layers, args.groups, args.per_group, args.init,
-                         args.tau, hp.seed)
+                         args.tau, hp.seed, tg.ROUTERS[base.router].layer_modules)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # only new routers (zero-initialised, as in a fresh model) may lack weights
     assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)

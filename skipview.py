@@ -31,7 +31,7 @@ def token_depths(model: tg.GPT, ids: list, device: str):
     token): units are MLPs for DLO (which skips only MLPs), blocks for the other routers."""
     model.eval()
     route = model(torch.tensor([ids], device=device)).route
-    ran = route["mlp" if model.hp.router == "dlo" else "block"][:, 0].cpu()  # (L, T)
+    ran = route[model.router.skips][:, 0].cpu()  # (L, T)
     return ran.sum(0).tolist(), ran.sum(1).tolist(), model.hp.n_layers
 
 
@@ -95,7 +95,7 @@ def main(argv):
                                     f"file name")
         support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
     counts, per_layer, units = token_depths(model, ids, device)
-    unit = "MLPs" if hp.router == "dlo" else "blocks"
+    unit = {"block": "blocks", "mlp": "MLPs"}[model.router.skips]
     pieces = [enc.decode([i]) for i in ids]
     print(terminal_view(pieces, counts))
     print(f"\ntokens {len(ids)}; {unit} run per token: mean {sum(counts) / len(counts):.2f} of "

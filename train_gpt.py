@@ -289,8 +289,9 @@ class Block(nn.Module):
 # -----------------------------------------------------------------------------
 # Depth routers: which tokens run which blocks, and how that is trained and counted
 #
-# The model, the training loop, evaluation, FLOPs and logging call only the hooks of Router;
-# nothing else branches on the router's name. To add a router: subclass Router here, add it
+# The model hands its router the blocks (Router.forward runs the depth loop); the training
+# loop, evaluation, FLOPs, logging and the tools call only the hooks of Router; nothing else
+# branches on the router's name. To add a router: subclass Router here, add it
 # to ROUTERS, list the Hyperparameters fields that it alone reads in its `fields`, test it.
 # A forward pass fills a trace, a dict of per-layer lists; every router records "block" and
 # "mlp" per layer, (B, T) bool: the tokens that ran the block and the tokens that ran its MLP.
@@ -313,6 +314,8 @@ class Router(nn.Module):
     fields = ()  # Hyperparameters fields read by this router only: set under another, an error
     means = {}  # metric -> trace key: per-layer means over tokens in train and val records
     expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
+    layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
+    skips = "block"  # the trace key of what a token skips: "block", or "mlp" (DLO)
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -323,6 +326,16 @@ class Router(nn.Module):
 
     def layer_params(self, layer: int) -> list:
         return []  # its parameters that learn at block `layer`'s rate (see lr_scales)
+
+    def forward(self, blocks, x, trace: dict, mask, pos=None, cache=None):
+        """The depth loop: x (B, T, d) through the blocks, each once and in order, by run(). A
+        router that applies a block again, or stops tokens before the last, overrides this;
+        it records "block" and "mlp" per applied block and, in evaluation, "resid"."""
+        for layer, block in enumerate(blocks):
+            x = self.run(layer, block, x, trace, mask, pos, None if cache is None else (cache, layer))
+            if not self.training:  # a statistic for validation, kept off the training path
+                trace["resid"].append(x.detach().float().norm(dim=-1).mean())
+        return x
 
     def run(self, layer: int, block: "Block", x, trace: dict, mask, pos=None, cache=None):
         """Block `layer` on x (B, T, d) as this router routes it, recorded in trace."""
@@ -342,6 +355,9 @@ class Router(nn.Module):
 
     def log_lines(self, v: dict, step: int) -> list:
         return []  # its lines of the validation log
+
+    def zero_targets(self):
+        return None  # per layer, the share of zero gates its controller aims at (sweep.py)
 
     def routing_state(self) -> dict:
         return {}  # training state outside the parameters (coefficients, rates): checkpointed
@@ -497,6 +513,9 @@ class SkipMiddle(Router):
     def skipped_tokens_are_keys(hp):
         return hp.gate_axis == "query"  # later tokens still attend to a skipped one
 
+    def zero_targets(self):
+        return [1 - m for m in mean_targets(self.hp).tolist()]
+
     def routing_state(self):
         return {"controller": self.ctrl.coefficients()}
 
@@ -512,6 +531,8 @@ class DLO(Router):
     Trace extras: "logits" (L, B, T) hW; "scale" r where the MLP ran, else 0; "similarity"
     (training) eq. 4's cosine of the MLP's input and output, detached."""
     fields = ("dlo_rho", "dlo_anneal_steps", "dlo_beta", "dlo_gamma")
+    skips = "mlp"
+    layer_modules = "routers"
 
     def __init__(self, hp):
         super().__init__(hp)
@@ -739,14 +760,10 @@ class GPT(nn.Module):
         # length: lru_cache; a compiled model builds it once in its graph). Decoding: none
         flex = cache is None and attention_impl(self.hp, idx.is_cuda) == "flex"
         mask = causal_block_mask(idx.size(1), str(idx.device)) if flex else None
-        x = self.embed_norm(self.embed(idx))
-        trace, resid = collections.defaultdict(list), []
-        for layer, block in enumerate(self.blocks):
-            x = self.router.run(layer, block, x, trace, mask, pos, None if cache is None else (cache, layer))
-            if not self.training:  # a statistic for validation, kept off the training path
-                resid.append(x.detach().float().norm(dim=-1).mean())
+        trace = collections.defaultdict(list)
+        x = self.router(self.blocks, self.embed_norm(self.embed(idx)), trace, mask, pos, cache)
         route = {k: torch.stack(v) for k, v in trace.items()}
-        resid = torch.stack(resid) if resid else None
+        resid = route.pop("resid", None)
         h = self.head_norm(x)
         if targets is None:
             return Output(self.head(h).float(), route, resid)
@@ -991,11 +1008,9 @@ CHOICES = {"router": ROUTERS, "controller": CONTROLLERS, "attn_impl": ("auto", "
 
 
 def param_count(hp: Hyperparameters) -> int:
-    """GPT(hp)'s parameters less its router's, by formula: no model is built before validate."""
-    hd = hp.dim // max(hp.n_heads, 1)
-    block = (2 * hp.dim * hp.n_heads * hd + 2 * hp.dim * hp.n_kv_heads * hd
-             + 3 * hp.dim * hp.ffn_mult * hp.dim + (4 if hp.sandwich_norm else 2) * hp.dim)
-    return 2 * hp.vocab_size * hp.dim + 2 * hp.dim + hp.n_layers * block
+    """GPT(hp)'s own count, built on the meta device: no memory, before any real build."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(hp).parameters())
 
 
 def validate(hp: Hyperparameters, world: int):
@@ -1258,25 +1273,8 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     train_loader, val_loader = loaders(hp, d, ckpt)
     raw = GPT(hp).to(d.device)
     opt = optimizer(raw, hp)
-    run = RunState(run_id=os.urandom(8).hex())
-    if ckpt is not None:  # weights, optimiser, routing state, data position, random state, clock
-        try:
-            raw.load_state_dict(ckpt["model"])
-            opt.load_state_dict(ckpt["optimizer"])
-            raw.router.load_routing_state(ckpt["routing"])
-            set_rng_state(ckpt["rng"], cuda)
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:  # edited or damaged
-            raise UserError(f"{os.path.join(hp.run_dir, CHECKPOINT)}: corrupt or incompatible "
-                            f"checkpoint ({type(e).__name__})") from None
-        routing = [t for v in raw.router.routing_state().values()  # tensors, or dicts of them
-                   for t in (v.values() if isinstance(v, dict) else [v])]
-        if not (all_finite(raw, opt) and all(t.isfinite().all() for t in routing)):  # never saved so
-            raise UserError(f"{os.path.join(hp.run_dir, CHECKPOINT)}: non-finite weights, optimiser "
-                            f"or controller state (an edited or damaged checkpoint)")
-        for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
-            group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
-        train_loader.restore(ckpt["loader"])
-        run = RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
+    run = (restore(ckpt, hp, raw, opt, train_loader, cuda) if ckpt is not None
+           else RunState(run_id=os.urandom(8).hex()))
     start = run.step
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(hp.run_dir, hp.preset or "run", ckpt is not None,
@@ -1296,86 +1294,48 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
               f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
-
-    def end_warmup(warmup_ms):
-        log.print(f"warm-up: steps {start + 1}-{run.step} of this job untimed, {warmup_ms:.0f}ms"
-                  + (" (compilation included)" if hp.compile and cuda else ""))
-        log.record({"kind": "warmup", "step": run.step, "steps": run.step - start,
-                    "warmup_ms": warmup_ms})
-
-    # the loop: at each step boundary, validate if due, checkpoint if due, stop if asked
-    warmup_ms, saved_val = 0.0, run.val_done
+    warmup, saved_val = Warmup(log, start, hp.untimed_steps, hp.compile and cuda), run.val_done
     try:
         with STOP as stop:
-            while True:
-                # every rank stops at the same boundary, or the others would hang (a scheduler
-                # may signal some ranks only: the signal is the highest number any rank got)
-                signum = int(all_reduce(torch.tensor(  # (one process: no collective, no copy)
-                    float(stop.signum), device=d.device if d.world > 1 else "cpu"), "max"))
-                signalled = signum > 0
-                step = run.step
-                ending = step == steps or signalled or (step == hp.stop_step and step > start)
-                # validation: every val_every steps and at the last one. A signal skips it (to
+            for step in range(start, steps + 1):  # at each step boundary, then the step
+                signum = agreed_signal(stop, d)
+                ending = step == steps or signum > 0 or (step == hp.stop_step and step > start)
+                # validate if due: every val_every steps and at the last. A signal skips it (to
                 # stop soon); the checkpoint says it is owed (val_done < step), so the resumed
                 # job runs it first
                 val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
-                if val_due and not signalled and run.val_done < step:
+                if val_due and not signum and run.val_done < step:
                     d.sync()
-                    v = evaluate(raw, hp, val_loader, d, autocast)  # unwrapped: no DDP hooks
-                    log_validation(log, raw.router, v, run, steps)
-                    run.val_done = step
-                # checkpoint: every save_every steps and when the job ends, if anything is new
+                    log_validation(log, raw.router, evaluate(raw, hp, val_loader, d, autocast), run, steps)
+                    run.val_done = step  # (evaluate: the raw model, without DDP's hooks)
+                # save if due: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
                 if (step > start or run.val_done != saved_val) and (ending or periodic):
                     saves.save(step, raw, opt, lambda: checkpoint_state(
                         run, hp, d.world, raw, opt, train_loader.state()))  # position: global
                     log.saved(step)
                     saved_val = run.val_done
-                if ending:
+                if ending:  # stop if asked, or at the end
                     break
                 d.sync()
                 t0 = time.perf_counter()
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
                 stats = train_step(model, raw.router, hp, opt, train_loader, d, autocast, accum,
                                    lrs, step)
-                lm_loss, total, count = (stats[k][0] for k in ("lm_loss", "total_loss", "tokens"))
                 run.step += 1
-                if not math.isfinite(total):
-                    run.bad_steps += 1
-                    if run.bad_steps > hp.max_bad_steps:
-                        raise RunStopped(f"non-finite loss at step {run.step}; no update was "
-                                         f"applied; last good checkpoint: {saves.last_good()}")
-                    log.print(f"step:{run.step}/{steps} skipped: non-finite loss "
-                              f"({run.bad_steps} of max_bad_steps={hp.max_bad_steps})")
+                if not math.isfinite(stats["total_loss"][0]):  # no update was applied
+                    skip_bad_step(log, run, hp, steps, saves)
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
                 saves.trained()
-                raw.router.update(stats.get("router"), count, step)
+                raw.router.update(stats.get("router"), stats["tokens"][0], step)
                 d.sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
-                if run.step - start <= hp.untimed_steps:
-                    warmup_ms += step_ms
-                    if run.step - start == hp.untimed_steps:
-                        end_warmup(warmup_ms)
-                else:
-                    run.train_ms += step_ms
-                    run.timed_steps += 1
-                means = {k: [v / count for v in stats[k]]
-                         for k in ("block_active", "mlp_active", *raw.router.means)}
-                line = (f"step:{run.step}/{steps} train_loss:{lm_loss:.4f} "
-                        f"{clock(run.train_ms, run.timed_steps)} "
-                        f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
-                if peak:  # executed work: all tokens, except what compact really skips
-                    active = means["block_active"] if hp.compact else None
-                    line += f" mfu:{100 * mfu(hp, step_ms / 1000, d.world, peak, active):.1f}%"
-                log.print(line)
-                log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
-                            "train_loss": lm_loss, "total_loss": total, "lr": lrs[0],
-                            "layer_lr": lrs[1:], "step_ms": step_ms, **means})
-        if 0 < run.step - start < hp.untimed_steps:
-            end_warmup(warmup_ms)
+                warmup.add(run, step_ms)
+                log_step(log, raw.router, hp, run, steps, stats, lrs, step_ms, peak, d.world)
+        warmup.end(run)
         if run.step < steps or run.val_done < run.step:
-            why = f"signal {signal.Signals(signum).name}" if signalled else "stop_step"
+            why = f"signal {signal.Signals(signum).name}" if signum else "stop_step"
             owed = "" if run.val_done == run.step or not val_due else " (its validation is still owed)"
             log.print(f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
                       f"resume with: {d.launcher} --resume={run_dir}")
@@ -1389,6 +1349,90 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     finally:
         log.close()
     return run_dir
+
+
+def restore(ckpt: dict, hp: Hyperparameters, raw: GPT, opt, loader: DistributedLoader,
+            cuda: bool) -> RunState:
+    """Weights, optimiser, routing state, data position, random state and clock from a
+    checkpoint; an edited or damaged one is a UserError."""
+    where = os.path.join(hp.run_dir, CHECKPOINT)
+    try:
+        raw.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        raw.router.load_routing_state(ckpt["routing"])
+        set_rng_state(ckpt["rng"], cuda)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise UserError(f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
+    routing = [t for v in raw.router.routing_state().values()  # tensors, or dicts of them
+               for t in (v.values() if isinstance(v, dict) else [v])]
+    if not (all_finite(raw, opt) and all(t.isfinite().all() for t in routing)):  # never saved so
+        raise UserError(f"{where}: non-finite weights, optimiser or controller state (an edited "
+                        f"or damaged checkpoint)")
+    for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
+        group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
+    loader.restore(ckpt["loader"])
+    return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
+
+
+def agreed_signal(stop, d: Dist) -> int:
+    """The highest signal number any rank got (0: none), so that every rank stops at the same
+    step boundary, or the others would hang (a scheduler may signal some ranks only)."""
+    return int(all_reduce(torch.tensor(  # (one process: no collective, no copy)
+        float(stop.signum), device=d.device if d.world > 1 else "cpu"), "max"))
+
+
+class Warmup:
+    """The clock: a job's first `untimed` steps are warm-up (compilation included), logged once
+    as such; train_time and step_avg count the other steps of all jobs."""
+
+    def __init__(self, log: RunLog, start: int, untimed: int, compiled: bool):
+        self.log, self.start, self.untimed, self.compiled = log, start, untimed, compiled
+        self.ms, self.done = 0.0, untimed == 0
+
+    def add(self, run: RunState, step_ms: float):
+        if self.done:
+            run.train_ms += step_ms
+            run.timed_steps += 1
+            return
+        self.ms += step_ms
+        if run.step - self.start >= self.untimed:
+            self.end(run)
+
+    def end(self, run: RunState):
+        """Logs the warm-up: once it is over, or when the job ends inside it."""
+        if not self.done and run.step > self.start:
+            self.log.print(f"warm-up: steps {self.start + 1}-{run.step} of this job untimed, "
+                           f"{self.ms:.0f}ms" + (" (compilation included)" if self.compiled else ""))
+            self.log.record({"kind": "warmup", "step": run.step, "steps": run.step - self.start,
+                             "warmup_ms": self.ms})
+        self.done = True
+
+
+def skip_bad_step(log: RunLog, run: RunState, hp: Hyperparameters, steps: int, saves: Checkpoints):
+    """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
+    run.bad_steps += 1
+    if run.bad_steps > hp.max_bad_steps:
+        raise RunStopped(f"non-finite loss at step {run.step}; no update was applied; last good "
+                         f"checkpoint: {saves.last_good()}")
+    log.print(f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
+              f"max_bad_steps={hp.max_bad_steps})")
+
+
+def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, steps: int,
+             stats: dict, lrs: list, step_ms: float, peak: float, world: int):
+    """The step's line of train.log and its record in metrics.jsonl (per-layer means)."""
+    count = stats["tokens"][0]
+    means = {k: [v / count for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
+    line = (f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
+            f"{clock(run.train_ms, run.timed_steps)} "
+            f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
+    if peak:  # executed work: all tokens, except what compact really skips
+        active = means["block_active"] if hp.compact else None
+        line += f" mfu:{100 * mfu(hp, step_ms / 1000, world, peak, active):.1f}%"
+    log.print(line)
+    log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
+                "train_loss": stats["lm_loss"][0], "total_loss": stats["total_loss"][0],
+                "lr": lrs[0], "layer_lr": lrs[1:], "step_ms": step_ms, **means})
 
 
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
