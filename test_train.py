@@ -539,10 +539,10 @@ def read_metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path):
+def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    r = run_script(TINY_RUN + ["--train_tokens=20480", "--val_every=10", f"--run_dir={run_dir}"])
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, _, err = run_main(TINY_RUN + ["--train_tokens=20480", "--val_every=10", f"--run_dir={run_dir}"], capsys)
+    assert code == 0, err[-2000:]
     for name in ("train.log", "config.json", "metrics.jsonl"):
         assert (run_dir / name).exists()
     log = (run_dir / "train.log").read_text()
@@ -574,12 +574,12 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path):
     assert "\ngit: " in log and f"\nsource: train_gpt.py sha256 {sha256(source)}\n" in log
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, capsys):
     args = TINY_RUN + ["--dim=32", "--max_seq_len=32", "--seq_len=32", "--batch_size=8", "--device_batch_size=2",
                        "--train_tokens=768", "--val_every=0", "--val_tokens=256"]
-    one = run_script(args + [f"--run_dir={tmp_path / 'one'}"])
+    code, _, err = run_main(args + [f"--run_dir={tmp_path / 'one'}"], capsys)  # one: this process
     two = run_script(args + [f"--run_dir={tmp_path / 'two'}"], nproc=2)
-    assert one.returncode == 0, one.stderr[-2000:]
+    assert code == 0, err[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
     m1, m2 = ([m for m in read_metrics(tmp_path / run) if m["kind"] in ("train", "val")]
               for run in ("one", "two"))
@@ -591,12 +591,12 @@ def test_two_processes_match_one(tmp_path):
     assert m1[-1]["gate_mean"] == pytest.approx(m2[-1]["gate_mean"], abs=1e-4)
 
 
-def test_existing_run_is_not_overwritten(tmp_path):
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
     (tmp_path / "train.log").write_text("an earlier run\n")
     (tmp_path / "checkpoint.pt").write_bytes(b"its checkpoint")
-    r = run_script(["--preset=smoke", f"--run_dir={tmp_path}"])
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert r.stderr.startswith(f"error: {tmp_path} already holds a run")
+    code, _, err = run_main(["--preset=smoke", f"--run_dir={tmp_path}"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: {tmp_path} already holds a run")
     assert (tmp_path / "train.log").read_text() == "an earlier run\n"
     assert (tmp_path / "checkpoint.pt").read_bytes() == b"its checkpoint"
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -931,17 +931,17 @@ def timing(m):
     return {k: v for k, v in m.items() if k not in ("step_ms", "train_time_ms")}
 
 
-def test_resume_is_bitwise_identical(tmp_path):
+def test_resume_is_bitwise_identical(tmp_path, capsys):
     full, part = tmp_path / "full", tmp_path / "part"
-    r = run_script(RESUME_RUN + [f"--run_dir={full}"])
-    assert r.returncode == 0, r.stderr
-    r = run_script(RESUME_RUN + [f"--run_dir={part}", "--stop_step=4"])
-    assert r.returncode == 0, r.stderr
-    assert f"resume with: python train_gpt.py --resume={part}" in r.stdout
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={full}"], capsys)
+    assert code == 0, err
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={part}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    assert f"resume with: python train_gpt.py --resume={part}" in out
     half = torch.load(part / "checkpoint.pt", weights_only=True)
     assert half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0  # controller active
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
-    r = run_script([f"--resume={part}"])
+    r = run_script([f"--resume={part}"])  # a new process goes on where the first stopped
     assert r.returncode == 0, r.stderr
     strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
     a, b = strip(read_metrics(full)), strip(read_metrics(part))
@@ -966,14 +966,14 @@ def test_resume_is_bitwise_identical(tmp_path):
     assert (part / "train.log").read_text().count("resumed at step 4") == 1
 
 
-def test_resume_refuses_a_different_model_shape(tmp_path):
-    r = run_script(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=1"])
-    assert r.returncode == 0, r.stderr
+def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=1"], capsys)
+    assert code == 0, err
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    r = run_script([f"--resume={tmp_path}", "--dim=64", "--n_layers=4"])
-    assert r.returncode == 2
-    assert r.stderr == ("error: cannot resume with a different model shape: n_layers 2 -> 4, "
-                        "dim 32 -> 64\n")
+    code, _, err = run_main([f"--resume={tmp_path}", "--dim=64", "--n_layers=4"], capsys)
+    assert code == 2
+    assert err == ("error: cannot resume with a different model shape: n_layers 2 -> 4, "
+                   "dim 32 -> 64\n")
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
@@ -1078,7 +1078,7 @@ def wait_for_line(proc, prefix, timeout=120):
     raise AssertionError(f"process ended before {prefix!r}: {proc.stderr.read()[-2000:]}")
 
 
-def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path):
+def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path, capsys):
     args = RESUME_RUN + ["--train_tokens=10240", "--save_every=3", f"--run_dir={tmp_path}"]
     proc = start_run(args)  # 40 steps
     wait_for_line(proc, "step:7/40 train_loss")
@@ -1086,14 +1086,14 @@ def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path):
     proc.wait()
     step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
     assert step >= 6 and step % 3 == 0
-    r = run_script([f"--resume={tmp_path}"])
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert code == 0, err
     train = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
     assert train == list(range(1, 41))  # every step once: lines past the checkpoint were dropped
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 40
 
 
-def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path):
+def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
     # a model big enough (~40M parameters, ~450 MB with Adam) that a save takes a while
     args = ["--preset=smoke", "--n_layers=2", "--dim=384", "--n_heads=4", "--n_kv_heads=4",
             "--seq_len=16", "--batch_size=2", "--device_batch_size=2", "--train_tokens=160",
@@ -1108,8 +1108,8 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path):
     proc.wait()
     state = torch.load(ckpt, weights_only=True)  # the previous checkpoint, whole
     assert state["step"] >= 1
-    r = run_script([f"--resume={tmp_path}", "--train_tokens=64"])  # 2 steps in all
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main([f"--resume={tmp_path}", "--train_tokens=64"], capsys)  # 2 steps in all
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: Slurm's warning
@@ -2144,21 +2144,23 @@ def test_dlo_flops_count_only_executed_mlps():
     assert dense - half == pytest.approx(2 * 0.5 * ffn - routers)
 
 
-def test_train_dense_expand_and_continue_with_dlo(tmp_path):
+def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     base = ["--preset=smoke", "--max_seq_len=32", "--seq_len=32", "--batch_size=8",
             "--device_batch_size=4", "--val_tokens=512", "--val_every=10"]
     shape = ["--n_layers=2", "--dim=32", "--n_heads=4", "--n_kv_heads=2"]
-    r = run_script(base + shape + ["--router=none", "--train_tokens=5120",
-                                   f"--run_dir={tmp_path / 'dense'}"])
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main(base + shape + ["--router=none", "--train_tokens=5120",
+                                            f"--run_dir={tmp_path / 'dense'}"], capsys)
+    assert code == 0, err
+    expand_main = load_command("expand.py").main
 
-    def expand_cli(*args):
-        return subprocess.run([sys.executable, "expand.py", *map(str, args)], cwd=HERE,
-                              capture_output=True, text=True, timeout=300)
+    def expand_cli(*args):  # in this process, as its __main__ runs it -> (status, out, err)
+        code = support.cli(expand_main, list(map(str, args)))
+        out = capsys.readouterr()
+        return code, out.out, out.err
     # the shape comes from the checkpoint: P = 1 group of 2 layers, q = 2 new ones
-    r = expand_cli(tmp_path / "dense", tmp_path / "dlo", "--per_group=2", "--router=dlo",
-                   "--dlo_rho=0.5", "--dlo_anneal_steps=10", "--train_tokens=7680")
-    assert r.returncode == 0 and f"--resume={tmp_path / 'dlo'}" in r.stdout, r.stderr
+    code, out, err = expand_cli(tmp_path / "dense", tmp_path / "dlo", "--per_group=2", "--router=dlo",
+                                "--dlo_rho=0.5", "--dlo_anneal_steps=10", "--train_tokens=7680")
+    assert code == 0 and f"--resume={tmp_path / 'dlo'}" in out, err
     assert tg.load_checkpoint(str(tmp_path / "dlo"))["step"] == 0
     r = run_script([f"--resume={tmp_path / 'dlo'}"])
     assert r.returncode == 0, r.stderr
@@ -2186,9 +2188,9 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path):
             ((tmp_path / "nowhere", tmp_path / 'x'), "nowhere: no such folder"),
             ((tmp_path / "dense", tmp_path / 'x', "--val_tokens=1e8"), "more than the validation shards hold"),
             ((tmp_path / "dense", tmp_path / "dlo"), "already holds a run")):
-        r = expand_cli(*args)
-        assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
-        assert message in r.stderr, (args, r.stderr)
+        code, _, err = expand_cli(*args)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert message in err, (args, err)
         assert not (tmp_path / "x").exists()
     # a disk that fills while the new checkpoint is written: named, status 1, nothing left
     r = subprocess.run([sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x" / "y"],
@@ -2453,11 +2455,11 @@ def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
 
 
 @pytest.mark.parametrize("router", ["none", "dlo", "mod"])
-def test_a_smoke_run_per_router(tmp_path, router):
+def test_a_smoke_run_per_router(tmp_path, router, capsys):
     extra = ["--dlo_anneal_steps=4"] if router == "dlo" else []
-    r = run_script(TINY_RUN + [f"--router={router}", "--train_tokens=5120", "--val_every=5",
-                               "--val_tokens=1024", f"--run_dir={tmp_path}"] + extra)
-    assert r.returncode == 0, r.stderr[-2000:]
+    code, _, err = run_main(TINY_RUN + [f"--router={router}", "--train_tokens=5120", "--val_every=5",
+                                        "--val_tokens=1024", f"--run_dir={tmp_path}"] + extra, capsys)
+    assert code == 0, err[-2000:]
     val = [m for m in read_metrics(tmp_path) if m["kind"] == "val"]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.5  # 10 steps of 512 tokens
     assert len(val[-1]["block_active"]) == len(val[-1]["mlp_active"]) == 2
