@@ -1364,7 +1364,7 @@ def test_every_field_has_a_checked_range(tmp_path):
                   "gate_init": "uniform", "gate_axis": "value",
                   "preset": "huge"}  # the paths (resume, run_dir): bad_inputs
     (tmp_path / "dir_000001.bin").mkdir()
-    defaults = tg.Hyperparameters()
+    defaults, smoke = tg.Hyperparameters(), tg.resolve(tg.parse_overrides(["--preset=smoke"]))
     for f in tg.fields(tg.Hyperparameters):
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
@@ -1387,6 +1387,38 @@ def test_every_field_has_a_checked_range(tmp_path):
             except tg.UserError:
                 refused += 1  # any other exception fails the test: a traceback for the user
         assert refused == len(candidates), f"--{f.name}: an out-of-range value is accepted"
+        # and its value (the smoke preset's) and some other valid value are accepted, whole
+        # (validate); resume's valid values are runs: the resume tests
+        value = getattr(smoke, f.name)
+        others = [v for v in valid_candidates(f.name, value, tmp_path) if v != value]
+        assert f.name == "resume" or accepts(f.name, value) and any(accepts(f.name, v) for v in others), f.name
+
+
+def accepts(name, value) -> bool:
+    """Whether --name=value on the smoke preset, with the router or controller that reads
+    the field, passes every check before a run starts."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    owner = [f"--router={r}" for r, cls in tg.ROUTERS.items() if name in cls.fields]
+    owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][:1]
+    try:
+        given = [f"--{name}={text}"] if text else []  # an empty default: the flag left out
+        tg.validate(tg.resolve(tg.parse_overrides(["--preset=smoke", *owner, *given])), 1)
+        return True
+    except tg.UserError:
+        return False
+
+
+def valid_candidates(name, default, tmp_path) -> list:
+    """Values other than the default to try: near it for numbers, the other choices, paths."""
+    if isinstance(default, bool):
+        return [not default]
+    if isinstance(default, int):
+        return [default + 1, 2 * default, default - 1, default // 2]
+    if isinstance(default, float):
+        return [2 * default, default / 2, default + 0.1, default - 0.1, 0.5]
+    paths = {"train_files": tg.PRESETS["smoke"]["val_files"], "val_files": tg.PRESETS["smoke"]["train_files"],
+             "run_dir": str(tmp_path / "new_run")}
+    return [paths[name]] if name in paths else [c for c in tg.CHOICES.get(name, ()) if c != default]
 
 
 def numeric_range_is_checked(name, default) -> list:
@@ -1620,7 +1652,7 @@ def test_a_run_directory_is_held_by_one_job(tmp_path):
     support.held_locks.pop().close()
 
 
-def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path):
+def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, capsys):
     args = RESUME_RUN + ["--train_tokens=1024000", "--save_every=1", f"--run_dir={tmp_path}"]
     proc = start_run(args)
     try:
@@ -1628,16 +1660,16 @@ def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(t
         metrics = (tmp_path / "metrics.jsonl").read_bytes()
         for second, message in ((args, "already holds a run that saved a checkpoint"),
                                 [[f"--resume={tmp_path}"], f"is in use by pid {proc.pid} on "]):
-            r = run_script(second)
-            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-            assert r.stderr.startswith(f"error: {tmp_path} {message}"), r.stderr
+            code, _, err = run_main(second, capsys)  # (this process: another pid)
+            assert code == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"error: {tmp_path} {message}"), err
         assert (tmp_path / "metrics.jsonl").read_bytes().startswith(metrics)
     finally:
         proc.kill()
         proc.wait()
     step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
-    r = run_script([f"--resume={tmp_path}", f"--stop_step={step + 1}"])  # the lock is gone
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main([f"--resume={tmp_path}", f"--stop_step={step + 1}"], capsys)  # the lock is gone
+    assert code == 0, err
     train = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
     assert train == list(range(1, step + 2))  # each step once
 
