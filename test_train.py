@@ -2726,11 +2726,13 @@ def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypa
     assert after_one <= 2 + 2 * (256 // tg.PACK + 1), dict(counts["stats"])
 
 
-@pytest.mark.parametrize("router", ["none", "skip_middle", "dlo", "mod"])
-def test_a_training_step_and_its_router_update_read_the_device_once(router, monkeypatch):
+@pytest.mark.parametrize("router,compact", [("none", False), ("skip_middle", False), ("dlo", False),
+                                            ("mod", False), ("skip_middle", True), ("dlo", True), ("mod", True)])
+def test_a_training_step_and_its_router_update_read_the_device_once(router, compact, monkeypatch):
     # on a GPU every value read back to the host waits for the queued work: count the reads
     # made by train_gpt.py's own code (item, tolist, bool, float, int) in a step, the router's
-    # update and its learning-rate scales (README: what the host waits for)
+    # update and its learning-rate scales (README: what the host waits for). With compact,
+    # each compacted block of each micro-batch reads its active count: its packed length
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         real = getattr(torch.Tensor, name)
@@ -2739,7 +2741,8 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, monk
                 reads.append(f"{name} at line {sys._getframe(1).f_lineno}")
             return real(t, *a)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    hp = tiny(router=router, vocab_size=50257, batch_size=4, device_batch_size=2, dlo_rho=0.5)
+    hp = tiny(router=router, vocab_size=50257, batch_size=4, device_batch_size=2, dlo_rho=0.5,
+              compact=compact)
     model = tg.GPT(hp)
     opt = torch.optim.AdamW(tg.param_groups(model), lr=1e-3)
     loader = tg.DistributedLoader(f"{HERE}/data/sample/sample_train_*.bin", 4, hp.seq_len, 0, 1, hp.vocab_size)
@@ -2748,7 +2751,10 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, monk
                           2, lrs, 0)
     model.router.update(stats.get("router"), stats["tokens"][0], 0)
     model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
-    assert len(reads) == 1 + (router == "dlo"), reads
+    # compacted blocks whose active count is data-dependent: the gated ones and MoD's routed
+    # ones (DLO's training top-k has a known size)
+    compacted = {"skip_middle": hp.n_layers, "dlo": 0, "mod": hp.n_layers // hp.mod_every}[router] if compact else 0
+    assert len(reads) == 1 + (router == "dlo") + 2 * compacted, reads  # 2 micro-batches
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 
 
