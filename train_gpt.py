@@ -698,8 +698,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     (N, V) logits and their gradient never exist whole (at the paper's device batch they are
     6.6 GB each in fp32). When a gradient is wanted, each chunk's gradients with respect to h
     and W (softmax minus one-hot) are formed at once and kept; backward only scales them. The
-    kept gradients are built without writing into buffers made beforehand: Inductor (torch
-    2.11, CUDA) saved such buffers as they were before the writes, and every gradient was 0."""
+    kept gradients are built without writing into buffers made beforehand: torch 2.11's
+    compile (any backend) saved such buffers as they were before the writes: all gradients 0."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, rows: int, grads: bool):
