@@ -284,6 +284,18 @@ def field_help(cls) -> list:
     return lines
 
 
+def field_ranges(cls) -> dict:
+    """interval -> the names of dataclass cls's fields (space-separated) whose trailing comment
+    begins with that interval, "[0, 1)" or "(0, inf)": check_fields's ranges."""
+    ranges = {}
+    for line in inspect.getsource(cls).splitlines():
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        interval = re.match(r"[\[(][^,\])]*,[^\])]*[\])]", comment)
+        if ":" in code and interval:
+            ranges[interval[0]] = f"{ranges.get(interval[0], '')} {code.split(':')[0]}".strip()
+    return ranges
+
+
 def check_fields(obj, ranges: dict, choices: dict):
     """ranges: interval ("[0, 1)", "(0, inf)", ...) -> the names of the fields of obj that must
     lie in it, space-separated; choices: field -> the values it may take. A UserError names

@@ -82,8 +82,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Checkpoints, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
-                     all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_help, fmt_list,
-                     machine_memory, mismatched_weights, open_log, open_run_dir, parse_fields, provenance,
+                     all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_help,
+                     field_ranges, fmt_list, machine_memory, mismatched_weights, open_log, open_run_dir,
+                     parse_fields, provenance,
                      read_checkpoint, release_locks, rng_state, run_to_resume,
                      saved_fields, set_rng_state, setup_distributed)
 
@@ -887,16 +888,16 @@ class Hyperparameters:
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
     # model (paper Table 2)
-    vocab_size: int = 50257      # GPT-2 BPE
-    n_layers: int = 12           # L; must be even when gated
-    dim: int = 768               # model width d
-    n_heads: int = 12            # query heads
-    n_kv_heads: int = 12         # key/value heads (GQA when < n_heads)
-    ffn_mult: int = 4            # SwiGLU hidden = ffn_mult * dim (3072 at 768)
-    norm_eps: float = 1e-5       # RMSNorm epsilon
-    rope_theta: float = 10000.0  # RoPE base
-    max_seq_len: int = 1024      # RoPE table size (longest context for sampling)
-    init_std: float = 0.02       # normal init of every weight matrix
+    vocab_size: int = 50257      # [2, 65536] GPT-2 BPE
+    n_layers: int = 12           # [1, inf) L; must be even when gated
+    dim: int = 768               # [1, inf) model width d
+    n_heads: int = 12            # [1, inf) query heads
+    n_kv_heads: int = 12         # [1, inf) key/value heads (GQA when < n_heads)
+    ffn_mult: int = 4            # [1, inf) SwiGLU hidden = ffn_mult * dim (3072 at 768)
+    norm_eps: float = 1e-5       # (0, 1) RMSNorm epsilon
+    rope_theta: float = 10000.0  # (0, inf) RoPE base
+    max_seq_len: int = 1024      # [1, inf) RoPE table size (longest context for sampling)
+    init_std: float = 0.02       # (0, inf) normal init of every weight matrix
     sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
     attn_impl: str = "auto"      # auto (flex on CUDA at head dim >= 16, else sdpa) | flex | sdpa
     # gates and sparsity control (Section 2.4)
@@ -904,48 +905,48 @@ class Hyperparameters:
     compact: bool = False        # run routed blocks on the tokens that run them only (exact)
     gate_init: str = "normal"    # normal: weights N(0, init_std), bias 0 (Section 3.1) | zero
     gate_axis: str = "key"       # ln g on each key's logit (eq. 3) | query (authors' code)
-    gate_eps: float = 1e-6       # floor on g inside ln g (Section 2.2)
+    gate_eps: float = 1e-6       # (0, 1) floor on g inside ln g (Section 2.2)
     controller: str = "proportional_tol"  # one of CONTROLLERS (Table 1)
-    mu_start: float = 1.0        # mean-gate target at block 0
-    mu_end: float = 0.5          # mean-gate target at block L/2 - 1, linear in between
-    gamma: float = 1e-3          # coefficient update multiplier (eq. 6)
-    delta: float = 1e-2          # tolerance on |deviation| (eq. 6)
-    fixed_coef: float = 0.1      # alpha = beta for the fixed-coefficient controllers
+    mu_start: float = 1.0        # [0, 1] mean-gate target at block 0
+    mu_end: float = 0.5          # [0, 1] mean-gate target at block L/2 - 1, linear in between
+    gamma: float = 1e-3          # [0, inf) coefficient update multiplier (eq. 6)
+    delta: float = 1e-2          # [0, inf) tolerance on |deviation| (eq. 6)
+    fixed_coef: float = 0.1      # [0, inf) alpha = beta for the fixed-coefficient controllers
     # DLO router (Tan et al. 2024, Section 3)
-    dlo_rho: float = 0.25        # target share of MLP calls skipped, rho
-    dlo_anneal_steps: int = 500  # T': the skip rate rises linearly from 0 to rho (eq. 9)
-    dlo_beta: float = 2.0        # score r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)
-    dlo_gamma: float = 0.05
+    dlo_rho: float = 0.25        # [0, 1) target share of MLP calls skipped, rho
+    dlo_anneal_steps: int = 500  # [0, inf) T': the skip rate rises linearly from 0 to rho (eq. 9)
+    dlo_beta: float = 2.0        # (0, inf) score r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)
+    dlo_gamma: float = 0.05      # [0, inf) gamma of eq. 1
     # Mixture-of-Depths router (Raposo et al. 2024)
-    mod_capacity: float = 0.125  # share of each sequence that runs a routed block (paper's best)
-    mod_every: int = 2           # route every mod_every-th block (the paper: every other)
-    mod_aux_coef: float = 0.01   # BCE weight teaching r > 0 the top-k (inference's only teacher)
+    mod_capacity: float = 0.125  # (0, 1] share of each sequence that runs a routed block (paper's best)
+    mod_every: int = 2           # [1, inf) route every mod_every-th block (the paper: every other)
+    mod_aux_coef: float = 0.01   # (0, inf) BCE weight teaching r > 0 the top-k (inference's teacher)
     # optimisation (Table 2)
-    lr: float = 1e-3             # AdamW peak learning rate, one for all parameters
-    beta1: float = 0.8
-    beta2: float = 0.95
-    adam_eps: float = 1e-10
-    weight_decay: float = 0.0
-    warmup_frac: float = 0.1     # linear warm-up over this fraction of steps ...
-    warmup_start: float = 0.1    # ... from this fraction of lr, then cosine decay to 0
-    batch_size: int = 512        # global batch, sequences (512 x 1024 = 524,288 tokens)
-    device_batch_size: int = 32  # sequences per forward; grad accumulation is derived
-    seq_len: int = 1024          # training and validation sequence length, <= max_seq_len
-    loss_rows: int = 4096        # tokens whose logits exist at once in the loss (memory)
-    train_tokens: int = 10_000_000_000  # token budget; steps = budget / global batch
+    lr: float = 1e-3             # (0, inf) AdamW peak learning rate, one for all parameters
+    beta1: float = 0.8           # [0, 1) AdamW betas
+    beta2: float = 0.95          # [0, 1)
+    adam_eps: float = 1e-10      # (0, inf)
+    weight_decay: float = 0.0    # [0, inf)
+    warmup_frac: float = 0.1     # [0, 1] linear warm-up over this fraction of steps ...
+    warmup_start: float = 0.1    # [0, 1] ... from this fraction of lr, then cosine decay to 0
+    batch_size: int = 512        # [1, inf) global batch, sequences (512 x 1024 = 524,288 tokens)
+    device_batch_size: int = 32  # [1, inf) sequences per forward; grad accumulation is derived
+    seq_len: int = 1024          # [1, inf) training and validation sequence length, <= max_seq_len
+    loss_rows: int = 4096        # [1, inf) tokens whose logits exist at once in the loss (memory)
+    train_tokens: int = 10_000_000_000  # [1, inf) token budget; steps = budget / global batch
     # evaluation and logging
-    val_every: int = 250         # steps between validations (0: only at the end)
-    val_tokens: int = 10_485_760  # validation tokens per evaluation, split over ranks
-    peak_flops: float = 0.0      # per-GPU dense bf16 peak for MFU; 0: the device's (support.PEAK_FLOPS)
-    untimed_steps: int = 10      # first steps of each job kept off the clock (compile warm-up)
+    val_every: int = 250         # [0, inf) steps between validations (0: only at the end)
+    val_tokens: int = 10_485_760  # [1, inf) validation tokens per evaluation, split over ranks
+    peak_flops: float = 0.0      # [0, inf) per-GPU dense bf16 peak for MFU; 0: the device's
+    untimed_steps: int = 10      # [0, inf) first steps of each job kept off the clock (compile warm-up)
     # long runs
-    save_every: int = 250        # steps between checkpoints (0: only at the end)
-    stop_step: int = 0           # end this job after this step, with a checkpoint (0: run on)
-    max_bad_steps: int = 0       # non-finite losses to skip (no update) before stopping
+    save_every: int = 250        # [0, inf) steps between checkpoints (0: only at the end)
+    stop_step: int = 0           # [0, inf) end this job after this step, with a checkpoint (0: run on)
+    max_bad_steps: int = 0       # [0, inf) non-finite losses to skip (no update) before stopping
     resume: str = ""             # RUN_DIR: continue that run from its checkpoint, in place
     # system
     compile: bool = True         # torch.compile the model (CUDA only)
-    seed: int = 0
+    seed: int = 0                # [0, inf)
     run_dir: str = ""            # default: a new logs/<date_time>_<preset or run>_<hex>/
     preset: str = ""             # smoke: small gated model on the embedded sample, CPU
 
@@ -990,19 +991,10 @@ def resolve(overrides: dict, base: Hyperparameters = None) -> Hyperparameters:
     return hp
 
 
-# The range of every numeric field, checked before anything is written. A new field must be
-# listed (the bad-input test tries -1, nan and 1e30 on every field and wants an error).
-RANGES = {  # interval: the fields that must lie in it
-    "[2, 65536]": "vocab_size",  # shards hold uint16 token ids
-    "[1, inf)": "n_layers dim n_heads n_kv_heads ffn_mult max_seq_len batch_size device_batch_size "
-                "seq_len train_tokens val_tokens mod_every loss_rows",
-    "[0, inf)": "dlo_anneal_steps val_every save_every stop_step max_bad_steps untimed_steps seed "
-                "gamma delta fixed_coef weight_decay dlo_gamma peak_flops",
-    "(0, inf)": "rope_theta init_std lr adam_eps dlo_beta mod_aux_coef",
-    "(0, 1)": "norm_eps gate_eps",
-    "[0, 1]": "mu_start mu_end warmup_frac warmup_start",
-    "[0, 1)": "beta1 beta2 dlo_rho",
-    "(0, 1]": "mod_capacity"}
+# The range of every numeric field, checked before anything is written, is the interval that
+# begins its comment in Hyperparameters ("[0, 1)", "(0, inf)"; --help shows it): a new numeric
+# field without one fails the tests (they try values just outside each range, nan and 1e30).
+RANGES = field_ranges(Hyperparameters)  # interval -> the names of the fields in it
 CHOICES = {"router": ROUTERS, "controller": CONTROLLERS, "attn_impl": ("auto", "flex", "sdpa"),
            "gate_init": GATE_INITS, "gate_axis": GATE_AXES, "preset": ("",) + tuple(PRESETS)}
 
