@@ -72,8 +72,8 @@ def new_layer(layers: list, init: str, tau: int, gen: torch.Generator) -> dict:
     return out
 
 
-def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int = 0,
-                 router_layers: str = ""):
+def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int,
+                 router_layers: str):
     """A model state with R layers in P groups of Q -> P groups of Q + q: each group's new
     layers come after its originals. The router's per-layer modules (router.<router_layers>,
     DLO's routers) move with their layers; new ones are left out (their zero initialisation

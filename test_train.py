@@ -2129,8 +2129,19 @@ def test_dlo_annealing_rates_and_layer_learning_rates():
 def expanded(init, R=4, P=2, q=1, tau=2):
     torch.manual_seed(0)
     src = tg.GPT(tiny(router="none", n_layers=R))
-    state = expand.expand_state(src.state_dict(), R, P, q, init, tau)
+    state = expand.expand_state(src.state_dict(), R, P, q, init, tau, 0, src.router.layer_modules)
     return src, state
+
+
+def test_a_dlo_expansion_moves_each_router_with_its_layer():
+    src = tg.GPT(tiny(router="dlo", n_layers=4))
+    for i, router in enumerate(src.router.routers):
+        torch.nn.init.constant_(router.weight, float(i + 1))
+    state = expand.expand_state(src.state_dict(), 4, 2, 1, "identity", 2, 0, src.router.layer_modules)
+    # groups (0, 1), (2, 3) -> (0, 1, new 2), (3, 4, new 5): new layers get no router weights
+    moved = {j: state[f"router.routers.{j}.weight"].flatten()[0].item()
+             for j in range(6) if f"router.routers.{j}.weight" in state}
+    assert moved == {0: 1.0, 1: 2.0, 3: 3.0, 4: 4.0}
 
 
 def test_identity_expansion_keeps_the_function():

@@ -1378,26 +1378,26 @@ class Warmup:
     as such; train_time and step_avg count the other steps of all jobs."""
 
     def __init__(self, log: RunLog, start: int, untimed: int, compiled: bool):
-        self.log, self.start, self.untimed, self.compiled = log, start, untimed, compiled
-        self.ms, self.done = 0.0, untimed == 0
+        self.log, self.start, self.untimed, self.compiled, self.ms = log, start, untimed, compiled, 0.0
 
     def add(self, run: RunState, step_ms: float):
-        if self.done:
+        if run.step - self.start > self.untimed:
             run.train_ms += step_ms
             run.timed_steps += 1
             return
         self.ms += step_ms
-        if run.step - self.start >= self.untimed:
-            self.end(run)
+        if run.step - self.start == self.untimed:
+            self.report(run)
 
     def end(self, run: RunState):
-        """Logs the warm-up: once it is over, or when the job ends inside it."""
-        if not self.done and run.step > self.start:
-            self.log.print(f"warm-up: steps {self.start + 1}-{run.step} of this job untimed, "
-                           f"{self.ms:.0f}ms" + (" (compilation included)" if self.compiled else ""))
-            self.log.record({"kind": "warmup", "step": run.step, "steps": run.step - self.start,
-                             "warmup_ms": self.ms})
-        self.done = True
+        if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
+            self.report(run)
+
+    def report(self, run: RunState):
+        self.log.print(f"warm-up: steps {self.start + 1}-{run.step} of this job untimed, "
+                       f"{self.ms:.0f}ms" + (" (compilation included)" if self.compiled else ""))
+        self.log.record({"kind": "warmup", "step": run.step, "steps": run.step - self.start,
+                         "warmup_ms": self.ms})
 
 
 def skip_bad_step(log: RunLog, run: RunState, hp: Hyperparameters, steps: int, saves: Checkpoints):
