@@ -20,6 +20,10 @@
 #            SIGTERM makes the run in flight save; the next call goes on (~25 min in all)
 set -uo pipefail
 cd "$(dirname "$0")"
+if ! python -c "import torch" 2>/dev/null; then
+    echo "error: \`python\` cannot import torch: put the Python that holds it first on PATH" >&2
+    exit 2
+fi
 if ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     echo "error: no CUDA device visible to torch" >&2
     exit 2
