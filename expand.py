@@ -138,7 +138,7 @@ def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int,
     if overrides.get("n_layers", n_layers) != n_layers:
         raise support.UserError(f"n_layers is derived: {n_layers}, not {overrides['n_layers']}")
     hp = tg.resolve({**overrides, "n_layers": n_layers, "stop_step": 0, "resume": ""}, base)
-    if tg.ROUTERS[base.router].layer_modules and hp.router != base.router:  # its router weights fit no other
+    if tg.ROUTERS[base.router].layer_modules and hp.router != base.router:  # they fit no other
         raise support.UserError(f"a {base.router} checkpoint expands into a {base.router} model, "
                                 f"not router={hp.router}; expand a dense checkpoint for that")
     if not tg.ROUTERS[hp.router].expandable:

@@ -225,9 +225,10 @@ def measure(run_dir: str, device: str) -> dict:
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
     row["ms_per_token_compact"] = (eval_ms_per_token(model, hp, idx, True) if can_compact
                                    else row["ms_per_token_masked"])
-    if model.router.zero_targets():  # gates with a controller: their zero share against its target
+    targets = model.router.zero_targets()
+    if targets:  # gates with a controller: their zero share against its target
         row["gate_zero"] = [1 - a for a in val["block_active"]]
-        row["target_zero"] = model.router.zero_targets()
+        row["target_zero"] = targets
     return row
 
 
