@@ -119,12 +119,11 @@ def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int,
     if not tg.ROUTERS[base.router].expandable:
         raise support.UserError(f"expand a dense or DLO checkpoint: the {base.router} router is "
                                 f"tied to the layer count")
-    for k in ("resume", "run_dir", "preset", "stop_step"):
-        if k in overrides:
-            raise support.UserError(f"--{k} is not for expand.py: the new run is NEW_RUN_DIR, "
-                                    f"its settings the checkpoint's (a job's stop_step goes to "
-                                    f"train_gpt.py --resume)")
-    shape = [k for k in tg.MODEL_FIELDS if k not in ("router", "n_layers")]
+    for k in sorted(tg.JOB & set(overrides)):  # a job's settings go to train_gpt.py --resume
+        raise support.UserError(f"--{k} is not for expand.py: the new run is NEW_RUN_DIR, "
+                                f"its settings the checkpoint's (a job's {k} goes to "
+                                f"train_gpt.py --resume)")
+    shape = [k for k in tg.FIXED if k not in ("router", "n_layers")]
     changed = [f"{k} {getattr(base, k)} -> {overrides[k]}" for k in shape
                if k in overrides and overrides[k] != getattr(base, k)]
     if changed:
@@ -137,7 +136,7 @@ def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int,
     n_layers = P * (R // P + q)
     if overrides.get("n_layers", n_layers) != n_layers:
         raise support.UserError(f"n_layers is derived: {n_layers}, not {overrides['n_layers']}")
-    hp = tg.resolve({**overrides, "n_layers": n_layers, "stop_step": 0, "resume": ""}, base)
+    hp = tg.resolve({**overrides, "n_layers": n_layers}, base)
     if tg.ROUTERS[base.router].layer_modules and hp.router != base.router:  # they fit no other
         raise support.UserError(f"a {base.router} checkpoint expands into a {base.router} model, "
                                 f"not router={hp.router}; expand a dense checkpoint for that")
@@ -173,7 +172,7 @@ def expand(argv):
             if not os.path.lexists(os.path.join(args.out, n))]
     out = support.open_run_dir(args.out, "", resuming=False)  # probes it: a full disk is found
     try:
-        write_run(out, replace(hp, run_dir=out), src, base, args, argv)
+        write_run(out, hp, src, base, args, argv)
     except BaseException:  # a disk that fills during the writes: take back what this wrote
         support.release_locks()
         for n in ours:

@@ -21,6 +21,7 @@ at once.
 import argparse
 import contextlib
 import errno
+import functools
 import glob
 import hashlib
 import inspect
@@ -235,17 +236,17 @@ def _parse_value(name: str, text: str, default):
         raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
 
 
-def parse_fields(cls, argv) -> dict:
-    """--field=value pairs for the fields of dataclass cls, each typed against its default."""
-    defaults, valid = cls(), [f.name for f in fields(cls)]
+def parse_fields(classes, argv) -> dict:
+    """--field=value pairs for the fields of the dataclasses, each typed against its default."""
+    defaults = {f.name: getattr(cls(), f.name) for cls in classes for f in fields(cls)}
     overrides = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
             raise UserError(f"bad argument {arg!r}: use --field=value")
         name, text = arg[2:].split("=", 1)
-        if name not in valid:
-            raise UserError(f"unknown field {name!r}; valid fields: {', '.join(valid)}")
-        overrides[name] = _parse_value(name, text, getattr(defaults, name))
+        if name not in defaults:
+            raise UserError(f"unknown field {name!r}; valid fields: {', '.join(defaults)}")
+        overrides[name] = _parse_value(name, text, defaults[name])
     return overrides
 
 
@@ -269,51 +270,60 @@ def saved_fields(cls, saved) -> dict:
     return out
 
 
-def field_help(cls) -> list:
-    """The lines of --help for dataclass cls: each field with its default and its trailing
-    comment, under the dataclass's own group comments."""
-    defaults, lines = cls(), []
+SPEC = re.compile(r"[\[(]\s*([^,\])]+),\s*([^\])]+)[\])]|\{([^}]*)\}")  # "[0, 1)" or "{a|b}"
+
+
+@functools.lru_cache(maxsize=None)
+def field_facts(cls) -> dict:
+    """Each field of dataclass cls as its line declares it: name -> (group, spec, help). group:
+    the comment line heading its block; spec: the interval ("[0, 1)", "(0, inf)") or choices
+    ("{key|query}") that begins its trailing comment, or ""; help: the rest of the comment."""
+    facts, group = {}, ""
     for line in inspect.getsource(cls).splitlines()[2:]:
         code, _, comment = (part.strip() for part in line.partition("#"))
-        if not code and comment:
-            lines.append(f"\n{comment}:")
-        elif ":" in code:
-            value = getattr(defaults, code.split(":")[0])
-            text = f"--{code.split(':')[0]}={str(value).lower() if isinstance(value, bool) else value}"
-            lines.append(f"  {text:<36} {comment}".rstrip())
+        if not code:
+            group = comment or group
+        elif name := re.match(r"(\w+): \w+ = ", code):  # a field's line
+            spec = SPEC.match(comment)
+            rest = comment[spec.end():].strip() if spec else comment
+            facts[name[1]] = (group, spec[0] if spec else "", rest)
+    return facts
+
+
+def field_help(cls) -> list:
+    """The lines of --help for dataclass cls: each field with its default and its comment,
+    under the dataclass's own group comments."""
+    defaults, lines, group = cls(), [], None
+    for name, (head, spec, text) in field_facts(cls).items():
+        if head != group:
+            lines.append(f"\n{head}:")
+            group = head
+        value = getattr(defaults, name)
+        flag = f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
+        lines.append(f"  {flag:<36} {' '.join(t for t in (spec, text) if t)}".rstrip())
     return lines
 
 
-def field_ranges(cls) -> dict:
-    """interval -> the names of dataclass cls's fields (space-separated) whose trailing comment
-    begins with that interval, "[0, 1)" or "(0, inf)": check_fields's ranges."""
-    ranges = {}
-    for line in inspect.getsource(cls).splitlines():
-        code, _, comment = (part.strip() for part in line.partition("#"))
-        interval = re.match(r"[\[(][^,\])]*,[^\])]*[\])]", comment)
-        if ":" in code and interval:
-            ranges[interval[0]] = f"{ranges.get(interval[0], '')} {code.split(':')[0]}".strip()
-    return ranges
+def number(text: str):
+    """A bound of an interval: an int where it is one (exact past 2^53), else a float."""
+    return int(text) if text.strip().lstrip("-").isdigit() else float(text)
 
 
-def check_fields(obj, ranges: dict, choices: dict):
-    """ranges: interval ("[0, 1)", "(0, inf)", ...) -> the names of the fields of obj that must
-    lie in it, space-separated; choices: field -> the values it may take. A UserError names
-    the first field outside its interval (NaN is outside every interval) or its choices."""
-    for name, options in choices.items():
-        if getattr(obj, name) not in options:
-            raise UserError(f"{name}={getattr(obj, name)!r}; choose from "
-                            f"{', '.join(repr(o) for o in options)}")
-    for interval, names in ranges.items():
-        low, high = (float(t) for t in interval[1:-1].split(","))
-        for name in names.split():
-            v = getattr(obj, name)
-            closed_low, closed_high = interval[0] == "[", interval[-1] == "]"
-            if not (low < v < high or v == low and closed_low or v == high and closed_high):
-                raise UserError(f"{name}={v} must lie in {interval}")
-            if isinstance(v, float) and not float32_safe(v):
-                raise UserError(f"{name}={v} is not 0 and outside float32's range (the numbers "
-                                f"are float32): it would become 0 or infinity")
+def check_fields(obj):
+    """Every field of dataclass instance obj inside its declared interval (NaN is inside none)
+    or among its choices (field_facts); a float also float32_safe. A UserError names the
+    first that is not."""
+    for name, (_, spec, _) in field_facts(type(obj)).items():
+        v, m = getattr(obj, name), SPEC.match(spec)
+        if m and m[3] is not None and v not in m[3].split("|"):
+            raise UserError(f"{name}={v!r}; choose from {', '.join(map(repr, m[3].split('|')))}")
+        if m and m[3] is None:
+            low, high = number(m[1]), number(m[2])
+            if not (low < v < high or v == low and spec[0] == "[" or v == high and spec[-1] == "]"):
+                raise UserError(f"{name}={v} must lie in {spec}")
+        if isinstance(v, float) and not float32_safe(v):
+            raise UserError(f"{name}={v} is not 0 and outside float32's range (the numbers "
+                            f"are float32): it would become 0 or infinity")
 
 
 # Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (no sparsity), by a part of

@@ -187,9 +187,8 @@ def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
 # ---------------------------------------------------------------------------- measuring
 
 @torch.no_grad()
-def eval_ms_per_token(model, hp, idx, compact: bool, repeats: int = 3) -> float:
+def eval_ms_per_token(model, idx, repeats: int = 3) -> float:
     """Median wall time of an evaluation forward pass over idx, per token, in ms."""
-    model.hp = replace(hp, compact=compact)
     cuda = idx.is_cuda
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     times = []
@@ -203,7 +202,6 @@ def eval_ms_per_token(model, hp, idx, compact: bool, repeats: int = 3) -> float:
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
-    model.hp = hp
     return 1000 * statistics.median(times) / idx.numel()
 
 
@@ -214,16 +212,17 @@ def measure(run_dir: str, device: str) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         val = [m for m in map(json.loads, f) if m["kind"] == "val"][-1]
     model = tg.load_model(run_dir, device).eval()
-    if device.startswith("cuda"):  # its blocks compiled, the same way on both paths measured
-        tg.compile_model(model)
     hp = model.hp
+    can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
+    compact = tg.load_model(run_dir, device, compact=True).eval() if can_compact else model
+    for m in {model, compact} if device.startswith("cuda") else ():  # its blocks compiled,
+        tg.compile_model(m)  # the same way on both paths measured
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
     row = dict(router=hp.router, n_layers=hp.n_layers, val_loss=val["val_loss"],
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
-               ms_per_token_masked=eval_ms_per_token(model, hp, idx, False))
-    can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
-    row["ms_per_token_compact"] = (eval_ms_per_token(model, hp, idx, True) if can_compact
+               ms_per_token_masked=eval_ms_per_token(model, idx))
+    row["ms_per_token_compact"] = (eval_ms_per_token(compact, idx) if can_compact
                                    else row["ms_per_token_masked"])
     targets = model.router.zero_targets()
     if targets:  # gates with a controller: their zero share against its target

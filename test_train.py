@@ -48,7 +48,7 @@ warnings.filterwarnings("ignore", message=".*flex_attention.*")  # eager Flex on
 
 def tiny(**kw) -> tg.Hyperparameters:
     base = dict(vocab_size=97, n_layers=4, dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16, seq_len=16,
-                compile=False, attn_impl="sdpa")
+                attn_impl="sdpa")
     return replace(tg.Hyperparameters(), **{**base, **kw})
 
 
@@ -100,7 +100,7 @@ def test_paper_gate_init_closes_most_middle_gates_at_step_0():
     # Section 3.1: every weight N(0, 0.02), the gate linears included; at the paper's width
     # w.h has a spread of about 0.02 * sqrt(768) = 0.55, so S often passes 1 by the middle
     torch.manual_seed(0)
-    hp = replace(tg.Hyperparameters(), vocab_size=1024, compile=False, attn_impl="sdpa")
+    hp = replace(tg.Hyperparameters(), vocab_size=1024, attn_impl="sdpa")
     assert (hp.dim, hp.n_layers, hp.gate_init) == (768, 12, "normal")
     model = tg.GPT(hp).eval()
     assert all(g.weight.std().item() == pytest.approx(0.02, rel=0.1) for g in model.router.gates)
@@ -525,7 +525,9 @@ TINY_RUN = ["--preset=smoke", "--n_layers=2", "--dim=64", "--n_heads=4", "--n_kv
 
 
 def run_script(args, nproc=1, cwd=HERE, script="train_gpt.py"):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # one process: the test process's thread count, so that a run begun in-process and resumed
+    # here reduces in the same order (bit for bit); two: one thread each, for the 2 cores
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads() if nproc == 1 else 1)}
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
@@ -941,7 +943,7 @@ def test_resume_is_bitwise_identical(tmp_path, capsys):
     half = torch.load(part / "checkpoint.pt", weights_only=True)
     assert half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0  # controller active
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
-    r = run_script([f"--resume={part}"])  # a new process goes on where the first stopped
+    r = run_script([f"--resume={part}", "--untimed_steps=1"])  # a new process goes on (a job setting: given again)
     assert r.returncode == 0, r.stderr
     strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
     a, b = strip(read_metrics(full)), strip(read_metrics(part))
@@ -1052,15 +1054,14 @@ def test_ctrl_c_while_a_command_loads_torch_is_quiet(tmp_path):
 def test_default_run_dirs_are_unique_within_a_second(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(support.time, "strftime", lambda fmt: "2026-01-01_000000")
-    hp = tiny(preset="smoke")
-    dirs = {support.new_run_dir(hp.preset) for _ in range(20)}
+    dirs = {support.new_run_dir("smoke") for _ in range(20)}
     assert len(dirs) == 20 and all(d.startswith("logs/2026-01-01_000000_smoke_") for d in dirs)
     assert all(os.path.isdir(d) for d in dirs)
     # an existing folder is never reused: mkdir fails and another name is drawn
     names = iter(["aaaaaa", "aaaaaa", "bbbbbb"])
     monkeypatch.setattr(support.os, "urandom", lambda n: bytes.fromhex(next(names)))
-    assert support.new_run_dir(hp.preset).endswith("_aaaaaa")
-    assert support.new_run_dir(hp.preset).endswith("_bbbbbb")
+    assert support.new_run_dir("smoke").endswith("_aaaaaa")
+    assert support.new_run_dir("smoke").endswith("_bbbbbb")
 
 
 def start_run(args):
@@ -1316,7 +1317,7 @@ def bad_inputs(tmp_path):
         (smoke + ["--beta2=1"], "beta2=1.0 must lie in [0, 1)"),
         (smoke + ["--dim=100000"], "these sizes need at least"),
         (smoke + ["--router=moe"], "router='moe'; choose from"),
-        (smoke + ["--preset=huge"], "unknown preset 'huge'"),
+        (smoke + ["--preset=huge"], "preset='huge'; choose from '', 'smoke'"),
         (["--nope=1"], "unknown field 'nope'; valid fields: train_files"),
         (["--n_layers=three"], "--n_layers=three: expected int"),
         (["--compact=maybe"], "--compact=maybe: expected bool"),
@@ -1364,9 +1365,11 @@ def test_every_field_has_a_checked_range(tmp_path):
                   "gate_init": "uniform", "gate_axis": "value",
                   "preset": "huge"}  # the paths (resume, run_dir): bad_inputs
     (tmp_path / "dir_000001.bin").mkdir()
-    defaults, smoke = tg.Hyperparameters(), tg.resolve(tg.parse_overrides(["--preset=smoke"]))
-    for f in tg.fields(tg.Hyperparameters):
-        default = getattr(defaults, f.name)
+    given = tg.parse_overrides(["--preset=smoke"])
+    defaults = {**asdict(tg.Hyperparameters()), **asdict(tg.Job())}
+    smoke = {**asdict(tg.resolve(given)), **asdict(tg.job_settings(given))}
+    for f in tg.fields(tg.Hyperparameters) + tg.fields(tg.Job):
+        default = defaults[f.name]
         if isinstance(default, bool):
             candidates = ["maybe"]
         elif isinstance(default, (int, float)):
@@ -1389,7 +1392,7 @@ def test_every_field_has_a_checked_range(tmp_path):
         assert refused == len(candidates), f"--{f.name}: an out-of-range value is accepted"
         # and its value (the smoke preset's) and some other valid value are accepted, whole
         # (validate); resume's valid values are runs: the resume tests
-        value = getattr(smoke, f.name)
+        value = smoke[f.name]
         others = [v for v in valid_candidates(f.name, value, tmp_path) if v != value]
         assert f.name == "resume" or accepts(f.name, value) and any(accepts(f.name, v) for v in others), f.name
 
@@ -1398,7 +1401,7 @@ def accepts(name, value) -> bool:
     """Whether --name=value on the smoke preset, with the router or controller that reads
     the field, passes every check before a run starts."""
     text = str(value).lower() if isinstance(value, bool) else str(value)
-    owner = [f"--router={r}" for r, cls in tg.ROUTERS.items() if name in cls.fields]
+    owner = [f"--router={r}" for r in tg.ROUTERS if name in routers_fields(r)]
     owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][:1]
     try:
         given = [f"--{name}={text}"] if text else []  # an empty default: the flag left out
@@ -1406,6 +1409,17 @@ def accepts(name, value) -> bool:
         return True
     except tg.UserError:
         return False
+
+
+def routers_fields(router) -> list:
+    """The fields under "# router=NAME" in Hyperparameters: read by that router alone."""
+    return [f for f, (group, _, _) in support.field_facts(tg.Hyperparameters).items()
+            if group.startswith(f"router={router}:")]
+
+
+def choices(name) -> list:
+    spec = {**support.field_facts(tg.Hyperparameters), **support.field_facts(tg.Job)}[name][1]
+    return spec[1:-1].split("|") if spec.startswith("{") else []
 
 
 def valid_candidates(name, default, tmp_path) -> list:
@@ -1418,22 +1432,21 @@ def valid_candidates(name, default, tmp_path) -> list:
         return [2 * default, default / 2, default + 0.1, default - 0.1, 0.5]
     paths = {"train_files": tg.PRESETS["smoke"]["val_files"], "val_files": tg.PRESETS["smoke"]["train_files"],
              "run_dir": str(tmp_path / "new_run")}
-    return [paths[name]] if name in paths else [c for c in tg.CHOICES.get(name, ()) if c != default]
+    return [paths[name]] if name in paths else [c for c in choices(name) if c != default]
 
 
 def numeric_range_is_checked(name, default) -> list:
     """Checks that the default and the values at (or just inside) each end of the field's
-    interval in RANGES are accepted by the range check; -> values just outside it, as text."""
-    interval = [i for i, names in tg.RANGES.items() if name in names.split()]
-    assert len(interval) == 1, f"a numeric field {name} without exactly one range in RANGES"
-    interval = interval[0]
-    low, high = (float(t) for t in interval[1:-1].split(","))
+    declared interval are accepted by the range check; -> values just outside it, as text."""
+    cls = tg.Job if name in tg.JOB else tg.Hyperparameters
+    interval = support.field_facts(cls)[name][1]
+    assert interval[:1] in ("[", "("), f"a numeric field {name} without a range in its line"
+    low, high = (support.number(t) for t in interval[1:-1].split(","))
     step = 1 if type(default) is int else 1e-3
     inside = [default, low if interval[0] == "[" else low + step]
     inside += [high if interval[-1] == "]" else high - step] if math.isfinite(high) else [1e30]
     for value in inside:
-        support.check_fields(replace(tg.Hyperparameters(), **{name: type(default)(value)}),
-                             tg.RANGES, {})  # raises if refused
+        support.check_fields(replace(cls(), **{name: type(default)(value)}))  # raises if refused
     outside = [low - step if interval[0] == "[" else low]
     return [str(type(default)(v)) for v in outside + ([high + step if interval[-1] == "]" else high]
                                                       if math.isfinite(high) else [])]
@@ -1834,17 +1847,32 @@ def test_a_checkpoint_from_another_run_or_shape_is_refused(tmp_path, capsys):
     assert code == 2 and err == "error: max_seq_len=-1 must lie in [1, inf)\n", err
 
 
-def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, monkeypatch, capsys):
+def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, capsys):
     mod = RESUME_RUN + ["--router=mod", "--mod_every=1", "--gamma=1e-3", "--mu_start=1.0",
                         "--stop_step=2", f"--run_dir={tmp_path}"]
     code, _, err = run_main(mod, capsys)
     assert code == 0, err
     code, _, err = run_main([f"--resume={tmp_path}", "--mod_every=2"], capsys)
     assert code == 2 and "different model shape: mod_every 1 -> 2" in err, err
-    # a shape field left out of MODEL_FIELDS is still caught, by the weights themselves
-    monkeypatch.setattr(tg, "MODEL_FIELDS", tuple(f for f in tg.MODEL_FIELDS if f != "mod_every"))
-    code, _, err = run_main([f"--resume={tmp_path}", "--mod_every=2"], capsys)
-    assert code == 2 and "different model shape: router.routers.1.weight" in err, err
+
+
+def test_every_field_that_shapes_the_weights_is_fixed_on_resume(tmp_path):
+    # the resume rule reads "fixed;" in a field's line: a field that changes the weights'
+    # names or shapes without it would let a resume meet weights that do not fit
+    def shapes(hp):
+        with torch.device("meta"):
+            return {k: v.shape for k, v in tg.GPT(hp).state_dict().items()}
+    smoke = tg.resolve(tg.parse_overrides(["--preset=smoke"]))
+    shaping = set()
+    for f in tg.fields(tg.Hyperparameters):
+        owner = [r for r in tg.ROUTERS if f.name in routers_fields(r)] or [smoke.router]
+        base = replace(smoke, router=owner[0])
+        for value in valid_candidates(f.name, getattr(base, f.name), tmp_path):
+            if value != getattr(base, f.name) and accepts(f.name, value) and \
+                    shapes(replace(base, **{f.name: value})) != shapes(base):
+                shaping.add(f.name)
+    assert {"n_layers", "dim", "vocab_size", "router", "mod_every"} <= shaping  # it can see them
+    assert shaping <= set(tg.FIXED), shaping - set(tg.FIXED)
 
 
 def test_a_signal_that_reached_another_rank_stops_this_one_with_its_name(tmp_path, monkeypatch,
@@ -2513,11 +2541,11 @@ def test_a_smoke_run_per_router(tmp_path, router, capsys):
 def test_help_lists_every_field_with_its_default_and_comment(capsys):
     code, out, err = run_main(["--help"], capsys)
     assert code == 0 and err == ""
-    for f in tg.fields(tg.Hyperparameters):
-        default = getattr(tg.Hyperparameters(), f.name)
+    for f in tg.fields(tg.Hyperparameters) + tg.fields(tg.Job):
+        default = getattr((tg.Job if f.name in tg.JOB else tg.Hyperparameters)(), f.name)
         shown = str(default).lower() if isinstance(default, bool) else str(default)
         assert f"--{f.name}={shown} " in out or out.count(f"--{f.name}={shown}\n") == 1, f.name
-    assert "global batch, sequences" in out and "\nMixture-of-Depths router" in out
+    assert "global batch, sequences" in out and "\nrouter=mod: Mixture-of-Depths" in out
 
 
 def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
@@ -2665,7 +2693,7 @@ from dataclasses import asdict, replace
 torch.distributed.init_process_group("gloo")
 rank = torch.distributed.get_rank()
 hp = replace(tg.Hyperparameters(), vocab_size=97, n_layers=4, dim=32, n_heads=4, n_kv_heads=2,
-             max_seq_len=16, seq_len=16, compile=False, attn_impl="sdpa", compact=True)
+             max_seq_len=16, seq_len=16, attn_impl="sdpa", compact=True)
 model = tg.GPT(hp)
 model.load_state_dict(torch.load(sys.argv[2]))
 ddp = torch.nn.parallel.DistributedDataParallel(model)

@@ -62,6 +62,7 @@ import collections
 import contextlib
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -82,8 +83,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Checkpoints, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
-                     all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_help,
-                     field_ranges, fmt_list, machine_memory, mismatched_weights, open_log, open_run_dir,
+                     all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
+                     field_help, fmt_list, machine_memory, open_log, open_run_dir,
                      parse_fields, provenance,
                      read_checkpoint, release_locks, rng_state, run_to_resume,
                      saved_fields, set_rng_state, setup_distributed)
@@ -292,8 +293,9 @@ class Block(nn.Module):
 #
 # The model hands its router the blocks (Router.forward runs the depth loop); the training
 # loop, evaluation, FLOPs, logging and the tools call only the hooks of Router; nothing else
-# branches on the router's name. To add a router: subclass Router here, add it
-# to ROUTERS, list the Hyperparameters fields that it alone reads in its `fields`, test it.
+# branches on the router's name. To add a router: subclass Router here, add it to ROUTERS
+# and to the router field's choices, put the fields it alone reads under "# router=NAME" in
+# Hyperparameters, test it.
 # A forward pass fills a trace, a dict of per-layer lists; every router records "block" and
 # "mlp" per layer, (B, T) bool: the tokens that ran the block and the tokens that ran its MLP.
 
@@ -312,7 +314,6 @@ class Router(nn.Module):
     """The hooks every router has, each defaulting to the dense behaviour (every token runs
     every block). Sums are float64 tensors, (k, L), summed over micro-batches and ranks before
     the hooks that read them see them."""
-    fields = ()  # Hyperparameters fields read by this router only: set under another, an error
     means = {}  # metric -> trace key: per-layer means over tokens in train and val records
     expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
     layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
@@ -449,8 +450,6 @@ class SkipMiddle(Router):
     both residual branches and ln g weights the token as a key (eq. 3); block L-1-l reuses g_l.
     Trace extras: "gates" (L, B, T) g; "S" (L/2, B, T) the running sums."""
     expandable = False  # the gates and their mirror are tied to the layer count
-    fields = ("gate_init", "gate_axis", "controller", "mu_start", "mu_end", "gamma", "delta",
-              "fixed_coef")
     means = {"gate_mean": "gates"}
 
     def __init__(self, hp):
@@ -531,7 +530,6 @@ class DLO(Router):
     labels (eqs. 5-8) and an annealed overall rate (eq. 9); inference: r >= beta / 2.
     Trace extras: "logits" (L, B, T) hW; "scale" r where the MLP ran, else 0; "similarity"
     (training) eq. 4's cosine of the MLP's input and output, detached."""
-    fields = ("dlo_rho", "dlo_anneal_steps", "dlo_beta", "dlo_gamma")
     skips = "mlp"
     layer_modules = "routers"
 
@@ -631,7 +629,6 @@ class MixtureOfDepths(Router):
     trained, with BCE (weight mod_aux_coef), to give r > 0 exactly to the top-k tokens, and
     evaluation and decoding run the tokens with r > 0 (the paper's first causal method).
     Trace extras: "logits" (routed blocks, B, T) r; "topk" (training) the top-k choice."""
-    fields = ("mod_capacity", "mod_every", "mod_aux_coef")
     expandable = False  # which blocks are routed depends on the layer count
 
     def __init__(self, hp):
@@ -677,7 +674,6 @@ class MixtureOfDepths(Router):
 
 
 ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths}
-GATE_INITS, GATE_AXES = ("normal", "zero"), ("key", "query")
 CONTROLLERS = {  # Table 1's controllers (GateController), and the fields each one reads
     "proportional_tol": "mu_start mu_end gamma delta", "proportional": "mu_start mu_end gamma",
     "adaptive": "mu_start mu_end gamma", "sparsity": "fixed_coef", "sparsity_variance": "fixed_coef",
@@ -732,7 +728,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 class GPT(nn.Module):
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
-        self._hp = hp
+        self.hp = hp
         self.embed = nn.Embedding(hp.vocab_size, hp.dim)
         self.embed_norm = RMSNorm(hp.dim, hp.norm_eps)
         self.blocks = nn.ModuleList(Block(hp) for _ in range(hp.n_layers))
@@ -743,14 +739,6 @@ class GPT(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=hp.init_std)
         self.router.reset_parameters()
-
-    @property
-    def hp(self) -> "Hyperparameters":
-        return self._hp
-
-    @hp.setter
-    def hp(self, hp):  # one set of settings for the model and its router (bench, sweep)
-        self._hp = self.router.hp = hp
 
     def forward(self, idx, pos=None, cache=None, targets=None) -> Output:
         """idx: (B, T) token ids. With a KVCache, idx is one token (1, 1) at position pos
@@ -884,42 +872,46 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=No
 
 @dataclass
 class Hyperparameters:
+    """What defines a run: a checkpoint stores it, a resume restores it. Each field's facts are
+    in its line (support.field_facts): the interval or {choices} that begins its comment is
+    checked, "fixed;" marks what a resume may not change (the weights' shapes, which blocks
+    are routed, the gate's axis), and a group headed "router=NAME" is read by that router only."""
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
     # model (paper Table 2)
-    vocab_size: int = 50257      # [2, 65536] GPT-2 BPE
-    n_layers: int = 12           # [1, inf) L; must be even when gated
-    dim: int = 768               # [1, inf) model width d
-    n_heads: int = 12            # [1, inf) query heads
-    n_kv_heads: int = 12         # [1, inf) key/value heads (GQA when < n_heads)
-    ffn_mult: int = 4            # [1, inf) SwiGLU hidden = ffn_mult * dim (3072 at 768)
+    vocab_size: int = 50257      # [2, 65536] fixed; GPT-2 BPE
+    n_layers: int = 12           # [1, inf) fixed; L, must be even when gated
+    dim: int = 768               # [1, inf) fixed; model width d
+    n_heads: int = 12            # [1, inf) fixed; query heads
+    n_kv_heads: int = 12         # [1, inf) fixed; key/value heads (GQA when < n_heads)
+    ffn_mult: int = 4            # [1, inf) fixed; SwiGLU hidden = ffn_mult * dim (3072 at 768)
     norm_eps: float = 1e-5       # (0, 1) RMSNorm epsilon
     rope_theta: float = 10000.0  # (0, inf) RoPE base
     max_seq_len: int = 1024      # [1, inf) RoPE table size (longest context for sampling)
     init_std: float = 0.02       # (0, inf) normal init of every weight matrix
-    sandwich_norm: bool = True   # x + Norm(Module(Norm(x))); False: pre-norm ablation
-    attn_impl: str = "auto"      # auto (flex on CUDA at head dim >= 16, else sdpa) | flex | sdpa
-    # gates and sparsity control (Section 2.4)
-    router: str = "skip_middle"  # depth router: none (dense) | skip_middle (the paper) | dlo | mod
+    sandwich_norm: bool = True   # fixed; x + Norm(Module(Norm(x))); False: pre-norm ablation
+    attn_impl: str = "auto"      # {auto|flex|sdpa} auto: flex on CUDA at head dim >= 16, else sdpa
+    router: str = "skip_middle"  # {none|skip_middle|dlo|mod} fixed; depth router (ROUTERS)
     compact: bool = False        # run routed blocks on the tokens that run them only (exact)
-    gate_init: str = "normal"    # normal: weights N(0, init_std), bias 0 (Section 3.1) | zero
-    gate_axis: str = "key"       # ln g on each key's logit (eq. 3) | query (authors' code)
-    gate_eps: float = 1e-6       # (0, 1) floor on g inside ln g (Section 2.2)
-    controller: str = "proportional_tol"  # one of CONTROLLERS (Table 1)
+    gate_eps: float = 1e-6       # (0, 1) floor on a gate inside ln g (Section 2.2)
+    # router=skip_middle: gates and sparsity control (Section 2.4)
+    gate_init: str = "normal"    # {normal|zero} weights N(0, init_std), bias 0 (Section 3.1) | zero
+    gate_axis: str = "key"       # {key|query} fixed; ln g on each key's logit (eq. 3) | query (authors' code)
+    controller: str = "proportional_tol"  # {proportional_tol|proportional|adaptive|sparsity|sparsity_variance|sparsity_variance_l2|none} Table 1
     mu_start: float = 1.0        # [0, 1] mean-gate target at block 0
     mu_end: float = 0.5          # [0, 1] mean-gate target at block L/2 - 1, linear in between
     gamma: float = 1e-3          # [0, inf) coefficient update multiplier (eq. 6)
     delta: float = 1e-2          # [0, inf) tolerance on |deviation| (eq. 6)
     fixed_coef: float = 0.1      # [0, inf) alpha = beta for the fixed-coefficient controllers
-    # DLO router (Tan et al. 2024, Section 3)
+    # router=dlo: DLO (Tan et al. 2024, Section 3)
     dlo_rho: float = 0.25        # [0, 1) target share of MLP calls skipped, rho
     dlo_anneal_steps: int = 500  # [0, inf) T': the skip rate rises linearly from 0 to rho (eq. 9)
     dlo_beta: float = 2.0        # (0, inf) score r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)
     dlo_gamma: float = 0.05      # [0, inf) gamma of eq. 1
-    # Mixture-of-Depths router (Raposo et al. 2024)
+    # router=mod: Mixture-of-Depths (Raposo et al. 2024)
     mod_capacity: float = 0.125  # (0, 1] share of each sequence that runs a routed block (paper's best)
-    mod_every: int = 2           # [1, inf) route every mod_every-th block (the paper: every other)
+    mod_every: int = 2           # [1, inf) fixed; route every mod_every-th block (the paper: every other)
     mod_aux_coef: float = 0.01   # (0, inf) BCE weight teaching r > 0 the top-k (inference's teacher)
     # optimisation (Table 2)
     lr: float = 1e-3             # (0, inf) AdamW peak learning rate, one for all parameters
@@ -934,24 +926,29 @@ class Hyperparameters:
     seq_len: int = 1024          # [1, inf) training and validation sequence length, <= max_seq_len
     loss_rows: int = 4096        # [1, inf) tokens whose logits exist at once in the loss (memory)
     train_tokens: int = 10_000_000_000  # [1, inf) token budget; steps = budget / global batch
-    # evaluation and logging
+    seed: int = 0                # [0, 9223372036854775808)
+    # evaluation and checkpoints
     val_every: int = 250         # [0, inf) steps between validations (0: only at the end)
     val_tokens: int = 10_485_760  # [1, inf) validation tokens per evaluation, split over ranks
-    peak_flops: float = 0.0      # [0, inf) per-GPU dense bf16 peak for MFU; 0: the device's
-    untimed_steps: int = 10      # [0, inf) first steps of each job kept off the clock (compile warm-up)
-    # long runs
     save_every: int = 250        # [0, inf) steps between checkpoints (0: only at the end)
+
+
+@dataclass
+class Job:
+    """What one job is told: never saved as the run's settings (config.json shows them)."""
+    # this job
+    run_dir: str = ""            # default: a new logs/<date_time>_<preset or run>_<hex>/
+    resume: str = ""             # RUN_DIR: continue that run from its checkpoint, in place
+    preset: str = ""             # {|smoke} smoke: small gated model on the embedded sample, CPU
     stop_step: int = 0           # [0, inf) end this job after this step, with a checkpoint (0: run on)
     max_bad_steps: int = 0       # [0, inf) non-finite losses to skip (no update) before stopping
-    resume: str = ""             # RUN_DIR: continue that run from its checkpoint, in place
-    # system
     compile: bool = True         # torch.compile the model (CUDA only)
-    seed: int = 0                # [0, inf)
-    run_dir: str = ""            # default: a new logs/<date_time>_<preset or run>_<hex>/
-    preset: str = ""             # smoke: small gated model on the embedded sample, CPU
+    peak_flops: float = 0.0      # [0, inf) per-GPU dense bf16 peak for MFU; 0: the device's
+    untimed_steps: int = 10      # [0, inf) first steps of each job kept off the clock (compile warm-up)
 
 
 PRESETS = {
+    "": {},
     # ~3 minutes on 2 CPU cores; 4 layers so that both halves and the mirror are exercised
     "smoke": dict(train_files="data/sample/sample_train_*.bin",
                   val_files="data/sample/sample_val_*.bin",
@@ -960,43 +957,45 @@ PRESETS = {
                   val_every=20, val_tokens=4 * 128 * 8, save_every=60, compile=False,
                   lr=3e-3),  # 3x the paper's lr so the fall is plain within 120 steps
 }
+FIXED = [name for name, (_, _, help) in field_facts(Hyperparameters).items() if help.startswith("fixed;")]
 
 
 def usage() -> str:
-    """--help: every field with its default and trailing comment, grouped as in the dataclass."""
+    """--help: every field with its default and comment, grouped as in the dataclasses."""
     return "\n".join([
         "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
-        "Every field of Hyperparameters, with its default; booleans take true/false (1/0).",
-        *field_help(Hyperparameters), "",
-        f"presets: {', '.join(PRESETS)}; routers: {', '.join(ROUTERS)}"])
+        "Every field of Hyperparameters and Job, with its default; booleans take true/false (1/0).",
+        *field_help(Hyperparameters), *field_help(Job), "",
+        f"presets: {', '.join(p for p in PRESETS if p)}"])
 
 
 def parse_overrides(argv) -> dict:
-    """--field=value pairs, each typed against its default; unknown fields are errors."""
-    overrides = parse_fields(Hyperparameters, argv)
-    if overrides.get("preset", "") not in ("", *PRESETS):
-        raise UserError(f"unknown preset {overrides['preset']!r}; presets: {', '.join(PRESETS)}")
-    return overrides
+    """--field=value pairs of Hyperparameters and Job, each typed against its default and
+    checked against its line, the preset's fields under them."""
+    given = parse_fields((Hyperparameters, Job), argv)
+    check_fields(Job(**{k: v for k, v in given.items() if k in JOB}))
+    return given
 
 
-def resolve(overrides: dict, base: Hyperparameters = None) -> Hyperparameters:
-    """base (the defaults, or a resumed run's settings), then the preset, then the overrides.
+def job_settings(given: dict) -> Job:
+    """This job's settings: the defaults, then the preset's, then the given ones."""
+    merged = {**PRESETS[given.get("preset", "")], **given}
+    return Job(**{f.name: merged[f.name] for f in fields(Job) if f.name in merged})
+
+
+def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
+    """base (the defaults, or a resumed run's settings), then the preset, then the given fields.
     Data paths become absolute, so a run resumes from any folder: one given here is from the
     working directory; the defaults' and the presets' are inside the repository."""
-    hp = replace(base or Hyperparameters(), **PRESETS.get(overrides.get("preset", ""), {}))
-    hp = replace(hp, **overrides)
+    merged = {**PRESETS[given.get("preset", "")], **given}
+    hp = replace(base or Hyperparameters(), **{k: v for k, v in merged.items() if k not in JOB})
     for f in ("train_files", "val_files"):
-        root = "" if f in overrides else os.path.dirname(os.path.abspath(__file__))
+        root = "" if f in given else os.path.dirname(os.path.abspath(__file__))
         hp = replace(hp, **{f: os.path.abspath(os.path.join(root, getattr(hp, f)))})
     return hp
 
 
-# The range of every numeric field, checked before anything is written, is the interval that
-# begins its comment in Hyperparameters ("[0, 1)", "(0, inf)"; --help shows it): a new numeric
-# field without one fails the tests (they try values just outside each range, nan and 1e30).
-RANGES = field_ranges(Hyperparameters)  # interval -> the names of the fields in it
-CHOICES = {"router": ROUTERS, "controller": CONTROLLERS, "attn_impl": ("auto", "flex", "sdpa"),
-           "gate_init": GATE_INITS, "gate_axis": GATE_AXES, "preset": ("",) + tuple(PRESETS)}
+JOB = {f.name for f in fields(Job)}
 
 
 def param_count(hp: Hyperparameters) -> int:
@@ -1007,20 +1006,17 @@ def param_count(hp: Hyperparameters) -> int:
 
 def validate(hp: Hyperparameters, world: int):
     """Every field in range and the settings consistent; UserError naming the first that is not."""
-    check_fields(hp, RANGES, CHOICES)
-    if hp.seed >= 2**63:
-        raise UserError(f"seed={hp.seed} must be below 2^63")
+    check_fields(hp)
     if hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
         raise UserError(f"need dim ({hp.dim}) divisible by n_heads ({hp.n_heads}) and n_heads "
                         f"by n_kv_heads ({hp.n_kv_heads})")
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
     defaults = Hyperparameters()
-    for name, router in ROUTERS.items():  # a knob of another router would do nothing
-        for f in router.fields:
-            if name != hp.router and getattr(hp, f) != getattr(defaults, f):
-                raise UserError(f"{f} sets the {name} router's behaviour; router={hp.router} "
-                                f"has none")
+    for f, (group, _, _) in field_facts(Hyperparameters).items():  # another router's knob does nothing
+        owner = re.match(r"router=(\w+)", group)
+        if owner and owner[1] != hp.router and getattr(hp, f) != getattr(defaults, f):
+            raise UserError(f"{f} sets the {owner[1]} router's behaviour; router={hp.router} has none")
     problem = ROUTERS[hp.router].check(hp)
     if problem:
         raise UserError(problem)
@@ -1060,11 +1056,6 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 
 # -----------------------------------------------------------------------------
 # Checkpoints and resuming (the files themselves: support.py)
-
-# fields that change the parameters or the function: a resumed run may not change them
-MODEL_FIELDS = ("vocab_size", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_mult", "router",
-                "sandwich_norm", "gate_axis", "mod_every")
-
 
 @dataclass
 class RunState:
@@ -1107,40 +1098,39 @@ def load_checkpoint(run_dir: str) -> dict:
     return read_checkpoint(run_dir, CHECKPOINT_KEYS, check_and_build)
 
 
-def saved_settings(saved: dict, **changes) -> Hyperparameters:
+def saved_settings(saved: dict) -> Hyperparameters:
     """Settings saved by a run (checkpoint or config.json): every field, its type and range
     checked. Keys that are no longer fields are dropped: the expand_* fields of older
-    versions, whose work the weights already hold."""
-    hp = Hyperparameters(**{**saved_fields(Hyperparameters, saved), **changes})
-    check_fields(hp, RANGES, CHOICES)
+    versions, whose work the weights already hold, and a job's settings (Job), which older
+    versions saved with the run's."""
+    hp = Hyperparameters(**saved_fields(Hyperparameters, saved))
+    check_fields(hp)
     return hp
 
 
-def load_model(run_dir: str, device: str = "cpu") -> GPT:
-    """The model of a run's checkpoint, with its weights; model.hp holds its settings."""
+def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
+    """The model of a run's checkpoint, with its weights; model.hp holds its settings, with
+    changes that keep the weights' shapes (compact=True, say)."""
     ckpt = load_checkpoint(run_dir)
-    model = GPT(saved_settings(ckpt["hp"]))
+    model = GPT(replace(saved_settings(ckpt["hp"]), **changes))
     model.load_state_dict(ckpt["model"])
     return model.to(device)
 
 
-def resume_settings(overrides: dict) -> tuple:
-    """-> (hp, checkpoint): the checkpoint's hyperparameters with the overrides on top. A run
-    that stopped before its first checkpoint restarts from its config.json (checkpoint None)."""
-    run_dir = overrides["resume"]
-    if overrides.get("run_dir", run_dir) != run_dir:
+def resume_settings(given: dict) -> tuple:
+    """-> (hp, checkpoint): the checkpoint's hyperparameters with the given ones on top, none
+    of them "fixed;" (Hyperparameters). A run that stopped before its first checkpoint
+    restarts from its config.json (checkpoint None)."""
+    run_dir = given["resume"]
+    if given.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
-    # stop_step is a setting of one job, not of the run
-    base, ckpt = run_to_resume(run_dir, load_checkpoint, lambda saved: saved_settings(
-        saved, stop_step=0))
-    hp = resolve(overrides, base)
-    if ckpt is None:
-        return replace(hp, run_dir=run_dir, resume=""), None
-    changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in MODEL_FIELDS
-               if getattr(base, k) != getattr(hp, k)]  # (check_run compares the weights)
-    if changed:
+    base, ckpt = run_to_resume(run_dir, load_checkpoint, saved_settings)
+    hp = resolve(given, base)
+    changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in FIXED
+               if getattr(base, k) != getattr(hp, k)]
+    if ckpt is not None and changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
-    return replace(hp, run_dir=run_dir), ckpt
+    return hp, ckpt
 
 
 # -----------------------------------------------------------------------------
@@ -1217,7 +1207,7 @@ def param_groups(raw: GPT) -> list:
     return [{"params": params} for params in [rest] + groups]
 
 
-def check_run(hp: Hyperparameters, d: Dist, ckpt: dict):
+def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
     """Refuse settings that cannot train here, before anything is written."""
     validate(hp, d.world)
     if hp.attn_impl == "flex" and hp.dim // hp.n_heads < FLEX_MIN_HEAD_DIM:
@@ -1231,11 +1221,9 @@ def check_run(hp: Hyperparameters, d: Dist, ckpt: dict):
         raise UserError(f"the checkpoint is at step {ckpt['step']} but these settings make "
                         f"{steps} steps in all (train_tokens / (batch_size x seq_len)); "
                         f"give a train_tokens of at least {ckpt['step'] * hp.batch_size * hp.seq_len}")
-    if ckpt is not None and 0 < hp.stop_step <= ckpt["step"]:
-        raise UserError(f"stop_step={hp.stop_step} is not after the checkpoint's step "
+    if ckpt is not None and 0 < job.stop_step <= ckpt["step"]:
+        raise UserError(f"stop_step={job.stop_step} is not after the checkpoint's step "
                         f"{ckpt['step']}")
-    if ckpt is not None and (wrong := mismatched_weights(ckpt["model"], lambda: GPT(hp))):
-        raise UserError(f"cannot resume with a different model shape: {', '.join(wrong[:3])}")
 
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
@@ -1254,44 +1242,44 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     return train_loader, val_loader
 
 
-def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> str:
+def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = ()) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
     argv: the command-line arguments, for the record."""
     # setup: check everything, build the model and restore the checkpoint; then write anything
-    check_run(hp, d, ckpt)
+    check_run(hp, job, d, ckpt)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
     accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
     train_loader, val_loader = loaders(hp, d, ckpt)
     raw = GPT(hp).to(d.device)
     opt = optimizer(raw, hp)
-    run = (restore(ckpt, hp, raw, opt, train_loader, cuda) if ckpt is not None
+    run = (restore(ckpt, hp, job, raw, opt, train_loader, cuda) if ckpt is not None
            else RunState(run_id=os.urandom(8).hex()))
     start = run.step
     d.barrier()  # every rank has checked before rank 0 creates anything
-    run_dir = d.on_master(lambda: open_run_dir(hp.run_dir, hp.preset or "run", ckpt is not None,
+    run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
     saves = Checkpoints(d, run_dir, run, resumed=ckpt is not None)
-    model = compile_model(raw) if hp.compile and cuda else raw
+    model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
-    config = {**asdict(hp), "world_size": d.world, "grad_accum": accum, "num_steps": steps,
+    config = {**asdict(hp), "job": asdict(job), "world_size": d.world, "grad_accum": accum, "num_steps": steps,
               "run_dir": run_dir, "device": d.device, "run_id": run.run_id, **provenance(),
               "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
     log = open_log(d, run_dir, config, resumed_at=start if ckpt else None, val_done=run.val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", hp.peak_flops)
+    peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
     log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
               f"grad_accum:{accum} world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
               f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
-    log.print(f"clock: the first {hp.untimed_steps} steps of each job are untimed warm-up; "
+    log.print(f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
-    warmup, saved_val = Warmup(log, start, hp.untimed_steps, hp.compile and cuda), run.val_done
+    warmup, saved_val = Warmup(log, start, job.untimed_steps, job.compile and cuda), run.val_done
     try:
         with STOP as stop:
             for step in range(start, steps + 1):  # at each step boundary, then the step
                 signum = agreed_signal(stop, d)
-                ending = step == steps or signum > 0 or (step == hp.stop_step and step > start)
+                ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
                 # validate if due: every val_every steps and at the last. A signal skips it (to
                 # stop soon); the checkpoint says it is owed (val_done < step), so the resumed
                 # job runs it first
@@ -1316,7 +1304,7 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
                                    lrs, step)
                 run.step += 1
                 if not math.isfinite(stats["total_loss"][0]):  # no update was applied
-                    skip_bad_step(log, run, hp, steps, saves)
+                    skip_bad_step(log, run, job.max_bad_steps, steps, saves)
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
                 saves.trained()
@@ -1343,11 +1331,11 @@ def train(hp: Hyperparameters, d: Dist, ckpt: dict = None, argv: list = ()) -> s
     return run_dir
 
 
-def restore(ckpt: dict, hp: Hyperparameters, raw: GPT, opt, loader: DistributedLoader,
+def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: DistributedLoader,
             cuda: bool) -> RunState:
     """Weights, optimiser, routing state, data position, random state and clock from a
     checkpoint; an edited or damaged one is a UserError."""
-    where = os.path.join(hp.run_dir, CHECKPOINT)
+    where = os.path.join(job.run_dir, CHECKPOINT)
     try:
         raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -1400,14 +1388,14 @@ class Warmup:
                          "warmup_ms": self.ms})
 
 
-def skip_bad_step(log: RunLog, run: RunState, hp: Hyperparameters, steps: int, saves: Checkpoints):
+def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int, saves: Checkpoints):
     """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
     run.bad_steps += 1
-    if run.bad_steps > hp.max_bad_steps:
+    if run.bad_steps > max_bad_steps:
         raise RunStopped(f"non-finite loss at step {run.step}; no update was applied; last good "
                          f"checkpoint: {saves.last_good()}")
     log.print(f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
-              f"max_bad_steps={hp.max_bad_steps})")
+              f"max_bad_steps={max_bad_steps})")
 
 
 def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, steps: int,
@@ -1488,11 +1476,13 @@ def main(argv):
         print(usage())
         return
     with STOP:  # from the start: a first signal during start-up stops before step 1
-        overrides = parse_overrides(argv)
-        hp, ckpt = resume_settings(overrides) if overrides.get("resume") else (resolve(overrides), None)
+        given = parse_overrides(argv)
+        job = job_settings(given)
+        hp, ckpt = resume_settings(given) if job.resume else (resolve(given), None)
+        job = replace(job, run_dir=job.resume or job.run_dir)
         d = setup_distributed()
         try:
-            train(hp, d, ckpt, argv)
+            train(hp, job, d, ckpt, argv)
             STOP.finish()  # saved: a late signal changes nothing
         finally:
             release_locks()  # the job is over (in a test, the process goes on)
