@@ -2827,10 +2827,10 @@ def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
     assert counts[False] == 1 and counts[True] > hp.n_layers, counts  # a graph per bucket
 
 
-@pytest.mark.parametrize("router,compact", [("none", False), ("skip_middle", False),
-                                            ("skip_middle", True), ("dlo", False), ("dlo", True),
-                                            ("mod", False), ("mod", True)])
-@pytest.mark.parametrize("attn", ["sdpa", "flex"])
+@pytest.mark.parametrize("attn,router,compact", [
+    *[("sdpa", r, c) for r, c in [("none", False), ("skip_middle", False), ("skip_middle", True),
+                                  ("dlo", False), ("dlo", True), ("mod", False), ("mod", True)]],
+    ("flex", "skip_middle", False), ("flex", "mod", False)])  # Flex: a score_mod, and key masks
 def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, attn, monkeypatch):
     # graph breaks and recompiles are dynamo's decisions, the same on CPU and CUDA: traced here
     # with the eager backend, dynamo told to fail where it would give up (its recompile limit).
