@@ -4,11 +4,12 @@ as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et 
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
 
-Every Hyperparameters field can be set as --field=value (--help lists them). Read top to
-bottom, one banner per part: components; gated attention and the block; depth routers (the
-Router interface, then none, skip_middle with its controller, dlo, mod: a fourth router is a
-subclass there and a line in ROUTERS); the model; data; FLOPs; hyperparameters; checkpoints
-and resuming; the training loop; main(). Importing it has no side effects. Beside it:
+Every field of Hyperparameters (the run's settings) and Job (one job's) can be set as
+--field=value (--help lists them). Read top to bottom, one banner per part: components; gated
+attention and the block; depth routers (the Router interface, then none, skip_middle with its
+controller, dlo, mod: a fourth router is a subclass there and a line in ROUTERS); the model;
+data; FLOPs; settings; checkpoints and resuming; the training loop; main(). Importing it has
+no side effects. Beside it:
 support.py (command-line conventions, run directories, logs, checkpoint files, signals, the
 ranks of a torchrun job), data/shards.py (the shard format), expand.py (DLO depth expansion),
 sample.py (the KV-cached decoder).
@@ -868,7 +869,7 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=No
 
 
 # -----------------------------------------------------------------------------
-# Hyperparameters
+# Settings: the run's (Hyperparameters) and the job's (Job)
 
 @dataclass
 class Hyperparameters:
