@@ -24,7 +24,7 @@ import math
 import os
 import shlex
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import support
 
