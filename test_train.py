@@ -216,6 +216,24 @@ def test_block_leaves_gated_token_untouched():
     assert (y2 - y)[0, others].abs().max().item() < 1e-4
 
 
+def test_gated_block_matches_a_block_written_out_with_fractional_gates():
+    # Section 2 written out: x + g Norm(Attn(Norm(x))) with ln max(g, eps) on each key's logit
+    # (eq. 3), then + g Norm(FFN(Norm(.))); gates spread over (0, 1), some 0, some below eps
+    hp = tiny(gate_eps=1e-3)
+    torch.manual_seed(0)
+    block, x = tg.Block(hp), torch.randn(2, 12, hp.dim)
+    g = torch.rand(2, 12, 1)
+    g[:, ::4], g[:, 1::5] = 0.0, 1e-5
+    a, B, T = block.attn, 2, 12
+    h = block.attn_in(x)
+    q, k, v = (w(h).view(B, T, -1, a.head_dim).transpose(1, 2) for w in (a.wq, a.wk, a.wv))
+    log_g = torch.log(torch.maximum(g[..., 0], torch.tensor(hp.gate_eps)))
+    y = reference_attention(a.rotary(q), a.rotary(k), v, log_g).transpose(1, 2).reshape(B, T, -1)
+    mid = x + g * block.attn_out(a.wo(y))
+    expected = mid + g * block.ffn_out(block.ffn(block.ffn_in(mid)))
+    assert (block(x, g, None) - expected).abs().max().item() < 1e-5
+
+
 def test_gate_parameters_receive_gradient_inside_the_open_interval():
     torch.manual_seed(0)
     model = tg.GPT(tiny())
@@ -348,6 +366,9 @@ def test_controller_losses_match_hand_computed_values():
     assert c.loss(gates).item() == pytest.approx(0.3 * (3 + 0.25) / 4)
     c = controller("sparsity_variance_l2")  # targets mean 1, .5, .5, 1; var 0, .25, .25, 0
     assert c.loss(gates).item() == pytest.approx(0.3 * (2 * 0.125 ** 2) / 4)
+    # every gate 0.5: means miss their targets by -0.5, 0, 0, -0.5; variances by 0, -.25, -.25, 0
+    assert c.loss(torch.full_like(gates, 0.5)).item() == pytest.approx(
+        0.3 * (2 * 0.5 ** 2 + 2 * 0.25 ** 2) / 4)
     c = controller("proportional_tol")
     assert c.loss(gates).item() == 0.0  # coefficients start at zero
     c.alpha[:] = torch.tensor([1.0, 2.0, 2.0, 1.0], dtype=torch.float64)
@@ -2108,6 +2129,9 @@ def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
     labels = tg.DLO.labels(sim, 0.5)  # floor(0.5 * 6) = 3 least similar run: .1 .2 .3
     assert labels.squeeze(1).tolist() == [[0, 1, 0], [1, 0, 1]]
     assert tg.DLO.labels(sim, 0.0).sum() == 6 and tg.DLO.labels(sim, 0.9).sum() == 0
+    other = torch.tensor([[[0.05, 0.6, 0.7]], [[0.65, 0.04, 0.9]]])  # least: .04 .05 .6
+    both = tg.DLO.labels(torch.cat([sim, other], dim=1), 0.5)  # each sequence ranked alone
+    assert both.permute(1, 0, 2).tolist() == [[[0, 1, 0], [1, 0, 1]], [[1, 1, 0], [0, 1, 0]]]
     z = torch.tensor([[[0.0, 2.0, -1.0]], [[1.0, -2.0, 0.5]]])
     sig = lambda t: 1 / (1 + math.exp(-t))  # noqa: E731
     expected = -(math.log(1 - sig(0.0)) + math.log(sig(2.0)) + math.log(1 - sig(-1.0)) +
@@ -2458,6 +2482,8 @@ def test_mod_routes_every_other_block_and_runs_the_top_k_of_each_sequence():
     for layer in range(2):
         for b in range(3):
             assert r[layer, b][chosen[layer, b]].min() > r[layer, b][~chosen[layer, b]].max()
+    route = mod_model(capacity=0.3).train()(idx).route  # 0.3 x 16 = 4.8: floor, 4 tokens
+    assert route["block"][[1, 3]].sum(dim=2).tolist() == [[4] * 3] * 2
 
 
 def test_a_routed_block_matches_the_block_run_on_the_chosen_tokens_alone():
