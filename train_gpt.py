@@ -83,11 +83,11 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
-from support import (CHECKPOINT, STOP, Checkpoints, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
+from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
                      all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
                      field_help, fmt_list, machine_memory, open_log, open_run_dir,
                      parse_fields, provenance,
-                     read_checkpoint, release_locks, rng_state, run_to_resume,
+                     read_checkpoint, release_locks, rng_state, run_to_resume, save_run_checkpoint,
                      saved_fields, set_rng_state, setup_distributed)
 
 # -----------------------------------------------------------------------------
@@ -1068,14 +1068,13 @@ class RunState:
     timed_steps: int = 0
     bad_steps: int = 0    # non-finite losses skipped
     val_done: int = -1    # the last step whose validation is recorded
-    kept: int = -1        # the step of checkpoint.prev.pt (support.Checkpoints), -1: none
 
     def check(self):
         """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
         s = self.step
         for name, low, high in (("step", 0, math.inf), ("tokens", 0, math.inf),
                                 ("train_ms", 0, math.inf), ("timed_steps", 0, s),
-                                ("bad_steps", 0, s), ("val_done", -1, s), ("kept", -1, s - 1)):
+                                ("bad_steps", 0, s), ("val_done", -1, s)):
             if not (low <= getattr(self, name) <= high and math.isfinite(getattr(self, name))):
                 raise UserError(f"{name}={getattr(self, name)} must be finite, in [{low}, {high}]")
 
@@ -1260,7 +1259,7 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
-    saves = Checkpoints(d, run_dir, run, resumed=ckpt is not None)
+    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
@@ -1292,7 +1291,7 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                 # save if due: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
                 if (step > start or run.val_done != saved_val) and (ending or periodic):
-                    saves.save(step, raw, opt, lambda: checkpoint_state(
+                    save_run_checkpoint(d, run_dir, step, raw, opt, lambda: checkpoint_state(
                         run, hp, d.world, raw, opt, train_loader.state()))  # position: global
                     log.saved(step)
                     saved_val = run.val_done
@@ -1305,10 +1304,9 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                                    lrs, step)
                 run.step += 1
                 if not math.isfinite(stats["total_loss"][0]):  # no update was applied
-                    skip_bad_step(log, run, job.max_bad_steps, steps, saves)
+                    skip_bad_step(log, run, job.max_bad_steps, steps)
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
-                saves.trained()
                 raw.router.update(stats.get("router"), stats["tokens"][0], step)
                 d.sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
@@ -1389,12 +1387,12 @@ class Warmup:
                          "warmup_ms": self.ms})
 
 
-def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int, saves: Checkpoints):
+def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int):
     """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
     run.bad_steps += 1
     if run.bad_steps > max_bad_steps:
         raise RunStopped(f"non-finite loss at step {run.step}; no update was applied; last good "
-                         f"checkpoint: {saves.last_good()}")
+                         f"checkpoint: {STOP.last_ckpt}")
     log.print(f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
               f"max_bad_steps={max_bad_steps})")
 
