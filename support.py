@@ -1,40 +1,16 @@
-"""What train_gpt.py and the commands beside it share that is not training. No torch import
-at the top (only inside the functions that need it): the data scripts use it too, and start
-at once.
+"""What train_gpt.py and the commands beside it share that is not training. torch is imported only
+in the functions that use it: the data scripts import this module too, and start at once.
+  - Command lines: cli() (exit statuses; a UserError is one `error: ...` line, status 2),
+    ArgParser and its types; the trainer's options, fields of dataclasses (parse_fields).
+  - Files written whole or not at all (write_atomically), folders proven writable first
+    (writable_dir), a full disk its own error (DISK_FULL), paths named by what is there
+    (kind_of, need); checkpoints saved only with finite weights, and checked when read.
+  - Run directories: a fresh one per run, locked while a job uses it, its logs (RunLog).
+  - Stop signals (STOP): a checkpoint at the next step; ignored after the final save.
+  - Processes: the ranks of a torchrun job (Dist) and the sums all ranks agree on."""
 
-  - Command lines: every command's main runs under cli(), which gives its exit status; bad
-    input is a UserError, one `error: ...` line and status 2. Options are --name=value with
-    one boolean convention (parse_bool); the trainer's options are the fields of a dataclass
-    (parse_fields, field_help), the other commands' go through ArgParser.
-  - Files that appear whole or not at all (write_atomically), checkpoints written that way,
-    only with finite weights, and checked when read; folders proven writable before the work
-    (writable_dir), a full disk an error of its own (DISK_FULL, status 1); paths named by
-    what is there (kind_of, need).
-  - Run directories: a fresh one per run, an exclusive lock while a job uses it, a fresh start
-    that keeps an aborted attempt's files, and the logs (RunLog) with their provenance.
-  - Stop signals: SIGTERM / SIGINT / SIGUSR1 ask the trainer for a checkpoint at the next
-    step; after the final save they are ignored.
-  - Processes: the ranks of a torchrun job (Dist), sums all ranks agree on, finite weights,
-    a checkpoint saved or the job stopped.
-"""
-
-import argparse
-import contextlib
-import errno
-import functools
-import glob
-import hashlib
-import inspect
-import json
-import math
-import os
-import platform
-import re
-import signal
-import subprocess
-import sys
-import tempfile
-import time
+import argparse, contextlib, errno, functools, glob, hashlib, inspect, json, math, os, platform
+import re, signal, subprocess, sys, tempfile, time
 from dataclasses import dataclass, fields
 
 # -----------------------------------------------------------------------------
@@ -43,28 +19,21 @@ from dataclasses import dataclass, fields
 class UserError(Exception):
     """Bad input from the user: one `error: <message>` line, exit status 2."""
 
-
 class Interrupted(KeyboardInterrupt):
-    """A SAVE_SIGNAL outside training (the trainer handles them itself, StopSignal)."""
-
+    """A SAVE_SIGNALS signal outside training (the trainer handles them itself, StopSignal)."""
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
-
 def interrupted(signum, _frame):
     raise Interrupted(signum)
 
-
 def cli(main, argv, before_error=None) -> int:
-    """A command's main(argv) -> exit status, with at most one `error: ...` line: 0 when it
-    returns; 2 for a UserError, or an OS error on a path the user gave; 1 for a full disk
-    (DISK_FULL, whenever it is found: the machine's state, not bad input), for RunStopped (a
-    training job that cannot go on; its message names the last checkpoint); 130 on Ctrl-C.
-    Once a training job has its run directory (STOP.last_ckpt set), an OS error (a full disk)
-    is status 1 and a Ctrl-C (the second signal) 130, each line naming the last checkpoint."""
-    for sig in SAVE_SIGNALS:  # imports done: each unwinds (KeyboardInterrupt), so a command
-        signal.signal(sig, interrupted)  # takes back what it was writing, then exits 128+N
+    """main(argv) as a command: 0, 2 for bad input (a UserError, an OS error on a user's path),
+    1 for a full disk (not bad input) or RunStopped, 128+N on signal N; at most one error line.
+    Once a training job has a run directory (STOP.last_ckpt), its error line names that."""
+    for sig in SAVE_SIGNALS:  # each unwinds (KeyboardInterrupt): a command takes back what it
+        signal.signal(sig, interrupted)  # was writing, then exits 128+N
     STOP.last_ckpt = None  # (tests run several commands in one process)
 
     def fail(text: str, status: int) -> int:
@@ -86,20 +55,18 @@ def cli(main, argv, before_error=None) -> int:
         status = 128 + getattr(e, "signum", signal.SIGINT)
         if STOP.last_ckpt is None:
             return status
-        return fail(f"interrupted by a second signal; last checkpoint: {STOP.last_ckpt}", status)
+        text = "interrupted by a second signal"
     except UserError as e:
         return fail(str(e), 2)
     except RunStopped as e:
         return fail(str(e), 1)
     except OSError as e:
-        text = os_error_text(e)
         if STOP.last_ckpt is None:
-            return fail(text, 1 if e.errno in DISK_FULL else 2)  # a full disk is not bad input
-        return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", 1)
-
+            return fail(os_error_text(e), 1 if e.errno in DISK_FULL else 2)
+        text, status = os_error_text(e), 1
+    return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", status)
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
-
 
 def os_error_text(e: Exception) -> str:
     """An OS error as an error line says it: the file, if known, then what went wrong."""
@@ -107,17 +74,11 @@ def os_error_text(e: Exception) -> str:
         return str(e)
     return f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
 
-
 def exit_quietly_on_signals():
-    """For a command run as a script, before it loads torch (seconds): Ctrl-C, SIGTERM or
-    SIGUSR1 exits at once, 130, 143 or 138, with no traceback. The trainer installs its own
-    handlers later.
-    os._exit, not sys.exit: an exception raised inside a half-done C-extension import (numpy,
-    torch) can be caught and the import retried, which then fails with a traceback. Nothing has
-    been written before cli() takes the signals back, so there is nothing to clean up."""
+    """Before a script loads torch (seconds), a signal exits at once, 128+N, no traceback: os._exit,
+    as an exception in a half-done C-extension import may be caught and the import retried."""
     for sig in SAVE_SIGNALS:
         signal.signal(sig, lambda signum, _: os._exit(128 + signum))
-
 
 def parse_bool(text: str) -> bool:
     """A boolean option, the same in every command: 1/0, true/false, yes/no."""
@@ -125,23 +86,20 @@ def parse_bool(text: str) -> bool:
         raise argparse.ArgumentTypeError(f"expected bool (1/0/true/false/yes/no), got {text!r}")
     return text.lower() in ("1", "true", "yes")
 
-
 FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, 3.4028234663852886e38  # float32's normal range
 
-
 def float32_safe(value: float) -> bool:
-    """Whether a setting survives float32, where the numbers are used: 0, or a normal float32
-    (1e-50 would become 0, and 1e39 infinity)."""
+    """0 or a normal float32, where the numbers are used (1e-50 would become 0, 1e39 infinity)."""
     return value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX
 
-
 def in_range(kind, low, high=math.inf):
-    """argparse type= for a number: a finite `kind` in [low, high] (a float also float32_safe).
-    The bounds stay on it (.kind, .low, .high) for the tests that generate bad values."""
+    """argparse type= for a finite `kind` in [low, high] (a float also float32_safe); the bounds
+    stay on it (.kind, .low, .high) for the tests that generate bad values."""
     def convert(text: str):
         with contextlib.suppress(ValueError, OverflowError):
             value = kind(text)
-            if math.isfinite(value) and low <= value <= high and (kind is int or float32_safe(value)):
+            fits = kind is int or float32_safe(value)
+            if math.isfinite(value) and low <= value <= high and fits:
                 return value
         size = "" if kind is int else ", 0 or of float32 size"
         raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}]{size}, "
@@ -149,19 +107,15 @@ def in_range(kind, low, high=math.inf):
     convert.kind, convert.low, convert.high = kind, low, high
     return convert
 
-
 def nonempty(text: str) -> str:
     """argparse type= for a name that may not be empty."""
     if not text:
         raise argparse.ArgumentTypeError("expected a non-empty value")
     return text
 
-
 def path_arg(text: str) -> str:
-    """argparse type= for a file or folder: not empty (what is there is checked where used,
-    and an error names it: kind_of)."""
+    """argparse type= for a file or folder: not empty (what is there is checked where used)."""
     return nonempty(text)
-
 
 def check_device(name: str) -> str:
     """A device the commands can run on (cpu, cuda, cuda:K), or a UserError saying why not."""
@@ -178,18 +132,14 @@ def check_device(name: str) -> str:
         raise UserError(f"--device={name}: there are {torch.cuda.device_count()} CUDA devices")
     return name
 
-
 class ArgParser(argparse.ArgumentParser):
-    """argparse as every command but the trainer uses it: --name=value, --help with the
-    command's docstring and each default, and a parsing error as a UserError."""
-
+    """argparse for every command but the trainer: --help shows doc; an error is a UserError."""
     def __init__(self, prog: str, doc: str):
         super().__init__(prog, description=doc, allow_abbrev=False,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def error(self, message):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
-
 
 def _parse_value(name: str, text: str, default):
     kind = type(default)
@@ -209,7 +159,6 @@ def _parse_value(name: str, text: str, default):
     except (ValueError, argparse.ArgumentTypeError):
         raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
 
-
 def parse_fields(classes, argv) -> dict:
     """--field=value pairs for the fields of the dataclasses, each typed against its default."""
     defaults = {f.name: getattr(cls(), f.name) for cls in classes for f in fields(cls)}
@@ -223,12 +172,9 @@ def parse_fields(classes, argv) -> dict:
         overrides[name] = _parse_value(name, text, defaults[name])
     return overrides
 
-
 def saved_fields(cls, saved) -> dict:
-    """The entries of saved (read from a run's files) that are fields of dataclass cls: every
-    field, each of its default's type (an int stands for a float); others, e.g. fields of older
-    versions, are dropped. A UserError names the first that is missing or wrong: the file was
-    edited or damaged (no default stands in for a setting the run had)."""
+    """The fields of dataclass cls in saved (read from a run's files), others dropped; a missing
+    or mistyped one (an int may stand for a float) is a UserError: no default stands in."""
     if not isinstance(saved, dict):
         raise UserError(f"saved settings are {type(saved).__name__}, not an object")
     defaults, out = cls(), {}
@@ -243,15 +189,12 @@ def saved_fields(cls, saved) -> dict:
         out[f.name] = value
     return out
 
-
 SPEC = re.compile(r"[\[(]\s*([^,\])]+),\s*([^\])]+)[\])]|\{([^}]*)\}")  # "[0, 1)" or "{a|b}"
-
 
 @functools.lru_cache(maxsize=None)
 def field_facts(cls) -> dict:
-    """Each field of dataclass cls as its line declares it: name -> (group, spec, help). group:
-    the comment line heading its block; spec: the interval ("[0, 1)", "(0, inf)") or choices
-    ("{key|query}") that begins its trailing comment, or ""; help: the rest of the comment."""
+    """name -> (group, spec, help) for each field of dataclass cls, from its source: the comment
+    heading its block; the interval or choices (SPEC) opening its own comment, or ""; the rest."""
     facts, group = {}, ""
     for line in inspect.getsource(cls).splitlines()[2:]:
         code, _, comment = (part.strip() for part in line.partition("#"))
@@ -263,10 +206,8 @@ def field_facts(cls) -> dict:
             facts[name[1]] = (group, spec[0] if spec else "", rest)
     return facts
 
-
 def field_help(cls) -> list:
-    """The lines of --help for dataclass cls: each field with its default and its comment,
-    under the dataclass's own group comments."""
+    """The --help lines for dataclass cls: each field's default and comment, under its group."""
     defaults, lines, group = cls(), [], None
     for name, (head, spec, text) in field_facts(cls).items():
         if head != group:
@@ -277,16 +218,12 @@ def field_help(cls) -> list:
         lines.append(f"  {flag:<36} {' '.join(t for t in (spec, text) if t)}".rstrip())
     return lines
 
-
 def number(text: str):
     """A bound of an interval: an int where it is one (exact past 2^53), else a float."""
     return int(text) if text.strip().lstrip("-").isdigit() else float(text)
 
-
 def check_fields(obj):
-    """Every field of dataclass instance obj inside its declared interval (NaN is inside none)
-    or among its choices (field_facts); a float also float32_safe. A UserError names the
-    first that is not."""
+    """A UserError naming the first field of obj outside its spec (field_facts) or float32."""
     for name, (_, spec, _) in field_facts(type(obj)).items():
         v, m = getattr(obj, name), SPEC.match(spec)
         if m and m[3] is not None and v not in m[3].split("|"):
@@ -299,17 +236,14 @@ def check_fields(obj):
             raise UserError(f"{name}={v} is not 0 and outside float32's range (the numbers "
                             f"are float32): it would become 0 or infinity")
 
-
 # Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (no sparsity), by a part of
 # torch.cuda.get_device_name(): the first entry that matches wins, so PCIe and NVL come first.
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
               ("A100", 312e12))
 
-
 def peak_flops(device_name: str, given: float = 0.0) -> float:
     """MFU's denominator per GPU: given, else the table's for the device; 0 when unknown."""
     return given or next((f for part, f in PEAK_FLOPS if part in device_name), 0.0)
-
 
 def machine_memory() -> int:
     """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
@@ -320,13 +254,11 @@ def machine_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return 2**62
 
-
 # -----------------------------------------------------------------------------
 # Files and checkpoints
 
 def kind_of(path: str) -> str:
-    """What is at path, for an error line: 'a file', 'a folder', 'a broken symbolic link',
-    'a symbolic link loop', 'a character device', ..., 'nothing' (or why it cannot be seen)."""
+    """What is at path, for an error line: 'a file', 'a folder', ..., 'nothing'."""
     import stat
     try:
         mode = os.stat(path).st_mode
@@ -335,7 +267,8 @@ def kind_of(path: str) -> str:
             return "a symbolic link loop"
         if os.path.islink(path):
             return "a broken symbolic link"
-        return "nothing" if e.errno in (errno.ENOENT, errno.ENOTDIR) else (e.strerror or str(e)).lower()
+        missing = e.errno in (errno.ENOENT, errno.ENOTDIR)
+        return "nothing" if missing else (e.strerror or str(e)).lower()
     for test, kind in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
@@ -343,17 +276,13 @@ def kind_of(path: str) -> str:
             return kind
     return "not a file"
 
-
 PROBE_BYTES = 1 << 20
 
-
 def refuse(e: OSError, path: str, doing: str = "write to"):
-    """An OS error met while checking a path the user gave: a full disk is an OS error naming
-    path (status 1), anything else bad input (`cannot <doing> <path>: why`, status 2)."""
+    """An OS error on a user's path: a full disk stays one (status 1), else a UserError (2)."""
     if e.errno in DISK_FULL:
         raise OSError(e.errno, e.strerror, path) from None
     raise UserError(f"cannot {doing} {path}: {e.strerror or e}") from None
-
 
 def need(path: str, kind: str) -> str:
     """path, if it is kind ('a file' or 'a folder'); else a UserError saying what is there."""
@@ -363,17 +292,13 @@ def need(path: str, kind: str) -> str:
                         f"{path} is {found}, not {kind}")
     return path
 
-
 def writable_dir(path: str) -> str:
-    """Prove, before any long work, that folder path (or, while it does not exist, the folder
-    it would be made in) takes a file of PROBE_BYTES, written and synced: an empty file fits
-    on a full disk, a megabyte does not. Nothing is left behind: the probe is removed and no
-    folder is made (each command makes its output folder when it writes its output)."""
+    """Prove before any long work that folder path (or where it would be made) takes PROBE_BYTES,
+    synced (an empty file fits on a full disk). Nothing is left behind, no folder made."""
     if not path:
         raise UserError("expected a folder, got an empty path")
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+    made = first_missing(path)
+    existing = os.path.dirname(made) if made else os.path.abspath(path)
     if not os.path.isdir(existing):
         raise UserError(f"cannot write to {path}: {existing} is {kind_of(existing)}, not a folder")
     probe = None
@@ -391,15 +316,12 @@ def writable_dir(path: str) -> str:
                 os.remove(probe)
     return path
 
-
 def first_missing(path: str):
-    """The topmost folder that making path would create (None if path exists): what a
-    command that makes path removes again on failure (remove_made)."""
+    """The topmost folder that making path would create (None if path exists), for remove_made."""
     made, top = None, os.path.abspath(path)
     while not os.path.lexists(top):
         made, top = top, os.path.dirname(top)
     return made
-
 
 def remove_made(path: str, made):
     """Remove the empty folders from path up to made (first_missing's), deepest first."""
@@ -409,7 +331,6 @@ def remove_made(path: str, made):
         if folder == made:
             break
         folder = os.path.dirname(folder)
-
 
 @contextlib.contextmanager
 def named(path: str):
@@ -421,11 +342,8 @@ def named(path: str):
             raise OSError(e.errno, e.strerror or str(e), path) from None
         raise
 
-
 def write_atomically(path: str, data: bytes):
-    """A temporary file beside path, synced and renamed over it, then the folder synced: a
-    reader sees the old file or all of the new one, and a failed write (a full disk, a second
-    signal) removes the temporary file before raising."""
+    """Write data to path so that a reader sees the old file or all of the new one."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
     handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
@@ -439,7 +357,7 @@ def write_atomically(path: str, data: bytes):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # a full disk, a second signal
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
@@ -449,9 +367,7 @@ def write_atomically(path: str, data: bytes):
     finally:
         os.close(fd)
 
-
 def read_config(run_dir: str) -> dict:
-    """RUN_DIR/config.json, or None when there is none."""
     path = os.path.join(run_dir, "config.json")
     try:
         with open(path) as f:
@@ -464,9 +380,7 @@ def read_config(run_dir: str) -> dict:
         raise UserError(f"{path}: not a run's config (a JSON object)")
     return config
 
-
 CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
-
 
 def save_checkpoint(run_dir: str, state: dict) -> str:
     """torch.save to RUN_DIR/checkpoint.pt; the previous file stays until the new one is whole."""
@@ -477,21 +391,17 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
     write_atomically(path, buf.getvalue())
     return path
 
-
 def mismatched_weights(weights: dict, build) -> list:
-    """The names where a state dict and the model build() makes on the meta device (shapes
-    only, no memory) differ: a name only one has, else a shape."""
+    """The names (else the shapes) where weights and build()'s model, made on "meta", differ."""
     import torch
     with torch.device("meta"):
         expected = {k: v.shape for k, v in build().state_dict().items()}
     found = {k: getattr(v, "shape", None) for k, v in weights.items()}
     return sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
 
-
 def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
-    """RUN_DIR/checkpoint.pt, checked: it loads, holds every key in keys, and its "model"
-    weights fit build(state), the model its own settings make (build may also refuse a state
-    whose records are malformed). state["mtime"] is the file's."""
+    """RUN_DIR/checkpoint.pt if it loads, holds keys and its weights fit build(state), the model
+    its own settings make (build may refuse malformed records); state["mtime"] is the file's."""
     import torch
     path = os.path.join(need(run_dir, "a folder"), CHECKPOINT)
     if not os.path.isfile(path):
@@ -505,7 +415,8 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     except UserError as e:  # build found a record of the wrong type
         raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
     except Exception as e:  # truncated, overwritten, or from an incompatible version
-        raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
+        raise UserError(f"{path}: corrupt or incompatible checkpoint "
+                        f"({type(e).__name__})") from None
     if missing:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
                         f"version of train_gpt.py?)")
@@ -515,10 +426,8 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
     state["mtime"] = mtime
     return state
 
-
 def saved_before(run_dir: str) -> str:
-    """Whether RUN_DIR's run recorded a saved checkpoint (metrics.jsonl's "checkpoint" records),
-    as an error line's clause ("": no record)."""
+    """An error line's clause if RUN_DIR's metrics.jsonl records a saved checkpoint, else ""."""
     steps = []
     with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
         for line in f:
@@ -527,19 +436,14 @@ def saved_before(run_dir: str) -> str:
                 steps += [m["step"]] if m["kind"] == "checkpoint" else []
     return f"its metrics.jsonl records a checkpoint saved at step {max(steps)}" if steps else ""
 
-
 def run_to_resume(run_dir: str, load, settings) -> tuple:
-    """-> (settings(its saved settings), its checkpoint): load(run_dir)'s (read_checkpoint),
-    or config.json's and None for a run that never saved one (no checkpoint.pt, and no save
-    recorded in its logs: a run whose checkpoint vanished is not started afresh). config.json,
-    where there is one, must be this run's: an object with the checkpoint's run_id and
-    settings(config) must accept it (every setting, each of its type and range)."""
+    """(settings(saved settings), load(run_dir)), or config.json's and None for a run that never
+    saved (not one whose checkpoint vanished). config.json must be valid and this run's."""
     config, path = read_config(need(run_dir, "a folder")), os.path.join(run_dir, CHECKPOINT)
     if config is not None and not os.path.lexists(path) and (sign := saved_before(run_dir)):
         raise UserError(f"{path} is gone, but {sign}: put it back to resume (a run starts "
                         f"afresh only if it never saved); nothing was written")
     ckpt = load(run_dir) if config is None or os.path.lexists(path) else None
-    saved = ckpt["hp"] if ckpt else config
     try:
         if config is not None:
             if not isinstance(config.get("run_id"), str):
@@ -551,13 +455,11 @@ def run_to_resume(run_dir: str, load, settings) -> tuple:
     if ckpt and config is not None and config["run_id"] != ckpt["run_id"]:
         raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
                         f"says {config['run_id']}); resume the run it came from")
-    return settings(saved), ckpt
-
+    return settings(ckpt["hp"] if ckpt else config), ckpt
 
 def rng_state(cuda: bool) -> dict:
     import torch
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if cuda else []}
-
 
 def set_rng_state(state: dict, cuda: bool):
     import torch
@@ -565,17 +467,14 @@ def set_rng_state(state: dict, cuda: bool):
     if cuda and state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
 
-
 # -----------------------------------------------------------------------------
 # Run directories: creation, locking, logs, provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("train_gpt.py", "support.py", os.path.join("data", "shards.py"))  # what a run runs
 
-
 def provenance() -> dict:
-    """The git commit of this checkout (and whether its tree differs from it) and a hash of
-    each source file a run executes, which is what counts when the tree is dirty."""
+    """The git commit, whether the tree differs, and the sha256 of each source a run executes."""
     def git(*args):
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=20)
@@ -583,12 +482,12 @@ def provenance() -> dict:
                 return r.stdout.strip()
         return None
     commit = git("rev-parse", "HEAD")
-    out = {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+    dirty = bool(git("status", "--porcelain")) if commit else None
+    out = {"git_commit": commit, "git_dirty": dirty}
     for name in SOURCES:
         with open(os.path.join(HERE, name), "rb") as f:
             out[f"sha256 {name}"] = hashlib.sha256(f.read()).hexdigest()
     return out
-
 
 def describe_system() -> str:
     import numpy as np
@@ -603,12 +502,11 @@ def describe_system() -> str:
                                         timeout=20).stdout)
     return "\n".join(lines)
 
-
 def new_run_dir(name: str) -> str:
-    """A fresh logs/<date_time>_<name>_<6 hex>/. mkdir fails on an existing folder, so two
-    jobs started in the same second never share one."""
+    """A fresh logs/<date_time>_<name>_<6 hex>/ (never shared: mkdir refuses an existing one)."""
     while True:
-        path = os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") + f"_{name}_{os.urandom(3).hex()}")
+        stamp = time.strftime("%Y-%m-%d_%H%M%S")
+        path = os.path.join("logs", f"{stamp}_{name}_{os.urandom(3).hex()}")
         try:
             os.makedirs(path)
             return path
@@ -617,15 +515,12 @@ def new_run_dir(name: str) -> str:
         except OSError as e:
             refuse(e, path, "create")
 
-
 LOCK = "lock"
 held_locks = []  # the open lock files of this process: closing one (or exiting) releases it
 
-
 def lock_run_dir(run_dir: str):
-    """An exclusive flock on RUN_DIR/lock for the rest of this process. The kernel drops it
-    when the process ends, however it ends, so a crashed job leaves no stale lock (on local
-    file systems; some network file systems do not honour flock)."""
+    """An exclusive flock on RUN_DIR/lock, which the kernel drops however the process ends (on
+    local file systems; some network ones ignore flock)."""
     import fcntl
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -644,27 +539,20 @@ def lock_run_dir(run_dir: str):
     f.flush()
     held_locks.append(f)
 
-
 def release_locks():
     while held_locks:  # the job is over (in a test, the process goes on)
         held_locks.pop().close()
 
-
 LOGS = ("train.log", "metrics.jsonl", "config.json")
 
-
 def refuse_a_run_that_saved(run_dir: str):
-    """A fresh start may not use a directory whose run saved a checkpoint."""
     if os.path.lexists(os.path.join(run_dir, CHECKPOINT)) or saved_before(run_dir):
         raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose another "
                         f"directory, or continue it with train_gpt.py --resume={run_dir}")
 
-
 def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> str:
-    """Choose (default: a new one) and lock the run directory. Resuming, its checkpoint must be
-    the one read (mtime). A fresh start refuses a directory holding a checkpoint; one whose
-    run ended before its first checkpoint is started afresh, with the earlier attempt's files
-    moved to aborted_<k>/ so nothing is lost (only a run that never saved starts afresh)."""
+    """Choose (default: a new one) and lock the run directory; resuming, its checkpoint must be
+    the one read (mtime). A run that never saved starts afresh, its files kept in aborted_<k>/."""
     writable_dir(run_dir or "logs")  # before anything is written, folders and lock included:
     run_dir = run_dir or new_run_dir(name)  # a full disk or a read-only folder is an error
     if not resuming:                        # line, with nothing left behind
@@ -683,9 +571,8 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     old = [n for n in LOGS if os.path.exists(os.path.join(run_dir, n))]
     if old:
         k = 1
-        while os.path.exists(os.path.join(run_dir, f"aborted_{k}")):
+        while os.path.exists(aside := os.path.join(run_dir, f"aborted_{k}")):
             k += 1
-        aside = os.path.join(run_dir, f"aborted_{k}")
         try:
             os.makedirs(aside)
             for n in old:
@@ -696,31 +583,25 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
               f"in {aside}", file=sys.stderr)
     return run_dir
 
-
 def fmt_list(xs) -> str:
     """Per-layer figures in a log line: [0.123 0.456 ...]."""
     return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
-
 
 def clock(train_ms: float, timed_steps: int) -> str:
     """The timing fields of the trainer's train and validation lines: the same in both."""
     avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
     return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
 
-
 class RunLog:
-    """train.log (source, provenance, system, config, then the step lines), config.json and
-    metrics.jsonl; active on rank 0 only. A resumed run appends to train.log (and the source
-    again if it changed) and keeps the metrics its checkpoint has seen, so metrics.jsonl holds
-    each step once even after a crash. extra: provenance() and the command, at least."""
+    """train.log, config.json and metrics.jsonl (rank 0 only). A resume appends to train.log and
+    keeps the metrics its checkpoint has seen: each step is there once, even after a crash."""
 
     def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
                  val_done: int = -1):
         self.active = active
         if not active:
             return
-        config_path, metrics, log = (os.path.join(run_dir, n)
-                                     for n in ("config.json", "metrics.jsonl", "train.log"))
+        log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
         previous = (read_config(run_dir) if resumed_at is not None else None) or {}
         new_log = resumed_at is None or not os.path.exists(log)
         write_atomically(config_path, json.dumps(config, indent=2).encode())
@@ -732,27 +613,27 @@ class RunLog:
                 self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
                 if changed:
                     self.log.write("source changed since the last job: " + "; ".join(
-                        f"{n} sha256 {sha(previous, n)} -> {sha(config, n)}" for n in changed) + "\n")
+                        f"{n} sha256 {sha(previous, n)} -> {sha(config, n)}" for n in changed)
+                        + "\n")
                 kept = b""
                 with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
-                    for line in f:
+                    for line in f:  # keep what the checkpoint has seen
                         with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
-                            m = json.loads(line)  # keep what the checkpoint has seen
-                            seen = m["step"] <= resumed_at and not (m["kind"] == "val"
-                                                                    and m["step"] > val_done)
-                            kept += line if seen else b""
+                            m = json.loads(line)
+                            last = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
+                            kept += line if m["step"] <= last else b""
                 write_atomically(metrics, kept)
             for name in SOURCES if new_log or not previous else changed:  # in full, as they ran
-                with open(os.path.join(HERE, name)) as f:  # the trainer's first, as it always was
-                    self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n") + f.read())
+                with open(os.path.join(HERE, name)) as f:  # the trainer's first, unmarked
+                    self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n")
+                                   + f.read())
             self.metrics = open(metrics, "a")
             dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
-            state = dirty[config["git_dirty"]]
-            self.log.write("=" * 100 + f"\ncommand: {config['command']}\n"
-                           f"git: {config['git_commit'] or 'not a git checkout'}{state}\n"
-                           + "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
-                           + describe_system() + "\nhyperparameters: " + json.dumps(config) + "\n"
-                           + "=" * 100 + "\n")
+            sources = "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
+            self.log.write(f"{'=' * 100}\ncommand: {config['command']}\n"
+                           f"git: {config['git_commit'] or 'not a git checkout'}"
+                           f"{dirty[config['git_dirty']]}\n{sources}{describe_system()}\n"
+                           f"hyperparameters: {json.dumps(config)}\n{'=' * 100}\n")
             self.log.flush()
 
     def print(self, line: str):
@@ -775,24 +656,19 @@ class RunLog:
 
     def close(self):
         if self.active:  # every write was flushed: a failure here would only hide the first
-            with contextlib.suppress(OSError):
-                self.log.close()
-            with contextlib.suppress(OSError):
-                self.metrics.close()
-
+            for f in (self.log, self.metrics):
+                with contextlib.suppress(OSError):
+                    f.close()
 
 # -----------------------------------------------------------------------------
 # Stop signals
 
-SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedulers, Slurm's --signal
-
+SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedulers, Slurm
 
 class StopSignal:
-    """SAVE_SIGNALS (what Ctrl-C, schedulers and Slurm's --signal warning send) ask for a
-    checkpoint at the next step boundary; a second signal stops at once (KeyboardInterrupt).
-    Re-entrant: the trainer holds it for the whole job, so a signal during start-up stops the
-    job before its first step. finish(): the job is over, its checkpoint saved; a signal from
-    then until the process exits is ignored, so that a complete run ends with status 0."""
+    """SAVE_SIGNALS ask for a checkpoint at the next step; a second one stops at once. Re-entrant:
+    held for the whole job. After finish() (the final save) signals are ignored: status 0."""
+    finished = False
 
     def __init__(self):
         self.signum, self.depth, self.previous = 0, 0, {}
@@ -817,17 +693,13 @@ class StopSignal:
             for sig, handler in self.previous.items():
                 signal.signal(sig, signal.SIG_IGN if self.finished else handler)
 
-    finished = False
-
     def finish(self):
         self.finished = True
 
-
 STOP = StopSignal()  # handlers are installed only inside `with STOP:`
 
-
 # -----------------------------------------------------------------------------
-# Processes: the distributed state of a training job (torch is imported where it is used)
+# Processes: the distributed state of a training job
 
 @dataclass
 class Dist:
@@ -843,8 +715,8 @@ class Dist:
     @property
     def launcher(self) -> str:
         """How to start the trainer again as this job was started (for "resume with:")."""
-        return f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1 else \
-            "python train_gpt.py"
+        torchrun = f"torchrun --nproc_per_node={self.world} train_gpt.py"
+        return torchrun if self.world > 1 else "python train_gpt.py"
 
     def sync(self):
         """Wait for the device's queued work (CUDA runs asynchronously): before timing."""
@@ -863,20 +735,17 @@ class Dist:
             dist.destroy_process_group()
 
     def on_master(self, fn, share: bool = True):
-        """fn() on rank 0 only, and every rank learns whether it worked, so that none waits in
-        a collective for a rank that failed. A full disk there is that OS error on every rank,
-        a UserError or other OS error a UserError; anything else is re-raised on rank 0 and a
-        RunStopped elsewhere. share: every rank gets fn()'s result (else only rank 0, e.g. an
-        object holding open files)."""
+        """fn() on rank 0, its failure raised on every rank so none waits in a collective for it
+        (a crash: RunStopped elsewhere). share: all get the result (else rank 0: open files)."""
         import torch.distributed as dist
         result, failure, outcome = None, None, ("ok", "")  # ok | disk | bad (the user's) | crash
         if self.master:
             try:
                 result = fn()
             except (UserError, OSError) as e:
-                outcome = (("disk", (e.errno, e.strerror, e.filename))
-                           if isinstance(e, OSError) and e.errno in DISK_FULL else
-                           ("bad", str(e) if isinstance(e, UserError) else os_error_text(e)))
+                disk = isinstance(e, OSError) and e.errno in DISK_FULL
+                outcome = (("disk", (e.errno, e.strerror, e.filename)) if disk
+                           else ("bad", os_error_text(e)))
             except Exception as e:
                 failure, outcome = e, ("crash", f"{type(e).__name__}: {e}")
         box = [outcome, result if share else None]
@@ -894,7 +763,6 @@ class Dist:
             raise UserError(message)
         return result if self.master else shared
 
-
 def setup_distributed() -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
     import torch
@@ -909,7 +777,6 @@ def setup_distributed() -> Dist:
     dist.init_process_group(backend="nccl" if cuda else "gloo")
     return d
 
-
 def all_reduce(t, op: str = "sum"):
     """A tensor summed ("sum") or maximised ("max") over the ranks, in place; returns it."""
     import torch.distributed as dist
@@ -917,11 +784,9 @@ def all_reduce(t, op: str = "sum"):
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t
 
-
 def add_sums(total: dict, more: dict) -> dict:
     """Per-key sums of tensors: total plus more, a key missing from either counting as 0."""
     return {k: total.get(k, 0) + more.get(k, 0) for k in {**total, **more}}
-
 
 def all_reduce_sums(sums: dict) -> dict:
     """Each float64 tensor of a dict summed over the ranks, in one collective call."""
@@ -930,12 +795,8 @@ def all_reduce_sums(sums: dict) -> dict:
     parts = flat.split([t.numel() for t in sums.values()])
     return {k: part.view_as(t) for (k, t), part in zip(sums.items(), parts)}
 
-
 class RunStopped(Exception):
-    """A training job cannot go on (non-finite loss or weights, a checkpoint or log that cannot
-    be written, rank 0 failing): cli() prints its message, which names the last checkpoint,
-    with exit status 1."""
-
+    """A training job cannot go on: cli() prints the message (naming the last checkpoint), 1."""
 
 def all_finite(model, opt) -> bool:
     """Whether every weight and every optimiser moment is finite (one host sync)."""
@@ -945,11 +806,8 @@ def all_finite(model, opt) -> bool:
                 if torch.is_tensor(v) and v.is_floating_point()]
     return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
-
 def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
-    """Save state() as RUN_DIR/checkpoint.pt (rank 0), unless a weight or an optimiser moment
-    is not finite: then RunStopped, naming the last checkpoint, which stays. Every rank learns
-    whether the save worked, so none waits for a rank that stopped."""
+    """state() as RUN_DIR/checkpoint.pt (rank 0) if all is finite; else, or failing, RunStopped."""
     if not all_finite(model, opt):
         raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
                          f"replaced; last good checkpoint: {STOP.last_ckpt}")
@@ -960,12 +818,9 @@ def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
                          f"last good checkpoint: {STOP.last_ckpt}") from None
     STOP.last_ckpt = f"{path} (step {step})"
 
-
 def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,
              val_done: int = -1) -> RunLog:
-    """The job's RunLog: rank 0 writes it, the others hold an inactive one. The run directory
-    exists by now, so a failure to write the logs is a failure mid-run (RunStopped, naming the
-    last checkpoint), and it reaches every rank."""
+    """The job's RunLog (inactive off rank 0); failing, RunStopped: the run directory exists."""
     try:
         log = d.on_master(lambda: RunLog(run_dir, config, True, resumed_at, val_done), share=False)
     except (UserError, OSError) as e:

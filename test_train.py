@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 import warnings
+from unittest import mock
 from pathlib import Path
 from dataclasses import asdict, replace
 
@@ -1000,21 +1001,20 @@ def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
-def test_resume_appends_the_source_when_it_changed(tmp_path):
-    # a copy of the trainer outside any git checkout, changed between the two jobs
+def test_resume_appends_the_source_when_it_changed(tmp_path, monkeypatch, capsys):
+    # the sources a run records, read from a copy outside any git checkout that changes
+    # between the two jobs
     src, run = tmp_path / "src", tmp_path / "run"
-    src.mkdir()
-    for name in ("train_gpt.py", "support.py", "data/__init__.py", "data/shards.py"):
-        (src / name).parent.mkdir(exist_ok=True)
+    for name in ("train_gpt.py", "support.py", "data/shards.py"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(HERE, name), src / name)
-    data = [f"--train_files={HERE}/data/sample/sample_train_*.bin",
-            f"--val_files={HERE}/data/sample/sample_val_*.bin"]
-    r = run_script(RESUME_RUN + data + [f"--run_dir={run}", "--stop_step=1"], cwd=src)
-    assert r.returncode == 0, r.stderr
+    monkeypatch.setattr(support, "HERE", str(src))
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
     with open(src / "train_gpt.py", "a") as f:
         f.write("# a local change\n")
-    r = run_script([f"--resume={run}"], cwd=src)
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main([f"--resume={run}"], capsys)
+    assert code == 0, err
     log = (run / "train.log").read_text()
     new = sha256((src / "train_gpt.py").read_bytes())
     assert log.count("\ngit: not a git checkout\n") == 2
@@ -1116,8 +1116,8 @@ def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path, capsys):
 
 
 def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
-    # a model big enough (~40M parameters, ~450 MB with Adam) that a save takes a while
-    args = ["--preset=smoke", "--n_layers=2", "--dim=384", "--n_heads=4", "--n_kv_heads=4",
+    # a model big enough (~20M parameters, ~230 MB with Adam) that a save takes a while
+    args = ["--preset=smoke", "--n_layers=2", "--dim=192", "--n_heads=4", "--n_kv_heads=4",
             "--seq_len=16", "--batch_size=2", "--device_batch_size=2", "--train_tokens=160",
             "--val_tokens=32", "--val_every=0", "--save_every=1", f"--run_dir={tmp_path}"]
     proc = start_run(args)
@@ -1237,16 +1237,16 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
         assert (tmp_path / "config.json").read_text() == json.dumps(edited)  # not overwritten
 
 
-def after_exit(signum):
-    """python -c code that runs train_gpt.py as a script and sends itself signum at exit."""
+def after_exit(*signums):
+    """python -c code that runs train_gpt.py as a script and sends itself signums at exit."""
     return (f"import atexit, os, runpy, sys; sys.argv[0] = 'train_gpt.py'; "
-            f"atexit.register(lambda: os.kill(os.getpid(), {int(signum)})); "
+            f"atexit.register(lambda: [os.kill(os.getpid(), s) for s in {list(map(int, signums))}]); "
             f"runpy.run_path('train_gpt.py', run_name='__main__')")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
-def test_a_signal_after_the_final_save_leaves_status_0(tmp_path, signum):
-    r = subprocess.run([sys.executable, "-c", after_exit(signum), *RESUME_RUN, f"--run_dir={tmp_path}"],
+def test_a_signal_after_the_final_save_leaves_status_0(tmp_path):
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # each one, one after another
+    r = subprocess.run([sys.executable, "-c", after_exit(*signums), *RESUME_RUN, f"--run_dir={tmp_path}"],
                        cwd=HERE, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and r.stderr == "", r.stderr
@@ -1493,7 +1493,6 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
     # standard output on a full disk: status 1, buffered or not, nothing more at exit
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     for cmd, unbuffered in ((["sample.py", str(run), "--tokens=3"], "1"),
-                            (["skipview.py", str(run)], ""),
                             (["train_gpt.py", *RESUME_RUN, f"--run_dir={tmp_path / 'r2'}"], "")):
         with open("/dev/full", "w") as full:
             r = subprocess.run([sys.executable, *cmd], cwd=HERE, stdout=full, stderr=subprocess.PIPE,
@@ -1843,17 +1842,24 @@ def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, caps
 def test_every_field_that_shapes_the_weights_is_fixed_on_resume(tmp_path):
     # the resume rule reads "fixed;" in a field's line: a field that changes the weights'
     # names or shapes without it would let a resume meet weights that do not fit
-    def shapes(hp):
-        with torch.device("meta"):
+    def shapes(hp):  # on the meta device, its init skipped: shapes only (quick)
+        with torch.device("meta"), mock.patch.object(torch.nn.init, "normal_", lambda t, **_: t):
             return {k: v.shape for k, v in tg.GPT(hp).state_dict().items()}
+
+    def differ(hp, base):
+        try:
+            return shapes(hp) != base_shapes[base.router]
+        except Exception:  # settings no model can have (validation refuses them)
+            return False
     smoke = tg.resolve(tg.parse_overrides(["--preset=smoke"]))
+    base_shapes = {r: shapes(replace(smoke, router=r)) for r in tg.ROUTERS}
     shaping = set()
     for f in tg.fields(tg.Hyperparameters):
         owner = [r for r in tg.ROUTERS if f.name in routers_fields(r)] or [smoke.router]
         base = replace(smoke, router=owner[0])
         for value in valid_candidates(f.name, getattr(base, f.name), tmp_path):
-            if value != getattr(base, f.name) and accepts(f.name, value) and \
-                    shapes(replace(base, **{f.name: value})) != shapes(base):
+            if value != getattr(base, f.name) and differ(replace(base, **{f.name: value}), base) \
+                    and accepts(f.name, value):
                 shaping.add(f.name)
     assert {"n_layers", "dim", "vocab_size", "router", "mod_every"} <= shaping  # it can see them
     assert shaping <= set(tg.FIXED), shaping - set(tg.FIXED)
@@ -2220,8 +2226,8 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
                                 "--dlo_rho=0.5", "--dlo_anneal_steps=10", "--train_tokens=7680")
     assert code == 0 and f"--resume={tmp_path / 'dlo'}" in out, err
     assert tg.load_checkpoint(str(tmp_path / "dlo"))["step"] == 0
-    r = run_script([f"--resume={tmp_path / 'dlo'}"])
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main([f"--resume={tmp_path / 'dlo'}"], capsys)
+    assert code == 0, err
     dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
     dlo = [m for m in read_metrics(tmp_path / "dlo") if m["kind"] == "val"]
     assert json.loads((tmp_path / "dlo" / "config.json").read_text())["n_layers"] == 4
@@ -2560,7 +2566,7 @@ def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
 # ---------------------------------------------------------------------------- the loss in chunks
 
 @pytest.mark.parametrize("rows,compiled", [(1, False), (7, False), (16, False), (1000, False),
-                                           (7, True), (1000, True)])
+                                           (7, True)])
 def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, compiled):
     # compiled: torch 2.11's torch.compile (any backend) gave all-zero gradients when the
     # loss's forward wrote its gradients into buffers made beforehand (seen on an H100)
@@ -2823,7 +2829,8 @@ def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
 def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, attn, monkeypatch):
     # graph breaks and recompiles are dynamo's decisions, the same on CPU and CUDA: traced here
     # with the eager backend, dynamo told to fail where it would give up (its recompile limit).
-    # Flex, CUDA's attention, has no backward on CPU: its training steps run forward only
+    # Flex, CUDA's attention, has no backward on CPU: its training steps run forward only, at 4
+    # layers (what differs from SDPA is inside a block; the depth is SDPA's cases' to check)
     import torch._dynamo
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{"backend": "eager", **kw}))
@@ -2832,8 +2839,8 @@ def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, at
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
-    hp = tiny(router=router, compact=compact, n_layers=12, dim=64, max_seq_len=256, seq_len=256,
-              mod_every=2, dlo_rho=0.5, attn_impl=attn)
+    hp = tiny(router=router, compact=compact, n_layers=12 if attn == "sdpa" else 4, dim=64,
+              max_seq_len=256, seq_len=256, mod_every=2, dlo_rho=0.5, attn_impl=attn)
     torch.manual_seed(0)
     raw = tg.GPT(hp)
     if router == "skip_middle":

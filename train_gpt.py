@@ -150,10 +150,8 @@ def flex_attention_fn(compiled: bool):
 
 @torch.library.custom_op("depth_routing::stored", mutates_args=())
 def stored(x: torch.Tensor) -> torch.Tensor:
-    """An identity Inductor cannot fuse into its consumer. Inductor up to torch 2.11 (at least)
-    inlines the producers of a tensor that a score_mod reads into the Flex kernel and fails on
-    them ("convert FlexibleLayout to FixedLayout first", seen on an H100 with a whole compiled
-    model); an opaque op's output is a stored buffer, read as it is."""
+    """An identity Inductor cannot fuse: torch 2.11's Inductor inlined a score_mod's inputs into
+    the Flex kernel and failed ("convert FlexibleLayout to FixedLayout first", on an H100)."""
     return x.clone()
 
 
@@ -162,12 +160,10 @@ stored.register_autograd(lambda ctx, grad: grad)
 
 
 def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
-    """Causal attention with ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
-    log_g: (B, T) per position, or None (dense). axis 'key': logit (i, j) gets ln g_j (eq. 3);
-    'query': ln g_i, as in the authors' code, a constant per softmax row that cancels (an
-    ablation). mask: the causal BlockMask for T (causal_block_mask) -> FlexAttention with a
-    score_mod; None -> SDPA with an additive fp32 mask, exact and differentiable on CPU, where
-    Flex has no backward."""
+    """Causal attention, ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
+    log_g: (B, T) per position or None. axis 'key': logit (i, j) gets ln g_j (eq. 3); 'query':
+    ln g_i (the authors' code), which softmax cancels. mask: a BlockMask -> Flex with a
+    score_mod; None -> SDPA with an fp32 additive mask (exact, and trains on CPU)."""
     gqa = q.size(1) != k.size(1)
     if mask is not None:
         log_g = None if log_g is None else stored(log_g)
@@ -191,8 +187,7 @@ FLEX_MIN_HEAD_DIM = 16  # Inductor's Flex kernels refuse smaller head dimensions
 
 
 def attention_impl(hp: "Hyperparameters", cuda: bool) -> str:
-    """attn_impl, with auto resolved: Flex on CUDA (it needs CUDA for its backward) where the
-    head dimension allows it, else SDPA, the exact path."""
+    """attn_impl, auto resolved: Flex on CUDA (its backward needs it) at head dim >= 16, else SDPA."""
     if hp.attn_impl != "auto":
         return hp.attn_impl
     return "flex" if cuda and hp.dim // hp.n_heads >= FLEX_MIN_HEAD_DIM else "sdpa"
@@ -229,10 +224,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2 and 2.3). g:
-    (B, T, 1) on both residual branches, or None (dense). keys: (B, T, 1) in [0, 1], each
-    token's weight as a key (eq. 3), by default g. Without sandwich_norm the output norms are
-    identities."""
+    """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2, 2.3). g: (B, T, 1)
+    or None (dense); keys: each token's weight as a key (eq. 3), by default g."""
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -980,8 +973,7 @@ def parse_overrides(argv) -> dict:
 
 def job_settings(given: dict) -> Job:
     """This job's settings: the defaults, then the preset's, then the given ones."""
-    merged = {**PRESETS[given.get("preset", "")], **given}
-    return Job(**{f.name: merged[f.name] for f in fields(Job) if f.name in merged})
+    return Job(**{k: v for k, v in {**PRESETS[given.get("preset", "")], **given}.items() if k in JOB})
 
 
 def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
@@ -997,12 +989,6 @@ def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
 
 
 JOB = {f.name for f in fields(Job)}
-
-
-def param_count(hp: Hyperparameters) -> int:
-    """GPT(hp)'s own count, built on the meta device: no memory, before any real build."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(hp).parameters())
 
 
 def validate(hp: Hyperparameters, world: int):
@@ -1032,9 +1018,11 @@ def validate(hp: Hyperparameters, world: int):
     if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
         raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
                         f"({hp.device_batch_size * hp.seq_len * world} tokens)")
-    # a lower bound on one device's memory: fp32 weights, gradients and two AdamW moments, the
-    # RoPE tables, and the fp32 logits of one loss chunk with their softmax
-    need = (16 * param_count(hp) + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
+    # a lower bound on one device's memory: fp32 weights, gradients and two AdamW moments (the
+    # model's own count, built on the meta device), RoPE tables, one loss chunk's fp32 logits
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(hp).parameters())
+    need = (16 * params + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
             + 8 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size)
     if need > machine_memory():
         raise UserError(f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
