@@ -565,7 +565,8 @@ def read_metrics(run_dir):
 
 def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code, _, err = run_main(TINY_RUN + ["--train_tokens=20480", "--val_every=10", f"--run_dir={run_dir}"], capsys)
+    code, _, err = run_main(TINY_RUN + ["--train_tokens=20480", "--val_every=10", "--val_tokens=1024",
+                                        f"--run_dir={run_dir}"], capsys)
     assert code == 0, err[-2000:]
     for name in ("train.log", "config.json", "metrics.jsonl"):
         assert (run_dir / name).exists()
@@ -933,13 +934,13 @@ def test_data_scripts_run_without_importing_torch(tmp_path):
         [50256] + gpt2().encode_ordinary("a few words")
 
 
-def test_training_refuses_a_malformed_shard_before_starting(tmp_path):
+def test_training_refuses_a_malformed_shard_before_starting(tmp_path, capsys):
     write_shard(tmp_path / "s_000001.bin", range(5000))
     write_shard(tmp_path / "s_000002.bin", range(5000), count=6000)  # truncated
-    r = run_script(["--preset=smoke", f"--train_files={tmp_path}/s_*.bin",
-                    f"--run_dir={tmp_path / 'run'}"])
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert r.stderr.startswith(f"error: {tmp_path}/s_000002.bin: header says 6000 tokens")
+    code, _, err = run_main(["--preset=smoke", f"--train_files={tmp_path}/s_*.bin",
+                             f"--run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: {tmp_path}/s_000002.bin: header says 6000 tokens")
     assert not (tmp_path / "run").exists()
 
 
@@ -1023,7 +1024,7 @@ def test_resume_appends_the_source_when_it_changed(tmp_path, monkeypatch, capsys
     assert log.count(f"\ncommand: python train_gpt.py --resume={run}\n") == 1
 
 
-def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, capsys):
+def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
@@ -1035,8 +1036,9 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, capsys):
     (run / "checkpoint.pt.backup.tmp").write_bytes(b"a user's file")  # not a name we write
     assert tg.load_model(str(run)).hp.n_layers == ckpt["hp"]["n_layers"]
     # resumed from another folder: the relative data path is the repository's
-    r = run_script([f"--resume={run}", "--stop_step=2"], cwd=tmp_path, script=os.path.join(HERE, "train_gpt.py"))
-    assert r.returncode == 0, r.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
+    assert code == 0, err
     assert [p.name for p in run.glob("checkpoint.pt.*.tmp")] == ["checkpoint.pt.backup.tmp"]
     mask = os.umask(0)
     os.umask(mask)
@@ -2313,6 +2315,11 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     sweep.launch(TINY_GRID + gated[1] + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}",
                                          "--stop_step=2"], 1)
     assert sweep.run_state(str(runs / "gated_mu0.5_s0")) == "resume"
+
+    def in_process(args, nproc, script="train_gpt.py", label=""):  # the rest: quicker here
+        main = tg.main if script == "train_gpt.py" else load_command(script).main
+        assert support.cli(main, args) == 0, capsys.readouterr().err
+    monkeypatch.setattr(sweep, "launch", in_process)
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}"]
     assert support.cli(sweep.main, argv) == 0
     assert "resumed at step 2" in (runs / "gated_mu0.5_s0" / "train.log").read_text()
