@@ -97,7 +97,6 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x):  # in fp32 under autocast, as Llama does
         return super().forward(x.float()).type_as(x)
 
-
 class Rotary(nn.Module):
     """RoPE (Su et al. 2024) with Llama's interleaved pairs, table precomputed up to max_seq_len."""
 
@@ -119,7 +118,6 @@ class Rotary(nn.Module):
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return out.type_as(x)
 
-
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -130,7 +128,6 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-
 # -----------------------------------------------------------------------------
 # Gated attention (eq. 3) and the gated block (Section 2)
 
@@ -139,7 +136,6 @@ def causal_block_mask(T: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
     return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device=device)
 
-
 @lru_cache(maxsize=2)
 def flex_attention_fn(compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
@@ -147,17 +143,14 @@ def flex_attention_fn(compiled: bool):
     # eagerly, which is forward-only and serves the tests.
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
-
 @torch.library.custom_op("depth_routing::stored", mutates_args=())
 def stored(x: torch.Tensor) -> torch.Tensor:
     """An identity Inductor cannot fuse: torch 2.11's Inductor inlined a score_mod's inputs into
     the Flex kernel and failed ("convert FlexibleLayout to FixedLayout first", on an H100)."""
     return x.clone()
 
-
 stored.register_fake(torch.empty_like)
 stored.register_autograd(lambda ctx, grad: grad)
-
 
 def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
     """Causal attention, ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
@@ -182,16 +175,13 @@ def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
                                          enable_gqa=gqa)
     return out.type_as(q)
 
-
 FLEX_MIN_HEAD_DIM = 16  # Inductor's Flex kernels refuse smaller head dimensions
-
 
 def attention_impl(hp: "Hyperparameters", cuda: bool) -> str:
     """attn_impl, auto resolved: Flex on CUDA (its backward needs it) at head dim >= 16, else SDPA."""
     if hp.attn_impl != "auto":
         return hp.attn_impl
     return "flex" if cuda and hp.dim // hp.n_heads >= FLEX_MIN_HEAD_DIM else "sdpa"
-
 
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional gating of keys."""
@@ -221,7 +211,6 @@ class Attention(nn.Module):
             # constant on this token's row, which softmax cancels: the keys carry none
             y = cache[0].attend(cache[1], q, k, v, log_g if self.gate_axis == "key" else None)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
-
 
 class Block(nn.Module):
     """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2, 2.3). g: (B, T, 1)
@@ -281,7 +270,6 @@ class Block(nn.Module):
         mask = None if mask is None else causal_block_mask(Tc, str(x.device))  # cached per length
         return x.scatter(1, index, self.dense(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
-
 # -----------------------------------------------------------------------------
 # Depth routers: which tokens run which blocks, and how that is trained and counted
 #
@@ -297,12 +285,10 @@ def mirror(layer: int, n_layers: int) -> int:
     """Index of the gate used by block `layer`: its own in the first half, block L-1-l's after."""
     return layer if layer < n_layers // 2 else n_layers - 1 - layer
 
-
 def ran(trace: dict, block, mlp=None):
     """Record the tokens ((B, T) bool) that ran this block and its MLP (default: the same)."""
     trace["block"].append(block)
     trace["mlp"].append(block if mlp is None else mlp)
-
 
 class Router(nn.Module):
     """The hooks every router has, each defaulting to the dense behaviour (every token runs
@@ -373,7 +359,6 @@ class Router(nn.Module):
     def skipped_tokens_are_keys(hp: "Hyperparameters") -> bool:
         return False  # whether a token that skips a block is still attended to there
 
-
 class Dense(Router):
     """router=none: the dense model, all hooks at their defaults."""
 
@@ -381,12 +366,10 @@ class Dense(Router):
     def check(hp):
         return "compact=true: router=none runs every token everywhere" if hp.compact else ""
 
-
 def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
     """(L,) per layer: linspace(mu_start, mu_end) over the first half, mirrored (Section 2.4)."""
     half = torch.linspace(hp.mu_start, hp.mu_end, hp.n_layers // 2, dtype=torch.float64)
     return torch.cat([half, half.flip(0)])
-
 
 class GateController(nn.Module):
     """The loss on the per-layer gate mean and variance, and the coefficients' update (Table
@@ -436,7 +419,6 @@ class GateController(nn.Module):
     def load_coefficients(self, state):
         self.alpha.copy_(state["alpha"])
         self.beta.copy_(state["beta"])
-
 
 class SkipMiddle(Router):
     """The paper's router (Sections 2.1-2.4). Block l < L/2 reads a gate s_l = ReLU(w.h + b)
@@ -515,7 +497,6 @@ class SkipMiddle(Router):
 
     def load_routing_state(self, state):
         self.ctrl.load_coefficients(state["controller"])
-
 
 class DLO(Router):
     """DLO (Tan et al. 2024, Section 3): attention always runs; the MLP runs for the tokens the
@@ -614,7 +595,6 @@ class DLO(Router):
     def load_routing_state(self, state):
         self.rates.copy_(state["rates"])
 
-
 class MixtureOfDepths(Router):
     """Mixture-of-Depths (Raposo et al. 2024): in every mod_every-th block a linear router
     scores each token, r = w.h; in training the top mod_capacity share of each sequence runs
@@ -666,13 +646,11 @@ class MixtureOfDepths(Router):
     def extra_flops(hp, T):
         return len(range(hp.mod_every - 1, hp.n_layers, hp.mod_every)) * T * 2 * hp.dim
 
-
 ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths}
 CONTROLLERS = {  # Table 1's controllers (GateController), and the fields each one reads
     "proportional_tol": "mu_start mu_end gamma delta", "proportional": "mu_start mu_end gamma",
     "adaptive": "mu_start mu_end gamma", "sparsity": "fixed_coef", "sparsity_variance": "fixed_coef",
     "sparsity_variance_l2": "mu_start mu_end fixed_coef", "none": ""}
-
 
 # -----------------------------------------------------------------------------
 # The model
@@ -682,7 +660,6 @@ class Output(NamedTuple):
     route: dict           # the trace stacked: "block", "mlp" (L, B, T) bool and the router's own
     resid: torch.Tensor   # (L,) mean L2 norm of the residual after each block (eval only)
     loss: torch.Tensor = None  # mean cross-entropy against the targets, when given
-
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of the logits h W^T against targets, `rows` rows at a time, so the
@@ -717,7 +694,6 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
         return grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None
-
 
 class GPT(nn.Module):
     def __init__(self, hp: "Hyperparameters"):
@@ -754,7 +730,6 @@ class GPT(nn.Module):
         grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         total = LinearCrossEntropy.apply(h, weight, targets.flatten(), self.hp.loss_rows, grads)
         return Output(None, route, resid, total / targets.numel())
-
 
 # -----------------------------------------------------------------------------
 # Data: modded-nanogpt shards, in order, one global batch per step (format: data/shards.py)
@@ -819,7 +794,6 @@ class DistributedLoader:
             self._load((self.shard + 1) % len(self.files))
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 
-
 # -----------------------------------------------------------------------------
 # FLOPs: forward pass of one sequence of seq_len tokens, 2 per multiply-add
 
@@ -846,11 +820,9 @@ def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = 
         total += a * T * proj_qo + k * T * proj_kv + a * k * attn + m * T * ffn
     return total + ROUTERS[hp.router].extra_flops(hp, T)
 
-
 def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None) -> float:
     """Forward FLOPs per token at seq_len; training (forward + backward) is 3x this."""
     return forward_flops(hp, active, mlp_active) / hp.seq_len
-
 
 def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None) -> float:
     """Model FLOPs utilisation of one optimiser step over the real tokens it trained on
@@ -859,7 +831,6 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=No
     ran (compact only)."""
     tokens = hp.batch_size * hp.seq_len
     return 3 * flops_per_token(hp, active) * tokens / step_s / (peak * world)
-
 
 # -----------------------------------------------------------------------------
 # Settings: the run's (Hyperparameters) and the job's (Job)
@@ -926,7 +897,6 @@ class Hyperparameters:
     val_tokens: int = 10_485_760  # [1, inf) validation tokens per evaluation, split over ranks
     save_every: int = 250        # [0, inf) steps between checkpoints (0: only at the end)
 
-
 @dataclass
 class Job:
     """What one job is told: never saved as the run's settings (config.json shows them)."""
@@ -940,7 +910,6 @@ class Job:
     peak_flops: float = 0.0      # [0, inf) per-GPU dense bf16 peak for MFU; 0: the device's
     untimed_steps: int = 10      # [0, inf) first steps of each job kept off the clock (compile warm-up)
 
-
 PRESETS = {
     "": {},
     # ~3 minutes on 2 CPU cores; 4 layers so that both halves and the mirror are exercised
@@ -953,7 +922,6 @@ PRESETS = {
 }
 FIXED = [name for name, (_, _, help) in field_facts(Hyperparameters).items() if help.startswith("fixed;")]
 
-
 def usage() -> str:
     """--help: every field with its default and comment, grouped as in the dataclasses."""
     return "\n".join([
@@ -962,7 +930,6 @@ def usage() -> str:
         *field_help(Hyperparameters), *field_help(Job), "",
         f"presets: {', '.join(p for p in PRESETS if p)}"])
 
-
 def parse_overrides(argv) -> dict:
     """--field=value pairs of Hyperparameters and Job, each typed against its default and
     checked against its line, the preset's fields under them."""
@@ -970,11 +937,9 @@ def parse_overrides(argv) -> dict:
     check_fields(Job(**{k: v for k, v in given.items() if k in JOB}))
     return given
 
-
 def job_settings(given: dict) -> Job:
     """This job's settings: the defaults, then the preset's, then the given ones."""
     return Job(**{k: v for k, v in {**PRESETS[given.get("preset", "")], **given}.items() if k in JOB})
-
 
 def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
     """base (the defaults, or a resumed run's settings), then the preset, then the given fields.
@@ -987,9 +952,7 @@ def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
         hp = replace(hp, **{f: os.path.abspath(os.path.join(root, getattr(hp, f)))})
     return hp
 
-
 JOB = {f.name for f in fields(Job)}
-
 
 def validate(hp: Hyperparameters, world: int):
     """Every field in range and the settings consistent; UserError naming the first that is not."""
@@ -1029,10 +992,8 @@ def validate(hp: Hyperparameters, world: int):
                         f"{machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
                         f"max_seq_len or device_batch_size)")
 
-
 def num_steps(hp: Hyperparameters) -> int:
     return hp.train_tokens // (hp.batch_size * hp.seq_len)
-
 
 def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
     """Linear warm-up from warmup_start * lr over warmup_frac of the steps, then cosine to 0."""
@@ -1041,7 +1002,6 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
         return hp.lr * (hp.warmup_start + (1 - hp.warmup_start) * step / warmup)
     progress = (step - warmup) / max(1, total - warmup)
     return hp.lr * 0.5 * (1 + math.cos(math.pi * progress))
-
 
 # -----------------------------------------------------------------------------
 # Checkpoints and resuming (the files themselves: support.py)
@@ -1066,11 +1026,9 @@ class RunState:
             if not (low <= getattr(self, name) <= high and math.isfinite(getattr(self, name))):
                 raise UserError(f"{name}={getattr(self, name)} must be finite, in [{low}, {high}]")
 
-
 # a checkpoint: the RunState's fields, then what a job needs to go on exactly where one stopped
 CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
     "hp", "world_size", "model", "optimizer", "routing", "loader", "rng")
-
 
 def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
@@ -1078,13 +1036,11 @@ def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT",
             "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
             "rng": rng_state(next(raw.parameters()).is_cuda)}
 
-
 def load_checkpoint(run_dir: str) -> dict:
     def check_and_build(state):  # its counters' types and values, its settings', then the model
         RunState(**saved_fields(RunState, state)).check()
         return GPT(saved_settings(state["hp"]))
     return read_checkpoint(run_dir, CHECKPOINT_KEYS, check_and_build)
-
 
 def saved_settings(saved: dict) -> Hyperparameters:
     """Settings saved by a run (checkpoint or config.json): every field, its type and range
@@ -1095,7 +1051,6 @@ def saved_settings(saved: dict) -> Hyperparameters:
     check_fields(hp)
     return hp
 
-
 def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
     """The model of a run's checkpoint, with its weights; model.hp holds its settings, with
     changes that keep the weights' shapes (compact=True, say)."""
@@ -1103,7 +1058,6 @@ def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
     model = GPT(replace(saved_settings(ckpt["hp"]), **changes))
     model.load_state_dict(ckpt["model"])
     return model.to(device)
-
 
 def resume_settings(given: dict) -> tuple:
     """-> (hp, checkpoint): the checkpoint's hyperparameters with the given ones on top, none
@@ -1120,7 +1074,6 @@ def resume_settings(given: dict) -> tuple:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
     return hp, ckpt
 
-
 # -----------------------------------------------------------------------------
 # Training loop
 
@@ -1131,13 +1084,11 @@ def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
         return batch
     return batch.pin_memory().to(device, non_blocking=True)
 
-
 def route_sums(route: dict, router: Router) -> dict:
     """Per-layer sums over the tokens of a forward pass, float64 (L,) per key, detached: the
     tokens that ran each block and each MLP, and the router's `means` (made means later)."""
     keys = {"block_active": "block", "mlp_active": "mlp", **router.means}
     return {name: route[key].detach().double().sum(dim=(1, 2)) for name, key in keys.items()}
-
 
 @torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
@@ -1163,9 +1114,7 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
                 fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none", compact=False)),
                 fwd_flops_per_seq=fwd * hp.seq_len)
 
-
 PACK = 128  # compiled compact blocks: packed lengths are multiples of this
-
 
 def compile_model(raw: GPT) -> nn.Module:
     """torch.compile where it stays compiled. A dense path compiles as one graph: the whole
@@ -1180,11 +1129,9 @@ def compile_model(raw: GPT) -> nn.Module:
         block.dense, block.pack = torch.compile(block.dense, dynamic=False), PACK
     return raw if raw.hp.compact else torch.compile(raw)
 
-
 def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
                              eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=True)
-
 
 def param_groups(raw: GPT) -> list:
     """AdamW groups: everything outside the blocks, then one group per block with the router's
@@ -1193,7 +1140,6 @@ def param_groups(raw: GPT) -> list:
     inside = {id(p) for group in groups for p in group}
     rest = [p for p in raw.parameters() if id(p) not in inside]
     return [{"params": params} for params in [rest] + groups]
-
 
 def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
     """Refuse settings that cannot train here, before anything is written."""
@@ -1213,7 +1159,6 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
         raise UserError(f"stop_step={job.stop_step} is not after the checkpoint's step "
                         f"{ckpt['step']}")
 
-
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
     validation tokens, and the checkpoint's data position (if any) in these shards."""
@@ -1228,7 +1173,6 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     if ckpt is not None:
         train_loader.check_position(ckpt["loader"])
     return train_loader, val_loader
-
 
 def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = ()) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
@@ -1317,7 +1261,6 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
         log.close()
     return run_dir
 
-
 def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: DistributedLoader,
             cuda: bool) -> RunState:
     """Weights, optimiser, routing state, data position, random state and clock from a
@@ -1340,13 +1283,11 @@ def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: Di
     loader.restore(ckpt["loader"])
     return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
 
-
 def agreed_signal(stop, d: Dist) -> int:
     """The highest signal number any rank got (0: none), so that every rank stops at the same
     step boundary, or the others would hang (a scheduler may signal some ranks only)."""
     return int(all_reduce(torch.tensor(  # (one process: no collective, no copy)
         float(stop.signum), device=d.device if d.world > 1 else "cpu"), "max"))
-
 
 class Warmup:
     """The clock: a job's first `untimed` steps are warm-up (compilation included), logged once
@@ -1374,7 +1315,6 @@ class Warmup:
         self.log.record({"kind": "warmup", "step": run.step, "steps": run.step - self.start,
                          "warmup_ms": self.ms})
 
-
 def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int):
     """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
     run.bad_steps += 1
@@ -1383,7 +1323,6 @@ def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int):
                          f"checkpoint: {STOP.last_ckpt}")
     log.print(f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
               f"max_bad_steps={max_bad_steps})")
-
 
 def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, steps: int,
              stats: dict, lrs: list, step_ms: float, peak: float, world: int):
@@ -1400,7 +1339,6 @@ def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, st
     log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
                 "train_loss": stats["lm_loss"][0], "total_loss": stats["total_loss"][0],
                 "lr": lrs[0], "layer_lr": lrs[1:], "step_ms": step_ms, **means})
-
 
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
     """One optimiser step over the global batch, applied only when the loss is finite. ->
@@ -1440,7 +1378,6 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
     opt.zero_grad(set_to_none=True)
     return sums
 
-
 def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: int):
     log.print(f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
               f"fwd_flops/token:{v['fwd_flops_per_token']:.4g} "
@@ -1450,7 +1387,6 @@ def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: i
         log.print(line)
     log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
     log.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
-
 
 # -----------------------------------------------------------------------------
 # main
@@ -1474,7 +1410,6 @@ def main(argv):
         finally:
             release_locks()  # the job is over (in a test, the process goes on)
             d.close()
-
 
 if __name__ == "__main__":
     sys.exit(cli(main, sys.argv[1:]))
