@@ -28,7 +28,7 @@ class Interrupted(KeyboardInterrupt):
 def interrupted(signum, _frame):
     raise Interrupted(signum)
 
-def cli(main, argv, before_error=None) -> int:
+def cli(main, argv) -> int:
     """main(argv) as a command: 0, 2 for bad input (a UserError, an OS error on a user's path),
     1 for a full disk (not bad input) or RunStopped, 128+N on signal N; at most one error line.
     Once a training job has a run directory (STOP.last_ckpt), its error line names that."""
@@ -42,8 +42,6 @@ def cli(main, argv, before_error=None) -> int:
         except OSError:  # what stdout could not take is lost: drop it, so that the flush at
             with contextlib.suppress(OSError, ValueError):  # exit adds no second message
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        if before_error is not None:
-            before_error()
         sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
         sys.stderr.flush()
         return status
@@ -433,7 +431,7 @@ def saved_before(run_dir: str) -> str:
         for line in f:
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
                 m = json.loads(line)
-                steps += [m["step"]] if m["kind"] == "checkpoint" else []
+                steps += [m["step"]] if m["kind"] == "checkpoint" and type(m["step"]) is int else []
     return f"its metrics.jsonl records a checkpoint saved at step {max(steps)}" if steps else ""
 
 def run_to_resume(run_dir: str, load, settings) -> tuple:
@@ -579,7 +577,7 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
                 os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
         except OSError as e:
             raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
-        print(f"{run_dir} held a run that stopped before its first checkpoint; its files are "
+        print(f"{run_dir} held a run with no checkpoint on record; its files are "
               f"in {aside}", file=sys.stderr)
     return run_dir
 
