@@ -28,7 +28,7 @@ class Interrupted(KeyboardInterrupt):
 def interrupted(signum, _frame):
     raise Interrupted(signum)
 
-def cli(main, argv) -> int:
+def cli(main, argv, before_error=None) -> int:
     """main(argv) as a command: 0, 2 for bad input (a UserError, an OS error on a user's path),
     1 for a full disk (not bad input) or RunStopped, 128+N on signal N; at most one error line.
     Once a training job has a run directory (STOP.last_ckpt), its error line names that."""
@@ -42,6 +42,8 @@ def cli(main, argv) -> int:
         except OSError:  # what stdout could not take is lost: drop it, so that the flush at
             with contextlib.suppress(OSError, ValueError):  # exit adds no second message
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if before_error is not None:  # e.g. the tokenizer ends its progress line first
+            before_error()
         sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
         sys.stderr.flush()
         return status

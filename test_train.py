@@ -2856,7 +2856,7 @@ def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, at
     model = tg.compile_model(raw)
     active = set()
     for step in range(20):  # training: a new batch, the router's loss and update each step
-        idx = torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(step))
+        idx = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(step))
         with torch.set_grad_enabled(attn == "sdpa"):
             out = model(idx, targets=torch.roll(idx, -1, 1))
             reg, sums = raw.router.loss(out.route, step)
