@@ -56,8 +56,10 @@ def cli(main, argv, before_error=None) -> int:
         if STOP.last_ckpt is None:
             return status
         text = "interrupted by a second signal"
-    except UserError as e:
-        return fail(str(e), 2)
+    except UserError as e:  # once a job has its run directory, a failure mid-run (a bad shard)
+        if STOP.last_ckpt is None:
+            return fail(str(e), 2)
+        text, status = str(e), 1
     except RunStopped as e:
         return fail(str(e), 1)
     except OSError as e:
@@ -183,7 +185,7 @@ def saved_fields(cls, saved) -> dict:
             raise UserError(f"it lacks the setting {f.name!r}")
         value, kind = saved[f.name], type(getattr(defaults, f.name))
         if kind is float and type(value) is int:
-            value = float(value)
+            value = float(value) if abs(value) < 2**1024 else math.inf  # checked as any float
         if type(value) is not kind:
             raise UserError(f"saved {f.name}={value!r} is not of type {kind.__name__}")
         out[f.name] = value
@@ -369,6 +371,8 @@ def write_atomically(path: str, data: bytes):
 
 def read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.json")
+    if os.path.lexists(path) and not os.path.isfile(path):  # (a named pipe would hang open())
+        raise UserError(f"{path} is {kind_of(path)}, not a file")
     try:
         with open(path) as f:
             config = json.load(f)
@@ -428,8 +432,8 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
 
 def saved_before(run_dir: str) -> str:
     """An error line's clause if RUN_DIR's metrics.jsonl records a saved checkpoint, else ""."""
-    steps = []
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
+    steps, path = [], os.path.join(run_dir, "metrics.jsonl")
+    with contextlib.suppress(OSError), open(path if os.path.isfile(path) else os.devnull, "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
                 m = json.loads(line)
@@ -555,7 +559,10 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     the one read (mtime). A run that never saved starts afresh, its files kept in aborted_<k>/."""
     writable_dir(run_dir or "logs")  # before anything is written, folders and lock included:
     run_dir = run_dir or new_run_dir(name)  # a full disk or a read-only folder is an error
-    if not resuming:                        # line, with nothing left behind
+    for path in (os.path.join(run_dir, n) for n in LOGS):  # line, with nothing left behind
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise UserError(f"{path} is {kind_of(path)}, not a file")
+    if not resuming:
         refuse_a_run_that_saved(run_dir)
     lock_run_dir(run_dir)
     path = os.path.join(run_dir, CHECKPOINT)
@@ -622,6 +629,9 @@ class RunLog:
                             m = json.loads(line)
                             last = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
                             kept += line if m["step"] <= last else b""
+                record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
+                if record not in kept.splitlines(keepends=True):  # killed before it was written
+                    kept += record
                 write_atomically(metrics, kept)
             for name in SOURCES if new_log or not previous else changed:  # in full, as they ran
                 with open(os.path.join(HERE, name)) as f:  # the trainer's first, unmarked

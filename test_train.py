@@ -1279,9 +1279,11 @@ def bad_inputs(tmp_path):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     settings = {**asdict(tg.Hyperparameters()), "run_id": "ab12"}
     for name, config in (("list_config", [1, 2]), ("typed_config", {**settings, "beta1": "x"}),
-                         ("bare_config", {"run_id": "ab12"})):
+                         ("bare_config", {"run_id": "ab12"}), ("huge_config", {**settings, "lr": 10**400})):
         (tmp_path / name).mkdir()  # a run that stopped before its checkpoint, its config edited
         (tmp_path / name / "config.json").write_text(json.dumps(config))
+    (tmp_path / "pipe_run").mkdir()  # where a run's file belongs: a named pipe (open() would wait)
+    os.mkfifo(tmp_path / "pipe_run" / "config.json")
     unreadable = [(smoke + ["--train_files=/proc/self/mem"], "/proc/self/mem: Input/output error")
                   ] if os.path.exists("/proc/self/mem") else []  # a read error (Linux)
     flex_cpu = unreadable + ([] if torch.cuda.is_available() else [
@@ -1323,6 +1325,10 @@ def bad_inputs(tmp_path):
         ([f"--resume={tmp_path}/list_config"], "list_config/config.json: not a run's config"),
         ([f"--resume={tmp_path}/typed_config"], "typed_config/config.json: saved beta1='x' is not of type float"),
         ([f"--resume={tmp_path}/bare_config"], "bare_config/config.json: it lacks the setting 'train_files'"),
+        ([f"--resume={tmp_path}/huge_config"], "huge_config/config.json: lr=inf must lie in (0, inf)"),
+        ([f"--resume={tmp_path}/pipe_run"], "pipe_run/config.json is a named pipe, not a file"),
+        (smoke + [f"--run_dir={tmp_path}/pipe_run"], "pipe_run/config.json is a named pipe, not a file"),
+        ([f"--resume={tmp_path}/bare_config", "--preset=smoke"], "--preset starts a new run"),
     ]
 
 
@@ -1672,6 +1678,17 @@ def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(t
     assert train == list(range(1, step + 2))  # each step once
 
 
+def test_a_bad_shard_met_mid_run_is_status_1_naming_the_last_checkpoint(tmp_path, capsys):
+    sample = shards.read_shard(sorted(glob.glob(os.path.join(HERE, "data/sample/sample_train_*")))[0])
+    write_shard(tmp_path / "t_000001.bin", sample[:1300])  # 5 steps of 8 x 32 tokens
+    write_shard(tmp_path / "t_000002.bin", [60000] * 1300)  # outside the vocabulary: found on load
+    code, _, err = run_main(RESUME_RUN + [f"--train_files={tmp_path}/t_*.bin", "--save_every=2",
+                                          f"--run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {tmp_path}/t_000002.bin: token id 60000 is outside") and \
+        err.endswith(f"; last checkpoint: {tmp_path / 'run' / 'checkpoint.pt'} (step 4)\n"), err
+
+
 def test_a_non_finite_update_never_replaces_the_checkpoint(tmp_path, monkeypatch, capsys):
     real = torch.optim.AdamW.step
     calls = [0]
@@ -1789,15 +1806,26 @@ def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(t
     assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
 
 
-def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(tmp_path, capsys):
+def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(tmp_path, monkeypatch,
+                                                                          capsys):
     code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 0, err
-    (tmp_path / "metrics.jsonl").unlink()
-    (tmp_path / "metrics.jsonl").mkdir()  # the run directory exists: not bad input any more
+    files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}  # noqa: E731
+    before = files()
+    (tmp_path / "metrics.jsonl").rename(tmp_path / "m")
+    (tmp_path / "metrics.jsonl").mkdir()  # a folder where a log belongs: bad input, refused
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)
-    assert (code, err) == (1, f"error: cannot write the run's logs ({tmp_path / 'metrics.jsonl'}: "
-                              f"Is a directory); last checkpoint: {tmp_path / 'checkpoint.pt'} "
-                              f"(step 2)\n")
+    assert (code, err) == (2, f"error: {tmp_path / 'metrics.jsonl'} is a folder, not a file\n")
+    (tmp_path / "metrics.jsonl").rmdir()
+    (tmp_path / "m").rename(tmp_path / "metrics.jsonl")
+    assert files() == before  # nothing written
+    def full(self, run_dir, *args, **kwargs):  # the disk fills as the logs are opened
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(run_dir, "train.log"))
+    monkeypatch.setattr(support.RunLog, "__init__", full)
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert (code, err) == (1, f"error: cannot write the run's logs ({tmp_path / 'train.log'}: "
+                              f"No space left on device); last checkpoint: "
+                              f"{tmp_path / 'checkpoint.pt'} (step 2)\n")
 
 
 def test_a_checkpoint_from_another_run_or_shape_is_refused(tmp_path, capsys):

@@ -1066,6 +1066,8 @@ def resume_settings(given: dict) -> tuple:
     run_dir = given["resume"]
     if given.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
+    if "preset" in given:  # it would lay a new run's settings over the resumed run's
+        raise UserError("--preset starts a new run; a resume keeps its run's settings (drop it)")
     base, ckpt = run_to_resume(run_dir, load_checkpoint, saved_settings)
     hp = resolve(given, base)
     changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in FIXED
@@ -1249,9 +1251,9 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
             why = f"signal {signal.Signals(signum).name}" if signum else "stop_step"
             owed = "" if run.val_done == run.step or not val_due else " (its validation is still owed)"
             log.print(f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
-                      f"resume with: {d.launcher} --resume={run_dir}")
+                      f"resume with: {d.launcher} --resume={shlex.quote(run_dir)}")
         elif run.step == start:
-            log.print(f"the run is complete at step {run.step}; nothing to do")
+            log.print(f"the run is complete at step {run.step}")
         if cuda:
             log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
     except RunStopped as e:
