@@ -185,7 +185,7 @@ def saved_fields(cls, saved) -> dict:
             raise UserError(f"it lacks the setting {f.name!r}")
         value, kind = saved[f.name], type(getattr(defaults, f.name))
         if kind is float and type(value) is int:
-            value = float(value) if abs(value) < 2**1024 else math.inf  # checked as any float
+            value = float(value) if abs(value) <= sys.float_info.max else math.inf  # then refused
         if type(value) is not kind:
             raise UserError(f"saved {f.name}={value!r} is not of type {kind.__name__}")
         out[f.name] = value
