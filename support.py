@@ -523,17 +523,20 @@ LOCK = "lock"
 held_locks = []  # the open lock files of this process: closing one (or exiting) releases it
 
 def lock_run_dir(run_dir: str):
-    """An exclusive flock on RUN_DIR/lock, which the kernel drops however the process ends (on
-    local file systems; some network ones ignore flock)."""
+    """An exclusive flock on the folder RUN_DIR itself (deleting its lock file frees nothing),
+    which the kernel drops however the process ends (on local file systems; some network ones
+    ignore flock); RUN_DIR/lock says who holds it."""
     import fcntl
     try:
         os.makedirs(run_dir, exist_ok=True)
+        folder = os.open(run_dir, os.O_RDONLY)
         f = open(os.path.join(run_dir, LOCK), "a+")
     except OSError as e:
         refuse(e, run_dir, "use run_dir")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        os.close(folder)
         f.seek(0)
         holder = f.read().strip() or "another job"
         f.close()
@@ -541,11 +544,13 @@ def lock_run_dir(run_dir: str):
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {platform.node()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
-    held_locks.append(f)
+    held_locks.append((folder, f))
 
 def release_locks():
     while held_locks:  # the job is over (in a test, the process goes on)
-        held_locks.pop().close()
+        folder, f = held_locks.pop()
+        os.close(folder)
+        f.close()
 
 LOGS = ("train.log", "metrics.jsonl", "config.json")
 

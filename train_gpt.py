@@ -1190,6 +1190,9 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
     run = (restore(ckpt, hp, job, raw, opt, train_loader, cuda) if ckpt is not None
            else RunState(run_id=os.urandom(8).hex()))
     start = run.step
+    if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
+        print(f"the run is complete at step {start}")
+        return job.run_dir
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt is not None,
                                                 ckpt["mtime"] if ckpt else None))
