@@ -413,13 +413,6 @@ class GateController(nn.Module):
             elif self.kind == "adaptive":
                 coef += self.gamma * torch.sign(dev)
 
-    def coefficients(self) -> dict:
-        return {"alpha": self.alpha.cpu(), "beta": self.beta.cpu()}  # (a copy: a new tensor)
-
-    def load_coefficients(self, state):
-        self.alpha.copy_(state["alpha"])
-        self.beta.copy_(state["beta"])
-
 class SkipMiddle(Router):
     """The paper's router (Sections 2.1-2.4). Block l < L/2 reads a gate s_l = ReLU(w.h + b)
     (eq. 1) from the stream entering it; g_l = 1 - clamp(sum_{k<=l} s_k, 0, 1) (eq. 2) scales
@@ -493,10 +486,11 @@ class SkipMiddle(Router):
         return [1 - m for m in mean_targets(self.hp).tolist()]
 
     def routing_state(self):
-        return {"controller": self.ctrl.coefficients()}
+        return {"controller": {k: getattr(self.ctrl, k).cpu().clone() for k in ("alpha", "beta")}}
 
     def load_routing_state(self, state):
-        self.ctrl.load_coefficients(state["controller"])
+        for k in ("alpha", "beta"):
+            getattr(self.ctrl, k).copy_(state["controller"][k])
 
 class DLO(Router):
     """DLO (Tan et al. 2024, Section 3): attention always runs; the MLP runs for the tokens the
