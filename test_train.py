@@ -2867,11 +2867,11 @@ def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
     *[("sdpa", r, c) for r, c in [("none", False), ("skip_middle", False), ("skip_middle", True),
                                   ("dlo", False), ("dlo", True), ("mod", False), ("mod", True)]],
     ("flex", "skip_middle", False), ("flex", "mod", False)])  # Flex: a score_mod, and key masks
-def test_a_compiled_model_stays_compiled_at_the_papers_depth(router, compact, attn, monkeypatch):
-    # graph breaks and recompiles are dynamo's decisions, the same on CPU and CUDA: traced here
-    # with the eager backend, dynamo told to fail where it would give up (its recompile limit).
-    # Flex, CUDA's attention, has no backward on CPU: its training steps run forward only, at 4
-    # layers (what differs from SDPA is inside a block; the depth is SDPA's cases' to check)
+def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch):
+    # at the paper's depth (12 layers): graph breaks and recompiles are dynamo's decisions, the
+    # same on CPU and CUDA: traced here with the eager backend, dynamo told to fail where it
+    # would give up (its recompile limit). Flex, CUDA's attention, has no backward on CPU: its
+    # training steps run forward only, at 4 layers (what differs from SDPA is inside a block)
     import torch._dynamo
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{"backend": "eager", **kw}))
