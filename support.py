@@ -371,8 +371,8 @@ def write_atomically(path: str, data: bytes):
 
 def read_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "config.json")
-    if os.path.lexists(path) and not os.path.isfile(path):  # (a named pipe would hang open())
-        raise UserError(f"{path} is {kind_of(path)}, not a file")
+    if os.path.lexists(path):  # (a named pipe there would hang open())
+        need(path, "a file")
     try:
         with open(path) as f:
             config = json.load(f)
@@ -433,7 +433,9 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
 def saved_before(run_dir: str) -> str:
     """An error line's clause if RUN_DIR's metrics.jsonl records a saved checkpoint, else ""."""
     steps, path = [], os.path.join(run_dir, "metrics.jsonl")
-    with contextlib.suppress(OSError), open(path if os.path.isfile(path) else os.devnull, "rb") as f:
+    if not os.path.isfile(path):  # none, or not a file (a named pipe would hang open())
+        return ""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
                 m = json.loads(line)
@@ -565,8 +567,8 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     writable_dir(run_dir or "logs")  # before anything is written, folders and lock included:
     run_dir = run_dir or new_run_dir(name)  # a full disk or a read-only folder is an error
     for path in (os.path.join(run_dir, n) for n in LOGS):  # line, with nothing left behind
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise UserError(f"{path} is {kind_of(path)}, not a file")
+        if os.path.lexists(path):  # a folder or a named pipe there is bad input
+            need(path, "a file")
     if not resuming:
         refuse_a_run_that_saved(run_dir)
     lock_run_dir(run_dir)
