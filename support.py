@@ -1,26 +1,22 @@
-"""What train_gpt.py and the commands beside it share that is not training. torch is imported only
-in the functions that use it: the data scripts import this module too, and start at once.
-  - Command lines: cli() (exit statuses; a UserError is one `error: ...` line, status 2),
-    ArgParser and its types; the trainer's options, fields of dataclasses (parse_fields).
-  - Files written whole or not at all (write_atomically), folders proven writable first
-    (writable_dir), a full disk its own error (DISK_FULL), paths named by what is there
-    (kind_of, need); checkpoints saved only with finite weights, and checked when read.
-  - Run directories: a fresh one per run, locked while a job uses it, its logs (RunLog).
-  - Stop signals (STOP): a checkpoint at the next step; ignored after the final save.
-  - Processes: the ranks of a torchrun job (Dist) and the sums all ranks agree on."""
+"""What train_gpt.py and the commands beside it share that is not training: command lines and
+their errors, dataclass fields as options, files written whole, run directories and their
+logs, stop signals, the ranks of a torchrun job. torch is imported only inside the functions
+that use it: the data scripts import this module too, and start at once."""
 
 import argparse, contextlib, errno, functools, glob, hashlib, inspect, json, math, os, platform
-import re, signal, subprocess, sys, tempfile, time
+import re, signal, stat, subprocess, sys, tempfile, time
 from dataclasses import dataclass, fields
 
 # -----------------------------------------------------------------------------
-# Command lines
+# Command lines: exit statuses, options, dataclass fields
 
 class UserError(Exception):
     """Bad input from the user: one `error: <message>` line, exit status 2."""
 
+class RunStopped(Exception):
+    """A training job cannot go on; its message names the last checkpoint. Exit status 1."""
+
 class Interrupted(KeyboardInterrupt):
-    """A SAVE_SIGNALS signal outside training (the trainer handles them itself, StopSignal)."""
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -28,47 +24,39 @@ class Interrupted(KeyboardInterrupt):
 def interrupted(signum, _frame):
     raise Interrupted(signum)
 
-def cli(main, argv, before_error=None) -> int:
-    """main(argv) as a command: 0, 2 for bad input (a UserError, an OS error on a user's path),
-    1 for a full disk (not bad input) or RunStopped, 128+N on signal N; at most one error line.
-    Once a training job has a run directory (STOP.last_ckpt), its error line names that."""
-    for sig in SAVE_SIGNALS:  # each unwinds (KeyboardInterrupt): a command takes back what it
-        signal.signal(sig, interrupted)  # was writing, then exits 128+N
-    STOP.last_ckpt = None  # (tests run several commands in one process)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 
-    def fail(text: str, status: int) -> int:
-        try:
-            sys.stdout.flush()
-        except OSError:  # what stdout could not take is lost: drop it, so that the flush at
-            with contextlib.suppress(OSError, ValueError):  # exit adds no second message
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        if before_error is not None:  # e.g. the tokenizer ends its progress line first
-            before_error()
-        sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
-        sys.stderr.flush()
-        return status
+def cli(main, argv, before_error=None) -> int:
+    """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
+    full disk, RunStopped, or a failure once a training job has a run directory (then the
+    line names STOP.last_ckpt); 128+N on signal N. At most one error line."""
+    for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
+        signal.signal(sig, interrupted)
+    STOP.last_ckpt = None  # (tests run several commands in one process)
     try:
         main(argv)
         sys.stdout.flush()
         return 0
     except KeyboardInterrupt as e:
-        status = 128 + getattr(e, "signum", signal.SIGINT)
-        if STOP.last_ckpt is None:
+        status, text, ckpt = 128 + getattr(e, "signum", signal.SIGINT), "interrupted by a second signal", STOP.last_ckpt
+        if ckpt is None:
             return status
-        text = "interrupted by a second signal"
-    except UserError as e:  # once a job has its run directory, a failure mid-run (a bad shard)
-        if STOP.last_ckpt is None:
-            return fail(str(e), 2)
-        text, status = str(e), 1
     except RunStopped as e:
-        return fail(str(e), 1)
-    except OSError as e:
-        if STOP.last_ckpt is None:
-            return fail(os_error_text(e), 1 if e.errno in DISK_FULL else 2)
-        text, status = os_error_text(e), 1
-    return fail(f"{text}; last checkpoint: {STOP.last_ckpt}", status)
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
+        status, text, ckpt = 1, str(e), None  # it names the checkpoint itself
+    except (UserError, OSError) as e:
+        ckpt, text = STOP.last_ckpt, os_error_text(e)
+        status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
+    text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
+    try:
+        sys.stdout.flush()
+    except OSError:  # what stdout could not take is lost: drop it, or the flush at exit
+        with contextlib.suppress(OSError, ValueError):  # would add a second message
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if before_error is not None:  # e.g. the tokenizer ends its progress line first
+        before_error()
+    sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
+    sys.stderr.flush()
+    return status
 
 def os_error_text(e: Exception) -> str:
     """An OS error as an error line says it: the file, if known, then what went wrong."""
@@ -77,8 +65,8 @@ def os_error_text(e: Exception) -> str:
     return f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
 
 def exit_quietly_on_signals():
-    """Before a script loads torch (seconds), a signal exits at once, 128+N, no traceback: os._exit,
-    as an exception in a half-done C-extension import may be caught and the import retried."""
+    """Before a script loads torch (seconds), a signal exits at once, 128+N, no traceback:
+    os._exit, as an exception in a half-done C-extension import may be caught and retried."""
     for sig in SAVE_SIGNALS:
         signal.signal(sig, lambda signum, _: os._exit(128 + signum))
 
@@ -88,11 +76,9 @@ def parse_bool(text: str) -> bool:
         raise argparse.ArgumentTypeError(f"expected bool (1/0/true/false/yes/no), got {text!r}")
     return text.lower() in ("1", "true", "yes")
 
-FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, 3.4028234663852886e38  # float32's normal range
-
 def float32_safe(value: float) -> bool:
-    """0 or a normal float32, where the numbers are used (1e-50 would become 0, 1e39 infinity)."""
-    return value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX
+    """0 or a normal float32, where the numbers are used (1e-50 would become 0, 1e39 inf)."""
+    return value == 0 or 2.0 ** -126 <= abs(value) <= 3.4028234663852886e38
 
 def in_range(kind, low, high=math.inf):
     """argparse type= for a finite `kind` in [low, high] (a float also float32_safe); the bounds
@@ -100,8 +86,7 @@ def in_range(kind, low, high=math.inf):
     def convert(text: str):
         with contextlib.suppress(ValueError, OverflowError):
             value = kind(text)
-            fits = kind is int or float32_safe(value)
-            if math.isfinite(value) and low <= value <= high and fits:
+            if math.isfinite(value) and low <= value <= high and (kind is int or float32_safe(value)):
                 return value
         size = "" if kind is int else ", 0 or of float32 size"
         raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}]{size}, "
@@ -110,13 +95,12 @@ def in_range(kind, low, high=math.inf):
     return convert
 
 def nonempty(text: str) -> str:
-    """argparse type= for a name that may not be empty."""
     if not text:
         raise argparse.ArgumentTypeError("expected a non-empty value")
     return text
 
 def path_arg(text: str) -> str:
-    """argparse type= for a file or folder: not empty (what is there is checked where used)."""
+    """A file or folder: not empty here; what is there is checked where it is used."""
     return nonempty(text)
 
 def check_device(name: str) -> str:
@@ -126,12 +110,12 @@ def check_device(name: str) -> str:
         dev = torch.device(name)
     except RuntimeError:
         raise UserError(f"--device={name}: not a device name (cpu, cuda or cuda:K)") from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"--device={name}: only cpu and cuda are supported")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device={name}: no CUDA device is available here")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"--device={name}: there are {torch.cuda.device_count()} CUDA devices")
+    if dev.type == "cuda" and (dev.index or 0) >= count:
+        raise UserError(f"--device={name}: " + (f"there are {count} CUDA devices" if count else
+                                                "no CUDA device is available here"))
     return name
 
 class ArgParser(argparse.ArgumentParser):
@@ -143,47 +127,42 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
-def _parse_value(name: str, text: str, default):
-    kind = type(default)
-    if not text:
-        raise UserError(f"--{name}=: expected a value (leave the field out for its default)")
-    try:
-        if kind is bool:
-            return parse_bool(text)
-        if kind is int:  # 10_000 and 1e6 are integers too; 1e6 only while float is exact
-            with contextlib.suppress(ValueError):
-                return int(text)
-            value = float(text.replace("_", ""))
-            if not (value.is_integer() and abs(value) <= 2**53):
-                raise ValueError
-            return int(value)
-        return kind(text)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
-
 def parse_fields(classes, argv) -> dict:
-    """--field=value pairs for the fields of the dataclasses, each typed against its default."""
+    """--field=value pairs for the fields of the dataclasses, each typed against its default
+    (an int may be written 10_000, or 1e6 while a float holds it exactly)."""
     defaults = {f.name: getattr(cls(), f.name) for cls in classes for f in fields(cls)}
-    overrides = {}
+    given = {}
     for arg in argv:
-        if not arg.startswith("--") or "=" not in arg:
+        name, eq, text = arg[2:].partition("=")
+        if not arg.startswith("--") or not eq:
             raise UserError(f"bad argument {arg!r}: use --field=value")
-        name, text = arg[2:].split("=", 1)
         if name not in defaults:
             raise UserError(f"unknown field {name!r}; valid fields: {', '.join(defaults)}")
-        overrides[name] = _parse_value(name, text, defaults[name])
-    return overrides
+        kind = type(defaults[name])
+        if not text:
+            raise UserError(f"--{name}=: expected a value (leave the field out for its default)")
+        try:
+            if kind is int and not re.fullmatch(r"[-+]?[\d_]+", text.strip()):
+                value = float(text.replace("_", ""))
+                if not (value.is_integer() and abs(value) <= 2**53):
+                    raise ValueError
+                given[name] = int(value)
+            else:
+                given[name] = parse_bool(text) if kind is bool else kind(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
+    return given
 
 def saved_fields(cls, saved) -> dict:
     """The fields of dataclass cls in saved (read from a run's files), others dropped; a missing
     or mistyped one (an int may stand for a float) is a UserError: no default stands in."""
     if not isinstance(saved, dict):
         raise UserError(f"saved settings are {type(saved).__name__}, not an object")
-    defaults, out = cls(), {}
+    out = {}
     for f in fields(cls):
         if f.name not in saved:
             raise UserError(f"it lacks the setting {f.name!r}")
-        value, kind = saved[f.name], type(getattr(defaults, f.name))
+        value, kind = saved[f.name], type(getattr(cls(), f.name))
         if kind is float and type(value) is int:
             value = float(value) if abs(value) <= sys.float_info.max else math.inf  # then refused
         if type(value) is not kind:
@@ -204,8 +183,7 @@ def field_facts(cls) -> dict:
             group = comment or group
         elif name := re.match(r"(\w+): \w+ = ", code):  # a field's line
             spec = SPEC.match(comment)
-            rest = comment[spec.end():].strip() if spec else comment
-            facts[name[1]] = (group, spec[0] if spec else "", rest)
+            facts[name[1]] = (group, spec[0] if spec else "", comment[spec.end() if spec else 0:].strip())
     return facts
 
 def field_help(cls) -> list:
@@ -257,34 +235,21 @@ def machine_memory() -> int:
     return 2**62
 
 # -----------------------------------------------------------------------------
-# Files and checkpoints
+# Files: named by what is there, proven writable first, written whole or not at all
+
+KINDS = {stat.S_IFREG: "a file", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket"}
 
 def kind_of(path: str) -> str:
     """What is at path, for an error line: 'a file', 'a folder', ..., 'nothing'."""
-    import stat
     try:
-        mode = os.stat(path).st_mode
+        return KINDS.get(stat.S_IFMT(os.stat(path).st_mode), "not a file")
     except OSError as e:
         if e.errno == errno.ELOOP:
             return "a symbolic link loop"
         if os.path.islink(path):
             return "a broken symbolic link"
-        missing = e.errno in (errno.ENOENT, errno.ENOTDIR)
-        return "nothing" if missing else (e.strerror or str(e)).lower()
-    for test, kind in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "not a file"
-
-PROBE_BYTES = 1 << 20
-
-def refuse(e: OSError, path: str, doing: str = "write to"):
-    """An OS error on a user's path: a full disk stays one (status 1), else a UserError (2)."""
-    if e.errno in DISK_FULL:
-        raise OSError(e.errno, e.strerror, path) from None
-    raise UserError(f"cannot {doing} {path}: {e.strerror or e}") from None
+        return "nothing" if e.errno in (errno.ENOENT, errno.ENOTDIR) else (e.strerror or str(e)).lower()
 
 def need(path: str, kind: str) -> str:
     """path, if it is kind ('a file' or 'a folder'); else a UserError saying what is there."""
@@ -294,28 +259,30 @@ def need(path: str, kind: str) -> str:
                         f"{path} is {found}, not {kind}")
     return path
 
+def refuse(e: OSError, path: str, doing: str = "write to"):
+    """An OS error on a user's path: a full disk stays one (status 1), else a UserError (2)."""
+    if e.errno in DISK_FULL:
+        raise OSError(e.errno, e.strerror, path) from None
+    raise UserError(f"cannot {doing} {path}: {e.strerror or e}") from None
+
+PROBE_BYTES = 1 << 20
+
 def writable_dir(path: str) -> str:
     """Prove before any long work that folder path (or where it would be made) takes PROBE_BYTES,
-    synced (an empty file fits on a full disk). Nothing is left behind, no folder made."""
+    synced (an empty file fits on a full disk), in a nameless file: nothing is left behind."""
     if not path:
         raise UserError("expected a folder, got an empty path")
     made = first_missing(path)
     existing = os.path.dirname(made) if made else os.path.abspath(path)
     if not os.path.isdir(existing):
         raise UserError(f"cannot write to {path}: {existing} is {kind_of(existing)}, not a folder")
-    probe = None
     try:
-        handle, probe = tempfile.mkstemp(dir=existing, prefix=".write_test_")
-        with named(probe), os.fdopen(handle, "wb") as f:
+        with tempfile.TemporaryFile(dir=existing) as f:
             f.write(bytes(PROBE_BYTES))
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
         refuse(e, path)
-    finally:
-        if probe is not None:
-            with contextlib.suppress(OSError):
-                os.remove(probe)
     return path
 
 def first_missing(path: str):
@@ -345,15 +312,16 @@ def named(path: str):
         raise
 
 def write_atomically(path: str, data: bytes):
-    """Write data to path so that a reader sees the old file or all of the new one."""
+    """Write data to path so that a reader sees the old file or all of the new one: a temporary
+    file beside it (mode as open() would give), fsynced, renamed over it, the rename fsynced."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
     handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
     os.close(handle)
-    umask = os.umask(0)  # mkstemp makes the file 0600: give it the mode open() would
+    umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)
         with named(path), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -365,26 +333,29 @@ def write_atomically(path: str, data: bytes):
         raise
     fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(fd)  # make the rename itself durable
+        os.fsync(fd)
     finally:
         os.close(fd)
 
+# -----------------------------------------------------------------------------
+# Checkpoints and what a resume reads
+
+CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
+LOGS = ("train.log", "metrics.jsonl", "config.json")
+
 def read_config(run_dir: str) -> dict:
+    """RUN_DIR/config.json as a dict, None if there is none; anything else a UserError."""
     path = os.path.join(run_dir, "config.json")
-    if os.path.lexists(path):  # (a named pipe there would hang open())
-        need(path, "a file")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
+    try:
+        with open(need(path, "a file")) as f:  # (a named pipe there would hang open())
+            config = json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
     if not isinstance(config, dict):
         raise UserError(f"{path}: not a run's config (a JSON object)")
     return config
-
-CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
 
 def save_checkpoint(run_dir: str, state: dict) -> str:
     """torch.save to RUN_DIR/checkpoint.pt; the previous file stays until the new one is whole."""
@@ -395,17 +366,9 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
     write_atomically(path, buf.getvalue())
     return path
 
-def mismatched_weights(weights: dict, build) -> list:
-    """The names (else the shapes) where weights and build()'s model, made on "meta", differ."""
-    import torch
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in build().state_dict().items()}
-    found = {k: getattr(v, "shape", None) for k, v in weights.items()}
-    return sorted(set(found) ^ set(expected)) or [k for k in expected if found[k] != expected[k]]
-
-def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
-    """RUN_DIR/checkpoint.pt if it loads, holds keys and its weights fit build(state), the model
-    its own settings make (build may refuse malformed records); state["mtime"] is the file's."""
+def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
+    """RUN_DIR/checkpoint.pt if it loads, holds keys and passes check(state) (a UserError for
+    malformed records); state["mtime"] is the file's."""
     import torch
     path = os.path.join(need(run_dir, "a folder"), CHECKPOINT)
     if not os.path.isfile(path):
@@ -415,31 +378,26 @@ def read_checkpoint(run_dir: str, keys: tuple, build) -> dict:
         mtime = os.stat(path).st_mtime_ns
         state = torch.load(path, map_location="cpu", weights_only=True)
         missing = [k for k in keys if k not in state]
-        wrong = [] if missing else mismatched_weights(state["model"], lambda: build(state))
-    except UserError as e:  # build found a record of the wrong type
+        if not missing:
+            check(state)
+    except UserError as e:
         raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
     except Exception as e:  # truncated, overwritten, or from an incompatible version
-        raise UserError(f"{path}: corrupt or incompatible checkpoint "
-                        f"({type(e).__name__})") from None
+        raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
     if missing:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
                         f"version of train_gpt.py?)")
-    if wrong:
-        raise UserError(f"{path}: the weights do not fit the checkpoint's own settings "
-                        f"({', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''})")
-    state["mtime"] = mtime
-    return state
+    return {**state, "mtime": mtime}
 
 def saved_before(run_dir: str) -> str:
     """An error line's clause if RUN_DIR's metrics.jsonl records a saved checkpoint, else ""."""
     steps, path = [], os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):  # none, or not a file (a named pipe would hang open())
-        return ""
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        for line in f:
-            with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
-                m = json.loads(line)
-                steps += [m["step"]] if m["kind"] == "checkpoint" and type(m["step"]) is int else []
+    if os.path.isfile(path):  # (a named pipe would hang open())
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            for line in f:
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
+                    m = json.loads(line)
+                    steps += [m["step"]] if m["kind"] == "checkpoint" and type(m["step"]) is int else []
     return f"its metrics.jsonl records a checkpoint saved at step {max(steps)}" if steps else ""
 
 def run_to_resume(run_dir: str, load, settings) -> tuple:
@@ -484,12 +442,9 @@ def provenance() -> dict:
     def git(*args):
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=20)
-            if r.returncode == 0:
-                return r.stdout.strip()
-        return None
+            return r.stdout.strip() if r.returncode == 0 else None
     commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain")) if commit else None
-    out = {"git_commit": commit, "git_dirty": dirty}
+    out = {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")) if commit else None}
     for name in SOURCES:
         with open(os.path.join(HERE, name), "rb") as f:
             out[f"sha256 {name}"] = hashlib.sha256(f.read()).hexdigest()
@@ -511,8 +466,7 @@ def describe_system() -> str:
 def new_run_dir(name: str) -> str:
     """A fresh logs/<date_time>_<name>_<6 hex>/ (never shared: mkdir refuses an existing one)."""
     while True:
-        stamp = time.strftime("%Y-%m-%d_%H%M%S")
-        path = os.path.join("logs", f"{stamp}_{name}_{os.urandom(3).hex()}")
+        path = os.path.join("logs", f"{time.strftime('%Y-%m-%d_%H%M%S')}_{name}_{os.urandom(3).hex()}")
         try:
             os.makedirs(path)
             return path
@@ -521,18 +475,17 @@ def new_run_dir(name: str) -> str:
         except OSError as e:
             refuse(e, path, "create")
 
-LOCK = "lock"
 held_locks = []  # the open lock files of this process: closing one (or exiting) releases it
 
 def lock_run_dir(run_dir: str):
-    """An exclusive flock on the folder RUN_DIR itself (deleting its lock file frees nothing),
-    which the kernel drops however the process ends (on local file systems; some network ones
-    ignore flock); RUN_DIR/lock says who holds it."""
+    """An exclusive flock on the folder RUN_DIR itself (deleting RUN_DIR/lock, which says who
+    holds it, frees nothing); the kernel drops it however the process ends (on local file
+    systems; some network ones ignore flock)."""
     import fcntl
     try:
         os.makedirs(run_dir, exist_ok=True)
         folder = os.open(run_dir, os.O_RDONLY)
-        f = open(os.path.join(run_dir, LOCK), "a+")
+        f = open(os.path.join(run_dir, "lock"), "a+")
     except OSError as e:
         refuse(e, run_dir, "use run_dir")
     try:
@@ -554,35 +507,28 @@ def release_locks():
         os.close(folder)
         f.close()
 
-LOGS = ("train.log", "metrics.jsonl", "config.json")
-
-def refuse_a_run_that_saved(run_dir: str):
-    if os.path.lexists(os.path.join(run_dir, CHECKPOINT)) or saved_before(run_dir):
-        raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose another "
-                        f"directory, or continue it with train_gpt.py --resume={run_dir}")
-
 def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> str:
     """Choose (default: a new one) and lock the run directory; resuming, its checkpoint must be
     the one read (mtime). A run that never saved starts afresh, its files kept in aborted_<k>/."""
-    writable_dir(run_dir or "logs")  # before anything is written, folders and lock included:
-    run_dir = run_dir or new_run_dir(name)  # a full disk or a read-only folder is an error
-    for path in (os.path.join(run_dir, n) for n in LOGS):  # line, with nothing left behind
+    writable_dir(run_dir or "logs")  # before anything is written, folders and lock included
+    run_dir = run_dir or new_run_dir(name)
+    for path in (os.path.join(run_dir, n) for n in LOGS):
         if os.path.lexists(path):  # a folder or a named pipe there is bad input
             need(path, "a file")
-    if not resuming:
-        refuse_a_run_that_saved(run_dir)
-    lock_run_dir(run_dir)
     path = os.path.join(run_dir, CHECKPOINT)
+    for locked in (False, True):  # checked again under the lock: another job may have saved
+        if not resuming and (os.path.lexists(path) or saved_before(run_dir)):
+            raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose "
+                            f"another directory, or continue it with train_gpt.py --resume={run_dir}")
+        if not locked:
+            lock_run_dir(run_dir)
     for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
-    if resuming:
-        if (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != mtime:
-            raise UserError(f"{path} changed while this job started (another job was using "
-                            f"the run); resume again")
-        return run_dir
-    refuse_a_run_that_saved(run_dir)  # again under the lock: another job may have saved since
-    old = [n for n in LOGS if os.path.exists(os.path.join(run_dir, n))]
+    if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != mtime:
+        raise UserError(f"{path} changed while this job started (another job was using the "
+                        f"run); resume again")
+    old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
     if old:
         k = 1
         while os.path.exists(aside := os.path.join(run_dir, f"aborted_{k}")):
@@ -593,8 +539,8 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
                 os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
         except OSError as e:
             raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
-        print(f"{run_dir} held a run with no checkpoint on record; its files are "
-              f"in {aside}", file=sys.stderr)
+        print(f"{run_dir} held a run with no checkpoint on record; its files are in {aside}",
+              file=sys.stderr)
     return run_dir
 
 def fmt_list(xs) -> str:
@@ -607,8 +553,9 @@ def clock(train_ms: float, timed_steps: int) -> str:
     return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
 
 class RunLog:
-    """train.log, config.json and metrics.jsonl (rank 0 only). A resume appends to train.log and
-    keeps the metrics its checkpoint has seen: each step is there once, even after a crash."""
+    """train.log, config.json and metrics.jsonl (rank 0 only). A resume appends to train.log, the
+    sources that changed in full, and keeps the metrics its checkpoint has seen: each step is
+    there once, even after a crash."""
 
     def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
                  val_done: int = -1):
@@ -617,33 +564,29 @@ class RunLog:
             return
         log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
         previous = (read_config(run_dir) if resumed_at is not None else None) or {}
+        changed = [n for n in SOURCES if previous.get(f"sha256 {n}") != config[f"sha256 {n}"]]
         new_log = resumed_at is None or not os.path.exists(log)
         write_atomically(config_path, json.dumps(config, indent=2).encode())
         with named(log):  # a write error carries no file name
             self.log = open(log, "w" if resumed_at is None else "a")
-            sha = lambda c, n: c.get(f"sha256 {n}")  # noqa: E731
-            changed = [n for n in SOURCES if previous and sha(previous, n) != sha(config, n)]
             if resumed_at is not None:
                 self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
-                if changed:
+                if changed and previous:
                     self.log.write("source changed since the last job: " + "; ".join(
-                        f"{n} sha256 {sha(previous, n)} -> {sha(config, n)}" for n in changed)
-                        + "\n")
-                kept = b""
+                        f"{n} sha256 {previous.get(f'sha256 {n}')} -> {config[f'sha256 {n}']}"
+                        for n in changed) + "\n")
+                kept = []
                 with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
-                    for line in f:  # keep what the checkpoint has seen
+                    for line in f:  # what the checkpoint has seen
                         with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
                             m = json.loads(line)
-                            last = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
-                            kept += line if m["step"] <= last else b""
+                            if m["step"] <= (min(resumed_at, val_done) if m["kind"] == "val" else resumed_at):
+                                kept.append(line)
                 record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
-                if record not in kept.splitlines(keepends=True):  # killed before it was written
-                    kept += record
-                write_atomically(metrics, kept)
-            for name in SOURCES if new_log or not previous else changed:  # in full, as they ran
+                write_atomically(metrics, b"".join(kept + [record] * (record not in kept)))
+            for name in SOURCES if new_log else changed:  # in full, as they ran
                 with open(os.path.join(HERE, name)) as f:  # the trainer's first, unmarked
-                    self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n")
-                                   + f.read())
+                    self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n") + f.read())
             self.metrics = open(metrics, "a")
             dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
             sources = "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
@@ -685,10 +628,9 @@ SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedu
 class StopSignal:
     """SAVE_SIGNALS ask for a checkpoint at the next step; a second one stops at once. Re-entrant:
     held for the whole job. After finish() (the final save) signals are ignored: status 0."""
-    finished = False
 
     def __init__(self):
-        self.signum, self.depth, self.previous = 0, 0, {}
+        self.signum, self.depth, self.previous, self.finished = 0, 0, {}, False
         self.last_ckpt = None  # a training job's last good checkpoint ("none" before its first)
 
     def __call__(self, signum, frame):
@@ -699,8 +641,7 @@ class StopSignal:
     def __enter__(self):
         if self.depth == 0:
             self.signum, self.finished = 0, False
-            for sig in SAVE_SIGNALS:
-                self.previous[sig] = signal.signal(sig, self)
+            self.previous = {sig: signal.signal(sig, self) for sig in SAVE_SIGNALS}
         self.depth += 1
         return self
 
@@ -716,7 +657,7 @@ class StopSignal:
 STOP = StopSignal()  # handlers are installed only inside `with STOP:`
 
 # -----------------------------------------------------------------------------
-# Processes: the distributed state of a training job
+# Processes: the ranks of a training job and what they agree on
 
 @dataclass
 class Dist:
@@ -732,8 +673,7 @@ class Dist:
     @property
     def launcher(self) -> str:
         """How to start the trainer again as this job was started (for "resume with:")."""
-        torchrun = f"torchrun --nproc_per_node={self.world} train_gpt.py"
-        return torchrun if self.world > 1 else "python train_gpt.py"
+        return f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1 else "python train_gpt.py"
 
     def sync(self):
         """Wait for the device's queued work (CUDA runs asynchronously): before timing."""
@@ -752,33 +692,26 @@ class Dist:
             dist.destroy_process_group()
 
     def on_master(self, fn, share: bool = True):
-        """fn() on rank 0, its failure raised on every rank so none waits in a collective for it
-        (a crash: RunStopped elsewhere). share: all get the result (else rank 0: open files)."""
+        """fn() on rank 0; its failure is raised on every rank, so none waits in a collective for
+        it: the same UserError or OSError, else RunStopped. share: all get the result."""
         import torch.distributed as dist
-        result, failure, outcome = None, None, ("ok", "")  # ok | disk | bad (the user's) | crash
+        result, error = None, None
         if self.master:
             try:
                 result = fn()
-            except (UserError, OSError) as e:
-                disk = isinstance(e, OSError) and e.errno in DISK_FULL
-                outcome = (("disk", (e.errno, e.strerror, e.filename)) if disk
-                           else ("bad", os_error_text(e)))
             except Exception as e:
-                failure, outcome = e, ("crash", f"{type(e).__name__}: {e}")
-        box = [outcome, result if share else None]
+                error = e
         if dist.is_initialized():
+            sent = error if error is None or isinstance(error, (UserError, OSError)) else RunStopped(
+                f"rank 0 failed ({type(error).__name__}: {error})" +
+                (f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else ""))
+            box = [sent, result if share else None]
             dist.broadcast_object_list(box, src=0)
-        (kind, message), shared = box
-        if kind == "crash":
-            if failure is not None:
-                raise failure
-            ckpt = f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else ""
-            raise RunStopped(f"rank 0 failed ({message}){ckpt}")
-        if kind == "disk":
-            raise OSError(*message)
-        if kind == "bad":
-            raise UserError(message)
-        return result if self.master else shared
+            if not self.master:
+                error, result = box
+        if error is not None:
+            raise error
+        return result
 
 def setup_distributed() -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
@@ -809,18 +742,13 @@ def all_reduce_sums(sums: dict) -> dict:
     """Each float64 tensor of a dict summed over the ranks, in one collective call."""
     import torch
     flat = all_reduce(torch.cat([t.reshape(-1) for t in sums.values()]))
-    parts = flat.split([t.numel() for t in sums.values()])
-    return {k: part.view_as(t) for (k, t), part in zip(sums.items(), parts)}
-
-class RunStopped(Exception):
-    """A training job cannot go on: cli() prints the message (naming the last checkpoint), 1."""
+    return {k: part.view_as(t) for (k, t), part in zip(sums.items(), flat.split([t.numel() for t in sums.values()]))}
 
 def all_finite(model, opt) -> bool:
     """Whether every weight and every optimiser moment is finite (one host sync)."""
     import torch
-    tensors = [p.detach() for p in model.parameters()]
-    tensors += [v for state in opt.state.values() for v in state.values()
-                if torch.is_tensor(v) and v.is_floating_point()]
+    tensors = [p.detach() for p in model.parameters()] + [
+        v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
     return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
 def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):

@@ -1031,10 +1031,17 @@ def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT",
             "rng": rng_state(next(raw.parameters()).is_cuda)}
 
 def load_checkpoint(run_dir: str) -> dict:
-    def check_and_build(state):  # its counters' types and values, its settings', then the model
-        RunState(**saved_fields(RunState, state)).check()
-        return GPT(saved_settings(state["hp"]))
-    return read_checkpoint(run_dir, CHECKPOINT_KEYS, check_and_build)
+    """RUN_DIR's checkpoint, its counters and settings checked (its weights: load_weights)."""
+    return read_checkpoint(run_dir, CHECKPOINT_KEYS, lambda state: (
+        RunState(**saved_fields(RunState, state)).check(), saved_settings(state["hp"])))
+
+def load_weights(model: "GPT", ckpt: dict, path: str):
+    """The one shape check: strict load_state_dict, against the model the settings make."""
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: the weights do not fit the checkpoint's own settings "
+                        f"({str(e).splitlines()[-1].strip()[:120]})") from None
 
 def saved_settings(saved: dict) -> Hyperparameters:
     """Settings saved by a run (checkpoint or config.json): every field, its type and range
@@ -1050,7 +1057,7 @@ def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
     changes that keep the weights' shapes (compact=True, say)."""
     ckpt = load_checkpoint(run_dir)
     model = GPT(replace(saved_settings(ckpt["hp"]), **changes))
-    model.load_state_dict(ckpt["model"])
+    load_weights(model, ckpt, os.path.join(run_dir, CHECKPOINT))
     return model.to(device)
 
 def resume_settings(given: dict) -> tuple:
@@ -1265,8 +1272,8 @@ def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: Di
     """Weights, optimiser, routing state, data position, random state and clock from a
     checkpoint; an edited or damaged one is a UserError."""
     where = os.path.join(job.run_dir, CHECKPOINT)
+    load_weights(raw, ckpt, where)
     try:
-        raw.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         raw.router.load_routing_state(ckpt["routing"])
         set_rng_state(ckpt["rng"], cuda)
