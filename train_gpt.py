@@ -4,51 +4,49 @@ as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et 
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
 
-Every field of Hyperparameters (the run's settings) and Job (one job's) can be set as
---field=value (--help lists them). Read top to bottom, one banner per part: components; gated
-attention and the block; depth routers (the Router interface, then none, skip_middle with its
-controller, dlo, mod: a fourth router is a subclass there and a line in ROUTERS); the model;
-data; FLOPs; settings; checkpoints and resuming; the training loop; main(). Importing it has
-no side effects. Beside it:
-support.py (command-line conventions, run directories, logs, checkpoint files, signals, the
-ranks of a torchrun job), data/shards.py (the shard format), expand.py (DLO depth expansion),
-sample.py (the KV-cached decoder).
+Every field of Hyperparameters (the run's settings) and Job (one job's) is also --field=value
+(--help lists them). One banner per part, in dependency order: components; gated attention and
+the block; depth routers (a new one is a Router subclass and a line in ROUTERS); the model;
+data; FLOPs; settings; checkpoints; the training loop; main(). Importing it has no side
+effects. support.py holds what is not training (command lines, files, run directories, logs,
+signals, ranks); data/shards.py the shard format; expand.py DLO's depth expansion; sample.py
+the KV-cached decoder.
 
 Deviations from Llama 3 (the paper's base model, Section 3.1):
-  - Sandwich norm x + Norm(Module(Norm(x))) (paper Section 2.3); `sandwich_norm=False`: pre-norm.
+  - Sandwich norm x + Norm(Module(Norm(x))) (Section 2.3); `sandwich_norm=False`: pre-norm.
   - An RMSNorm after the token embedding as well as before the head; untied head.
   - SwiGLU hidden size ffn_mult * dim (3072 at 768), as in the authors' models, not Llama's 2/3.
   - All weights normal(0, 0.02), norms 1, no biases except the gate linears.
 
 Deviations from the paper, and choices where it is ambiguous:
-  - Gate linears are N(0, init_std) with bias 0 like every weight (Section 3.1, and the
-    authors' gated runs): at the paper's width most middle gates are closed at step 0 (tested).
-    `gate_init=zero` (g = 1 everywhere at step 0: the dense model) is kept as an ablation.
+  - Gate linears are N(0, init_std), bias 0, like every weight (Section 3.1; the authors' gated
+    runs): at the paper's width most middle gates start closed. `gate_init=zero` (g = 1: the
+    dense model at step 0) is an ablation.
   - ln g is added to the logit of the *key* j (eq. 3: g_j multiplies exp(q_i k_j)). The
     authors' code indexes it by the query, which softmax cancels, so their attention was never
     gated; `gate_axis=query` reproduces that (no compact path: a skipped token is still a key).
-  - ReLU in eq. 1 is clamp(z, min=0): the same forward, but subgradient 1 at z = 0. With
-    relu's 0, `gate_init=zero` gates (every z exactly 0) would never get a gradient.
+  - ReLU in eq. 1 is clamp(z, min=0): the same forward, but subgradient 1 at z = 0, so that
+    `gate_init=zero` gates (every z exactly 0) get a gradient.
   - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
   - Eq. 6's tolerance applies to |deviation|, as in the authors' code, so coefficients fall as
     well as rise; beta uses the same rule with variance targets mu*(1 - mu*) (eq. 4: population
-    variance). The controller reads statistics of the whole global batch (every rank applies
-    the same update); each micro-step's regulariser uses that micro-batch's statistics.
+    variance). The controller reads the whole global batch's statistics (every rank applies the
+    same update); each micro-step's regulariser uses that micro-batch's.
   - FLOPs count a causal kernel, T(T+1)/2 query-key pairs, matmuls only, per token at seq_len
     (the README relates this to the authors' estimator, ~1.9x ours at the paper's size).
   - compact=True and the KV-cached decoder give a key with g = 0 weight exactly 0, not 1e-6.
 
-DLO (Tan et al. 2024), `router=dlo`, deviations and choices:
+DLO (Tan et al. 2024), `router=dlo`:
   - We pre-train or continue our own FineWeb checkpoints; the paper fine-tunes Llama 2 on
     instructions. expand.py starts a new run (fresh AdamW, step 0) from expanded weights.
   - The router reads the block's input h_i; r scales only the MLP branch.
   - Eq. 8 is used as a skip rate (the share labelled 0): as written it counts labels 1, which
     contradicts its use as rho_i in top-k and eq. 10. rho_{i,1} is step 1's annealed rate.
   - Labels (eq. 5) rank the L x S similarities within each sequence; eqs. 6 and 8 average over
-    the global batch. In training the MLP runs for every token (labels need every similarity)
-    and skipped outputs are dropped; only evaluation and decoding skip the work.
+    the global batch. In training every MLP runs (labels need every similarity) and skipped
+    outputs are dropped; only evaluation and decoding skip the work.
 
-Mixture-of-Depths (Raposo et al. 2024), `router=mod`, choices:
+Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
   - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every other one by default, so
     block 0 always runs), at the paper's best capacity, 12.5% of each sequence.
   - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our gated
