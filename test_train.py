@@ -1394,6 +1394,7 @@ def accepts(name, value) -> bool:
     the field, passes every check before a run starts."""
     text = str(value).lower() if isinstance(value, bool) else str(value)
     owner = [f"--router={r}" for r in tg.ROUTERS if name in routers_fields(r)]
+    owner += ["--n_layers=8"] if owner == ["--router=mor"] else []  # the smoke's 4: too few for N_r = 3
     owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][:1]
     try:
         given = [f"--{name}={text}"] if text else []  # an empty default: the flag left out
@@ -2561,6 +2562,169 @@ def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
         == 2 * 64 * 2 * 128  # the two routers' linears, every token
 
 
+# ---------------------------------------------------------------------------- Mixture-of-Recursions
+
+def mor_model(seed=0, **kw):
+    """8 applied blocks: 0 and 3 once, the stack 1-2 three times (N_r = 3, M = 2)."""
+    torch.manual_seed(seed)
+    model = tg.GPT(tiny(**{"router": "mor", "n_layers": 8, **kw}))
+    for router in model.router.routers:  # scores spread well beyond their init
+        torch.nn.init.normal_(router.weight, std=0.3)
+    return model
+
+
+def test_mor_without_routing_is_its_shared_stack_applied_n_r_times():
+    model = mor_model(mor_routed=False).train()
+    assert len(model.blocks) == 4 and not list(model.router.parameters())
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        x = model.embed_norm(model.embed(idx))
+        for i in [0] + [1, 2] * 3 + [3]:  # ungated, every token, by hand
+            x = model.blocks[i](x, None, None)
+        expected = model.head(model.head_norm(x))
+        out = model(idx)
+    assert (out.logits - expected).abs().max().item() < 1e-5
+    assert out.route["block"].shape[0] == 8 and out.route["block"].all()
+    dense = tg.GPT(tiny(router="none", n_layers=4))  # the unique parameters: a 4-block model's
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in dense.parameters())
+
+
+def test_mor_matches_a_loop_over_each_sequences_kept_tokens():
+    # reference: one shared block (n_layers 5); before recursion r each sequence keeps the top
+    # floor((3 - r) / 3 x 16) of its still-active tokens by the router's score, runs the block
+    # on them alone (a short sequence with their positions) and moves each by sigmoid(z) x update
+    model = mor_model(n_layers=5).train()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        x = model.blocks[0](model.embed_norm(model.embed(idx)), None, None)
+        active = torch.ones(2, 16, dtype=torch.bool)
+        for r, k in enumerate([16, 10, 5]):
+            z = model.router.routers[r](x)[..., 0]
+            new, kept = x.clone(), torch.zeros_like(active)
+            for b in range(2):
+                pos = z[b].masked_fill(~active[b], -math.inf).topk(k).indices.sort().values
+                y = model.blocks[1](x[b, pos][None], None, None, pos=pos[None])[0]
+                new[b, pos] = x[b, pos] + torch.sigmoid(z[b, pos])[:, None] * (y - x[b, pos])
+                kept[b, pos] = True
+            x, active = new, kept
+        expected = model.head(model.head_norm(model.blocks[2](x, None, None)))
+        out = model(idx)
+    assert (out.logits - expected).abs().max().item() < 1e-4
+
+
+def test_mor_active_sets_are_nested_and_each_recursion_keeps_its_share():
+    route = mor_model().train()(torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(6))).route
+    z, active, top = route["logits"], route["active"], route["topk"]  # (3, B, T)
+    assert active[0].all() and top.sum(dim=2).tolist() == [[16] * 3, [10] * 3, [5] * 3]
+    for r in range(3):
+        assert not (top[r] & ~active[r]).any()
+        if r < 2:
+            assert torch.equal(active[r + 1], top[r])
+        for b in range(3):
+            out = active[r, b] & ~top[r, b]
+            if out.any():
+                assert z[r, b][top[r, b]].min() > z[r, b][out].max()
+    # applied blocks: 0 and 7 every token, the stack's two at recursion r its kept tokens
+    assert route["block"][[0, 7]].all()
+    assert torch.equal(route["block"][1:7], top.repeat_interleave(2, dim=0))
+
+
+def test_mor_inference_routes_each_token_by_its_own_score():
+    model = mor_model().eval()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(8))
+    later = idx.clone()
+    later[:, 9:] = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        a, b = model(idx), model(later)
+    z, active, kept = a.route["logits"], a.route["active"], a.route["block"][[1, 3, 5]]
+    assert torch.equal(kept, active & (z > 0)) and torch.equal(active[1:], kept[:2])
+    assert 0 < kept[2].float().mean() < 1
+    assert torch.equal(a.route["block"][:, :, :9], b.route["block"][:, :, :9])  # no look-ahead
+    assert (a.logits[:, :9] - b.logits[:, :9]).abs().max().item() < 1e-5
+
+
+def test_mor_aux_loss_is_the_bce_of_the_active_tokens_by_hand():
+    model = mor_model()
+    z = torch.tensor([[[2.0, -1.0, 0.5, 0.0]], [[1.5, 3.0, -0.5, 9.0]], [[0.3, -2.0, 1.0, -9.0]]])
+    top = torch.tensor([[[1, 1, 1, 1]], [[1, 1, 0, 0]], [[0, 1, 0, 0]]], dtype=torch.bool)
+    active = torch.tensor([[[1, 1, 1, 1]], [[1, 1, 1, 1]], [[1, 1, 0, 0]]], dtype=torch.bool)
+    terms = []
+    for r in range(3):
+        for t in range(4):
+            if active[r, 0, t]:
+                p = 1 / (1 + math.exp(-z[r, 0, t].item()))
+                terms.append(-math.log(p) if top[r, 0, t] else -math.log(1 - p))
+    loss, _ = model.router.loss({"logits": z, "topk": top, "active": active}, step=0)
+    assert loss.item() == pytest.approx(0.01 * sum(terms) / 10, rel=1e-6)
+
+
+def test_mor_compact_matches_masked_logits_and_gradients():
+    models = [mor_model(), mor_model(compact=True)]
+    models[1].load_state_dict(models[0].state_dict())
+    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(4))
+    out = []
+    for m in models:
+        o = m.train()(idx)
+        reg, _ = m.router.loss(o.route, 0)
+        (F.cross_entropy(o.logits.flatten(0, 1), idx.flatten()) + reg).backward()
+        with torch.no_grad():
+            evaluated = m.eval()(idx).logits
+        out.append((o.logits.detach(), grads(m), evaluated))
+    (l0, p0, e0), (l1, p1, e1) = out
+    assert (l0 - l1).abs().max().item() < 1e-4 and (e0 - e1).abs().max().item() < 1e-4
+    for name in p0:
+        assert_close_rel(p0[name], p1[name], 1e-4)
+
+
+def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():
+    model = mor_model(compact=True).eval()
+    idx = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        full = model(idx)
+    cache = sample.KVCache(model.hp, "cpu")
+    for pos in range(16):
+        with torch.no_grad():
+            step = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
+        assert (step[0, -1] - full.logits[0, pos]).abs().max().item() < 1e-4
+    assert cache.n == full.route["block"][:, 0].sum(dim=1).tolist()
+    assert cache.n[0] == cache.n[7] == 16 and cache.n[5] < cache.n[3] < 16
+
+
+def test_mor_flops_match_flop_counter_at_its_shares(monkeypatch):
+    hp = tiny(router="mor", vocab_size=1000, dim=128, n_layers=5, max_seq_len=64, seq_len=64,
+              compact=True)
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: 64, 42 and 21 of 64 tokens
+    assert tg.forward_flops(hp, [1, 1, 42 / 64, 21 / 64, 1]) == pytest.approx(reference, rel=0.02)
+    assert tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False)) \
+        == 3 * 64 * 2 * 128  # the three routers' linears, every token
+
+
+def test_mor_settings_that_make_no_sense_are_refused():
+    for kw, message in ((dict(n_layers=7), "need L - 2 a positive multiple"),
+                        (dict(n_layers=4), "need L - 2 a positive multiple"),
+                        (dict(mor_routed=False, compact=True), "runs every token everywhere"),
+                        (dict(mor_routed=False, mor_aux_coef=0.1), "has no effect")):
+        with pytest.raises(tg.UserError, match=message):
+            tg.validate(tiny(router="mor", **{"n_layers": 8, **kw}), 1)
+    tg.validate(tiny(router="mor", n_layers=3, mor_recursions=1), 1)  # one block, applied once
+
+
+def test_a_mor_run_resumes_exactly(tmp_path, capsys):
+    args = TINY_RUN + ["--router=mor", "--n_layers=5", "--train_tokens=2048", "--val_every=2",
+                       "--val_tokens=512"]
+    code, _, err = run_main(args + [f"--run_dir={tmp_path / 'full'}"], capsys)
+    assert code == 0, err[-2000:]
+    code, _, err = run_main(args + [f"--run_dir={tmp_path / 'part'}", "--stop_step=2"], capsys)
+    assert code == 0, err[-2000:]
+    code, _, err = run_main([f"--resume={tmp_path / 'part'}"], capsys)
+    assert code == 0, err[-2000:]
+    strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
+    a, b = (strip(read_metrics(tmp_path / r)) for r in ("full", "part"))
+    assert len(a) == 4 + 3 and a == b
+    assert len(a[-1]["block_active"]) == 5 and a[-1]["block_active"][2] < 1  # inference shares
+
+
 @pytest.mark.parametrize("router", ["none", "dlo", "mod"])
 def test_a_smoke_run_per_router(tmp_path, router, capsys):
     extra = ["--dlo_anneal_steps=4"] if router == "dlo" else []
@@ -2804,7 +2968,8 @@ def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypa
 
 
 @pytest.mark.parametrize("router,compact", [("none", False), ("skip_middle", False), ("dlo", False),
-                                            ("mod", False), ("skip_middle", True), ("dlo", True), ("mod", True)])
+                                            ("mod", False), ("mor", False), ("skip_middle", True),
+                                            ("dlo", True), ("mod", True), ("mor", True)])
 def test_a_training_step_and_its_router_update_read_the_device_once(router, compact, monkeypatch):
     # on a GPU every value read back to the host waits for the queued work: count the reads
     # made by train_gpt.py's own code (item, tolist, bool, float, int) in a step, the router's
@@ -2819,7 +2984,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
             return real(t, *a)
         monkeypatch.setattr(torch.Tensor, name, counted)
     hp = tiny(router=router, vocab_size=50257, batch_size=4, device_batch_size=2, dlo_rho=0.5,
-              compact=compact)
+              compact=compact, n_layers=5 if router == "mor" else 4)
     model = tg.GPT(hp)
     opt = torch.optim.AdamW(tg.param_groups(model), lr=1e-3)
     loader = tg.DistributedLoader(f"{HERE}/data/sample/sample_train_*.bin", 4, hp.seq_len, 0, 1, hp.vocab_size)
@@ -2830,7 +2995,8 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
     # compacted blocks whose active count is data-dependent: the gated ones and MoD's routed
     # ones (DLO's training top-k has a known size)
-    compacted = {"skip_middle": hp.n_layers, "dlo": 0, "mod": hp.n_layers // hp.mod_every}[router] if compact else 0
+    compacted = {"skip_middle": hp.n_layers, "dlo": 0, "mod": hp.n_layers // hp.mod_every,
+                 "mor": hp.n_layers - 2}[router] if compact else 0
     assert len(reads) == 1 + (router == "dlo") + 2 * compacted, reads  # 2 micro-batches
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 
@@ -2865,7 +3031,8 @@ def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
 
 @pytest.mark.parametrize("attn,router,compact", [
     *[("sdpa", r, c) for r, c in [("none", False), ("skip_middle", False), ("skip_middle", True),
-                                  ("dlo", False), ("dlo", True), ("mod", False), ("mod", True)]],
+                                  ("dlo", False), ("dlo", True), ("mod", False), ("mod", True),
+                                  ("mor", False), ("mor", True)]],
     ("flex", "skip_middle", False), ("flex", "mod", False)])  # Flex: a score_mod, and key masks
 def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch):
     # at the paper's depth (12 layers): graph breaks and recompiles are dynamo's decisions, the
@@ -2880,7 +3047,8 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch):
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
-    hp = tiny(router=router, compact=compact, n_layers=12 if attn == "sdpa" else 4, dim=64,
+    hp = tiny(router=router, compact=compact, dim=64,
+              n_layers=(11 if router == "mor" else 12) if attn == "sdpa" else 4,
               max_seq_len=256, seq_len=256, mod_every=2, dlo_rho=0.5, attn_impl=attn)
     torch.manual_seed(0)
     raw = tg.GPT(hp)

@@ -307,14 +307,23 @@ class Router(nn.Module):
     def layer_params(self, layer: int) -> list:
         return []  # its parameters that learn at block `layer`'s rate (see lr_scales)
 
+    @staticmethod
+    def n_blocks(hp: "Hyperparameters") -> int:
+        return hp.n_layers  # the blocks the model builds; n_layers is how many are applied
+
     def forward(self, blocks, x, trace: dict, mask, pos=None, cache=None):
         """The depth loop: x (B, T, d) through the blocks, each once and in order, by run(). A
         router that applies a block again, or stops tokens before the last, overrides this;
-        it records "block" and "mlp" per applied block and, in evaluation, "resid"."""
+        per applied block (n_layers in all) it records "block" and "mlp", and calls resid()."""
         for layer, block in enumerate(blocks):
-            x = self.run(layer, block, x, trace, mask, pos, None if cache is None else (cache, layer))
-            if not self.training:  # a statistic for validation, kept off the training path
-                trace["resid"].append(x.detach().float().norm(dim=-1).mean())
+            x = self.resid(trace, self.run(layer, block, x, trace, mask, pos,
+                                           None if cache is None else (cache, layer)))
+        return x
+
+    def resid(self, trace: dict, x):
+        """x; in evaluation, its mean norm recorded (a validation statistic, off the training path)."""
+        if not self.training:
+            trace["resid"].append(x.detach().float().norm(dim=-1).mean())
         return x
 
     def run(self, layer: int, block: "Block", x, trace: dict, mask, pos=None, cache=None):
@@ -331,7 +340,7 @@ class Router(nn.Module):
         """After each optimiser step, from loss()'s sums over the global batch of count tokens."""
 
     def lr_scales(self, step: int) -> list:
-        return [1.0] * self.hp.n_layers  # per block, a factor on its (and layer_params') rate
+        return [1.0] * self.n_blocks(self.hp)  # per block, a factor on its (and layer_params') rate
 
     def log_lines(self, v: dict, step: int) -> list:
         return []  # its lines of the validation log
@@ -638,7 +647,89 @@ class MixtureOfDepths(Router):
     def extra_flops(hp, T):
         return len(range(hp.mod_every - 1, hp.n_layers, hp.mod_every)) * T * 2 * hp.dim
 
-ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths}
+class MixtureOfRecursions(Router):
+    """Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing: of the n_layers applied
+    blocks the first and last are blocks[0] and blocks[-1], and the M = (n_layers - 2) / N_r
+    blocks between them are one stack applied N_r = mor_recursions times. Expert-choice routing
+    with hierarchical filtering: before recursion r a linear router scores each token,
+    z = w_r.h, and of the tokens still active (r = 0: all) keeps in training the top
+    floor((N_r - r) / N_r T) of each sequence; the stack runs on those alone (neither queries
+    nor keys for the others) and a kept token moves by g = sigmoid(z) times the stack's update,
+    h + g (f(h) - h). Top-k sees the whole sequence: as for MoD, BCE (mor_aux_coef) teaches
+    z > 0 to the top-k tokens, and evaluation and decoding keep the active tokens with z > 0.
+    mor_routed=false: the recursive baseline, every token every recursion, g = 1, no router.
+    Trace extras: "logits" (N_r, B, T) z; "active" the tokens eligible at r; "topk" (training)."""
+    expandable = False  # its shared blocks are not a stack of layers
+
+    def __init__(self, hp):
+        super().__init__(hp)
+        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False)
+                                     for _ in range(hp.mor_recursions if hp.mor_routed else 0))
+
+    @staticmethod
+    def n_blocks(hp):
+        return 2 + (hp.n_layers - 2) // hp.mor_recursions
+
+    def forward(self, blocks, x, trace, mask, pos=None, cache=None):
+        first, *stack, last = blocks
+        at = lambda layer: None if cache is None else (cache, layer)  # noqa: E731 (K/V per applied block)
+        x = self.resid(trace, self.run(0, first, x, trace, mask, pos, at(0)))
+        active = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T)
+        for r in range(self.hp.mor_recursions):
+            active, g = self.choose(r, x, active, trace)
+            keys, h = active[..., None].to(x.dtype), x  # (B, T, 1): the recursion's tokens
+            for i, block in enumerate(stack):
+                if cache is None or bool(active.any()):  # decoding: a token not kept stores no K/V
+                    h = block(h, keys, mask, self.hp.compact and cache is None, pos,
+                              at(1 + r * len(stack) + i), keys=keys)
+                ran(trace, active)
+                if i < len(stack) - 1:
+                    self.resid(trace, h)
+            x = self.resid(trace, x + g * (h - x))  # a token not kept: h = x
+        return self.resid(trace, self.run(self.hp.n_layers - 1, last, x, trace, mask, pos,
+                                          at(self.hp.n_layers - 1)))
+
+    def choose(self, r: int, x, active, trace):
+        """-> the tokens ((B, T) bool, within active) that run recursion r, and their weight g."""
+        if not self.hp.mor_routed:
+            return active, 1.0
+        z = self.routers[r](x).float()[..., 0]  # (B, T)
+        trace["logits"].append(z)
+        trace["active"].append(active)
+        if self.training:  # k_r <= k_(r-1): the top k are all active
+            k = max(1, math.floor((self.hp.mor_recursions - r) / self.hp.mor_recursions * x.size(1)))
+            top = z.masked_fill(~active, -math.inf).topk(k, dim=1).indices  # (B, k)
+            chosen = torch.zeros_like(active).scatter(1, top, True)
+            trace["topk"].append(chosen)
+        else:
+            chosen = active & (z > 0)  # causal: the token's own score
+        return chosen, torch.sigmoid(z)[..., None].type_as(x)
+
+    def loss(self, route, step):
+        """BCE of each active token's z against its top-k membership, mean over active tokens."""
+        if not self.hp.mor_routed:
+            return super().loss(route, step)
+        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float(), reduction="none")
+        return self.hp.mor_aux_coef * (bce * route["active"]).sum() / route["active"].sum(), None
+
+    @staticmethod
+    def check(hp):
+        if hp.n_layers < 2 + hp.mor_recursions or (hp.n_layers - 2) % hp.mor_recursions:
+            return (f"n_layers={hp.n_layers}: MoR applies blocks 0 and L-1 once and a stack of "
+                    f"(L - 2) / mor_recursions blocks mor_recursions={hp.mor_recursions} times; "
+                    f"need L - 2 a positive multiple of it")
+        if not hp.mor_routed and hp.compact:
+            return "compact=true: mor_routed=false runs every token everywhere"
+        if not hp.mor_routed and hp.mor_aux_coef != Hyperparameters.mor_aux_coef:
+            return f"mor_aux_coef={hp.mor_aux_coef} has no effect with mor_routed=false"
+        return ""
+
+    @staticmethod
+    def extra_flops(hp, T):
+        return (hp.mor_recursions if hp.mor_routed else 0) * T * 2 * hp.dim  # routers, all tokens
+
+ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths,
+           "mor": MixtureOfRecursions}
 CONTROLLERS = {  # Table 1's controllers (GateController), and the fields each one reads
     "proportional_tol": "mu_start mu_end gamma delta", "proportional": "mu_start mu_end gamma",
     "adaptive": "mu_start mu_end gamma", "sparsity": "fixed_coef", "sparsity_variance": "fixed_coef",
@@ -693,7 +784,7 @@ class GPT(nn.Module):
         self.hp = hp
         self.embed = nn.Embedding(hp.vocab_size, hp.dim)
         self.embed_norm = RMSNorm(hp.dim, hp.norm_eps)
-        self.blocks = nn.ModuleList(Block(hp) for _ in range(hp.n_layers))
+        self.blocks = nn.ModuleList(Block(hp) for _ in range(ROUTERS[hp.router].n_blocks(hp)))
         self.router = ROUTERS[hp.router](hp)
         self.head_norm = RMSNorm(hp.dim, hp.norm_eps)
         self.head = nn.Linear(hp.dim, hp.vocab_size, bias=False)
@@ -849,7 +940,7 @@ class Hyperparameters:
     init_std: float = 0.02       # (0, inf) normal init of every weight matrix
     sandwich_norm: bool = True   # fixed; x + Norm(Module(Norm(x))); False: pre-norm ablation
     attn_impl: str = "auto"      # {auto|flex|sdpa} auto: flex on CUDA at head dim >= 16, else sdpa
-    router: str = "skip_middle"  # {none|skip_middle|dlo|mod} fixed; depth router (ROUTERS)
+    router: str = "skip_middle"  # {none|skip_middle|dlo|mod|mor} fixed; depth router (ROUTERS)
     compact: bool = False        # run routed blocks on the tokens that run them only (exact)
     gate_eps: float = 1e-6       # (0, 1) floor on a gate inside ln g (Section 2.2)
     # router=skip_middle: gates and sparsity control (Section 2.4)
@@ -870,6 +961,10 @@ class Hyperparameters:
     mod_capacity: float = 0.125  # (0, 1] share of each sequence that runs a routed block (paper's best)
     mod_every: int = 2           # [1, inf) fixed; route every mod_every-th block (the paper: every other)
     mod_aux_coef: float = 0.01   # (0, inf) BCE weight teaching r > 0 the top-k (inference's teacher)
+    # router=mor: Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing
+    mor_recursions: int = 3      # [1, inf) fixed; N_r: the stack of (n_layers - 2) / N_r shared blocks runs N_r times
+    mor_routed: bool = True      # fixed; false: the recursive baseline, every token every recursion
+    mor_aux_coef: float = 0.01   # (0, inf) BCE weight teaching z > 0 the top-k (inference's teacher)
     # optimisation (Table 2)
     lr: float = 1e-3             # (0, inf) AdamW peak learning rate, one for all parameters
     beta1: float = 0.8           # [0, 1) AdamW betas
