@@ -1,13 +1,15 @@
 """Which tokens skip: colour each token of a text by how many blocks it ran (skip_middle: the
-blocks whose gate is non-zero for it; mod: the routed blocks that chose it) or how many MLPs
-it ran (DLO), from a run's checkpoint.
+blocks whose gate is non-zero for it; mod: the routed blocks that chose it), how many MLPs
+it ran (DLO) or how many recursions (Mixture-of-Recursions: its depth), from a run's
+checkpoint.
 
     python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] [--out=page.html] [--device=cpu]
 
 Writes a self-contained HTML page (inline style, no scripts or fonts from elsewhere) with a
-legend and per-layer totals, and prints the same as a compact terminal view: each token
-followed by its count. Without --text it reads the first N tokens (default 256) of the run's
-validation shard. Text longer than the model's context is cut to it.
+legend and the tokens that ran each unit (block, MLP or recursion), and prints the same as a
+compact terminal view: each token followed by its count. Without --text it reads the first
+N tokens (default 256) of the run's validation shard. Text longer than the model's context is
+cut to it.
 """
 
 import html
@@ -27,12 +29,12 @@ from data.shards import find_shards, gpt2_encoding, read_shard  # noqa: E402
 
 @torch.no_grad()
 def token_depths(model: tg.GPT, ids: list, device: str):
-    """-> (per token: how many units it ran, per layer: how many tokens ran it, units per
-    token): units are MLPs for DLO (which skips only MLPs), blocks for the other routers."""
+    """-> (per token: how many units it ran, per unit: how many tokens ran it, units per
+    token): the router's `skips`, MLPs for DLO, recursions for MoR, blocks for the others."""
     model.eval()
     route = model(torch.tensor([ids], device=device)).route
-    ran = route[model.router.skips][:, 0].cpu()  # (L, T)
-    return ran.sum(0).tolist(), ran.sum(1).tolist(), model.hp.n_layers
+    ran = route[model.router.skips][:, 0].cpu()  # (units, T)
+    return ran.sum(0).tolist(), ran.sum(1).tolist(), ran.size(0)
 
 
 def colour(count: int, units: int) -> str:
@@ -53,7 +55,7 @@ def html_page(pieces: list, counts: list, per_layer: list, units: int, title: st
             f".t,.k{{white-space:pre-wrap}}table{{border-collapse:collapse}}"
             f"td{{padding:0 1em}}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
             f"<p>Colour: how many of the {units} {unit} each token ran. {legend}</p>\n"
-            f"<div>{spans}</div>\n<h2>Tokens that ran each layer</h2>\n<table><tr><th>layer</th>"
+            f"<div>{spans}</div>\n<h2>Tokens that ran each {unit[:-1]}</h2>\n<table><tr><th>{unit[:-1]}</th>"
             f"<th>tokens</th><th>share</th></tr>{rows}</table>\n</body></html>\n")
 
 
@@ -95,11 +97,11 @@ def main(argv):
                                     f"file name")
         support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
     counts, per_layer, units = token_depths(model, ids, device)
-    unit = {"block": "blocks", "mlp": "MLPs"}[model.router.skips]
+    unit = {"block": "blocks", "mlp": "MLPs", "recursion": "recursions"}[model.router.skips]
     pieces = [enc.decode([i]) for i in ids]
     print(terminal_view(pieces, counts))
     print(f"\ntokens {len(ids)}; {unit} run per token: mean {sum(counts) / len(counts):.2f} of "
-          f"{units}; per layer: {per_layer}")
+          f"{units}; per {unit[:-1]}: {per_layer}")
     if args.out:
         page = html_page(pieces, counts, per_layer, units, f"{args.run_dir}: {unit} run per token", unit)
         support.write_atomically(args.out, page.encode())

@@ -1,8 +1,8 @@
 """The paper's Figure 2 in one command: dense baselines and gated models, cross-entropy against
 estimated forward FLOPs per token, with the verdict as a number.
 
-    python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~20 min
-    python sweep.py --grid=gpu1                     # one H100, ~25 min, FineWeb
+    python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~10 min
+    python sweep.py --grid=gpu1                     # one H100, ~28 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
@@ -69,24 +69,34 @@ def mod(capacity, L):
     return (f"mod_c{capacity}", ["--router=mod", f"--n_layers={L}", f"--mod_capacity={capacity}"])
 
 
+def mor(L, routed=True):
+    """Mixture-of-Recursions at the deepest applied depth n <= L that its sharing allows (N_r = 3,
+    or 2 below 5 layers), or its recursive baseline (the same sharing, every token every time)."""
+    r = 3 if L >= 5 else 2
+    return (f"{'mor' if routed else 'recursive'}_r{r}",
+            ["--router=mor", f"--n_layers={L - (L - 2) % r}", f"--mor_recursions={r}"]
+            + ([] if routed else ["--mor_routed=false"]))
+
+
 def figure2_runs(L, dlo_anneal_steps):
     """The paper's points for an L-layer gated model, plus our extra points: the authors' gate
-    axis, the zero gate init, DLO at two skip rates and Mixture-of-Depths."""
+    axis, the zero gate init, DLO at two skip rates, Mixture-of-Depths, and Mixture-of-Recursions
+    with its recursive baseline."""
     return ([dense(n) for n in range(2, L + 1, 2)] +
             [gated("gated_nocontrol", f"--n_layers={L}", "--controller=none")] +
             [gated(f"gated_mu{m}", f"--n_layers={L}", f"--mu_end={m}") for m in (0.75, 0.5, 0.25, 0.0)] +
             [gated("gated_query_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_axis=query"),
              gated("gated_zeroinit_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_init=zero")] +
             [dlo(rho, f"dense_{L // 2}", L // 2, dlo_anneal_steps) for rho in (0.25, 0.5)] +
-            [mod(0.125, L)])
+            [mod(0.125, L), mor(L), mor(L, routed=False)])
 
 
 GRIDS = {
     # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
     # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
-    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~16 h for the 16 runs (smaller ones faster).
+    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~18 h for the 18 runs (smaller ones faster).
     "paper": dict(base=[], n_layers=12, runs=figure2_runs(12, 500)),
-    # One H100 in ~25 min: 16 runs share ~1500 s, ~95 s each minus ~30 s of compilation. An
+    # One H100 in ~28 min: 18 runs of ~95 s each, ~30 s of it compilation. An
     # 8-layer dim-512 model at seq 512 costs ~0.35 GFLOPs per training token; at ~150 TFLOPs
     # achieved that is ~400k tokens/s, so 24M tokens (730 steps of 32k tokens) per run.
     "gpu1": dict(base=["--dim=512", "--n_heads=8", "--n_kv_heads=8", "--max_seq_len=512",
@@ -94,7 +104,7 @@ GRIDS = {
                        "--train_tokens=24000000", "--val_every=0", "--val_tokens=1048576",
                        "--save_every=200"],
                  n_layers=8, runs=figure2_runs(8, 100)),
-    # The mechanics on the embedded sample, 2 CPU cores, <= 20 min: a demonstration only
+    # The mechanics on the embedded sample, 2 CPU cores, ~10 min: a demonstration only
     # (tiny models, 120 steps, the output head dominates the FLOPs).
     "cpu": dict(base=["--preset=smoke", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
                       "--max_seq_len=64", "--seq_len=64", "--batch_size=8",
@@ -220,6 +230,7 @@ def measure(run_dir: str, device: str) -> dict:
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
     row = dict(router=hp.router, n_layers=hp.n_layers, val_loss=val["val_loss"],
+               params=sum(p.numel() for p in model.parameters()),
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
                ms_per_token_masked=eval_ms_per_token(model, idx))
     row["ms_per_token_compact"] = (eval_ms_per_token(compact, idx) if can_compact
@@ -273,7 +284,7 @@ def summarise(rows: list) -> list:
                   if (f := fronts[r["seed"]](r["flops_per_token"])) is not None]
         dense_ms = [t for r in mine if (t := time_fronts[r["seed"]](r["flops_per_token"]))]
         line = {"name": name, "seeds": len(mine)}
-        for key in ("val_loss", "sparsity", "flops_per_token", "ms_per_token_masked",
+        for key in ("val_loss", "sparsity", "flops_per_token", "params", "ms_per_token_masked",
                     "ms_per_token_compact"):
             line[key] = statistics.mean(r[key] for r in mine)
         line["dense_ms_at_equal_flops"] = statistics.mean(dense_ms) if dense_ms else None
@@ -314,7 +325,7 @@ def fmt(v, spec=".4f"):
 
 def write_record(out: str, lines: list, rows: list, command: str, grid_name: str):
     keys = ["name", "seeds", "val_loss", "delta", "delta_std", "verdict", "sparsity",
-            "flops_per_token", "ms_per_token_masked", "ms_per_token_compact",
+            "flops_per_token", "params", "ms_per_token_masked", "ms_per_token_compact",
             "dense_ms_at_equal_flops"]
     csv_text = io.StringIO(newline="")
     w = csv.DictWriter(csv_text, keys)
@@ -322,12 +333,13 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
     w.writerows({k: ln[k] for k in keys} for ln in lines)
     support.write_atomically(os.path.join(out, "results.csv"), csv_text.getvalue().encode())
     table = ["| run | seeds | val CE | CE - dense frontier | std | verdict | sparsity | "
-             "fwd MFLOPs/token | eval ms/1k tok masked | compact | dense at equal FLOPs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd MFLOPs/token | unique params (M) | eval ms/1k tok masked | compact | "
+             "dense at equal FLOPs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ln in lines:
         table.append(f"| {ln['name']} | {ln['seeds']} | {ln['val_loss']:.4f} | "
                      f"{fmt(ln['delta'], '+.4f')} | {fmt(ln['delta_std'])} | {ln['verdict']} | "
                      f"{ln['sparsity']:.3f} | {ln['flops_per_token'] / 1e6:.3f} | "
+                     f"{ln['params'] / 1e6:.3f} | "
                      f"{1e3 * ln['ms_per_token_masked']:.2f} | "
                      f"{1e3 * ln['ms_per_token_compact']:.2f} | "
                      f"{fmt(ln['dense_ms_at_equal_flops'] and 1e3 * ln['dense_ms_at_equal_flops'], '.2f')} |")
@@ -361,7 +373,8 @@ def plot(out: str, lines: list) -> bool:
                                 ("estimated forward FLOPs per token (at measured sparsity)",
                                  "gate sparsity (validation)",
                                  "measured eval time per 1k tokens, ms (compact where possible)")):
-        for kind, marker in (("dense_", "o"), ("gated", "s"), ("dlo", "^"), ("mod", "D")):
+        for kind, marker in (("dense_", "o"), ("gated", "s"), ("dlo", "^"), ("mod", "D"),
+                             ("mor", "v"), ("recursive", "P")):
             pts = [ln for ln in lines if ln["name"].startswith(kind)]
             xs = [ln[xkey] * (1e3 if xkey.startswith("ms") else 1) for ln in pts]
             ax.plot(xs, [ln["val_loss"] for ln in pts], marker, linestyle="-" if kind == "dense_"

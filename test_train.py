@@ -599,9 +599,11 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
     assert "\ngit: " in log and f"\nsource: train_gpt.py sha256 {sha256(source)}\n" in log
 
 
-def test_two_processes_match_one(tmp_path, capsys):
+@pytest.mark.parametrize("router", ["skip_middle", "mor"])
+def test_two_processes_match_one(tmp_path, capsys, router):
     args = TINY_RUN + ["--dim=32", "--max_seq_len=32", "--seq_len=32", "--batch_size=8", "--device_batch_size=2",
-                       "--train_tokens=768", "--val_every=0", "--val_tokens=256"]
+                       "--train_tokens=768", "--val_every=0", "--val_tokens=256", f"--router={router}"]
+    args += ["--n_layers=5"] if router == "mor" else []
     code, _, err = run_main(args + [f"--run_dir={tmp_path / 'one'}"], capsys)  # one: this process
     two = run_script(args + [f"--run_dir={tmp_path / 'two'}"], nproc=2)
     assert code == 0, err[-2000:]
@@ -613,7 +615,8 @@ def test_two_processes_match_one(tmp_path, capsys):
     for a, b in zip(m1, m2):
         key = "train_loss" if a["kind"] == "train" else "val_loss"
         assert abs(a[key] - b[key]) < 1e-4, (a, b)
-    assert m1[-1]["gate_mean"] == pytest.approx(m2[-1]["gate_mean"], abs=1e-4)
+    key = "gate_mean" if router == "skip_middle" else "block_active"  # the routing, per block
+    assert m1[-1][key] == pytest.approx(m2[-1][key], abs=1e-4)
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
@@ -2313,7 +2316,7 @@ def test_frontier_and_verdict_on_hand_made_numbers():
 
     def row(name, seed, flops, loss):
         return dict(name=name, seed=seed, flops_per_token=flops, val_loss=loss, sparsity=0.5,
-                    ms_per_token_masked=flops / 1e9, ms_per_token_compact=flops / 2e9)
+                    ms_per_token_masked=flops / 1e9, ms_per_token_compact=flops / 2e9, params=1e6)
     rows = []
     for s in range(3):
         rows += [row("dense_2", s, 1e6, 4.0), row("dense_4", s, 4e6, 3.0)]
@@ -2343,7 +2346,7 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     sweep = load_command("sweep.py")
     gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5")
     grid = dict(base=TINY_GRID, n_layers=4,
-                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2, 2)])
+                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2, 2), sweep.mor(4)])
     monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
     runs, out = tmp_path / "runs", tmp_path / "out"
     # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
@@ -2358,16 +2361,18 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}"]
     assert support.cli(sweep.main, argv) == 0
     assert "resumed at step 2" in (runs / "gated_mu0.5_s0" / "train.log").read_text()
-    for name in ("dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5"):
+    for name in ("dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5", "mor_r2"):
         assert sweep.run_state(str(runs / f"{name}_s0")) == "done"
     assert {p.name for p in out.iterdir()} >= {"table.md", "results.csv", "figure.png", "README.md"}
     assert (out / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     readme = (out / "README.md").read_text()
-    assert "Verdict: 2 non-dense configurations" in readme or "Verdict: 1 non-dense" in readme \
-        or "Verdict: 0 non-dense" in readme
+    assert re.search(r"Verdict: [0-3] non-dense configurations lie within", readme)
     with open(out / "results.csv") as f:
         table = {r["name"]: r for r in __import__("csv").DictReader(f)}
-    assert list(table) == ["dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5"]
+    assert list(table) == ["dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5", "mor_r2"]
+    # unique parameters: MoR's 4 applied blocks are 3 of their own, the dense 4-layer model's 4
+    params = {name: float(r["params"]) for name, r in table.items()}
+    assert params["dense_2"] < params["mor_r2"] < params["dense_4"]
     for name, r in table.items():  # the table holds each run's own final validation
         last = [m for m in read_metrics(runs / f"{name}_s0") if m["kind"] == "val"][-1]
         assert float(r["val_loss"]) == pytest.approx(last["val_loss"])
@@ -2386,7 +2391,7 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     capsys.readouterr()
     assert support.cli(sweep.main, argv) == 0
     printed = capsys.readouterr().out
-    assert printed.count(": done") == 4 and "trained" not in printed
+    assert printed.count(": done") == 5 and "trained" not in printed
     assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file() and p.name != "lock"}
 
 
@@ -2708,6 +2713,16 @@ def test_mor_settings_that_make_no_sense_are_refused():
         with pytest.raises(tg.UserError, match=message):
             tg.validate(tiny(router="mor", **{"n_layers": 8, **kw}), 1)
     tg.validate(tiny(router="mor", n_layers=3, mor_recursions=1), 1)  # one block, applied once
+
+
+def test_skipview_counts_the_recursions_each_token_ran():
+    skipview = load_command("skipview.py")
+    model = mor_model()
+    counts, per_recursion, units = skipview.token_depths(model, list(range(16)), "cpu")
+    with torch.no_grad():
+        blocks = model(torch.tensor([list(range(16))])).route["block"][:, 0].sum(0).tolist()
+    assert units == 3 and [2 + 2 * c for c in counts] == blocks  # blocks 0 and 7, then 2 per recursion
+    assert per_recursion == sorted(per_recursion, reverse=True) and 0 < per_recursion[2] < 16
 
 
 def test_a_mor_run_resumes_exactly(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Train the skip-middle gated Transformer (Lawson & Aitchison, 2025) on FineWeb shards, and
-as further depth routers DLO (Tan et al. 2024) and Mixture-of-Depths (Raposo et al. 2024).
+as further depth routers DLO (Tan et al. 2024), Mixture-of-Depths (Raposo et al. 2024) and
+Mixture-of-Recursions (Bae et al. 2025).
 
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
@@ -55,6 +56,20 @@ Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
   - Causal inference: the paper's first method, BCE (weight mod_aux_coef, our 0.01) teaching
     sigmoid(r) the top-k membership; evaluation and decoding run r > 0, so validation reports
     the inference routing, whose share may differ from the capacity.
+
+Mixture-of-Recursions (Bae et al. 2025), `router=mor`, choices:
+  - n_layers counts applied blocks, as in the dense model it is set against: blocks 0 and
+    L-1 are unique and a stack of (L - 2) / N_r shared blocks runs N_r = mor_recursions times
+    (Middle-Cycle), so 2 + (L - 2) / N_r blocks are unique; L - 2 must be a multiple of N_r.
+  - Expert-choice routing with hierarchical filtering keeps floor((N_r - r) / N_r T) tokens of
+    each sequence at recursion r (all, 2/3, 1/3 for N_r = 3): the shares fall linearly.
+  - A kept token moves by g = sigmoid(z) times the recursion's update, h + g (f(h) - h) (no
+    extra scale); the authors' code adds alpha sigmoid(z) times the stack's whole output,
+    residual included. Inside the stack the kept tokens run ungated; the others are neither
+    queries nor keys (weight gate_eps masked, 0 when compacted or decoding).
+  - Causal inference: the auxiliary-loss method, BCE (mor_aux_coef, our 0.01) of the router's
+    own z over the tokens still active; evaluation and decoding keep those with z > 0.
+    Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.
 """
 
 import collections
@@ -295,7 +310,7 @@ class Router(nn.Module):
     means = {}  # metric -> trace key: per-layer means over tokens in train and val records
     expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
     layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
-    skips = "block"  # the trace key of what a token skips: "block", or "mlp" (DLO)
+    skips = "block"  # the trace key of what a token skips (skipview.py): "block", "mlp" (DLO), "recursion" (MoR)
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -658,8 +673,10 @@ class MixtureOfRecursions(Router):
     h + g (f(h) - h). Top-k sees the whole sequence: as for MoD, BCE (mor_aux_coef) teaches
     z > 0 to the top-k tokens, and evaluation and decoding keep the active tokens with z > 0.
     mor_routed=false: the recursive baseline, every token every recursion, g = 1, no router.
-    Trace extras: "logits" (N_r, B, T) z; "active" the tokens eligible at r; "topk" (training)."""
+    Trace extras: "recursion" (N_r, B, T) the tokens that ran recursion r; "logits" z, "active"
+    the tokens eligible at r, "topk" (training) the top-k choice: (N_r, B, T) when routed."""
     expandable = False  # its shared blocks are not a stack of layers
+    skips = "recursion"
 
     def __init__(self, hp):
         super().__init__(hp)
@@ -677,6 +694,7 @@ class MixtureOfRecursions(Router):
         active = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T)
         for r in range(self.hp.mor_recursions):
             active, g = self.choose(r, x, active, trace)
+            trace["recursion"].append(active)
             keys, h = active[..., None].to(x.dtype), x  # (B, T, 1): the recursion's tokens
             for i, block in enumerate(stack):
                 if cache is None or bool(active.any()):  # decoding: a token not kept stores no K/V
