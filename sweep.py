@@ -1,8 +1,8 @@
 """The paper's Figure 2 in one command: dense baselines and gated models, cross-entropy against
 estimated forward FLOPs per token, with the verdict as a number.
 
-    python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~10 min
-    python sweep.py --grid=gpu1                     # one H100, ~28 min, FineWeb
+    python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
+    python sweep.py --grid=gpu1                     # one H100, ~25 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
@@ -96,7 +96,7 @@ GRIDS = {
     # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
     # that is ~3 M tokens/s, ~1 h per 10B-token run, ~18 h for the 18 runs (smaller ones faster).
     "paper": dict(base=[], n_layers=12, runs=figure2_runs(12, 500)),
-    # One H100 in ~28 min: 18 runs of ~95 s each, ~30 s of it compilation. An
+    # One H100 in ~25 min: 16 runs of ~95 s each, ~30 s of it compilation. An
     # 8-layer dim-512 model at seq 512 costs ~0.35 GFLOPs per training token; at ~150 TFLOPs
     # achieved that is ~400k tokens/s, so 24M tokens (730 steps of 32k tokens) per run.
     "gpu1": dict(base=["--dim=512", "--n_heads=8", "--n_kv_heads=8", "--max_seq_len=512",
@@ -104,7 +104,7 @@ GRIDS = {
                        "--train_tokens=24000000", "--val_every=0", "--val_tokens=1048576",
                        "--save_every=200"],
                  n_layers=8, runs=figure2_runs(8, 100)),
-    # The mechanics on the embedded sample, 2 CPU cores, ~10 min: a demonstration only
+    # The mechanics on the embedded sample, 2 CPU cores, ~8 min (14 runs): a demonstration only
     # (tiny models, 120 steps, the output head dominates the FLOPs).
     "cpu": dict(base=["--preset=smoke", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
                       "--max_seq_len=64", "--seq_len=64", "--batch_size=8",
@@ -230,7 +230,8 @@ def measure(run_dir: str, device: str) -> dict:
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
     row = dict(router=hp.router, n_layers=hp.n_layers, val_loss=val["val_loss"],
-               params=sum(p.numel() for p in model.parameters()),
+               params=sum(p.numel() for n, p in model.named_parameters()  # unique, outside
+                          if not n.startswith(("embed.", "head."))),  # the embedding and head
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
                ms_per_token_masked=eval_ms_per_token(model, idx))
     row["ms_per_token_compact"] = (eval_ms_per_token(compact, idx) if can_compact
@@ -333,7 +334,7 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
     w.writerows({k: ln[k] for k in keys} for ln in lines)
     support.write_atomically(os.path.join(out, "results.csv"), csv_text.getvalue().encode())
     table = ["| run | seeds | val CE | CE - dense frontier | std | verdict | sparsity | "
-             "fwd MFLOPs/token | unique params (M) | eval ms/1k tok masked | compact | "
+             "fwd MFLOPs/token | unique params outside embedding, head (M) | eval ms/1k tok masked | compact | "
              "dense at equal FLOPs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ln in lines:
         table.append(f"| {ln['name']} | {ln['seeds']} | {ln['val_loss']:.4f} | "

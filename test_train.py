@@ -2594,11 +2594,15 @@ def test_mor_without_routing_is_its_shared_stack_applied_n_r_times():
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in dense.parameters())
 
 
-def test_mor_matches_a_loop_over_each_sequences_kept_tokens():
-    # reference: one shared block (n_layers 5); before recursion r each sequence keeps the top
-    # floor((3 - r) / 3 x 16) of its still-active tokens by the router's score, runs the block
-    # on them alone (a short sequence with their positions) and moves each by sigmoid(z) x update
-    model = mor_model(n_layers=5).train()
+@pytest.mark.parametrize("n_layers,mode", [(5, "train"), (8, "train"), (8, "eval")])
+def test_mor_matches_a_loop_over_each_sequences_kept_tokens(n_layers, mode):
+    # reference: a stack of M = (n_layers - 2) / 3 shared blocks; recursion 0 keeps every token,
+    # recursion r > 0 keeps in training the top floor((3 - r) / 3 x 16) of each sequence's
+    # still-active tokens by the router's score, in evaluation those with a positive score; the
+    # stack runs on the kept tokens alone (a short sequence with their positions) and each moves
+    # by sigmoid(score) x the stack's update
+    model = mor_model(n_layers=n_layers).train(mode == "train")
+    M = (n_layers - 2) // 3
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         x = model.blocks[0](model.embed_norm(model.embed(idx)), None, None)
@@ -2607,31 +2611,38 @@ def test_mor_matches_a_loop_over_each_sequences_kept_tokens():
             z = model.router.routers[r](x)[..., 0]
             new, kept = x.clone(), torch.zeros_like(active)
             for b in range(2):
-                pos = z[b].masked_fill(~active[b], -math.inf).topk(k).indices.sort().values
-                y = model.blocks[1](x[b, pos][None], None, None, pos=pos[None])[0]
-                new[b, pos] = x[b, pos] + torch.sigmoid(z[b, pos])[:, None] * (y - x[b, pos])
-                kept[b, pos] = True
+                if r == 0:
+                    pos = torch.arange(16)
+                elif mode == "train":
+                    pos = z[b].masked_fill(~active[b], -math.inf).topk(k).indices.sort().values
+                else:
+                    pos = (active[b] & (z[b] > 0)).nonzero().squeeze(1)
+                if len(pos):  # (in evaluation a sequence may keep none)
+                    y = x[b, pos][None]
+                    for block in model.blocks[1:1 + M]:
+                        y = block(y, None, None, pos=pos[None])
+                    new[b, pos] = x[b, pos] + torch.sigmoid(z[b, pos])[:, None] * (y[0] - x[b, pos])
+                    kept[b, pos] = True
             x, active = new, kept
-        expected = model.head(model.head_norm(model.blocks[2](x, None, None)))
+        expected = model.head(model.head_norm(model.blocks[-1](x, None, None)))
         out = model(idx)
+    assert 0 < active.float().mean() < 1
     assert (out.logits - expected).abs().max().item() < 1e-4
 
 
 def test_mor_active_sets_are_nested_and_each_recursion_keeps_its_share():
     route = mor_model().train()(torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(6))).route
-    z, active, top = route["logits"], route["active"], route["topk"]  # (3, B, T)
-    assert active[0].all() and top.sum(dim=2).tolist() == [[16] * 3, [10] * 3, [5] * 3]
-    for r in range(3):
+    z, active, top = route["logits"], route["active"], route["topk"]  # (2, B, T): recursions 1, 2
+    assert active[0].all() and top.sum(dim=2).tolist() == [[10] * 3, [5] * 3]
+    for r in range(2):
         assert not (top[r] & ~active[r]).any()
-        if r < 2:
-            assert torch.equal(active[r + 1], top[r])
         for b in range(3):
             out = active[r, b] & ~top[r, b]
-            if out.any():
-                assert z[r, b][top[r, b]].min() > z[r, b][out].max()
+            assert z[r, b][top[r, b]].min() > z[r, b][out].max()
+    assert torch.equal(active[1], top[0])
     # applied blocks: 0 and 7 every token, the stack's two at recursion r its kept tokens
-    assert route["block"][[0, 7]].all()
-    assert torch.equal(route["block"][1:7], top.repeat_interleave(2, dim=0))
+    assert route["block"][[0, 1, 2, 7]].all()
+    assert torch.equal(route["block"][3:7], top.repeat_interleave(2, dim=0))
 
 
 def test_mor_inference_routes_each_token_by_its_own_score():
@@ -2641,9 +2652,8 @@ def test_mor_inference_routes_each_token_by_its_own_score():
     later[:, 9:] = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         a, b = model(idx), model(later)
-    z, active, kept = a.route["logits"], a.route["active"], a.route["block"][[1, 3, 5]]
-    assert torch.equal(kept, active & (z > 0)) and torch.equal(active[1:], kept[:2])
-    assert 0 < kept[2].float().mean() < 1
+    runs = a.route["block"][[1, 3, 5]]  # the first block of each recursion
+    assert runs[0].all() and 0 < runs[2].float().mean() < runs[1].float().mean() < 1
     assert torch.equal(a.route["block"][:, :, :9], b.route["block"][:, :, :9])  # no look-ahead
     assert (a.logits[:, :9] - b.logits[:, :9]).abs().max().item() < 1e-5
 
@@ -2692,7 +2702,7 @@ def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():
             step = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
         assert (step[0, -1] - full.logits[0, pos]).abs().max().item() < 1e-4
     assert cache.n == full.route["block"][:, 0].sum(dim=1).tolist()
-    assert cache.n[0] == cache.n[7] == 16 and cache.n[5] < cache.n[3] < 16
+    assert cache.n[:3] == [16] * 3 and cache.n[7] == 16 and cache.n[5] < cache.n[3] < 16
 
 
 def test_mor_flops_match_flop_counter_at_its_shares(monkeypatch):
@@ -2706,10 +2716,12 @@ def test_mor_flops_match_flop_counter_at_its_shares(monkeypatch):
 
 
 def test_mor_settings_that_make_no_sense_are_refused():
-    for kw, message in ((dict(n_layers=7), "need L - 2 a positive multiple"),
-                        (dict(n_layers=4), "need L - 2 a positive multiple"),
-                        (dict(mor_routed=False, compact=True), "runs every token everywhere"),
-                        (dict(mor_routed=False, mor_aux_coef=0.1), "has no effect")):
+    for kw, message in ((dict(n_layers=7), r"multiple of it \(n_layers=5 or 8\)"),
+                        (dict(n_layers=4), r"multiple of it \(n_layers=5\)"),
+                        (dict(mor_routed=False, compact=True), "every token runs everywhere"),
+                        (dict(n_layers=3, mor_recursions=1, compact=True), "every token runs"),
+                        (dict(mor_routed=False, mor_aux_coef=0.1), "has no effect"),
+                        (dict(n_layers=3, mor_recursions=1, mor_aux_coef=0.1), "has no effect")):
         with pytest.raises(tg.UserError, match=message):
             tg.validate(tiny(router="mor", **{"n_layers": 8, **kw}), 1)
     tg.validate(tiny(router="mor", n_layers=3, mor_recursions=1), 1)  # one block, applied once
@@ -3003,7 +3015,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     model = tg.GPT(hp)
     opt = torch.optim.AdamW(tg.param_groups(model), lr=1e-3)
     loader = tg.DistributedLoader(f"{HERE}/data/sample/sample_train_*.bin", 4, hp.seq_len, 0, 1, hp.vocab_size)
-    lrs = [1e-3] * (hp.n_layers + 1)
+    lrs = [1e-3] * len(opt.param_groups)
     stats = tg.train_step(model, model.router, hp, opt, loader, support.Dist(), contextlib.nullcontext(),
                           2, lrs, 0)
     model.router.update(stats.get("router"), stats["tokens"][0], 0)
@@ -3011,7 +3023,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     # compacted blocks whose active count is data-dependent: the gated ones and MoD's routed
     # ones (DLO's training top-k has a known size)
     compacted = {"skip_middle": hp.n_layers, "dlo": 0, "mod": hp.n_layers // hp.mod_every,
-                 "mor": hp.n_layers - 2}[router] if compact else 0
+                 "mor": (hp.n_layers - 2) * 2 // 3}[router] if compact else 0  # recursion 0: all
     assert len(reads) == 1 + (router == "dlo") + 2 * compacted, reads  # 2 micro-batches
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 

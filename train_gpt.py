@@ -62,7 +62,8 @@ Mixture-of-Recursions (Bae et al. 2025), `router=mor`, choices:
     L-1 are unique and a stack of (L - 2) / N_r shared blocks runs N_r = mor_recursions times
     (Middle-Cycle), so 2 + (L - 2) / N_r blocks are unique; L - 2 must be a multiple of N_r.
   - Expert-choice routing with hierarchical filtering keeps floor((N_r - r) / N_r T) tokens of
-    each sequence at recursion r (all, 2/3, 1/3 for N_r = 3): the shares fall linearly.
+    each sequence at recursion r (all, 2/3, 1/3 for N_r = 3): the shares fall linearly. The
+    first recursion, share 1, keeps every token in inference too and has no BCE term.
   - A kept token moves by g = sigmoid(z) times the recursion's update, h + g (f(h) - h) (no
     extra scale); the authors' code adds alpha sigmoid(z) times the stack's whole output,
     residual included. Inside the stack the kept tokens run ungated; the others are neither
@@ -667,14 +668,14 @@ class MixtureOfRecursions(Router):
     blocks the first and last are blocks[0] and blocks[-1], and the M = (n_layers - 2) / N_r
     blocks between them are one stack applied N_r = mor_recursions times. Expert-choice routing
     with hierarchical filtering: before recursion r a linear router scores each token,
-    z = w_r.h, and of the tokens still active (r = 0: all) keeps in training the top
-    floor((N_r - r) / N_r T) of each sequence; the stack runs on those alone (neither queries
+    z = w_r.h, and of the tokens still active keeps in training the top floor((N_r - r) / N_r T)
+    of each sequence (r = 0: all, in inference too); the stack runs on those alone (neither queries
     nor keys for the others) and a kept token moves by g = sigmoid(z) times the stack's update,
     h + g (f(h) - h). Top-k sees the whole sequence: as for MoD, BCE (mor_aux_coef) teaches
     z > 0 to the top-k tokens, and evaluation and decoding keep the active tokens with z > 0.
     mor_routed=false: the recursive baseline, every token every recursion, g = 1, no router.
-    Trace extras: "recursion" (N_r, B, T) the tokens that ran recursion r; "logits" z, "active"
-    the tokens eligible at r, "topk" (training) the top-k choice: (N_r, B, T) when routed."""
+    Trace extras: "recursion" (N_r, B, T) the tokens that ran recursion r; for r >= 1 when routed,
+    (N_r - 1, B, T): "logits" z, "active" the tokens eligible, "topk" (training) the top-k."""
     expandable = False  # its shared blocks are not a stack of layers
     skips = "recursion"
 
@@ -695,7 +696,8 @@ class MixtureOfRecursions(Router):
         for r in range(self.hp.mor_recursions):
             active, g = self.choose(r, x, active, trace)
             trace["recursion"].append(active)
-            keys, h = active[..., None].to(x.dtype), x  # (B, T, 1): the recursion's tokens
+            every = r == 0 or not self.hp.mor_routed  # every token: the block ungated, as dense
+            keys, h = None if every else active[..., None].to(x.dtype), x  # (B, T, 1): its tokens
             for i, block in enumerate(stack):
                 if cache is None or bool(active.any()):  # decoding: a token not kept stores no K/V
                     h = block(h, keys, mask, self.hp.compact and cache is None, pos,
@@ -708,16 +710,20 @@ class MixtureOfRecursions(Router):
                                           at(self.hp.n_layers - 1)))
 
     def choose(self, r: int, x, active, trace):
-        """-> the tokens ((B, T) bool, within active) that run recursion r, and their weight g."""
+        """-> the tokens ((B, T) bool, within active) that run recursion r, and their weight g.
+        Recursion 0's share is 1: every token runs it, in training and inference alike (its
+        router only weights the update), so it has no choice to learn."""
         if not self.hp.mor_routed:
             return active, 1.0
         z = self.routers[r](x).float()[..., 0]  # (B, T)
+        if r == 0:
+            return active, torch.sigmoid(z)[..., None].type_as(x)
         trace["logits"].append(z)
         trace["active"].append(active)
         if self.training:  # k_r <= k_(r-1): the top k are all active
-            k = max(1, math.floor((self.hp.mor_recursions - r) / self.hp.mor_recursions * x.size(1)))
-            top = z.masked_fill(~active, -math.inf).topk(k, dim=1).indices  # (B, k)
-            chosen = torch.zeros_like(active).scatter(1, top, True)
+            N = self.hp.mor_recursions
+            top = z.masked_fill(~active, -math.inf).topk(max(1, (N - r) * x.size(1) // N), dim=1).indices
+            chosen = torch.zeros_like(active).scatter(1, top, True)  # (B, T)
             trace["topk"].append(chosen)
         else:
             chosen = active & (z > 0)  # causal: the token's own score
@@ -725,21 +731,24 @@ class MixtureOfRecursions(Router):
 
     def loss(self, route, step):
         """BCE of each active token's z against its top-k membership, mean over active tokens."""
-        if not self.hp.mor_routed:
+        if "topk" not in route:  # the recursive baseline, or N_r = 1: nothing is chosen
             return super().loss(route, step)
         bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float(), reduction="none")
         return self.hp.mor_aux_coef * (bce * route["active"]).sum() / route["active"].sum(), None
 
     @staticmethod
     def check(hp):
-        if hp.n_layers < 2 + hp.mor_recursions or (hp.n_layers - 2) % hp.mor_recursions:
-            return (f"n_layers={hp.n_layers}: MoR applies blocks 0 and L-1 once and a stack of "
-                    f"(L - 2) / mor_recursions blocks mor_recursions={hp.mor_recursions} times; "
-                    f"need L - 2 a positive multiple of it")
-        if not hp.mor_routed and hp.compact:
-            return "compact=true: mor_routed=false runs every token everywhere"
-        if not hp.mor_routed and hp.mor_aux_coef != Hyperparameters.mor_aux_coef:
-            return f"mor_aux_coef={hp.mor_aux_coef} has no effect with mor_routed=false"
+        N, L = hp.mor_recursions, hp.n_layers
+        if L < 2 + N or (L - 2) % N:
+            near = [n for n in (L - (L - 2) % N, L - (L - 2) % N + N) if n >= 2 + N]
+            return (f"n_layers={L}: MoR applies blocks 0 and L-1 once and a stack of (L - 2) / "
+                    f"mor_recursions blocks mor_recursions={N} times; need L - 2 a positive "
+                    f"multiple of it (n_layers={' or '.join(map(str, near))})")
+        unchosen = "mor_routed=false" if not hp.mor_routed else "mor_recursions=1" if N == 1 else ""
+        if unchosen and hp.compact:  # (recursion 0 runs every token)
+            return f"compact=true: with {unchosen} every token runs everywhere"
+        if unchosen and hp.mor_aux_coef != Hyperparameters.mor_aux_coef:
+            return f"mor_aux_coef={hp.mor_aux_coef} has no effect with {unchosen}: no router chooses"
         return ""
 
     @staticmethod
