@@ -334,8 +334,8 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
     w.writerows({k: ln[k] for k in keys} for ln in lines)
     support.write_atomically(os.path.join(out, "results.csv"), csv_text.getvalue().encode())
     table = ["| run | seeds | val CE | CE - dense frontier | std | verdict | sparsity | "
-             "fwd MFLOPs/token | unique params outside embedding, head (M) | eval ms/1k tok masked | compact | "
-             "dense at equal FLOPs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fwd MFLOPs/token | unique params, no embedding or head (M) | eval ms/1k tok "
+             "masked | compact | dense at equal FLOPs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ln in lines:
         table.append(f"| {ln['name']} | {ln['seeds']} | {ln['val_loss']:.4f} | "
                      f"{fmt(ln['delta'], '+.4f')} | {fmt(ln['delta_std'])} | {ln['verdict']} | "
