@@ -2670,7 +2670,7 @@ def test_mor_aux_loss_is_the_bce_of_the_active_tokens_by_hand():
                 p = 1 / (1 + math.exp(-z[r, 0, t].item()))
                 terms.append(-math.log(p) if top[r, 0, t] else -math.log(1 - p))
     loss, _ = model.router.loss({"logits": z, "topk": top, "active": active}, step=0)
-    assert loss.item() == pytest.approx(0.01 * sum(terms) / 10, rel=1e-6)
+    assert loss.item() == pytest.approx(model.hp.mor_aux_coef * sum(terms) / 10, rel=1e-6)
 
 
 def test_mor_compact_matches_masked_logits_and_gradients():
@@ -2720,8 +2720,8 @@ def test_mor_settings_that_make_no_sense_are_refused():
                         (dict(n_layers=4), r"multiple of it \(n_layers=5\)"),
                         (dict(mor_routed=False, compact=True), "every token runs everywhere"),
                         (dict(n_layers=3, mor_recursions=1, compact=True), "every token runs"),
-                        (dict(mor_routed=False, mor_aux_coef=0.1), "has no effect"),
-                        (dict(n_layers=3, mor_recursions=1, mor_aux_coef=0.1), "has no effect")):
+                        (dict(mor_routed=False, mor_aux_coef=0.5), "has no effect"),
+                        (dict(n_layers=3, mor_recursions=1, mor_aux_coef=0.5), "has no effect")):
         with pytest.raises(tg.UserError, match=message):
             tg.validate(tiny(router="mor", **{"n_layers": 8, **kw}), 1)
     tg.validate(tiny(router="mor", n_layers=3, mor_recursions=1), 1)  # one block, applied once

@@ -68,8 +68,9 @@ Mixture-of-Recursions (Bae et al. 2025), `router=mor`, choices:
     extra scale); the authors' code adds alpha sigmoid(z) times the stack's whole output,
     residual included. Inside the stack the kept tokens run ungated; the others are neither
     queries nor keys (weight gate_eps masked, 0 when compacted or decoding).
-  - Causal inference: the auxiliary-loss method, BCE (mor_aux_coef, our 0.01) of the router's
-    own z over the tokens still active; evaluation and decoding keep those with z > 0.
+  - Causal inference: the auxiliary-loss method, BCE (mor_aux_coef, our 0.1: at 0.01 the
+    CPU smoke run's inference kept almost no token past recursion 0) of the router's own z
+    over the tokens still active; evaluation and decoding keep those with z > 0.
     Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.
 """
 
@@ -991,7 +992,7 @@ class Hyperparameters:
     # router=mor: Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing
     mor_recursions: int = 3      # [1, inf) fixed; N_r: the stack of (n_layers - 2) / N_r shared blocks runs N_r times
     mor_routed: bool = True      # fixed; false: the recursive baseline, every token every recursion
-    mor_aux_coef: float = 0.01   # (0, inf) BCE weight teaching z > 0 the top-k (inference's teacher)
+    mor_aux_coef: float = 0.1    # (0, inf) BCE weight teaching z > 0 the top-k (inference's teacher)
     # optimisation (Table 2)
     lr: float = 1e-3             # (0, inf) AdamW peak learning rate, one for all parameters
     beta1: float = 0.8           # [0, 1) AdamW betas
