@@ -511,6 +511,20 @@ def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
         assert support.peak_flops(name, given=1e12) == 1e12
 
 
+def test_attention_flops_count_each_sequences_own_active_pairs():
+    # two 16-token sequences: at both layers the first runs all 16 tokens, the second 4. Their
+    # causal pairs average (16 x 17 / 2 + 4 x 5 / 2) / 2 = 73 per sequence; the square of the
+    # mean share, (10 / 16)^2 x 16 x 17 / 2 = 53.125, would undercount the attention
+    hp = tiny(n_layers=2)
+    block = torch.zeros(2, 2, 16, dtype=torch.bool)  # (L, B, T)
+    block[:, 0], block[:, 1, :4] = True, True
+    sums = tg.route_sums({"block": block, "mlp": block, "gates": block.float()}, tg.GPT(hp).router)
+    assert sums["attn_pairs"].tolist() == [146.0, 146.0]  # summed over the two sequences
+    a, per_pair = [10 / 16] * 2, 2 * 2 * hp.n_heads * (hp.dim // hp.n_heads)  # q.k and the sum of v
+    exact, squared = tg.forward_flops(hp, a, pairs=[73.0, 73.0]), tg.forward_flops(hp, a)
+    assert exact - squared == pytest.approx(2 * per_pair * (73 - 53.125))
+
+
 def test_query_axis_flops_keep_every_token_as_a_key():
     # a token skipped under the query-axis gate is still attended to: its K/V run
     key, query = tiny(n_layers=4), tiny(n_layers=4, gate_axis="query")

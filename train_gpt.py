@@ -31,8 +31,10 @@ Deviations from the paper, and choices where it is ambiguous:
   - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
   - Eq. 6's tolerance applies to |deviation|, as in the authors' code, so coefficients fall as
     well as rise; beta uses the same rule with variance targets mu*(1 - mu*) (eq. 4: population
-    variance). The controller reads the whole global batch's statistics (every rank applies the
-    same update); each micro-step's regulariser uses that micro-batch's.
+    variance, over N; the authors' code divides by N - 1). `adaptive` is Table 1's
+    gamma sign(dev) with no tolerance; the authors' adaptive controller applies delta too. The
+    controller reads the whole global batch's statistics (every rank applies the same update);
+    each micro-step's regulariser uses that micro-batch's.
   - FLOPs count a causal kernel, T(T+1)/2 query-key pairs, matmuls only, per token at seq_len
     (the README relates this to the authors' estimator, ~1.9x ours at the paper's size).
   - compact=True and the KV-cached decoder give a key with g = 0 weight exactly 0, not 1e-6.
@@ -908,40 +910,43 @@ class DistributedLoader:
 # -----------------------------------------------------------------------------
 # FLOPs: forward pass of one sequence of seq_len tokens, 2 per multiply-add
 
-def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None) -> float:
+def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None,
+                  pairs=None) -> float:
     """Forward FLOPs of one sequence of T tokens (default: seq_len, the length trained and
     validated on). active: per-layer fraction of tokens that run the block (None: all);
     mlp_active: per-layer fraction that runs its MLP (None: the same as active; DLO skips only
     MLPs). Skipped tokens cost nothing in that block (the paper's Figure 2 assumption):
-    projections and FFN scale with the active fraction a, attention with the active
-    query-key pairs, a^2 T(T+1)/2; except where a router keeps skipped tokens as keys (the
-    query-axis gate), whose K/V projections run for every token and attention for a T(T+1)/2."""
+    projections and FFN scale with the active fraction a, attention with the active causal
+    query-key pairs: pairs, per layer the mean over sequences of each one's n(n+1)/2 for its
+    n active tokens (route_sums), or without it a^2 T(T+1)/2, which undercounts when the
+    share differs between sequences. Where a router keeps skipped tokens as keys (the
+    query-axis gate), K/V projections run for every token and attention for a T(T+1)/2."""
     T, d, hd = T or hp.seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
     proj_qo, proj_kv = 2 * 2 * d * d, 2 * 2 * d * kv  # q and o, k and v per token
     keys_stay = ROUTERS[hp.router].skipped_tokens_are_keys(hp)
     ffn = 2 * 3 * d * hp.ffn_mult * d  # SwiGLU per token
-    pairs = T * (T + 1) / 2  # causal query-key pairs
-    attn = 2 * 2 * hp.n_heads * hd * pairs  # scores q.k and the weighted sum of v
     total = 2 * T * d * hp.vocab_size  # head
     for layer in range(hp.n_layers):
         a = 1.0 if active is None else float(active[layer])
         m = a if mlp_active is None else float(mlp_active[layer])
         k = 1.0 if keys_stay else a  # the share of tokens that are keys
-        total += a * T * proj_qo + k * T * proj_kv + a * k * attn + m * T * ffn
-    return total + ROUTERS[hp.router].extra_flops(hp, T)
+        p = a * k * T * (T + 1) / 2 if pairs is None or keys_stay else float(pairs[layer])
+        total += a * T * proj_qo + k * T * proj_kv + 2 * 2 * hp.n_heads * hd * p + m * T * ffn
+    return total + ROUTERS[hp.router].extra_flops(hp, T)  # (attention: scores q.k, sum of v)
 
-def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None) -> float:
+def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
     """Forward FLOPs per token at seq_len; training (forward + backward) is 3x this."""
-    return forward_flops(hp, active, mlp_active) / hp.seq_len
+    return forward_flops(hp, active, mlp_active, pairs=pairs) / hp.seq_len
 
-def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None) -> float:
+def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None,
+        pairs=None) -> float:
     """Model FLOPs utilisation of one optimiser step over the real tokens it trained on
     (batch_size x seq_len): 3x the forward FLOPs of the work executed, over the peak of all
     devices (peak FLOP/s per device). active: per-layer fraction of tokens the blocks actually
     ran (compact only)."""
     tokens = hp.batch_size * hp.seq_len
-    return 3 * flops_per_token(hp, active) * tokens / step_s / (peak * world)
+    return 3 * flops_per_token(hp, active, pairs=pairs) * tokens / step_s / (peak * world)
 
 # -----------------------------------------------------------------------------
 # Settings: the run's (Hyperparameters) and the job's (Job)
@@ -1212,7 +1217,9 @@ def route_sums(route: dict, router: Router) -> dict:
     """Per-layer sums over the tokens of a forward pass, float64 (L,) per key, detached: the
     tokens that ran each block and each MLP, and the router's `means` (made means later)."""
     keys = {"block_active": "block", "mlp_active": "mlp", **router.means}
-    return {name: route[key].detach().double().sum(dim=(1, 2)) for name, key in keys.items()}
+    sums = {name: route[key].detach().double().sum(dim=(1, 2)) for name, key in keys.items()}
+    n = route["block"].detach().double().sum(dim=2)  # (L, B) tokens that ran each block, per sequence
+    return {**sums, "attn_pairs": (n * (n + 1) / 2).sum(dim=1)}  # their causal query-key pairs
 
 @torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
@@ -1231,9 +1238,11 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     sums = all_reduce_sums(sums)
     model.train()
     tokens, loss = sums.pop("tokens"), sums.pop("loss")
+    pairs = (sums.pop("attn_pairs") * hp.seq_len / tokens).tolist()  # per layer, per sequence
     v = {k: (t / tokens).tolist() for k, t in sums.items()}  # per-layer means
-    fwd = flops_per_token(hp, v["block_active"], v["mlp_active"])
+    fwd = flops_per_token(hp, v["block_active"], v["mlp_active"], pairs)
     return dict(val_loss=(loss / tokens).item(), sparsity=1 - sum(v["mlp_active"]) / hp.n_layers, **v,
+                attn_pairs=pairs,
                 fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
                 fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none", compact=False)),
                 fwd_flops_per_seq=fwd * hp.seq_len)
@@ -1460,8 +1469,9 @@ def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, st
             f"{clock(run.train_ms, run.timed_steps)} "
             f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
     if peak:  # executed work: all tokens, except what compact really skips
-        active = means["block_active"] if hp.compact else None
-        line += f" mfu:{100 * mfu(hp, step_ms / 1000, world, peak, active):.1f}%"
+        active, pairs = (means["block_active"], [p * hp.seq_len / count for p in stats["attn_pairs"]]) \
+            if hp.compact else (None, None)
+        line += f" mfu:{100 * mfu(hp, step_ms / 1000, world, peak, active, pairs):.1f}%"
     log.print(line)
     log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
                 "train_loss": stats["lm_loss"][0], "total_loss": stats["total_loss"][0],
