@@ -5,7 +5,8 @@
 
 Prints the text, then how many K/V entries the cache holds against a dense cache: a token
 whose gate is 0 at a block skips it and stores nothing there. --temperature=0 is greedy;
---top_k=0 samples from the whole vocabulary; an empty prompt starts from <|endoftext|>.
+--top_k=0 samples from the whole vocabulary; an empty prompt starts from <|endoftext|> (a
+NUL byte for a byte-level run, whose text is decoded as UTF-8, U+FFFD where it is not).
 """
 
 import sys
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from data.shards import EOT, gpt2_encoding  # noqa: E402
+from data.shards import encoding  # noqa: E402
 
 
 class KVCache:
@@ -76,7 +77,7 @@ def parser() -> support.ArgParser:
     p = support.ArgParser("python sample.py", __doc__)
     p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="a run directory with a checkpoint")
     p.add_argument("--prompt", default="\n", metavar="TEXT",
-                   help="text to continue; empty: start from <|endoftext|> (default: a newline)")
+                   help="text to continue; empty: start from the document separator (default: a newline)")
     p.add_argument("--tokens", type=support.in_range(int, 1), default=100, metavar="N",
                    help="tokens to sample, at most what the context leaves (default: %(default)s)")
     p.add_argument("--temperature", type=support.in_range(float, 0), default=0.8, metavar="T",
@@ -94,10 +95,10 @@ def main(argv):
     args = parser().parse_args(argv)
     n, temperature, top_k, seed = args.tokens, args.temperature, args.top_k, args.seed
     device = args.device
-    enc = gpt2_encoding()
-    prompt = enc.encode_ordinary(args.prompt) or [EOT]
     model = tg.load_model(args.run_dir, device)
     hp = model.hp
+    enc = encoding(hp.encoding)  # the run's: GPT-2 BPE, or UTF-8 bytes
+    prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
     if len(prompt) >= hp.max_seq_len:
         raise support.UserError(f"the prompt is {len(prompt)} tokens; the model's context holds "
                                 f"{hp.max_seq_len}, so no token could follow it: shorten the prompt")

@@ -24,7 +24,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from data.shards import find_shards, gpt2_encoding, read_shard  # noqa: E402
+from data.shards import encoding, find_shards, read_shard  # noqa: E402
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def main(argv):
     device = args.device
     model = tg.load_model(args.run_dir, device)
     hp = model.hp
-    enc = gpt2_encoding()
+    enc = encoding(hp.encoding)  # the run's: GPT-2 BPE, or UTF-8 bytes (one byte a token)
     if args.text is not None:
         ids = enc.encode_ordinary(args.text)
         if not ids:

@@ -735,6 +735,71 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
     assert x.flatten().tolist() == expected[7:10] and y.flatten().tolist() == expected[8:11]
 
 
+def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path):
+    # a .txt file's bytes exactly, invalid UTF-8 included; a JSON text's UTF-8; each document
+    # after a NUL byte; every 2nd document to validation; a NUL inside a document is refused
+    tokenize = load_command("data/tokenize_corpus.py")
+    raw = [b"plain ascii\n", b"caf\xe9 latin-1 and a lone \xff byte", "Ünïcödé 🙂".encode()]
+    for i, data in enumerate(raw[:2]):
+        (tmp_path / f"{i}.txt").write_bytes(data)
+    (tmp_path / "2.jsonl").write_text(json.dumps({"text": raw[2].decode()}) + "\n")
+    out = tmp_path / "bytes"
+    tokenize.tokenize([str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")], str(out), "b",
+                      1000, 1, "bytes", val_every=2)
+    val, train = (tg.read_shard(str(out / n), 256).tolist() for n in ("b_val_000000.bin", "b_train_000001.bin"))
+    assert bytes(val) == b"\0" + raw[0] + b"\0" + raw[2] and bytes(train) == b"\0" + raw[1]
+    assert {shards.shard_encoding(str(p)) for p in out.glob("*.bin")} == {"bytes"}
+    assert shards.encoding("bytes").decode(train) == "\0caf\ufffd latin-1 and a lone \ufffd byte"
+    (tmp_path / "nul.txt").write_bytes(b"a\0b")
+    with pytest.raises(support.UserError, match="nul.txt: holds a NUL byte"):
+        tokenize.tokenize([str(tmp_path / "nul.txt")], str(tmp_path / "x"), "b", 1000, 1, "bytes")
+    assert not (tmp_path / "x").exists()
+
+
+def test_gpt2_shards_convert_to_the_bytes_of_their_documents(tmp_path):
+    # FineWeb-like GPT-2 shards, documents cut across shards: converted one for one, the bytes
+    # of all shards together are every document's bytes after a NUL, as a byte corpus of them
+    tokenize = load_command("data/tokenize_corpus.py")
+    docs = ["First document, with ünïcödé.", "second\none " * 5, "third 🙂 " * 3]
+    with open(tmp_path / "d.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw", 9, 1)
+    converted = tokenize.convert(str(tmp_path / "g" / "fw_*.bin"), str(tmp_path / "y"), "fwb")
+    names = sorted(os.path.basename(p) for p in converted)
+    assert names == sorted(p.name.replace("fw_", "fwb_") for p in (tmp_path / "g").glob("fw_*.bin"))
+    ordered = sorted(converted, key=lambda p: int(p[-10:-4]))  # val_000000, train_000001, ...
+    got = b"".join(bytes(tg.read_shard(p, 256).tolist()) for p in ordered)
+    assert got == b"".join(b"\0" + d.encode() for d in docs)
+    with pytest.raises(support.UserError, match="a byte shard already"):
+        tokenize.convert(str(tmp_path / "y" / "fwb_*.bin"), str(tmp_path / "z"), "again")
+
+
+def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_bytes(tmp_path, capsys):
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "a.txt").write_bytes((Path(HERE) / "README.md").read_bytes()[:60000])
+    (tmp_path / "b.txt").write_bytes((Path(HERE) / "train_gpt.py").read_bytes()[:20000])
+    tokenize.tokenize([str(tmp_path / "b.txt"), str(tmp_path / "a.txt")], str(tmp_path / "s"), "t",
+                      1 << 20, 1, "bytes", val_every=2)
+    capsys.readouterr()  # (the tokenizer's progress line)
+    files = [f"--train_files={tmp_path}/s/t_train_*.bin", f"--val_files={tmp_path}/s/t_val_*.bin"]
+    byte_model = TINY_RUN + ["--encoding=bytes", "--vocab_size=256", "--train_tokens=5120",
+                             "--val_every=0", "--val_tokens=512"]
+    for args, message in ((byte_model, "sample_train_000001.bin holds gpt2 tokens, but encoding=bytes"),
+                          (TINY_RUN + files, "t_train_000001.bin holds bytes tokens, but encoding=gpt2"),
+                          (TINY_RUN + ["--encoding=bytes"], "encoding=bytes has 256 token ids")):
+        code, out, err = run_main(args + [f"--run_dir={tmp_path / 'refused'}"], capsys)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "refused").exists()
+    code, _, err = run_main(byte_model + files + [f"--run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 0, err[-2000:]
+    val = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "val"]
+    assert val[-1]["val_loss"] < math.log(256)  # better than uniform over the bytes
+    code = support.cli(load_command("sample.py").main, [str(tmp_path / "run"), "--prompt=The ",
+                                                        "--tokens=20", "--seed=1"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
+
+
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
@@ -818,8 +883,8 @@ def test_a_shard_that_appears_while_tokenizing_is_not_replaced(tmp_path, monkeyp
     tokenize = load_command("data/tokenize_corpus.py")
     out, real = tmp_path / "s", tokenize.documents
 
-    def documents(paths):  # another job writes a shard of the same name meanwhile
-        for i, doc in enumerate(real(paths)):
+    def documents(paths, raw=False):  # another job writes a shard of the same name meanwhile
+        for i, doc in enumerate(real(paths, raw)):
             if i == 1:
                 (out / "c_train_000001.bin").write_bytes(b"theirs")
             yield doc
@@ -1367,11 +1432,11 @@ def test_every_bad_input_gives_one_error_line_and_status_2(tmp_path, capsys):
 
 def test_every_field_has_a_checked_range(tmp_path):
     # generated from the dataclass: a new numeric field without a range check fails here
-    strings = {"train_files", "val_files", "attn_impl", "router", "controller", "gate_init",
+    strings = {"train_files", "val_files", "encoding", "attn_impl", "router", "controller", "gate_init",
                "gate_axis", "resume", "run_dir", "preset"}
     bad_values = {"train_files": f"{tmp_path}/dir_*.bin", "val_files": "/nonexistent/v_*.bin",
                   "attn_impl": "tpu", "router": "moe", "controller": "pid",
-                  "gate_init": "uniform", "gate_axis": "value",
+                  "gate_init": "uniform", "gate_axis": "value", "encoding": "utf16",
                   "preset": "huge"}  # the paths (resume, run_dir): bad_inputs
     (tmp_path / "dir_000001.bin").mkdir()
     given = tg.parse_overrides(["--preset=smoke"])
@@ -1415,6 +1480,7 @@ def accepts(name, value) -> bool:
     owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][:1]
     try:
         given = [f"--{name}={text}"] if text else []  # an empty default: the flag left out
+        given += ["--vocab_size=256"] if (name, text) == ("encoding", "bytes") else []  # its vocabulary
         tg.validate(tg.resolve(tg.parse_overrides(["--preset=smoke", *owner, *given])), 1)
         return True
     except tg.UserError:

@@ -99,7 +99,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from data.shards import find_shards, read_shard, shard_tokens  # noqa: E402
+from data.shards import find_shards, read_shard, shard_encoding, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
                      all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
                      field_help, fmt_list, machine_memory, open_log, open_run_dir,
@@ -851,14 +851,16 @@ class DistributedLoader:
     """Walks the shards in order, cycling at the end. Each step takes one contiguous global
     batch of B_global * T (+1) tokens; rank r gets sequences [r * B_local, (r + 1) * B_local),
     so the union over ranks is the same global batch for every world size. Every shard's
-    header is checked up front, so a bad shard stops the run before it starts, not hours in;
-    token ids are checked as each shard is loaded."""
+    header is checked up front (its encoding too, when given), so a bad shard stops the run
+    before it starts, not hours in; token ids are checked as each shard is loaded."""
 
     def __init__(self, pattern: str, B_local: int, T: int, rank: int, world: int,
-                 vocab_size: int = 2**16):
+                 vocab_size: int = 2**16, encoding: str = None):
         self.files = find_shards(pattern)
         for path in self.files:
-            shard_tokens(path)
+            if encoding not in (None, found := shard_encoding(path)):
+                raise UserError(f"{path} holds {found} tokens, but encoding={encoding}: train a "
+                                f"{found} model on it (--encoding={found}), or give {encoding} shards")
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard = None
         self.reset()
@@ -960,6 +962,7 @@ class Hyperparameters:
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
+    encoding: str = "gpt2"       # {gpt2|bytes} fixed; the shards' tokens: GPT-2 BPE, or UTF-8 bytes (vocab_size=256)
     # model (paper Table 2)
     vocab_size: int = 50257      # [2, 65536] fixed; GPT-2 BPE
     n_layers: int = 12           # [1, inf) fixed; L, must be even when gated
@@ -1082,6 +1085,8 @@ def validate(hp: Hyperparameters, world: int):
                         f"by n_kv_heads ({hp.n_kv_heads})")
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
+    if hp.encoding == "bytes" and hp.vocab_size != 256:
+        raise UserError(f"encoding=bytes has 256 token ids: give vocab_size=256 (not {hp.vocab_size})")
     defaults = Hyperparameters()
     for f, (group, _, _) in field_facts(Hyperparameters).items():  # another router's knob does nothing
         owner = re.match(r"router=(\w+)", group)
@@ -1173,7 +1178,8 @@ def saved_settings(saved: dict) -> Hyperparameters:
     """Settings saved by a run (checkpoint or config.json): every field, its type and range
     checked. Keys that are no longer fields are dropped: the expand_* fields of older
     versions, whose work the weights already hold, and a job's settings (Job), which older
-    versions saved with the run's."""
+    versions saved with the run's. Older versions knew only GPT-2 shards: no encoding, gpt2."""
+    saved = {"encoding": "gpt2", **saved} if isinstance(saved, dict) else saved
     hp = Hyperparameters(**saved_fields(Hyperparameters, saved))
     check_fields(hp)
     return hp
@@ -1296,9 +1302,9 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
     validation tokens, and the checkpoint's data position (if any) in these shards."""
     train_loader = DistributedLoader(hp.train_files, hp.batch_size // d.world, hp.seq_len,
-                                     d.rank, d.world, hp.vocab_size)  # all micro-steps
+                                     d.rank, d.world, hp.vocab_size, hp.encoding)  # all micro-steps
     val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
-                                   d.rank, d.world, hp.vocab_size)
+                                   d.rank, d.world, hp.vocab_size, hp.encoding)
     if hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world) > val_loader.capacity():
         raise UserError(f"val_tokens={hp.val_tokens} is more than the validation shards hold "
                         f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "

@@ -2,7 +2,9 @@
 start at once. train_gpt.py's loader reads shards through these functions too.
 
 A shard (modded-nanogpt's format) is a header of HEADER_INTS int32 values (SHARD_MAGIC,
-SHARD_VERSION, the token count, then zeros) followed by the tokens as uint16 GPT-2 BPE ids.
+SHARD_VERSION, the token count, the encoding, then zeros) followed by the tokens as uint16.
+The encoding is ENCODINGS' index: 0 GPT-2 BPE ids (modded-nanogpt's and FineWeb's shards, where
+the field is 0), 1 UTF-8 bytes (ids 0-255, each document preceded by BYTES_EOT).
 """
 
 import glob
@@ -17,30 +19,41 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * np.dtype(np.int32).itemsize
 EOT = 50256  # GPT-2's <|endoftext|>, before each document
+BYTES_EOT = 0  # a byte shard's document separator: NUL, which text does not hold
+ENCODINGS = ("gpt2", "bytes")  # header[3]
 
 
-def header(count: int) -> bytes:
-    """The header bytes of a shard holding count tokens."""
+def header(count: int, encoding: str = "gpt2") -> bytes:
+    """The header bytes of a shard holding count tokens of the encoding."""
     values = np.zeros(HEADER_INTS, dtype=np.int32)
-    values[:3] = SHARD_MAGIC, SHARD_VERSION, count
+    values[:4] = SHARD_MAGIC, SHARD_VERSION, count, ENCODINGS.index(encoding)
     return values.tobytes()
+
+
+def shard_encoding(path: str) -> str:
+    """The encoding a sound shard's header names (see shard_tokens)."""
+    shard_tokens(path)
+    with named(path), open(path, "rb") as f:
+        return ENCODINGS[int(np.frombuffer(f.read(16), dtype=np.int32)[3])]
 
 
 def shard_tokens(path: str) -> int:
     """The number of tokens in the shard at path, once its header is read and found sound (the
-    magic number, the version, and a count that matches the file's size)."""
+    magic number, the version, a known encoding and a count that matches the file's size)."""
     with named(path), open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(HEADER_BYTES)
     if len(head) < HEADER_BYTES:
         raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the "
                         f"{HEADER_BYTES}-byte header)")
-    magic, version, count = (int(v) for v in np.frombuffer(head, dtype=np.int32, count=3))
+    magic, version, count, encoding = (int(v) for v in np.frombuffer(head, dtype=np.int32, count=4))
     expected_size = HEADER_BYTES + 2 * count
     if magic != SHARD_MAGIC:
         problem = f"bad magic number {magic} (expected {SHARD_MAGIC})"
     elif version != SHARD_VERSION:
         problem = f"unsupported shard version {version} (expected {SHARD_VERSION})"
+    elif not 0 <= encoding < len(ENCODINGS):
+        problem = f"unknown encoding {encoding} in its header (0: gpt2, 1: bytes)"
     elif count < 0 or size != expected_size:
         problem = (f"header says {count} tokens ({expected_size} bytes) but the file has "
                    f"{size} bytes (truncated or corrupt)")
@@ -72,6 +85,26 @@ def find_shards(pattern: str) -> list:
                 "embedded sample with --preset=smoke" if "fineweb" in pattern else "check the path")
         raise UserError(f"no shards match {pattern}: {hint}")
     return files
+
+
+class ByteEncoding:
+    """UTF-8 bytes as tokens, in tiktoken's terms: encode_ordinary (text -> ids), decode (ids
+    -> text; bytes that are not UTF-8 show as U+FFFD), decode_bytes (ids -> the bytes, exact)."""
+    name, eot_token, n_vocab = "bytes", BYTES_EOT, 256
+
+    def encode_ordinary(self, text: str) -> list:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids) -> bytes:
+        return bytes(ids)
+
+
+def encoding(name: str):
+    """The tokenizer of an encoding name in ENCODINGS: tiktoken's GPT-2 BPE, or ByteEncoding."""
+    return ByteEncoding() if name == "bytes" else gpt2_encoding()
 
 
 def gpt2_encoding():

@@ -4,12 +4,20 @@
     python data/tokenize_corpus.py                                     # the embedded sample
     python data/tokenize_corpus.py --check=data/fineweb10B             # verify shards
 
+    python data/tokenize_corpus.py a.txt --encoding=bytes --val_every=10 --out=data/bytes
+    python data/tokenize_corpus.py --from_shards='data/fineweb10B/*.bin' --encoding=bytes \
+        --out=data/fineweb10B_bytes --name=fineweb                    # FineWeb as bytes
+
 Input: .txt files (each file one document, UTF-8) and .jsonl files (one JSON object per line,
 its "text" field one document). Each document is encoded with the GPT-2 BPE (tiktoken) and
-preceded by <|endoftext|> (50256), as in FineWeb. Tokens go into shards of --shard_tokens
-tokens (the last one shorter) in the modded-nanogpt format that train_gpt.py reads; the first
-shard is named as validation: NAME_val_000000.bin, then NAME_train_000001.bin, ... Documents
-with empty text are skipped; an input with none is an error. Encoding uses --workers processes.
+preceded by <|endoftext|> (50256), as in FineWeb; or, with --encoding=bytes, as its bytes (ids
+0-255) preceded by a NUL byte (0): a .txt file's bytes exactly as they are, invalid UTF-8
+included (decoding shows those as U+FFFD; a document holding a NUL byte is refused), a JSON
+text's UTF-8. Tokens go into shards of --shard_tokens tokens (the last one shorter) in the
+modded-nanogpt format that train_gpt.py reads, the encoding in the header; the first shard is
+named as validation: NAME_val_000000.bin, then NAME_train_000001.bin, ... (with --val_every=K,
+every K-th document goes to validation shards instead). Documents with empty text are
+skipped; an input with none is an error. Encoding uses --workers processes.
 
 What it may delete (class Corpus): shards are written into a temporary folder inside --out and
 take their names only when the whole corpus is encoded; then the shards of the previous version
@@ -43,18 +51,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
 from support import (ArgParser, UserError, cli, first_missing, in_range, named, need,  # noqa: E402
                      nonempty, path_arg, remove_made, writable_dir, write_atomically)
-from data.shards import EOT, gpt2_encoding, header, read_shard  # noqa: E402
+from data.shards import (EOT, encoding, find_shards, header, read_shard,  # noqa: E402
+                         shard_encoding)
 GPT2_VOCAB = 50257
 
 
-def shard_bytes(tokens) -> bytes:
-    """Header (magic, version, count) then the tokens as uint16."""
+def shard_bytes(tokens, enc: str = "gpt2") -> bytes:
+    """Header (magic, version, count, encoding) then the tokens as uint16."""
     tokens = np.asarray(tokens)
     if tokens.dtype != np.uint16:
         if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**16):
             raise UserError("token ids must fit uint16")
         tokens = tokens.astype(np.uint16)
-    return header(len(tokens)) + tokens.tobytes()
+    return header(len(tokens), enc) + tokens.tobytes()
 
 
 def sha256_of(path: str) -> str:
@@ -77,11 +86,11 @@ class Corpus:
     folder, and the folders this created for OUT, are removed; nothing else is touched."""
     WRITER = "data/tokenize_corpus.py"
 
-    def __init__(self, out: str, name: str):
+    def __init__(self, out: str, name: str, enc: str = "gpt2"):
         if os.sep in name or name in (".", ".."):
             raise UserError(f"--name={name}: a name, not a path")
         out = os.path.abspath(out)  # a/b/../c: the folders made are the ones removed
-        self.out, self.name, self.shards = out, name, {}
+        self.out, self.name, self.shards, self.enc = out, name, {}, enc
         self.manifest = os.path.join(out, f"{name}.manifest.json")
         ours = self.read_manifest()  # name -> the sha256 of each version this script wrote
         self.pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
@@ -132,11 +141,11 @@ class Corpus:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self.refuse(f"{self.manifest} is the manifest of corpus {self.name!r}")
 
-    def add(self, tokens) -> str:
-        """Write the next shard (the first is validation) into the temporary folder."""
+    def add(self, tokens, val: bool = None) -> str:
+        """Write the next shard into the temporary folder: validation if val (default: the first)."""
         n = len(self.shards)
-        shard = f"{self.name}_{'val' if n == 0 else 'train'}_{n:06d}.bin"
-        data = shard_bytes(tokens)
+        shard = f"{self.name}_{'val' if (n == 0 if val is None else val) else 'train'}_{n:06d}.bin"
+        data = shard_bytes(tokens, self.enc)
         with named(os.path.join(self.out, shard)), open(os.path.join(self.tmp, shard), "wb") as f:
             f.write(data)
         self.shards[shard] = hashlib.sha256(data).hexdigest()
@@ -183,8 +192,9 @@ class Corpus:
 
 # ---------------------------------------------------------------------------- reading documents
 
-def documents(paths):
-    """Yield (name, text) for every document; a malformed one is an error naming it."""
+def documents(paths, raw: bool = False):
+    """Yield (name, text) for every document; a malformed one is an error naming it. raw: a
+    .txt file's bytes as they are, not decoded (byte encoding: any bytes round-trip)."""
     for path in paths:
         if path.endswith(".jsonl"):
             with open(path, "rb") as f:  # bytes: a bad line is named, not a decoder traceback
@@ -204,6 +214,9 @@ def documents(paths):
                     if not isinstance(text, str):
                         raise UserError(f"{name}: \"text\" is not a string")
                     yield name, text
+        elif raw:
+            with open(path, "rb") as f:
+                yield path, f.read()
         else:
             try:
                 with open(path, encoding="utf-8", errors="strict") as f:
@@ -212,22 +225,27 @@ def documents(paths):
                 raise UserError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-_enc = None
+_encodings = {}
 
 
 def _encode(item):
-    """Worker: (name, text) -> (name, uint16 array of [EOT] + ids) or (name, error message)."""
-    global _enc
-    if _enc is None:
-        _enc = gpt2_encoding()
-    name, text = item
+    """Worker: (name, text or bytes, encoding) -> (name, uint16 array of [its EOT] + ids) or
+    (name, error message)."""
+    name, text, enc = item
+    _enc = _encodings.get(enc) or _encodings.setdefault(enc, encoding(enc))
     try:
-        ids = _enc.encode_ordinary(text)
+        if enc == "bytes":  # the bytes themselves: a .txt file's as read, JSON text's UTF-8
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+            if b"\0" in data:
+                return name, "holds a NUL byte, the document separator of byte shards"
+            ids = np.frombuffer(data, dtype=np.uint8)
+        else:
+            ids = _enc.encode_ordinary(text)
     except Exception as e:  # e.g. lone surrogates that cannot become UTF-8
         return name, f"cannot be encoded: {type(e).__name__}: {e}"
-    if ids and max(ids) >= 2**16:
+    if len(ids) and max(ids) >= 2**16:
         return name, "token ids do not fit uint16"
-    return name, np.array([EOT] + ids, dtype=np.uint16)
+    return name, np.concatenate([[_enc.eot_token], ids]).astype(np.uint16)
 
 
 class Progress:
@@ -247,41 +265,48 @@ class Progress:
             Progress.open_line = not final
 
 
-def tokenize(paths, out, name, shard_tokens, workers):
-    """Encode every document in order and write shards; returns the shard paths."""
+def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0):
+    """Encode every document in order and write shards; returns the shard paths. val_every K:
+    documents 0, K, 2K, ... go to validation shards, the others to training shards (0: the
+    first shard is validation)."""
     for path in paths:
         need(path, "a file")
         if not os.access(path, os.R_OK):
             raise UserError(f"{path}: not readable")
     writable_dir(out)  # before the long work, not after it
-    gpt2_encoding()  # fail early, with the clear message, before any worker starts
+    encoding(enc)  # fail early, with the clear message, before any worker starts
     n_docs, n_tokens = 0, 0
-    try:
-        shard, fill = np.empty(shard_tokens, dtype=np.uint16), 0  # 2 bytes a token, not a list
+    try:  # 2 bytes a token, not a list; the training and the validation shard being filled
+        buffers = {False: np.empty(shard_tokens, dtype=np.uint16), True: np.empty(
+            shard_tokens if val_every else 0, dtype=np.uint16)}
     except MemoryError:
         raise UserError(f"--shard_tokens={shard_tokens}: the {2 * shard_tokens / 2**30:.1f} GiB "
                         f"a shard takes in memory are not available") from None
+    fill, split = {False: 0, True: 0}, (lambda i: i % val_every == 0) if val_every else (lambda i: False)
     progress = Progress()
     pool = mp.Pool(workers) if workers > 1 else None
     try:
-        with Corpus(out, name) as corpus:
-            results = pool.imap(_encode, documents(paths), chunksize=16) if pool else \
-                map(_encode, documents(paths))
+        with Corpus(out, name, enc) as corpus:
+            items = ((n, text, enc) for n, text in documents(paths, raw=enc == "bytes"))
+            results = pool.imap(_encode, items, chunksize=16) if pool else map(_encode, items)
             for doc_name, ids in results:
                 if isinstance(ids, str):
                     raise UserError(f"{doc_name}: {ids}")
                 if len(ids) == 1:  # empty text: no document
                     continue
+                val = split(n_docs)
                 n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+                shard = buffers[val]
                 while len(ids):  # a long document may span several shards
-                    take = min(len(ids), shard_tokens - fill)
-                    shard[fill:fill + take], fill, ids = ids[:take], fill + take, ids[take:]
-                    if fill == shard_tokens:
-                        corpus.add(shard)
-                        fill = 0
+                    take = min(len(ids), shard_tokens - fill[val])
+                    shard[fill[val]:fill[val] + take], fill[val], ids = ids[:take], fill[val] + take, ids[take:]
+                    if fill[val] == shard_tokens:
+                        corpus.add(shard, val if val_every else None)
+                        fill[val] = 0
                 progress.update(n_docs, n_tokens, len(corpus.shards))
-            if fill:
-                corpus.add(shard[:fill])
+            for val in (True, False):
+                if fill[val]:
+                    corpus.add(buffers[val][:fill[val]], val if val_every else None)
             written = corpus.commit()
     finally:
         if pool:
@@ -294,7 +319,7 @@ def make_sample(out):
     """The embedded sample: pydoc_data.topics, every 10th topic (sorted) to validation."""
     from pydoc_data.topics import topics
     writable_dir(out)
-    enc = gpt2_encoding()
+    enc = encoding("gpt2")
     train, val = [], []
     for i, key in enumerate(sorted(topics)):
         (val if i % 10 == 0 else train).extend([EOT] + enc.encode_ordinary(topics[key]))
@@ -306,16 +331,42 @@ def make_sample(out):
           f"written to {out}")
 
 
-def check(folder, vocab_size=GPT2_VOCAB):
+def convert(pattern, out, name):
+    """GPT-2 shards (FineWeb's) as byte shards, one for one, a validation shard staying one:
+    <|endoftext|> becomes the byte separator, every other token its bytes. GPT-2's BPE is
+    byte-level, so this is exact, and a document cut between two shards is cut between the
+    same bytes. Returns the shard paths."""
+    files = sorted(find_shards(pattern), key=lambda p: ("_val_" not in os.path.basename(p), p))
+    for path in files:  # validation first: FineWeb's val_000000, train_000001, ... keep their numbers
+        if shard_encoding(path) != "gpt2":
+            raise UserError(f"{path}: a byte shard already; --from_shards converts GPT-2 shards")
+    writable_dir(out)
+    gpt2, sep = encoding("gpt2"), bytes([encoding("bytes").eot_token])
+    with Corpus(out, name, "bytes") as corpus:
+        for path in files:
+            tokens, pieces = read_shard(path, GPT2_VOCAB), []
+            for part in np.split(tokens, np.flatnonzero(tokens == EOT)):  # each from an EOT on
+                data = gpt2.decode_bytes(part[1:].tolist() if len(part) and part[0] == EOT else part.tolist())
+                if sep in data:
+                    raise UserError(f"{path}: a document holds a NUL byte, the document separator "
+                                    f"of byte shards; nothing was written")
+                pieces += [sep, data] if len(part) and part[0] == EOT else [data]
+            corpus.add(np.frombuffer(b"".join(pieces), dtype=np.uint8), val="_val_" in os.path.basename(path))
+            print(f"{path}: {len(tokens):,} tokens -> {sum(map(len, pieces)):,} bytes", file=sys.stderr)
+        return corpus.commit()
+
+
+def check(folder):
     """Verify every *.bin shard in folder: header, size, token range. Prints the counts."""
     files = sorted(glob.glob(os.path.join(glob.escape(need(folder, "a folder")), "*.bin")))
     if not files:
         raise UserError(f"{folder}: no .bin shards")
     total = 0
     for path in files:
-        n = len(read_shard(path, vocab_size))
+        enc = shard_encoding(path)
+        n = len(read_shard(path, encoding(enc).n_vocab if enc == "bytes" else GPT2_VOCAB))
         total += n
-        print(f"{os.path.basename(path)}: {n:,} tokens")
+        print(f"{os.path.basename(path)}: {n:,} tokens ({enc})")
     print(f"{len(files)} shards, {total:,} tokens, all valid")
     return total
 
@@ -332,6 +383,15 @@ def parser() -> ArgParser:
                    help="tokens per shard, the last one shorter (default: %(default)s)")
     p.add_argument("--workers", type=in_range(int, 1), default=max(1, (os.cpu_count() or 1) - 1),
                    metavar="K", help="encoding processes (default: CPUs - 1, here %(default)s)")
+    p.add_argument("--encoding", choices=("gpt2", "bytes"), default="gpt2",
+                   help="GPT-2 BPE ids, or UTF-8 bytes (vocabulary 256; a .txt file's bytes as "
+                        "they are, valid UTF-8 or not) (default: %(default)s)")
+    p.add_argument("--val_every", type=in_range(int, 0), default=0, metavar="K",
+                   help="documents 0, K, 2K, ... to validation shards (default: 0, the first "
+                        "shard is validation)")
+    p.add_argument("--from_shards", type=path_arg, metavar="PATTERN",
+                   help="convert the GPT-2 shards PATTERN matches (FineWeb's) to byte shards, "
+                        "one for one, instead of FILEs (default: none; needs --encoding=bytes)")
     p.add_argument("--check", type=path_arg, metavar="DIR",
                    help="only verify every *.bin shard in DIR (default: off)")
     return p
@@ -341,12 +401,19 @@ def main(argv):
     args = parser().parse_intermixed_args(argv)
     if args.check:
         check(args.check)
+    elif args.from_shards is not None:
+        find_shards(args.from_shards)  # what the pattern matches, checked first
+        if args.files or args.encoding != "bytes" or not args.out:
+            raise UserError("--from_shards=PATTERN converts to byte shards: give --encoding=bytes "
+                            "and --out=DIR, and no FILEs")
+        convert(args.from_shards, args.out, args.name)
     elif not args.files:
         make_sample(args.out or os.path.join(HERE, "sample"))
     else:
         if not args.out:
             raise UserError("give --out=DIR for the shards")
-        tokenize(args.files, args.out, args.name, args.shard_tokens, args.workers)
+        tokenize(args.files, args.out, args.name, args.shard_tokens, args.workers,
+                 args.encoding, args.val_every)
 
 
 def run(argv) -> int:
