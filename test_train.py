@@ -800,6 +800,15 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
     assert code == 0 and out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
 
 
+def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
+    docs = load_command("data/debian_docs.py")
+    page = tmp_path / "p.html"
+    page.write_text("<html><head><title>T</title><style>p {}</style></head><body><h1>Title</h1>"
+                    "<p>One  &amp; <b>two</b>\tthree</p><script>var x = 1;</script><ul><li>a</li>"
+                    "<li>b &lt;c&gt;</li></ul><pre>  kept\n</pre>caf\u00e9</body></html>", encoding="utf-8")
+    assert docs.page_text(str(page)) == "Title\nOne & two three\na\nb <c>\nkept\ncaf\u00e9"
+
+
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
