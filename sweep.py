@@ -2,7 +2,7 @@
 estimated forward FLOPs per token, with the verdict as a number.
 
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
-    python sweep.py --grid=gpu1                     # one H100, ~25 min, FineWeb
+    python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
@@ -59,9 +59,11 @@ def gated(name, *extra):
     return (name, ["--router=skip_middle", *extra])
 
 
-def dlo(rho, source, groups, anneal):
-    """A third element: the run starts as expand.py's identity expansion of `source`."""
-    return (f"dlo_rho{rho}", ["--router=dlo", f"--dlo_rho={rho}", f"--dlo_anneal_steps={anneal}"],
+def dlo(rho, source, groups, anneal, tokens=None):
+    """A third element: the run starts as expand.py's identity expansion of `source`, then
+    trains `tokens` more (default: the grid's train_tokens)."""
+    return (f"dlo_rho{rho}", ["--router=dlo", f"--dlo_rho={rho}", f"--dlo_anneal_steps={anneal}"]
+            + ([f"--train_tokens={tokens}"] if tokens else []),
             ["{runs}/" + source + "_s{seed}", f"--groups={groups}", "--per_group=1", "--init=identity"])
 
 
@@ -78,39 +80,53 @@ def mor(L, routed=True):
             + ([] if routed else ["--mor_routed=false"]))
 
 
-def figure2_runs(L, dlo_anneal_steps):
+def figure2_runs(L, dlo_anneal_steps, tokens):
     """The paper's points for an L-layer gated model, plus our extra points: the authors' gate
     axis, the zero gate init, DLO at two skip rates, Mixture-of-Depths, and Mixture-of-Recursions
-    with its recursive baseline."""
+    with its recursive baseline. tokens: the grid's train_tokens. DLO trains from the same total
+    budget as every other point: an L/2-layer dense source trains tokens / 2 (dlo_source_L/2, a
+    point off the frontier), its expansion to L layers the other half."""
+    half = tokens // 2
     return ([dense(n) for n in range(2, L + 1, 2)] +
             [gated("gated_nocontrol", f"--n_layers={L}", "--controller=none")] +
             [gated(f"gated_mu{m}", f"--n_layers={L}", f"--mu_end={m}") for m in (0.75, 0.5, 0.25, 0.0)] +
             [gated("gated_query_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_axis=query"),
              gated("gated_zeroinit_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_init=zero")] +
-            [dlo(rho, f"dense_{L // 2}", L // 2, dlo_anneal_steps) for rho in (0.25, 0.5)] +
+            [(f"dlo_source_{L // 2}", ["--router=none", f"--n_layers={L // 2}", f"--train_tokens={half}"])] +
+            [dlo(rho, f"dlo_source_{L // 2}", L // 2, dlo_anneal_steps, half) for rho in (0.25, 0.5)] +
             [mod(0.125, L), mor(L), mor(L, routed=False)])
 
 
 GRIDS = {
     # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
     # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
-    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~18 h for the 18 runs (smaller ones faster).
-    "paper": dict(base=[], n_layers=12, runs=figure2_runs(12, 500)),
-    # One H100 in ~25 min: 16 runs of ~95 s each, ~30 s of it compilation. An
+    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~18 h for the 19 runs (smaller ones faster).
+    "paper": dict(base=[], n_layers=12, runs=figure2_runs(12, 500, 10_000_000_000)),
+    # One H100 in ~27 min: 17 runs of ~95 s each, ~30 s of it compilation. An
     # 8-layer dim-512 model at seq 512 costs ~0.35 GFLOPs per training token; at ~150 TFLOPs
     # achieved that is ~400k tokens/s, so 24M tokens (730 steps of 32k tokens) per run.
     "gpu1": dict(base=["--dim=512", "--n_heads=8", "--n_kv_heads=8", "--max_seq_len=512",
                        "--seq_len=512", "--batch_size=64", "--device_batch_size=64",
                        "--train_tokens=24000000", "--val_every=0", "--val_tokens=1048576",
                        "--save_every=200"],
-                 n_layers=8, runs=figure2_runs(8, 100)),
-    # The mechanics on the embedded sample, 2 CPU cores, ~8 min (14 runs): a demonstration only
+                 n_layers=8, runs=figure2_runs(8, 100, 24_000_000)),
+    # The mechanics on the embedded sample, 2 CPU cores, ~8 min (15 runs): a demonstration only
     # (tiny models, 120 steps, the output head dominates the FLOPs).
     "cpu": dict(base=["--preset=smoke", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
                       "--max_seq_len=64", "--seq_len=64", "--batch_size=8",
                       "--device_batch_size=8", "--train_tokens=61440", "--val_every=0",
                       "--val_tokens=4096", "--save_every=40", "--lr=3e-3"],
-                n_layers=4, runs=figure2_runs(4, 40)),
+                n_layers=4, runs=figure2_runs(4, 40, 61440)),
+    # The byte-level study (README: Results): blocks, not the 256-row head, are the compute.
+    # 6 layers of width 64 on data/debian_docs.py's corpus, 600 steps of 8 x 256 bytes; ~50 min
+    # for 3 seeds of its 16 runs on 2 CPU cores (measured: records/2026-11-25_figure2_bytes_cpu).
+    "bytes": dict(base=["--train_files=data/debian_docs/docs_train_*.bin",
+                        "--val_files=data/debian_docs/docs_val_*.bin", "--encoding=bytes",
+                        "--vocab_size=256", "--dim=64", "--n_heads=4", "--n_kv_heads=4",
+                        "--max_seq_len=256", "--seq_len=256", "--batch_size=8",
+                        "--device_batch_size=8", "--train_tokens=1228800", "--val_every=0",
+                        "--val_tokens=131072", "--save_every=200", "--lr=3e-3", "--compile=false"],
+                  n_layers=6, runs=figure2_runs(6, 100, 1228800)),
 }
 
 
