@@ -4,6 +4,8 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
+    python sweep.py --grid=bytes --seeds=3          # byte-level study, 2 CPU cores, ~45 min
+                                                    # (python data/debian_docs.py first)
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
 
@@ -118,7 +120,7 @@ GRIDS = {
                       "--val_tokens=4096", "--save_every=40", "--lr=3e-3"],
                 n_layers=4, runs=figure2_runs(4, 40, 61440)),
     # The byte-level study (README: Results): blocks, not the 256-row head, are the compute.
-    # 6 layers of width 64 on data/debian_docs.py's corpus, 600 steps of 8 x 256 bytes; ~50 min
+    # 6 layers of width 64 on data/debian_docs.py's corpus, 600 steps of 8 x 256 bytes; 44 min
     # for 3 seeds of its 16 runs on 2 CPU cores (measured: records/2026-11-25_figure2_bytes_cpu).
     "bytes": dict(base=["--train_files=data/debian_docs/docs_train_*.bin",
                         "--val_files=data/debian_docs/docs_val_*.bin", "--encoding=bytes",
@@ -304,6 +306,7 @@ def summarise(rows: list) -> list:
         for key in ("val_loss", "sparsity", "flops_per_token", "params", "ms_per_token_masked",
                     "ms_per_token_compact"):
             line[key] = statistics.mean(r[key] for r in mine)
+        line["val_loss_std"] = statistics.stdev(r["val_loss"] for r in mine) if len(mine) > 1 else None
         line["dense_ms_at_equal_flops"] = statistics.mean(dense_ms) if dense_ms else None
         if name.startswith("dense_") or not deltas:
             line.update(delta=None, delta_std=None, verdict="frontier" if
@@ -341,7 +344,7 @@ def fmt(v, spec=".4f"):
 
 
 def write_record(out: str, lines: list, rows: list, command: str, grid_name: str):
-    keys = ["name", "seeds", "val_loss", "delta", "delta_std", "verdict", "sparsity",
+    keys = ["name", "seeds", "val_loss", "val_loss_std", "delta", "delta_std", "verdict", "sparsity",
             "flops_per_token", "params", "ms_per_token_masked", "ms_per_token_compact",
             "dense_ms_at_equal_flops"]
     csv_text = io.StringIO(newline="")
@@ -353,7 +356,8 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
              "fwd MFLOPs/token | unique params, no embedding or head (M) | eval ms/1k tok "
              "masked | compact | dense at equal FLOPs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for ln in lines:
-        table.append(f"| {ln['name']} | {ln['seeds']} | {ln['val_loss']:.4f} | "
+        table.append(f"| {ln['name']} | {ln['seeds']} | {ln['val_loss']:.4f}"
+                     f"{' ± ' + fmt(ln['val_loss_std']) if ln['val_loss_std'] is not None else ''} | "
                      f"{fmt(ln['delta'], '+.4f')} | {fmt(ln['delta_std'])} | {ln['verdict']} | "
                      f"{ln['sparsity']:.3f} | {ln['flops_per_token'] / 1e6:.3f} | "
                      f"{ln['params'] / 1e6:.3f} | "
@@ -385,25 +389,30 @@ def plot(out: str, lines: list) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    # no text beside the points (it would overlap): each configuration has its own colour and
+    # its kind's marker, named once in a legend beside the panels; error bars: the std over seeds
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    markers = (("dense_", "o"), ("gated", "s"), ("dlo", "^"), ("mod", "D"), ("mor", "v"), ("recursive", "P"))
+    colours = plt.get_cmap("tab20").colors
     for ax, xkey, xlabel in zip(axes, ("flops_per_token", "sparsity", "ms_per_token_compact"),
                                 ("estimated forward FLOPs per token (at measured sparsity)",
-                                 "gate sparsity (validation)",
+                                 "sparsity: share of (token, block) MLP calls skipped",
                                  "measured eval time per 1k tokens, ms (compact where possible)")):
-        for kind, marker in (("dense_", "o"), ("gated", "s"), ("dlo", "^"), ("mod", "D"),
-                             ("mor", "v"), ("recursive", "P")):
-            pts = [ln for ln in lines if ln["name"].startswith(kind)]
-            xs = [ln[xkey] * (1e3 if xkey.startswith("ms") else 1) for ln in pts]
-            ax.plot(xs, [ln["val_loss"] for ln in pts], marker, linestyle="-" if kind == "dense_"
-                    else "none", label=kind.rstrip("_"))
-            for x, ln in zip(xs, pts):
-                ax.annotate(ln["name"].replace("dense_", ""), (x, ln["val_loss"]), fontsize=7)
+        scale = 1e3 if xkey.startswith("ms") else 1
+        dense = sorted((ln[xkey] * scale, ln["val_loss"]) for ln in lines if ln["name"].startswith("dense_"))
+        if dense and xkey != "sparsity":  # (dense models skip nothing)
+            ax.plot(*zip(*dense), "-", color="grey", label="dense frontier")
+        for i, ln in enumerate(lines):
+            marker = next((m for kind, m in markers if ln["name"].startswith(kind)), "x")
+            ax.errorbar(ln[xkey] * scale, ln["val_loss"], yerr=ln.get("val_loss_std") or 0, fmt=marker,
+                        color=colours[i % len(colours)], label=ln["name"], capsize=2)
         if xkey == "flops_per_token":
             ax.set_xscale("log")
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(xlabel, fontsize=9)
         ax.set_ylabel("validation cross-entropy")
-        ax.legend()
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.82, 1))
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
     support.write_atomically(os.path.join(out, "figure.png"), png.getvalue())
