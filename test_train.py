@@ -2411,8 +2411,12 @@ def test_frontier_and_verdict_on_hand_made_numbers():
         rows += [row("dense_2", s, 1e6, 4.0), row("dense_4", s, 4e6, 3.0)]
     rows += [row("gated_a", s, 2e6, loss) for s, loss in enumerate([3.40, 3.41, 3.39])]
     rows += [row("gated_b", s, 2e6, loss) for s, loss in enumerate([3.60, 3.40, 3.50])]
-    rows += [row("gated_c", s, 8e6, 2.0) for s in range(3)]
+    rows += [row("gated_c", s, 8e6, 2.0) for s in range(3)]  # beyond the dense FLOPs range
+    rows += [row("gated_d", s, 2e6, loss) for s, loss in enumerate([3.60, 3.61, 3.59])]
     lines = {ln["name"]: ln for ln in sweep.summarise(rows)}
+    assert lines["gated_d"]["verdict"] == "worse than dense" and lines["gated_d"]["delta"] == pytest.approx(0.1)
+    assert lines["gated_c"]["verdict"] == "outside the dense FLOPs range"
+    assert lines["gated_a"]["val_loss_std"] == pytest.approx(0.01)
     a, b = lines["gated_a"], lines["gated_b"]
     assert a["delta"] == pytest.approx(-0.10) and a["delta_std"] == pytest.approx(0.01)
     assert a["verdict"] == "better than dense"  # 0.10 > 2 x 0.01
@@ -2421,7 +2425,7 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert lines["gated_c"]["delta"] is None and lines["dense_4"]["verdict"] == "frontier"
     assert a["dense_ms_at_equal_flops"] == pytest.approx(2.5e-3)  # (1e-3 + 4e-3) / 2, log midpoint
     text = sweep.verdict_text(list(lines.values()))
-    assert "2 non-dense configurations" in text and "better than dense (beyond 2 std): gated_a." in text
+    assert "3 non-dense configurations" in text and "better than dense (beyond 2 std): gated_a." in text
     one_seed = sweep.summarise([r for r in rows if r["seed"] == 0])
     assert "use --seeds=3" in sweep.verdict_text(one_seed)
 
