@@ -712,10 +712,12 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
             "<|endoftext|> is plain text here"]
     (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8")
     with open(tmp_path / "b.jsonl", "w", encoding="utf-8") as f:
-        for d in docs[1:]:
+        for d in docs[1:-1]:
             f.write(json.dumps({"text": d, "id": 1}) + "\n")
+    (tmp_path / "c.txt").write_text(docs[-1], encoding="utf-8")  # a .txt after a .jsonl
     out = tmp_path / "shards"
     r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
+                                               str(tmp_path / "c.txt"),
                                                f"--out={out}", "--name=t", "--shard_tokens=7",
                                                "--workers=2"])
     assert r.returncode == 0, r.stderr
@@ -749,7 +751,15 @@ def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path):
     val, train = (tg.read_shard(str(out / n), 256).tolist() for n in ("b_val_000000.bin", "b_train_000001.bin"))
     assert bytes(val) == b"\0" + raw[0] + b"\0" + raw[2] and bytes(train) == b"\0" + raw[1]
     assert {shards.shard_encoding(str(p)) for p in out.glob("*.bin")} == {"bytes"}
-    assert shards.encoding("bytes").decode(train) == "\0caf\ufffd latin-1 and a lone \ufffd byte"
+    assert shards.encoding("bytes").decode(train) == "<|endoftext|>caf\ufffd latin-1 and a lone \ufffd byte"
+    with pytest.raises(support.UserError, match="sent all 3 documents to validation"):
+        tokenize.tokenize([str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")], str(tmp_path / "v"),
+                          "b", 1000, 1, "bytes", val_every=1)
+    # what a command line that is not UTF-8 holds (surrogateescape) is its bytes; the separator
+    # reads as GPT-2's <|endoftext|>
+    enc = shards.encoding("bytes")
+    assert enc.encode_ordinary("a\udcffb") == [97, 255, 98]
+    assert enc.decode([0, 104, 105, 0, 0xc3, 0xa9]) == "<|endoftext|>hi<|endoftext|>\u00e9"
     (tmp_path / "nul.txt").write_bytes(b"a\0b")
     with pytest.raises(support.UserError, match="nul.txt: holds a NUL byte"):
         tokenize.tokenize([str(tmp_path / "nul.txt")], str(tmp_path / "x"), "b", 1000, 1, "bytes")
@@ -772,6 +782,17 @@ def test_gpt2_shards_convert_to_the_bytes_of_their_documents(tmp_path):
     assert got == b"".join(b"\0" + d.encode() for d in docs)
     with pytest.raises(support.UserError, match="a byte shard already"):
         tokenize.convert(str(tmp_path / "y" / "fwb_*.bin"), str(tmp_path / "z"), "again")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()}
+    with pytest.raises(support.UserError, match="is an input, and corpus 'fw' in .* would replace it"):
+        tokenize.convert(str(tmp_path / "g" / "fw_*.bin"), str(tmp_path / "g"), "fw")  # in place
+    assert {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()} == before
+    for args, message in ((["--encoding=bytes"], "--encoding does not apply to the embedded sample"),
+                          ([f"--from_shards={tmp_path}/g/fw_*.bin", "--encoding=bytes", "--val_every=2",
+                            f"--out={tmp_path}/w"], "--val_every does not apply to --from_shards"),
+                          ([f"--check={tmp_path}/g", "--encoding=bytes"], "--encoding does not apply to --check")):
+        with pytest.raises(support.UserError, match=message):
+            tokenize.main(args)
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_bytes(tmp_path, capsys):

@@ -93,10 +93,13 @@ class ByteEncoding:
     name, eot_token, n_vocab = "bytes", BYTES_EOT, 256
 
     def encode_ordinary(self, text: str) -> list:
-        return list(text.encode("utf-8"))
+        """(surrogateescape: the bytes of a command-line argument that is not UTF-8, exactly)"""
+        return list(text.encode("utf-8", errors="surrogateescape"))
 
     def decode(self, ids) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+        """The separator as <|endoftext|>, as GPT-2's decoding shows it."""
+        return "<|endoftext|>".join(part.decode("utf-8", errors="replace")
+                                    for part in bytes(ids).split(bytes([BYTES_EOT])))
 
     def decode_bytes(self, ids) -> bytes:
         return bytes(ids)

@@ -198,10 +198,10 @@ def documents(paths, raw: bool = False):
     for path in paths:
         if path.endswith(".jsonl"):
             with open(path, "rb") as f:  # bytes: a bad line is named, not a decoder traceback
-                for i, raw in enumerate(f, 1):
+                for i, line_bytes in enumerate(f, 1):
                     name = f"{path}:{i}"
                     try:
-                        line = raw.decode("utf-8", errors="strict")
+                        line = line_bytes.decode("utf-8", errors="strict")
                     except UnicodeDecodeError as e:
                         raise UserError(f"{name}: not valid UTF-8 ({e.reason} at byte "
                                         f"{e.start} of the line)") from None
@@ -307,6 +307,9 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0):
             for val in (True, False):
                 if fill[val]:
                     corpus.add(buffers[val][:fill[val]], val if val_every else None)
+            if val_every and not any("_train_" in n for n in corpus.shards) and corpus.shards:
+                raise UserError(f"--val_every={val_every} sent all {n_docs} documents to validation: "
+                                f"no training shard; nothing was written")
             written = corpus.commit()
     finally:
         if pool:
@@ -337,9 +340,14 @@ def convert(pattern, out, name):
     byte-level, so this is exact, and a document cut between two shards is cut between the
     same bytes. Returns the shard paths."""
     files = sorted(find_shards(pattern), key=lambda p: ("_val_" not in os.path.basename(p), p))
+    ours = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")  # what the new corpus replaces
     for path in files:  # validation first: FineWeb's val_000000, train_000001, ... keep their numbers
         if shard_encoding(path) != "gpt2":
             raise UserError(f"{path}: a byte shard already; --from_shards converts GPT-2 shards")
+        if os.path.dirname(os.path.realpath(path)) == os.path.realpath(out) and \
+                ours.fullmatch(os.path.basename(path)):
+            raise UserError(f"{path} is an input, and corpus {name!r} in {out} would replace it: "
+                            f"give another --name or --out; nothing was written")
     writable_dir(out)
     gpt2, sep = encoding("gpt2"), bytes([encoding("bytes").eot_token])
     with Corpus(out, name, "bytes") as corpus:
@@ -397,13 +405,29 @@ def parser() -> ArgParser:
     return p
 
 
+MODES = {  # the options each use takes (besides its own)
+    "check": {"check"}, "from_shards": {"from_shards", "encoding", "out", "name"},
+    "sample": {"out"}, "files": {"files", "out", "name", "shard_tokens", "workers", "encoding", "val_every"}}
+
+
 def main(argv):
-    args = parser().parse_intermixed_args(argv)
+    p = parser()
+    args = p.parse_intermixed_args(argv)
+    mode = ("check" if args.check else "from_shards" if args.from_shards is not None else
+            "files" if args.files else "sample")
+    if args.check:  # what the mode's own path is, checked first
+        need(args.check, "a folder")
+    elif args.from_shards is not None:
+        find_shards(args.from_shards)
+    given = [k for k, v in vars(args).items() if v != p.get_default(k) and v != []]
+    if extra := [k for k in given if k not in MODES[mode]]:
+        raise UserError(("FILEs do" if extra[0] == "files" else f"--{extra[0]} does") + " not apply to " + {
+            "check": "--check", "from_shards": "--from_shards", "files": "encoding FILEs",
+            "sample": "the embedded sample (no FILEs)"}[mode])
     if args.check:
         check(args.check)
     elif args.from_shards is not None:
-        find_shards(args.from_shards)  # what the pattern matches, checked first
-        if args.files or args.encoding != "bytes" or not args.out:
+        if args.encoding != "bytes" or not args.out:
             raise UserError("--from_shards=PATTERN converts to byte shards: give --encoding=bytes "
                             "and --out=DIR, and no FILEs")
         convert(args.from_shards, args.out, args.name)
