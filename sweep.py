@@ -369,7 +369,7 @@ def write_record(out: str, lines: list, rows: list, command: str, grid_name: str
         if "gate_zero" in r:
             per_block.append(f"| {r['name']} | {r['seed']} | "
                              f"{' '.join(f'{z:.2f}' for z in r['gate_zero'])} | "
-                             f"{' '.join(f'{z:.2f}' for z in r['target_zero'])} |")
+                             f"{' '.join('none' if z is None else f'{z:.2f}' for z in r['target_zero'])} |")
     support.write_atomically(os.path.join(out, "table.md"),
                              ("\n".join(table) + "\n\n" + "\n".join(per_block) + "\n").encode())
     figure = plot(out, lines)

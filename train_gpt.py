@@ -365,7 +365,7 @@ class Router(nn.Module):
         return []  # its lines of the validation log
 
     def zero_targets(self):
-        return None  # per layer, the share of zero gates its controller aims at (sweep.py)
+        return None  # per layer, the share of zero gates its controller aims at, or None (sweep.py)
 
     def routing_state(self) -> dict:
         return {}  # training state outside the parameters (coefficients, rates): checkpointed
@@ -508,8 +508,9 @@ class SkipMiddle(Router):
     def skipped_tokens_are_keys(hp):
         return hp.gate_axis == "query"  # later tokens still attend to a skipped one
 
-    def zero_targets(self):
-        return [1 - m for m in mean_targets(self.hp).tolist()]
+    def zero_targets(self):  # None per layer: a controller that does not read mu aims at none
+        aims = "mu_start" in CONTROLLERS[self.hp.controller].split()
+        return [1 - m if aims else None for m in mean_targets(self.hp).tolist()]
 
     def routing_state(self):
         return {"controller": {k: getattr(self.ctrl, k).cpu().clone() for k in ("alpha", "beta")}}

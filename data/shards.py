@@ -82,7 +82,8 @@ def find_shards(pattern: str) -> list:
             raise UserError(f"{pattern} matches {path}, which is {kind_of(path)}, not a shard file")
     if not files:
         hint = ("fetch FineWeb with `python data/cached_fineweb10B.py`, or train on the "
-                "embedded sample with --preset=smoke" if "fineweb" in pattern else "check the path")
+                "embedded sample with --preset=smoke" if "fineweb" in pattern else
+                "build it with `python data/debian_docs.py`" if "debian_docs" in pattern else "check the path")
         raise UserError(f"no shards match {pattern}: {hint}")
     return files
 
