@@ -59,6 +59,26 @@ def html_page(pieces: list, counts: list, per_layer: list, units: int, title: st
             f"<th>tokens</th><th>share</th></tr>{rows}</table>\n</body></html>\n")
 
 
+def token_pieces(enc, ids: list) -> list:
+    """Each token's text, together the whole text: a GPT-2 token's own; for bytes, the whole
+    character at its first byte and "" at the others (U+FFFD for a byte that starts none)."""
+    if enc.name != "bytes":
+        return [enc.decode([i]) for i in ids]
+    data, out = bytes(ids), []
+    while len(out) < len(data):
+        i = len(out)
+        n = next((n for n in (1, 2, 3, 4) if _utf8(data[i:i + n])), 0)
+        out += [data[i:i + n].decode("utf-8"), *[""] * (n - 1)] if n else ["\ufffd"]
+    return out
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        return len(b.decode("utf-8")) == 1
+    except UnicodeDecodeError:
+        return False
+
+
 def terminal_view(pieces: list, counts: list) -> str:
     """Each token followed by its count, line breaks in the text shown as a visible mark."""
     return "".join(f"{p.replace(chr(10), '⏎')}[{c}]" for p, c in zip(pieces, counts))
@@ -98,7 +118,7 @@ def main(argv):
         support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
     counts, per_layer, units = token_depths(model, ids, device)
     unit = {"block": "blocks", "mlp": "MLPs", "recursion": "recursions"}[model.router.skips]
-    pieces = [enc.decode([i]) for i in ids]
+    pieces = token_pieces(enc, ids)
     print(terminal_view(pieces, counts))
     print(f"\ntokens {len(ids)}; {unit} run per token: mean {sum(counts) / len(counts):.2f} of "
           f"{units}; per {unit[:-1]}: {per_layer}")

@@ -755,6 +755,9 @@ def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path):
     with pytest.raises(support.UserError, match="sent all 3 documents to validation"):
         tokenize.tokenize([str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")], str(tmp_path / "v"),
                           "b", 1000, 1, "bytes", val_every=1)
+    # skipview: a character's bytes show it once, at its first byte; a stray byte as U+FFFD
+    pieces = load_command("skipview.py").token_pieces(shards.encoding("bytes"), list("aé🙂".encode()) + [0xff, 98])
+    assert pieces == ["a", "é", "", "🙂", "", "", "", "\ufffd", "b"]
     # what a command line that is not UTF-8 holds (surrogateescape) is its bytes; the separator
     # reads as GPT-2's <|endoftext|>
     enc = shards.encoding("bytes")
