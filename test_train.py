@@ -2658,8 +2658,10 @@ def test_mod_aux_loss_teaches_the_top_k_to_the_sign():
     assert loss.item() == pytest.approx(0.01 * bce.item(), rel=1e-5)
 
 
-def test_mod_compact_matches_masked_logits_and_gradients():
-    models = [mod_model(), mod_model(compact=True)]
+def assert_compact_matches_masked(make):
+    """make(compact=...) -> a model: the compacted one's training logits, gradients (its router's
+    loss included) and evaluation logits equal the masked one's, to 1e-4."""
+    models = [make(), make(compact=True)]
     models[1].load_state_dict(models[0].state_dict())
     idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(4))
     out = []
@@ -2667,11 +2669,17 @@ def test_mod_compact_matches_masked_logits_and_gradients():
         o = m.train()(idx)
         reg, _ = m.router.loss(o.route, 0)
         (F.cross_entropy(o.logits.flatten(0, 1), idx.flatten()) + reg).backward()
-        out.append((o.logits.detach(), grads(m)))
-    (l0, p0), (l1, p1) = out
-    assert (l0 - l1).abs().max().item() < 1e-4
+        with torch.no_grad():
+            evaluated = m.eval()(idx).logits
+        out.append((o.logits.detach(), grads(m), evaluated))
+    (l0, p0, e0), (l1, p1, e1) = out
+    assert (l0 - l1).abs().max().item() < 1e-4 and (e0 - e1).abs().max().item() < 1e-4
     for name in p0:
         assert_close_rel(p0[name], p1[name], 1e-4)
+
+
+def test_mod_compact_matches_masked_logits_and_gradients():
+    assert_compact_matches_masked(mod_model)
 
 
 def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
@@ -2791,21 +2799,7 @@ def test_mor_aux_loss_is_the_bce_of_the_active_tokens_by_hand():
 
 
 def test_mor_compact_matches_masked_logits_and_gradients():
-    models = [mor_model(), mor_model(compact=True)]
-    models[1].load_state_dict(models[0].state_dict())
-    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(4))
-    out = []
-    for m in models:
-        o = m.train()(idx)
-        reg, _ = m.router.loss(o.route, 0)
-        (F.cross_entropy(o.logits.flatten(0, 1), idx.flatten()) + reg).backward()
-        with torch.no_grad():
-            evaluated = m.eval()(idx).logits
-        out.append((o.logits.detach(), grads(m), evaluated))
-    (l0, p0, e0), (l1, p1, e1) = out
-    assert (l0 - l1).abs().max().item() < 1e-4 and (e0 - e1).abs().max().item() < 1e-4
-    for name in p0:
-        assert_close_rel(p0[name], p1[name], 1e-4)
+    assert_compact_matches_masked(mor_model)
 
 
 def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():

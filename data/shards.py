@@ -31,15 +31,18 @@ def header(count: int, encoding: str = "gpt2") -> bytes:
 
 
 def shard_encoding(path: str) -> str:
-    """The encoding a sound shard's header names (see shard_tokens)."""
-    shard_tokens(path)
-    with named(path), open(path, "rb") as f:
-        return ENCODINGS[int(np.frombuffer(f.read(16), dtype=np.int32)[3])]
+    """The encoding a sound shard's header names (see shard_header)."""
+    return shard_header(path)[1]
 
 
 def shard_tokens(path: str) -> int:
-    """The number of tokens in the shard at path, once its header is read and found sound (the
-    magic number, the version, a known encoding and a count that matches the file's size)."""
+    """The number of tokens in a sound shard (see shard_header)."""
+    return shard_header(path)[0]
+
+
+def shard_header(path: str) -> tuple:
+    """(token count, encoding) of the shard at path, once its header is read and found sound
+    (the magic number, the version, a known encoding and a count that matches the file's size)."""
     with named(path), open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(HEADER_BYTES)
@@ -58,7 +61,7 @@ def shard_tokens(path: str) -> int:
         problem = (f"header says {count} tokens ({expected_size} bytes) but the file has "
                    f"{size} bytes (truncated or corrupt)")
     else:
-        return count
+        return count, ENCODINGS[encoding]
     raise UserError(f"{path}: {problem}")
 
 
