@@ -168,7 +168,7 @@ def expand(argv):
                                 f"--tau)") from None
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
     made = support.first_missing(args.out)
-    ours = [n for n in ("lock", support.CHECKPOINT, "expand.json")  # what this will write
+    ours = [n for n in (support.CHECKPOINT, "expand.json")  # what this will write
             if not os.path.lexists(os.path.join(args.out, n))]
     out = support.open_run_dir(args.out, "", resuming=False)  # probes it: a full disk is found
     try:

@@ -475,42 +475,33 @@ def new_run_dir(name: str) -> str:
         except OSError as e:
             refuse(e, path, "create")
 
-held_locks = []  # the open lock files of this process: closing one (or exiting) releases it
+held_locks = []  # this process's run directories, open: closing one (or exiting) releases it
 
 def lock_run_dir(run_dir: str):
-    """An exclusive flock on the folder RUN_DIR itself (deleting RUN_DIR/lock, which says who
-    holds it, frees nothing); the kernel drops it however the process ends (on local file
-    systems; some network ones ignore flock)."""
+    """An exclusive flock on the folder RUN_DIR itself (no file is written for it); the kernel
+    drops it however the process ends (local file systems; some network ones ignore flock)."""
     import fcntl
     try:
         os.makedirs(run_dir, exist_ok=True)
         folder = os.open(run_dir, os.O_RDONLY)
-        f = open(os.path.join(run_dir, "lock"), "a+")
     except OSError as e:
         refuse(e, run_dir, "use run_dir")
     try:
         fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(folder)
-        f.seek(0)
-        holder = f.read().strip() or "another job"
-        f.close()
-        raise UserError(f"{run_dir} is in use by {holder}; wait for that job to end") from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {platform.node()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    held_locks.append((folder, f))
+        raise UserError(f"{run_dir} is in use by another job (it holds the folder's lock); "
+                        f"wait for that job to end") from None
+    held_locks.append(folder)
 
 def release_locks():
     while held_locks:  # the job is over (in a test, the process goes on)
-        folder, f = held_locks.pop()
-        os.close(folder)
-        f.close()
+        os.close(held_locks.pop())
 
 def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> str:
     """Choose (default: a new one) and lock the run directory; resuming, its checkpoint must be
     the one read (mtime). A run that never saved starts afresh, its files kept in aborted_<k>/."""
-    writable_dir(run_dir or "logs")  # before anything is written, folders and lock included
+    writable_dir(run_dir or "logs")  # before anything is written, folders included
     run_dir = run_dir or new_run_dir(name)
     for path in (os.path.join(run_dir, n) for n in LOGS):
         if os.path.lexists(path):  # a folder or a named pipe there is bad input

@@ -5,74 +5,64 @@ Mixture-of-Recursions (Bae et al. 2025).
     python train_gpt.py --preset=smoke                         # CPU, embedded sample, ~3 min
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
 
-Every field of Hyperparameters (the run's settings) and Job (one job's) is also --field=value
-(--help lists them). One banner per part, in dependency order: components; gated attention and
-the block; depth routers (a new one is a Router subclass and a line in ROUTERS); the model;
-data; FLOPs; settings; checkpoints; the training loop; main(). Importing it has no side
-effects. support.py holds what is not training (command lines, files, run directories, logs,
-signals, ranks); data/shards.py the shard format; expand.py DLO's depth expansion; sample.py
-the KV-cached decoder.
+Every field of Hyperparameters (the run's) and Job (one job's) is also --field=value (--help).
+Banners in dependency order: components; gated attention and the block; depth routers (a new
+one is a Router subclass and a line in ROUTERS); model; data; FLOPs; settings; checkpoints;
+training loop; main(). Importing it has no side effects. support.py: command lines, files, run
+directories, logs, signals, ranks; data/shards.py: the shard format; expand.py: DLO's depth
+expansion; sample.py: the KV-cached decoder.
 
-Deviations from Llama 3 (the paper's base model, Section 3.1):
-  - Sandwich norm x + Norm(Module(Norm(x))) (Section 2.3); `sandwich_norm=False`: pre-norm.
-  - An RMSNorm after the token embedding as well as before the head; untied head.
-  - SwiGLU hidden size ffn_mult * dim (3072 at 768), as in the authors' models, not Llama's 2/3.
-  - All weights normal(0, 0.02), norms 1, no biases except the gate linears.
+Deviations from Llama 3 (the paper's base model, Section 3.1): sandwich norm x +
+Norm(Module(Norm(x))) (Section 2.3; `sandwich_norm=False`: pre-norm); an RMSNorm after the
+embedding as well as before the untied head; SwiGLU hidden ffn_mult * dim (3072 at 768, as the
+authors' models, not 2/3 of it); every weight N(0, 0.02), norms 1, biases only on gate linears.
 
-Deviations from the paper, and choices where it is ambiguous:
-  - Gate linears are N(0, init_std), bias 0, like every weight (Section 3.1; the authors' gated
-    runs): at the paper's width most middle gates start closed. `gate_init=zero` (g = 1: the
-    dense model at step 0) is an ablation.
+Skip-middle, our choices where the paper is open or the authors' code differs:
+  - Gate linears N(0, init_std), bias 0, like every weight (Section 3.1; at the paper's width
+    most middle gates start closed); `gate_init=zero` (g = 1, the dense model) is an ablation.
   - ln g is added to the logit of the *key* j (eq. 3: g_j multiplies exp(q_i k_j)). The
-    authors' code indexes it by the query, which softmax cancels, so their attention was never
-    gated; `gate_axis=query` reproduces that (no compact path: a skipped token is still a key).
-  - ReLU in eq. 1 is clamp(z, min=0): the same forward, but subgradient 1 at z = 0, so that
-    `gate_init=zero` gates (every z exactly 0) get a gradient.
+    authors' code adds it on the query axis, which softmax cancels, so their attention was
+    never gated: `gate_axis=query` reproduces that (no compact path: skipped tokens stay keys).
+  - ReLU in eq. 1 is clamp(z, min=0): subgradient 1 at z = 0, so `gate_init=zero` gates learn.
   - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
-  - Eq. 6's tolerance applies to |deviation|, as in the authors' code, so coefficients fall as
-    well as rise; beta uses the same rule with variance targets mu*(1 - mu*) (eq. 4: population
-    variance, over N; the authors' code divides by N - 1). `adaptive` is Table 1's
-    gamma sign(dev) with no tolerance; the authors' adaptive controller applies delta too. The
-    controller reads the whole global batch's statistics (every rank applies the same update);
-    each micro-step's regulariser uses that micro-batch's.
-  - FLOPs count a causal kernel, T(T+1)/2 query-key pairs, matmuls only, per token at seq_len
-    (the README relates this to the authors' estimator, ~1.9x ours at the paper's size).
-  - compact=True and the KV-cached decoder give a key with g = 0 weight exactly 0, not 1e-6.
-
+  - Eq. 6's tolerance applies to |deviation| (authors' code): coefficients fall as well as
+    rise; beta uses it with variance targets mu*(1 - mu*); eq. 4's variance is over N (their
+    code: N - 1). `adaptive` is Table 1's gamma sign(dev) with no tolerance (theirs applies
+    delta). The controller reads the global batch's statistics; each micro-step's regulariser
+    its own micro-batch's.
+  - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (the README
+    relates this to the authors' estimator, ~1.9x ours at the paper's size).
+  - compact=True and the KV-cached decoder weight a key with g = 0 by exactly 0, not 1e-6.
 DLO (Tan et al. 2024), `router=dlo`:
-  - We pre-train or continue our own FineWeb checkpoints; the paper fine-tunes Llama 2 on
-    instructions. expand.py starts a new run (fresh AdamW, step 0) from expanded weights.
+  - Pre-training or continuing our own FineWeb checkpoints (the paper fine-tunes Llama 2 on
+    instructions); expand.py starts a new run (fresh AdamW, step 0) from expanded weights.
   - The router reads the block's input h_i; r scales only the MLP branch.
   - Eq. 8 is used as a skip rate (the share labelled 0): as written it counts labels 1, which
     contradicts its use as rho_i in top-k and eq. 10. rho_{i,1} is step 1's annealed rate.
   - Labels (eq. 5) rank the L x S similarities within each sequence; eqs. 6 and 8 average over
-    the global batch. In training every MLP runs (labels need every similarity) and skipped
-    outputs are dropped; only evaluation and decoding skip the work.
-
+    the global batch. Training runs every MLP (labels need every similarity) and drops the
+    skipped outputs; only evaluation and decoding skip the work.
 Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
-  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every other one by default, so
-    block 0 always runs), at the paper's best capacity, 12.5% of each sequence.
-  - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our gated
-    block, so the MLP reads x + r Attn rather than the paper's block output scaled once. Tokens
-    not chosen are neither queries nor keys there (weight gate_eps masked, 0 when compacted).
-  - Causal inference: the paper's first method, BCE (weight mod_aux_coef, our 0.01) teaching
-    sigmoid(r) the top-k membership; evaluation and decoding run r > 0, so validation reports
-    the inference routing, whose share may differ from the capacity.
-
-Mixture-of-Recursions (Bae et al. 2025), `router=mor`, choices:
-  - n_layers counts applied blocks, as in the dense model it is set against: blocks 0 and
-    L-1 are unique and a stack of (L - 2) / N_r shared blocks runs N_r = mor_recursions times
-    (Middle-Cycle), so 2 + (L - 2) / N_r blocks are unique; L - 2 must be a multiple of N_r.
-  - Expert-choice routing with hierarchical filtering keeps floor((N_r - r) / N_r T) tokens of
-    each sequence at recursion r (all, 2/3, 1/3 for N_r = 3): the shares fall linearly. The
-    first recursion, share 1, keeps every token in inference too and has no BCE term.
+  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (block 0 always runs), at the
+    paper's best capacity, 12.5% of each sequence.
+  - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our block
+    (the MLP reads x + r Attn, not the block output scaled once). Tokens not chosen are neither
+    queries nor keys there (weight gate_eps masked, 0 when compacted).
+  - Causal inference: the paper's first method, BCE (mod_aux_coef, our 0.01) teaching
+    sigmoid(r) the top-k; evaluation and decoding run r > 0 (validation reports that share).
+Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
+  - n_layers counts applied blocks, as for the dense model it is set against: blocks 0 and
+    L-1 are unique, a stack of (L - 2) / N_r shared blocks runs N_r = mor_recursions times
+    (Middle-Cycle): 2 + (L - 2) / N_r unique blocks; L - 2 must be a multiple of N_r.
+  - Expert-choice, hierarchical filtering: recursion r keeps floor((N_r - r) / N_r T) tokens
+    of each sequence (all, 2/3, 1/3 for N_r = 3). Recursion 0 (share 1) keeps every token in
+    inference too and has no BCE term.
   - A kept token moves by g = sigmoid(z) times the recursion's update, h + g (f(h) - h) (no
-    extra scale); the authors' code adds alpha sigmoid(z) times the stack's whole output,
-    residual included. Inside the stack the kept tokens run ungated; the others are neither
-    queries nor keys (weight gate_eps masked, 0 when compacted or decoding).
-  - Causal inference: the auxiliary-loss method, BCE (mor_aux_coef, our 0.1: at 0.01 the
-    CPU smoke run's inference kept almost no token past recursion 0) of the router's own z
-    over the tokens still active; evaluation and decoding keep those with z > 0.
+    extra scale; the authors' code adds alpha sigmoid(z) times the stack's output, residual
+    included). In the stack the kept tokens run ungated; the others are neither queries nor
+    keys (weight gate_eps masked, 0 when compacted or decoding).
+  - Causal inference: BCE (mor_aux_coef, our 0.1: at 0.01 the CPU smoke run kept almost no
+    token past recursion 0) of z over the active tokens; inference keeps those with z > 0.
     Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.
 """
 
