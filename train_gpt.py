@@ -1124,23 +1124,15 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 
 @dataclass
 class RunState:
-    """What a run carries from step to step and from job to job; all of it is checkpointed."""
+    """What a run carries from step to step and from job to job; all of it is checkpointed.
+    A checkpoint's values are checked against each line's interval, like the settings'."""
     run_id: str = ""      # ties checkpoints to the config.json of their run
-    step: int = 0         # optimiser steps done: the lr schedule is a function of it
-    tokens: int = 0       # training tokens seen
-    train_ms: float = 0.0  # wall time of the timed steps of every job (see clock())
-    timed_steps: int = 0
-    bad_steps: int = 0    # non-finite losses skipped
-    val_done: int = -1    # the last step whose validation is recorded
-
-    def check(self):
-        """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
-        s = self.step
-        for name, low, high in (("step", 0, math.inf), ("tokens", 0, math.inf),
-                                ("train_ms", 0, math.inf), ("timed_steps", 0, s),
-                                ("bad_steps", 0, s), ("val_done", -1, s)):
-            if not (low <= getattr(self, name) <= high and math.isfinite(getattr(self, name))):
-                raise UserError(f"{name}={getattr(self, name)} must be finite, in [{low}, {high}]")
+    step: int = 0         # [0, inf) optimiser steps done: the lr schedule is a function of it
+    tokens: int = 0       # [0, inf) training tokens seen
+    train_ms: float = 0.0  # [0, inf) wall time of the timed steps of every job (see Warmup)
+    timed_steps: int = 0  # [0, inf) at most step, as bad_steps and val_done
+    bad_steps: int = 0    # [0, inf) non-finite losses skipped
+    val_done: int = -1    # [-1, inf) the last step whose validation is recorded
 
 # a checkpoint: the RunState's fields, then what a job needs to go on exactly where one stopped
 CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
@@ -1155,7 +1147,14 @@ def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT",
 def load_checkpoint(run_dir: str) -> dict:
     """RUN_DIR's checkpoint, its counters and settings checked (its weights: load_weights)."""
     return read_checkpoint(run_dir, CHECKPOINT_KEYS, lambda state: (
-        RunState(**saved_fields(RunState, state)).check(), saved_settings(state["hp"])))
+        check_run_state(RunState(**saved_fields(RunState, state))), saved_settings(state["hp"])))
+
+def check_run_state(run: RunState):
+    """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
+    check_fields(run)
+    for name in ("timed_steps", "bad_steps", "val_done"):
+        if getattr(run, name) > run.step:
+            raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
 
 def load_weights(model: "GPT", ckpt: dict, path: str):
     """The one shape check: strict load_state_dict, against the model the settings make."""
