@@ -115,15 +115,11 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x, pos=None):
-        """x: (B, H, T, hd); pos: (B, T) original positions (packed or cached tokens), or
-        None for 0..T-1."""
-        if pos is None:
-            cos, sin = self.cos[:x.size(2)], self.sin[:x.size(2)]  # (T, hd/2) per position
-        else:
-            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, T, hd/2)
+        """x: (B, H, T, hd); pos: (B, T) positions (packed or cached tokens), None: 0..T-1."""
+        cos, sin = ((self.cos[:x.size(2)], self.sin[:x.size(2)]) if pos is None  # (T, hd/2)
+                    else (self.cos[pos][:, None], self.sin[pos][:, None]))  # (B, 1, T, hd/2)
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # even / odd features
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-        return out.type_as(x)
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
@@ -145,9 +141,8 @@ def causal_block_mask(T: int, device: str):
 
 @lru_cache(maxsize=2)
 def flex_attention_fn(compiled: bool):
+    """Flex fuses (and has a backward) only compiled; on CPU it runs eagerly, forward only."""
     from torch.nn.attention.flex_attention import flex_attention
-    # Flex only produces a fused kernel (and a backward) when compiled; on CPU we call it
-    # eagerly, which is forward-only and serves the tests.
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 @torch.library.custom_op("depth_routing::stored", mutates_args=())
@@ -160,14 +155,14 @@ stored.register_fake(torch.empty_like)
 stored.register_autograd(lambda ctx, grad: grad)
 
 def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
-    """Causal attention, ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
+    """Causal attention with ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
     log_g: (B, T) per position or None. axis 'key': logit (i, j) gets ln g_j (eq. 3); 'query':
     ln g_i (the authors' code), which softmax cancels. mask: a BlockMask -> Flex with a
     score_mod; None -> SDPA with an fp32 additive mask (exact, and trains on CPU)."""
     gqa = q.size(1) != k.size(1)
     if mask is not None:
         log_g = None if log_g is None else stored(log_g)
-        def score_mod(score, b, h, q_idx, kv_idx):  # ln g of the key (eq. 3) or the query
+        def score_mod(score, b, h, q_idx, kv_idx):
             return score + log_g[b, kv_idx if axis == "key" else q_idx]
         return flex_attention_fn(compiled=q.is_cuda)(
             q, k, v, score_mod=None if log_g is None else score_mod, block_mask=mask, enable_gqa=gqa)
@@ -175,12 +170,10 @@ def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     T = q.size(2)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    bias = torch.zeros(T, T, device=q.device).masked_fill(~causal, float("-inf"))
     per = log_g.float()[:, None, None, :] if axis == "key" else log_g.float()[:, None, :, None]
-    bias = bias + per  # (B, 1, T_q, T_k)
-    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
-                                         enable_gqa=gqa)
-    return out.type_as(q)
+    bias = torch.zeros(T, T, device=q.device).masked_fill(~causal, float("-inf")) + per  # (B, 1, T_q, T_k)
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
+                                          enable_gqa=gqa).type_as(q)
 
 FLEX_MIN_HEAD_DIM = 16  # Inductor's Flex kernels refuse smaller head dimensions
 
@@ -195,8 +188,7 @@ class Attention(nn.Module):
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
-        self.n_heads, self.n_kv_heads = hp.n_heads, hp.n_kv_heads
-        self.head_dim = hp.dim // hp.n_heads
+        self.n_heads, self.n_kv_heads, self.head_dim = hp.n_heads, hp.n_kv_heads, hp.dim // hp.n_heads
         self.wq = nn.Linear(hp.dim, hp.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
@@ -214,14 +206,14 @@ class Attention(nn.Module):
         q, k = self.rotary(q, pos), self.rotary(k, pos)
         if cache is None:
             y = gated_attention(q, k, v, log_g, mask, self.gate_axis)
-        else:  # one token against the cached keys (sample.py). On the query axis ln g is one
-            # constant on this token's row, which softmax cancels: the keys carry none
+        else:  # sample.py; on the query axis ln g is one constant on this row (softmax cancels it)
             y = cache[0].attend(cache[1], q, k, v, log_g if self.gate_axis == "key" else None)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 class Block(nn.Module):
     """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2, 2.3). g: (B, T, 1)
     or None (dense); keys: each token's weight as a key (eq. 3), by default g."""
+    pack = 1  # packed lengths are multiples of this (compile_model sets PACK: few shapes)
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -239,15 +231,12 @@ class Block(nn.Module):
         y = self.attn_out(self.attn(self.attn_in(x), log_g, mask, pos, cache))  # log_g (B, T) per key
         return x + (y if g is None else g * y)
 
-    def mlp(self, x):
-        """The FFN branch Norm(FFN(Norm(x))), without the residual."""
+    def mlp(self, x):  # the FFN branch, without the residual
         return self.ffn_out(self.ffn(self.ffn_in(x)))
 
-    pack = 1  # packed lengths are multiples of this (compile_model sets PACK: few shapes)
-
     def forward(self, x, g, mask, compact=False, pos=None, cache=None, keys=None):
-        """compact: run attention and FFN on the tokens with keys > 0 only; exact, because a
-        token with keys = g = 0 adds nothing to its residual and is invisible as a key."""
+        """compact: attention and FFN on the tokens with keys > 0 only; exact, as a token with
+        keys = g = 0 adds nothing to its residual and is invisible as a key."""
         if compact and g is not None:
             return self.forward_compact(x, g, mask, g if keys is None else keys)
         return self.dense(x, g, mask, pos, cache, keys)
@@ -258,10 +247,9 @@ class Block(nn.Module):
         return x + (self.mlp(x) if g is None else g * self.mlp(x))
 
     def forward_compact(self, x, g, mask, keys):
-        """Gather each sequence's active tokens to the front, in order (B, Tc), run the block
-        with their original positions, scatter the results back. Order is kept, so causality
-        by packed index is causality by position; the padding sits after every active token,
-        so no active query sees it, and its g = 0 leaves it unchanged."""
+        """Each sequence's active tokens gathered to the front in order (B, Tc), run with their
+        positions, scattered back: causality by packed index is causality by position, and the
+        padding, after every active token, is seen by no active query and (g = 0) unchanged."""
         B, T, d = x.shape
         active = keys.squeeze(-1) > 0  # (B, T)
         counts = active.sum(dim=1)  # (B,)
@@ -269,8 +257,7 @@ class Block(nn.Module):
         # token (g = 0, x unchanged) so that every parameter gets a gradient, zero here: under
         # DDP a rank where a block's parameters got none would stall the all-reduce
         Tc = min(T, -(-max(1, int(counts.max())) // self.pack) * self.pack)  # padded: few shapes
-        # stable sort puts active tokens first, in their original order; (B, Tc) positions
-        pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tc]
+        pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tc]  # (B, Tc) active first
         valid = (torch.arange(Tc, device=x.device)[None, :] < counts[:, None])[..., None]  # (B, Tc, 1)
         index = pos[..., None].expand(B, Tc, d)
         gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
