@@ -267,13 +267,11 @@ class Block(nn.Module):
 # -----------------------------------------------------------------------------
 # Depth routers: which tokens run which blocks, and how that is trained and counted
 #
-# The model hands its router the blocks (Router.forward runs the depth loop); the training
-# loop, evaluation, FLOPs, logging and the tools call only the hooks of Router; nothing else
-# branches on the router's name. To add a router: subclass Router here, add it to ROUTERS
-# and to the router field's choices, put the fields it alone reads under "# router=NAME" in
-# Hyperparameters, test it.
-# A forward pass fills a trace, a dict of per-layer lists; every router records "block" and
-# "mlp" per layer, (B, T) bool: the tokens that ran the block and the tokens that ran its MLP.
+# The model hands its router the blocks (Router.forward runs the depth loop); the loop,
+# evaluation, FLOPs, logs and tools call only Router's hooks, never test its name. A new router:
+# a subclass here, a ROUTERS entry and a choice of the router field, its fields under
+# "# router=NAME" in Hyperparameters, tests. A forward pass fills a trace (per-layer lists):
+# every router records "block" and "mlp", (B, T) bool, the tokens that ran the block and its MLP.
 
 def mirror(layer: int, n_layers: int) -> int:
     """Index of the gate used by block `layer`: its own in the first half, block L-1-l's after."""
@@ -285,9 +283,8 @@ def ran(trace: dict, block, mlp=None):
     trace["mlp"].append(block if mlp is None else mlp)
 
 class Router(nn.Module):
-    """The hooks every router has, each defaulting to the dense behaviour (every token runs
-    every block). Sums are float64 tensors, (k, L), summed over micro-batches and ranks before
-    the hooks that read them see them."""
+    """The hooks every router has, each defaulting to the dense model's behaviour. Sums are
+    float64 (k, L), summed over micro-batches and ranks before a hook reads them."""
     means = {}  # metric -> trace key: per-layer means over tokens in train and val records
     expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
     layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
@@ -308,22 +305,21 @@ class Router(nn.Module):
         return hp.n_layers  # the blocks the model builds; n_layers is how many are applied
 
     def forward(self, blocks, x, trace: dict, mask, pos=None, cache=None):
-        """The depth loop: x (B, T, d) through the blocks, each once and in order, by run(). A
-        router that applies a block again, or stops tokens before the last, overrides this;
-        per applied block (n_layers in all) it records "block" and "mlp", and calls resid()."""
+        """The depth loop: x (B, T, d) through each block once, in order, by run(). A router that
+        re-applies a block or stops tokens early overrides it, recording "block" and "mlp" and
+        calling resid() per applied block (n_layers in all)."""
         for layer, block in enumerate(blocks):
             x = self.resid(trace, self.run(layer, block, x, trace, mask, pos,
                                            None if cache is None else (cache, layer)))
         return x
 
-    def resid(self, trace: dict, x):
-        """x; in evaluation, its mean norm recorded (a validation statistic, off the training path)."""
+    def resid(self, trace: dict, x):  # x; its mean norm recorded in evaluation
         if not self.training:
             trace["resid"].append(x.detach().float().norm(dim=-1).mean())
         return x
 
     def run(self, layer: int, block: "Block", x, trace: dict, mask, pos=None, cache=None):
-        """Block `layer` on x (B, T, d) as this router routes it, recorded in trace."""
+        """Block `layer` on x (B, T, d), routed and recorded in trace."""
         x = block(x, None, mask, pos=pos, cache=cache)
         ran(trace, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device))
         return x
@@ -375,11 +371,10 @@ def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
     return torch.cat([half, half.flip(0)])
 
 class GateController(nn.Module):
-    """The loss on the per-layer gate mean and variance, and the coefficients' update (Table
-    1): proportional_tol, eq. 5 loss and eq. 6 update (the paper's); proportional / adaptive,
-    gamma * dev / gamma * sign(dev); the sparsity* ones, fixed coefficients; none, no loss.
-    alpha and beta are training state (float64 buffers on the model's device, so neither the
-    loss nor the update copies anything between host and device; saved via routing_state)."""
+    """The loss on the per-layer gate mean and variance and its coefficients' update (Table 1):
+    proportional_tol, eq. 5 loss and eq. 6 update (the paper's); proportional / adaptive, gamma
+    dev / gamma sign(dev); sparsity*, fixed coefficients; none, no loss. alpha and beta are
+    float64 buffers on the model's device (no host copy), checkpointed via routing_state."""
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -417,10 +412,9 @@ class GateController(nn.Module):
                 coef += self.gamma * torch.sign(dev)
 
 class SkipMiddle(Router):
-    """The paper's router (Sections 2.1-2.4). Block l < L/2 reads a gate s_l = ReLU(w.h + b)
-    (eq. 1) from the stream entering it; g_l = 1 - clamp(sum_{k<=l} s_k, 0, 1) (eq. 2) scales
-    both residual branches and ln g weights the token as a key (eq. 3); block L-1-l reuses g_l.
-    Trace extras: "gates" (L, B, T) g; "S" (L/2, B, T) the running sums."""
+    """The paper's router (Sections 2.1-2.4): block l < L/2 reads s_l = ReLU(w.h + b) (eq. 1);
+    g_l = 1 - clamp(sum_{k<=l} s_k, 0, 1) (eq. 2) scales both residual branches and weights the
+    token as a key by ln g (eq. 3); block L-1-l reuses g_l. Trace: "gates" (L, B, T), "S" sums."""
     expandable = False  # the gates and their mirror are tied to the layer count
     means = {"gate_mean": "gates"}
 
@@ -445,8 +439,8 @@ class SkipMiddle(Router):
         else:
             trace["gates"].append(trace["gates"][mirror(layer, L)])
         g = trace["gates"][-1][..., None].type_as(x)  # (B, T, 1)
-        # decoding, a token skipped under key gating is invisible later: run nothing. Under
-        # query gating later tokens still attend to it, so its K/V are computed.
+        # decoding a token skipped under key gating: run nothing (invisible later); under
+        # query gating later tokens still attend to it, so its K/V are computed
         if cache is None or self.hp.gate_axis == "query" or bool(g.any()):
             x = block(x, g, mask, self.hp.compact and cache is None, pos, cache)
         ran(trace, trace["gates"][-1] > 0)
@@ -497,20 +491,18 @@ class SkipMiddle(Router):
             getattr(self.ctrl, k).copy_(state["controller"][k])
 
 class DLO(Router):
-    """DLO (Tan et al. 2024, Section 3): attention always runs; the MLP runs for the tokens the
-    router picks, its output scaled by r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eqs. 1-2).
-    Training: the top (1 - rho_i) share of each sequence by r, with rho_i from similarity
-    labels (eqs. 5-8) and an annealed overall rate (eq. 9); inference: r >= beta / 2.
-    Trace extras: "logits" (L, B, T) hW; "scale" r where the MLP ran, else 0; "similarity"
-    (training) eq. 4's cosine of the MLP's input and output, detached."""
+    """DLO (Tan et al. 2024, Section 3): attention always runs; the MLP runs for the tokens
+    picked, scaled by r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eqs. 1-2): in training the top
+    (1 - rho_i) of each sequence by r, rho_i from similarity labels (eqs. 5-8) and an annealed
+    rate (eq. 9); in inference r >= beta / 2. Trace: "logits" hW, "scale" r (0: skipped),
+    "similarity" (training) eq. 4's cosine of the MLP's input and output."""
     skips = "mlp"
     layer_modules = "routers"
 
     def __init__(self, hp):
         super().__init__(hp)
         self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(hp.n_layers))
-        # rho_{i,1}: step 1's annealed rate in every layer (the paper's rho would skip the most
-        # in the very step meant to skip least)
+        # rho_{i,1}: step 1's annealed rate (the paper's rho would skip most when meant to skip least)
         self.register_buffer("rates", torch.full((hp.n_layers,), self.overall(0),
                                                  dtype=torch.float64), persistent=False)
 
@@ -532,8 +524,7 @@ class DLO(Router):
         z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
         r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
         a = block.attend(x, None, mask, pos, cache)
-        if self.training:  # the top floor((1 - rho_i) S) tokens of each sequence by r, chosen
-            # on the device (k is a tensor: no host read, no shape that changes with it)
+        if self.training:  # the top floor((1 - rho_i) S) of each sequence by r; k a tensor: no host read
             k = torch.floor((1 - self.rates[layer]) * x.size(1))
             order = r[..., 0].argsort(dim=1, descending=True, stable=True)  # (B, T) by rank
             first = torch.arange(x.size(1), device=x.device) < k  # (T,) per rank: in the top k
@@ -594,13 +585,10 @@ class DLO(Router):
         self.rates.copy_(state["rates"])
 
 class MixtureOfDepths(Router):
-    """Mixture-of-Depths (Raposo et al. 2024): in every mod_every-th block a linear router
-    scores each token, r = w.h; in training the top mod_capacity share of each sequence runs
-    the block, both branches scaled by r, and the others pass it by (no attention as query or
-    key, no MLP). Top-k looks at the whole sequence, which decoding cannot: the router is also
-    trained, with BCE (weight mod_aux_coef), to give r > 0 exactly to the top-k tokens, and
-    evaluation and decoding run the tokens with r > 0 (the paper's first causal method).
-    Trace extras: "logits" (routed blocks, B, T) r; "topk" (training) the top-k choice."""
+    """Mixture-of-Depths (Raposo et al. 2024): every mod_every-th block scores each token, r =
+    w.h; in training the top mod_capacity of each sequence runs it, both branches scaled by r,
+    the rest pass by (neither query nor key, no MLP). BCE (mod_aux_coef) teaches r > 0 to the
+    top k, which evaluation and decoding run (causal). Trace: "logits" r, "topk" (training)."""
     expandable = False  # which blocks are routed depends on the layer count
 
     def __init__(self, hp):
@@ -645,18 +633,14 @@ class MixtureOfDepths(Router):
         return len(range(hp.mod_every - 1, hp.n_layers, hp.mod_every)) * T * 2 * hp.dim
 
 class MixtureOfRecursions(Router):
-    """Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing: of the n_layers applied
-    blocks the first and last are blocks[0] and blocks[-1], and the M = (n_layers - 2) / N_r
-    blocks between them are one stack applied N_r = mor_recursions times. Expert-choice routing
-    with hierarchical filtering: before recursion r a linear router scores each token,
-    z = w_r.h, and of the tokens still active keeps in training the top floor((N_r - r) / N_r T)
-    of each sequence (r = 0: all, in inference too); the stack runs on those alone (neither queries
-    nor keys for the others) and a kept token moves by g = sigmoid(z) times the stack's update,
-    h + g (f(h) - h). Top-k sees the whole sequence: as for MoD, BCE (mor_aux_coef) teaches
-    z > 0 to the top-k tokens, and evaluation and decoding keep the active tokens with z > 0.
-    mor_routed=false: the recursive baseline, every token every recursion, g = 1, no router.
-    Trace extras: "recursion" (N_r, B, T) the tokens that ran recursion r; for r >= 1 when routed,
-    (N_r - 1, B, T): "logits" z, "active" the tokens eligible, "topk" (training) the top-k."""
+    """Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle: blocks[0] and blocks[-1] run once,
+    the stack between them N_r = mor_recursions times. Before recursion r, z = w_r.h; of the
+    active tokens training keeps the top floor((N_r - r) / N_r T) per sequence (r = 0: all),
+    which run the stack (the rest neither queries nor keys) and move by g = sigmoid(z) times its
+    update, h + g (f(h) - h). As for MoD, BCE (mor_aux_coef) teaches z > 0 to the top k, which
+    inference keeps. mor_routed=false: every token every recursion, g = 1 (the recursive
+    baseline). Trace: "recursion" (N_r, B, T) who ran r; for r >= 1, "logits" z, "active"
+    (eligible), "topk" (training)."""
     expandable = False  # its shared blocks are not a stack of layers
     skips = "recursion"
 
