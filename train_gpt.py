@@ -737,12 +737,11 @@ class Output(NamedTuple):
     loss: torch.Tensor = None  # mean cross-entropy against the targets, when given
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of the logits h W^T against targets, `rows` rows at a time, so the
-    (N, V) logits and their gradient never exist whole (at the paper's device batch they are
-    6.6 GB each in fp32). When a gradient is wanted, each chunk's gradients with respect to h
-    and W (softmax minus one-hot) are formed at once and kept; backward only scales them. The
-    kept gradients are built without writing into buffers made beforehand: torch 2.11's
-    compile (any backend) saved such buffers as they were before the writes: all gradients 0."""
+    """Summed cross-entropy of h W^T against targets, `rows` rows at a time: the (N, V) logits and
+    their gradient (6.6 GB each in fp32 at the paper's device batch) never exist whole. Each
+    chunk's gradients for h and W (softmax minus one-hot) are formed at once and kept; backward
+    scales them. No buffer is made before and written after: torch 2.11's compile saved such
+    buffers as they were before the writes (all gradients 0)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, rows: int, grads: bool):
@@ -786,12 +785,10 @@ class GPT(nn.Module):
         self.router.reset_parameters()
 
     def forward(self, idx, pos=None, cache=None, targets=None) -> Output:
-        """idx: (B, T) token ids. With a KVCache, idx is one token (1, 1) at position pos
-        (1, 1); a block it skips keeps no K/V for it. Routing follows the module's mode:
-        training (model.train()) or inference (model.eval()). With targets (B, T), the mean
-        cross-entropy is computed in chunks of loss_rows tokens and no logits are returned."""
-        # Flex: one causal block mask per forward, before the layer loop (eagerly, one per
-        # length: lru_cache; a compiled model builds it once in its graph). Decoding: none
+        """idx: (B, T) token ids; with a KVCache one token (1, 1) at position pos (1, 1), kept as
+        K/V only in the blocks it runs. Routing follows model.train() / model.eval(). With
+        targets (B, T): the mean cross-entropy (chunked, loss_rows), no logits."""
+        # Flex: one causal block mask per forward (eagerly: lru_cache per length), none decoding
         flex = cache is None and attention_impl(self.hp, idx.is_cuda) == "flex"
         mask = causal_block_mask(idx.size(1), str(idx.device)) if flex else None
         trace = collections.defaultdict(list)
@@ -810,11 +807,10 @@ class GPT(nn.Module):
 # Data: modded-nanogpt shards, in order, one global batch per step (format: data/shards.py)
 
 class DistributedLoader:
-    """Walks the shards in order, cycling at the end. Each step takes one contiguous global
-    batch of B_global * T (+1) tokens; rank r gets sequences [r * B_local, (r + 1) * B_local),
-    so the union over ranks is the same global batch for every world size. Every shard's
-    header is checked up front (its encoding too, when given), so a bad shard stops the run
-    before it starts, not hours in; token ids are checked as each shard is loaded."""
+    """Walks the shards in order, cycling. Each step takes one contiguous global batch of
+    B_global * T (+1) tokens; rank r gets sequences [r B_local, (r + 1) B_local): the same global
+    batch at every world size. Every header (and encoding) is checked up front, so a bad shard
+    stops the run before it starts; token ids are checked as each shard is loaded."""
 
     def __init__(self, pattern: str, B_local: int, T: int, rank: int, world: int,
                  vocab_size: int = 2**16, encoding: str = None):
@@ -839,8 +835,7 @@ class DistributedLoader:
         self.pos = state["pos"]
 
     def check_position(self, state: dict):
-        """A checkpoint's data position (state()) must exist in these shards (they may have
-        changed, or the checkpoint may have been edited)."""
+        """A checkpoint's data position (state()) must lie in these shards (changed or edited?)."""
         shard, pos = (state.get("shard"), state.get("pos")) if isinstance(state, dict) else (None, None)
         if not (type(shard) is type(pos) is int and 0 <= shard < len(self.files) and
                 0 <= pos <= shard_tokens(self.files[shard]) - self.B * self.T * self.world - 1):
@@ -876,15 +871,12 @@ class DistributedLoader:
 
 def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None,
                   pairs=None) -> float:
-    """Forward FLOPs of one sequence of T tokens (default: seq_len, the length trained and
-    validated on). active: per-layer fraction of tokens that run the block (None: all);
-    mlp_active: per-layer fraction that runs its MLP (None: the same as active; DLO skips only
-    MLPs). Skipped tokens cost nothing in that block (the paper's Figure 2 assumption):
-    projections and FFN scale with the active fraction a, attention with the active causal
-    query-key pairs: pairs, per layer the mean over sequences of each one's n(n+1)/2 for its
-    n active tokens (route_sums), or without it a^2 T(T+1)/2, which undercounts when the
-    share differs between sequences. Where a router keeps skipped tokens as keys (the
-    query-axis gate), K/V projections run for every token and attention for a T(T+1)/2."""
+    """Forward FLOPs of one sequence of T tokens (default seq_len). active / mlp_active: per layer,
+    the share of tokens that run the block / its MLP (None: all / as active). A skipped token
+    costs nothing there (the paper's Figure 2): projections and FFN scale with the share a,
+    attention with the causal query-key pairs: `pairs` per layer (the mean over sequences of
+    n(n+1)/2 for n active tokens, route_sums), else a^2 T(T+1)/2 (low when shares differ between
+    sequences). Where skipped tokens stay keys (query-axis gate) K/V and attention run for all."""
     T, d, hd = T or hp.seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
     proj_qo, proj_kv = 2 * 2 * d * d, 2 * 2 * d * kv  # q and o, k and v per token
@@ -905,10 +897,8 @@ def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=N
 
 def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None,
         pairs=None) -> float:
-    """Model FLOPs utilisation of one optimiser step over the real tokens it trained on
-    (batch_size x seq_len): 3x the forward FLOPs of the work executed, over the peak of all
-    devices (peak FLOP/s per device). active: per-layer fraction of tokens the blocks actually
-    ran (compact only)."""
+    """Model FLOPs utilisation of one step: 3x the forward FLOPs of the work executed on its
+    batch_size x seq_len tokens over all devices' peak. active: the blocks' shares (compact)."""
     tokens = hp.batch_size * hp.seq_len
     return 3 * flops_per_token(hp, active, pairs=pairs) * tokens / step_s / (peak * world)
 
@@ -917,10 +907,10 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=No
 
 @dataclass
 class Hyperparameters:
-    """What defines a run: a checkpoint stores it, a resume restores it. Each field's facts are
-    in its line (support.field_facts): the interval or {choices} that begins its comment is
-    checked, "fixed;" marks what a resume may not change (the weights' shapes, which blocks
-    are routed, the gate's axis), and a group headed "router=NAME" is read by that router only."""
+    """What defines a run: a checkpoint stores it, a resume restores it. A field's facts are on its
+    line (support.field_facts): the interval or {choices} opening its comment is checked, "fixed;"
+    marks what a resume may not change (shapes, which blocks are routed, the gate's axis), and
+    a group headed "router=NAME" is read by that router only."""
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
@@ -1016,8 +1006,7 @@ def usage() -> str:
         f"presets: {', '.join(p for p in PRESETS if p)}"])
 
 def parse_overrides(argv) -> dict:
-    """--field=value pairs of Hyperparameters and Job, each typed against its default and
-    checked against its line, the preset's fields under them."""
+    """--field=value pairs of Hyperparameters and Job, typed against the defaults (Job's checked)."""
     given = parse_fields((Hyperparameters, Job), argv)
     check_fields(Job(**{k: v for k, v in given.items() if k in JOB}))
     return given
@@ -1027,9 +1016,8 @@ def job_settings(given: dict) -> Job:
     return Job(**{k: v for k, v in {**PRESETS[given.get("preset", "")], **given}.items() if k in JOB})
 
 def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
-    """base (the defaults, or a resumed run's settings), then the preset, then the given fields.
-    Data paths become absolute, so a run resumes from any folder: one given here is from the
-    working directory; the defaults' and the presets' are inside the repository."""
+    """base (the defaults, or a resumed run's), then the preset, then the given fields. Data paths
+    become absolute (a run resumes from any folder): given ones from here, others the repository's."""
     merged = {**PRESETS[given.get("preset", "")], **given}
     hp = replace(base or Hyperparameters(), **{k: v for k, v in merged.items() if k not in JOB})
     for f in ("train_files", "val_files"):
@@ -1068,8 +1056,8 @@ def validate(hp: Hyperparameters, world: int):
     if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
         raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
                         f"({hp.device_batch_size * hp.seq_len * world} tokens)")
-    # a lower bound on one device's memory: fp32 weights, gradients and two AdamW moments (the
-    # model's own count, built on the meta device), RoPE tables, one loss chunk's fp32 logits
+    # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments (the
+    # model's own count, on the meta device), RoPE tables, one loss chunk's fp32 logits
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(hp).parameters())
     need = (16 * params + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
@@ -1217,12 +1205,10 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
 PACK = 128  # compiled compact blocks: packed lengths are multiples of this
 
 def compile_model(raw: GPT) -> nn.Module:
-    """torch.compile where it stays compiled. A dense path compiles as one graph: the whole
-    model. With compact, each block reads its active count on the host (it sets the packed
-    length), which would split the model's graph at every block and compile what follows once
-    per layer until dynamo's recompile limit; so each block's dense part is compiled instead
-    (one code for all blocks: per mode, training or evaluation, a graph per packed length, at
-    most max_seq_len / PACK, and one for ungated blocks) and the routers run eagerly around it."""
+    """torch.compile where it stays compiled: without compact, the whole model, one graph. With
+    compact each block reads its active count on the host (the packed length), which would cut
+    the model's graph at every block; so each block's dense part is compiled (per mode, a graph
+    per packed length, at most max_seq_len / PACK, one ungated) and the routers run eagerly."""
     lengths = -(-raw.hp.max_seq_len // PACK)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * lengths + 2)
     for block in raw.blocks:
@@ -1366,8 +1352,8 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
 
 def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: DistributedLoader,
             cuda: bool) -> RunState:
-    """Weights, optimiser, routing state, data position, random state and clock from a
-    checkpoint; an edited or damaged one is a UserError."""
+    """Weights, optimiser, routing, data position, random state and clock from a checkpoint;
+    an edited or damaged one is a UserError."""
     where = os.path.join(job.run_dir, CHECKPOINT)
     load_weights(raw, ckpt, where)
     try:
@@ -1387,14 +1373,14 @@ def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: Di
     return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
 
 def agreed_signal(stop, d: Dist) -> int:
-    """The highest signal number any rank got (0: none), so that every rank stops at the same
-    step boundary, or the others would hang (a scheduler may signal some ranks only)."""
+    """The highest signal number any rank got (0: none): every rank stops at the same step, or
+    the others would hang (a scheduler may signal some ranks only)."""
     return int(all_reduce(torch.tensor(  # (one process: no collective, no copy)
         float(stop.signum), device=d.device if d.world > 1 else "cpu"), "max"))
 
 class Warmup:
-    """The clock: a job's first `untimed` steps are warm-up (compilation included), logged once
-    as such; train_time and step_avg count the other steps of all jobs."""
+    """The clock: a job's first `untimed` steps are warm-up (compilation), logged once as such;
+    train_time and step_avg count the other steps of all jobs."""
 
     def __init__(self, log: RunLog, start: int, untimed: int, compiled: bool):
         self.log, self.start, self.untimed, self.compiled, self.ms = log, start, untimed, compiled, 0.0
@@ -1445,10 +1431,9 @@ def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, st
                 "lr": lrs[0], "layer_lr": lrs[1:], "step_ms": step_ms, **means})
 
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
-    """One optimiser step over the global batch, applied only when the loss is finite. ->
-    sums over all micro-steps and ranks, read to the host as lists of floats: "lm_loss" and
-    "total_loss" (the means), "tokens", route_sums; and "router", the router's loss() sums
-    for its update, a float64 tensor left on the device."""
+    """One optimiser step over the global batch, applied only if the loss is finite. -> sums over
+    micro-steps and ranks as lists of floats ("lm_loss", "total_loss": means; "tokens";
+    route_sums) and "router", loss()'s sums for its update, float64 left on the device."""
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
     x_all, y_all = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
