@@ -4,7 +4,7 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
-    python sweep.py --grid=bytes --seeds=3          # byte-level study, 2 CPU cores, ~45 min
+    python sweep.py --grid=bytes --seeds=3          # byte-level study, 2 CPU cores, ~90 min
                                                     # (python data/debian_docs.py first)
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
@@ -120,15 +120,15 @@ GRIDS = {
                       "--val_tokens=4096", "--save_every=40", "--lr=3e-3"],
                 n_layers=4, runs=figure2_runs(4, 40, 61440)),
     # The byte-level study (README: Results): blocks, not the 256-row head, are the compute.
-    # 6 layers of width 64 on data/debian_docs.py's corpus, 600 steps of 8 x 256 bytes; 44 min
-    # for 3 seeds of its 16 runs on 2 CPU cores (measured: records/2026-11-25_figure2_bytes_cpu).
+    # 6 layers of width 64 on data/debian_docs.py's corpus, 1,200 steps of 8 x 256 bytes (600,
+    # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained).
     "bytes": dict(base=["--train_files=data/debian_docs/docs_train_*.bin",
                         "--val_files=data/debian_docs/docs_val_*.bin", "--encoding=bytes",
                         "--vocab_size=256", "--dim=64", "--n_heads=4", "--n_kv_heads=4",
                         "--max_seq_len=256", "--seq_len=256", "--batch_size=8",
-                        "--device_batch_size=8", "--train_tokens=1228800", "--val_every=0",
+                        "--device_batch_size=8", "--train_tokens=2457600", "--val_every=0",
                         "--val_tokens=131072", "--save_every=200", "--lr=3e-3", "--compile=false"],
-                  n_layers=6, runs=figure2_runs(6, 100, 1228800)),
+                  n_layers=6, runs=figure2_runs(6, 100, 2457600)),
 }
 
 
@@ -192,6 +192,22 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
         raise kind(f"{label}: {script} exited {proc.returncode}: {tail}")
 
 
+def check_settings(run_dir: str, args: list):
+    """A run begun before the grid was edited (its train_tokens, say) is not taken as this
+    grid's: a UserError naming the settings of args that its config.json does not hold."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # not written yet: the run starts or resumes with these settings
+    given = tg.parse_overrides([a for a in args if not a.startswith("--run_dir=")])
+    changed = [f"{k}={config.get(k)} there, {v} here" for k, v in given.items()
+               if k not in tg.JOB and k not in ("train_files", "val_files") and config.get(k) != v]
+    if changed:
+        raise support.UserError(f"{run_dir} was trained with other settings ({'; '.join(changed)}):"
+                                f" the grid changed since; give another --runs")
+
+
 def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
     """Train every (configuration, seed) not finished yet. -> [(name, seed, run_dir)]."""
     done = []
@@ -200,6 +216,8 @@ def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
+            if state != "fresh":
+                check_settings(run_dir, args + ([] if expansion else grid["base"] + [f"--seed={seed}"]))
             if state == "fresh" and expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
                 launch([source, run_dir, *how, *args], 1, "expand.py", label=run_dir)

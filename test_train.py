@@ -2504,6 +2504,13 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     printed = capsys.readouterr().out
     assert printed.count(": done") == 5 and "trained" not in printed
     assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    # the grid edited (a longer budget): its finished runs are not taken as the new grid's
+    monkeypatch.setitem(grid, "base", [a.replace("=1280", "=2560") for a in TINY_GRID])
+    capsys.readouterr()
+    code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+    assert code == 2 and "dense_2_s0 was trained with other settings (train_tokens=1280 there, " \
+        "2560 here)" in err, err
+    assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
 
 
 class TokenSpans(__import__("html.parser").parser.HTMLParser):
