@@ -343,20 +343,6 @@ def write_atomically(path: str, data: bytes):
 CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
 LOGS = ("train.log", "metrics.jsonl", "config.json")
 
-def read_config(run_dir: str) -> dict:
-    """RUN_DIR/config.json as a dict, None if there is none; anything else a UserError."""
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.lexists(path):
-        return None
-    try:
-        with open(need(path, "a file")) as f:  # (a named pipe there would hang open())
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable ({type(e).__name__})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path}: not a run's config (a JSON object)")
-    return config
-
 def save_checkpoint(run_dir: str, state: dict) -> str:
     """torch.save to RUN_DIR/checkpoint.pt; the previous file stays until the new one is whole."""
     import io
@@ -388,38 +374,6 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
                         f"version of train_gpt.py?)")
     return {**state, "mtime": mtime}
-
-def saved_before(run_dir: str) -> str:
-    """An error line's clause if RUN_DIR's metrics.jsonl records a saved checkpoint, else ""."""
-    steps, path = [], os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isfile(path):  # (a named pipe would hang open())
-        with contextlib.suppress(OSError), open(path, "rb") as f:
-            for line in f:
-                with contextlib.suppress(ValueError, KeyError, TypeError):  # a cut or edited line
-                    m = json.loads(line)
-                    steps += [m["step"]] if m["kind"] == "checkpoint" and type(m["step"]) is int else []
-    return f"its metrics.jsonl records a checkpoint saved at step {max(steps)}" if steps else ""
-
-def run_to_resume(run_dir: str, load, settings) -> tuple:
-    """(settings(saved settings), load(run_dir)), or config.json's and None for a run that never
-    saved (not one whose checkpoint vanished). config.json must be valid and this run's."""
-    config, path = read_config(need(run_dir, "a folder")), os.path.join(run_dir, CHECKPOINT)
-    if config is not None and not os.path.lexists(path) and (sign := saved_before(run_dir)):
-        raise UserError(f"{path} is gone, but {sign}: put it back to resume (a run starts "
-                        f"afresh only if it never saved); nothing was written")
-    ckpt = load(run_dir) if config is None or os.path.lexists(path) else None
-    try:
-        if config is not None:
-            if not isinstance(config.get("run_id"), str):
-                raise UserError("it holds no run_id")
-            settings(config)  # every setting, each of its type and range
-    except UserError as e:
-        raise UserError(f"{os.path.join(run_dir, 'config.json')}: {e} (an edited or damaged "
-                        f"file)") from None
-    if ckpt and config is not None and config["run_id"] != ckpt["run_id"]:
-        raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
-                        f"says {config['run_id']}); resume the run it came from")
-    return settings(ckpt["hp"] if ckpt else config), ckpt
 
 def rng_state(cuda: bool) -> dict:
     import torch
@@ -506,19 +460,17 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
     for path in (os.path.join(run_dir, n) for n in LOGS):
         if os.path.lexists(path):  # a folder or a named pipe there is bad input
             need(path, "a file")
+    lock_run_dir(run_dir)  # first: what is checked below cannot change under this job
     path = os.path.join(run_dir, CHECKPOINT)
-    for locked in (False, True):  # checked again under the lock: another job may have saved
-        if not resuming and (os.path.lexists(path) or saved_before(run_dir)):
-            raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose "
-                            f"another directory, or continue it with train_gpt.py --resume={run_dir}")
-        if not locked:
-            lock_run_dir(run_dir)
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
-        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
-            os.remove(stale)
+    if not resuming and os.path.lexists(path):
+        raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose "
+                        f"another directory, or continue it with train_gpt.py --resume={run_dir}")
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != mtime:
         raise UserError(f"{path} changed while this job started (another job was using the "
                         f"run); resume again")
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
+        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
+            os.remove(stale)
     old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
     if old:
         k = 1
@@ -530,8 +482,7 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
                 os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
         except OSError as e:
             raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
-        print(f"{run_dir} held a run with no checkpoint on record; its files are in {aside}",
-              file=sys.stderr)
+        print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
     return run_dir
 
 def fmt_list(xs) -> str:
@@ -544,8 +495,8 @@ def clock(train_ms: float, timed_steps: int) -> str:
     return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
 
 class RunLog:
-    """train.log, config.json and metrics.jsonl (rank 0 only). A resume appends to train.log, the
-    sources that changed in full, and keeps the metrics its checkpoint has seen: each step is
+    """train.log, config.json and metrics.jsonl (rank 0 only). Each job appends to train.log the
+    sources it runs, in full; a resume keeps the metrics its checkpoint has seen: each step is
     there once, even after a crash."""
 
     def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
@@ -554,18 +505,11 @@ class RunLog:
         if not active:
             return
         log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
-        previous = (read_config(run_dir) if resumed_at is not None else None) or {}
-        changed = [n for n in SOURCES if previous.get(f"sha256 {n}") != config[f"sha256 {n}"]]
-        new_log = resumed_at is None or not os.path.exists(log)
         write_atomically(config_path, json.dumps(config, indent=2).encode())
         with named(log):  # a write error carries no file name
             self.log = open(log, "w" if resumed_at is None else "a")
             if resumed_at is not None:
                 self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
-                if changed and previous:
-                    self.log.write("source changed since the last job: " + "; ".join(
-                        f"{n} sha256 {previous.get(f'sha256 {n}')} -> {config[f'sha256 {n}']}"
-                        for n in changed) + "\n")
                 kept = []
                 with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
                     for line in f:  # what the checkpoint has seen
@@ -575,8 +519,8 @@ class RunLog:
                                 kept.append(line)
                 record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
                 write_atomically(metrics, b"".join(kept + [record] * (record not in kept)))
-            for name in SOURCES if new_log else changed:  # in full, as they ran
-                with open(os.path.join(HERE, name)) as f:  # the trainer's first, unmarked
+            for name in SOURCES:  # in full, as they ran: the trainer's first, unmarked
+                with open(os.path.join(HERE, name)) as f:
                     self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n") + f.read())
             self.metrics = open(metrics, "a")
             dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
@@ -595,7 +539,7 @@ class RunLog:
                 self.log.flush()
 
     def saved(self, step: int):
-        """A checkpoint of step is on disk: said in both logs (saved_before reads metrics.jsonl)."""
+        """A checkpoint of step is on disk: said in both logs."""
         self.print(f"checkpoint saved at step {step}")
         self.record({"kind": "checkpoint", "step": step})
 

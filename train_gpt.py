@@ -94,7 +94,7 @@ from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_
                      all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
                      field_help, fmt_list, machine_memory, open_log, open_run_dir,
                      parse_fields, provenance,
-                     read_checkpoint, release_locks, rng_state, run_to_resume, save_run_checkpoint,
+                     read_checkpoint, release_locks, rng_state, save_run_checkpoint,
                      saved_fields, set_rng_state, setup_distributed)
 
 # -----------------------------------------------------------------------------
@@ -1124,10 +1124,9 @@ def load_weights(model: "GPT", ckpt: dict, path: str):
                         f"({str(e).splitlines()[-1].strip()[:120]})") from None
 
 def saved_settings(saved: dict) -> Hyperparameters:
-    """Settings saved by a run (checkpoint or config.json): every field, its type and range
-    checked. Keys that are no longer fields are dropped: the expand_* fields of older
-    versions, whose work the weights already hold, and a job's settings (Job), which older
-    versions saved with the run's. Older versions knew only GPT-2 shards: no encoding, gpt2."""
+    """A checkpoint's settings: every field, its type and range checked. Keys that are no longer
+    fields are dropped (older versions' expand_* fields and Job's); older versions knew only
+    GPT-2 shards (no encoding: gpt2)."""
     saved = {"encoding": "gpt2", **saved} if isinstance(saved, dict) else saved
     hp = Hyperparameters(**saved_fields(Hyperparameters, saved))
     check_fields(hp)
@@ -1143,18 +1142,18 @@ def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
 
 def resume_settings(given: dict) -> tuple:
     """-> (hp, checkpoint): the checkpoint's hyperparameters with the given ones on top, none
-    of them "fixed;" (Hyperparameters). A run that stopped before its first checkpoint
-    restarts from its config.json (checkpoint None)."""
+    of them "fixed;" (Hyperparameters)."""
     run_dir = given["resume"]
     if given.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
     if "preset" in given:  # it would lay a new run's settings over the resumed run's
         raise UserError("--preset starts a new run; a resume keeps its run's settings (drop it)")
-    base, ckpt = run_to_resume(run_dir, load_checkpoint, saved_settings)
+    ckpt = load_checkpoint(run_dir)
+    base = saved_settings(ckpt["hp"])
     hp = resolve(given, base)
     changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in FIXED
                if getattr(base, k) != getattr(hp, k)]
-    if ckpt is not None and changed:
+    if changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
     return hp, ckpt
 
