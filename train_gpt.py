@@ -66,20 +66,12 @@ Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
     Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.
 """
 
-import collections
-import contextlib
-import math
-import os
-import re
-import shlex
-import signal
-import sys
-import time
+import collections, contextlib, math, os, re, shlex, signal, sys, time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-import support  # noqa: E402  (no torch: quick)
+import support  # (no torch: quick)
 
 if __name__ == "__main__":
     support.exit_quietly_on_signals()
@@ -92,9 +84,8 @@ import torch.nn.functional as F  # noqa: E402
 from data.shards import find_shards, read_shard, shard_encoding, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
                      all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
-                     field_help, fmt_list, machine_memory, open_log, open_run_dir,
-                     parse_fields, provenance,
-                     read_checkpoint, release_locks, rng_state, save_run_checkpoint,
+                     field_help, fmt_list, machine_memory, open_log, open_run_dir, parse_fields,
+                     provenance, read_checkpoint, release_locks, rng_state, save_run_checkpoint,
                      saved_fields, set_rng_state, setup_distributed)
 
 # -----------------------------------------------------------------------------
@@ -294,16 +285,6 @@ class Router(nn.Module):
         super().__init__()
         self.hp = hp
 
-    def reset_parameters(self):
-        """The router's own init, after the model's N(0, init_std) init of every linear."""
-
-    def layer_params(self, layer: int) -> list:
-        return []  # its parameters that learn at block `layer`'s rate (see lr_scales)
-
-    @staticmethod
-    def n_blocks(hp: "Hyperparameters") -> int:
-        return hp.n_layers  # the blocks the model builds; n_layers is how many are applied
-
     def forward(self, blocks, x, trace: dict, mask, pos=None, cache=None):
         """The depth loop: x (B, T, d) through each block once, in order, by run(). A router that
         re-applies a block or stops tokens early overrides it, recording "block" and "mlp" and
@@ -328,35 +309,25 @@ class Router(nn.Module):
         """route: the trace stacked, (L, B, T) per key -> (regularising loss, sums for update)."""
         return route["block"].new_zeros((), dtype=torch.float32), None
 
-    def update(self, sums, count: int, step: int):
-        """After each optimiser step, from loss()'s sums over the global batch of count tokens."""
-
     def lr_scales(self, step: int) -> list:
         return [1.0] * self.n_blocks(self.hp)  # per block, a factor on its (and layer_params') rate
 
-    def log_lines(self, v: dict, step: int) -> list:
-        return []  # its lines of the validation log
-
-    def zero_targets(self):
-        return None  # per layer, the share of zero gates its controller aims at, or None (sweep.py)
-
-    def routing_state(self) -> dict:
-        return {}  # training state outside the parameters (coefficients, rates): checkpointed
-
-    def load_routing_state(self, state: dict):
-        pass
-
+    # the other hooks: what they return or do for the dense model
+    def reset_parameters(self): pass  # its own init, after the model's N(0, init_std) of every linear
+    def layer_params(self, layer: int) -> list: return []  # its parameters at block `layer`'s rate
+    def update(self, sums, count: int, step: int): pass  # after each step: loss()'s sums, count tokens
+    def log_lines(self, v: dict, step: int) -> list: return []  # its lines of the validation log
+    def zero_targets(self): return None  # per layer, the share of zero gates aimed at (sweep.py)
+    def routing_state(self) -> dict: return {}  # state outside the parameters: checkpointed
+    def load_routing_state(self, state: dict): pass
     @staticmethod
-    def check(hp: "Hyperparameters") -> str:
-        return ""  # what makes these settings wrong for this router (an error line), or ""
-
+    def n_blocks(hp) -> int: return hp.n_layers  # blocks built; n_layers is how many are applied
     @staticmethod
-    def extra_flops(hp: "Hyperparameters", T: int) -> float:
-        return 0.0  # forward FLOPs of the router itself for one sequence of T tokens
-
+    def check(hp) -> str: return ""  # what makes these settings wrong for it (an error line)
     @staticmethod
-    def skipped_tokens_are_keys(hp: "Hyperparameters") -> bool:
-        return False  # whether a token that skips a block is still attended to there
+    def extra_flops(hp, T: int) -> float: return 0.0  # its own forward FLOPs, a sequence of T
+    @staticmethod
+    def skipped_tokens_are_keys(hp) -> bool: return False  # a skipped token still a key there?
 
 class Dense(Router):
     """router=none: the dense model, all hooks at their defaults."""
