@@ -170,7 +170,7 @@ def expand(argv):
     made = support.first_missing(args.out)
     ours = [n for n in (support.CHECKPOINT, "expand.json")  # what this will write
             if not os.path.lexists(os.path.join(args.out, n))]
-    out = support.open_run_dir(args.out, "", resuming=False)  # probes it: a full disk is found
+    out = support.open_run_dir(args.out, "")  # probes it: a full disk is found
     try:
         write_run(out, hp, src, base, args, argv)
     except BaseException:  # a disk that fills during the writes: take back what this wrote

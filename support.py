@@ -452,22 +452,26 @@ def release_locks():
     while held_locks:  # the job is over (in a test, the process goes on)
         os.close(held_locks.pop())
 
-def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> str:
-    """Choose (default: a new one) and lock the run directory; resuming, its checkpoint must be
-    the one read (mtime). A run that never saved starts afresh, its files kept in aborted_<k>/."""
+def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
+    """Choose (default: a new one) and lock the run directory. Resuming (ckpt: read_checkpoint's),
+    the checkpoint must be the one read and of this folder's run; a run that never saved
+    starts afresh, its files kept in aborted_<k>/."""
     writable_dir(run_dir or "logs")  # before anything is written, folders included
     run_dir = run_dir or new_run_dir(name)
     for path in (os.path.join(run_dir, n) for n in LOGS):
         if os.path.lexists(path):  # a folder or a named pipe there is bad input
             need(path, "a file")
     lock_run_dir(run_dir)  # first: what is checked below cannot change under this job
-    path = os.path.join(run_dir, CHECKPOINT)
+    path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     if not resuming and os.path.lexists(path):
         raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose "
                         f"another directory, or continue it with train_gpt.py --resume={run_dir}")
-    if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != mtime:
+    if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
         raise UserError(f"{path} changed while this job started (another job was using the "
                         f"run); resume again")
+    if resuming and logged_run_id(run_dir) not in (None, ckpt["run_id"]):  # its logs would be cut
+        raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
+                        f"says {logged_run_id(run_dir)}); resume the run it came from")
     for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
@@ -484,6 +488,13 @@ def open_run_dir(run_dir: str, name: str, resuming: bool, mtime: int = None) -> 
             raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
         print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
     return run_dir
+
+def logged_run_id(run_dir: str):
+    """The run_id that RUN_DIR/config.json records, or None (no such file, or unreadable)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if os.path.isfile(path := os.path.join(run_dir, "config.json")):  # (a pipe would hang)
+            with open(path) as f:
+                return json.load(f).get("run_id")
 
 def fmt_list(xs) -> str:
     """Per-layer figures in a log line: [0.123 0.456 ...]."""

@@ -1927,10 +1927,17 @@ def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(tmp_pat
                               f"{tmp_path / 'checkpoint.pt'} (step 2)\n")
 
 
-def test_a_checkpoint_of_another_shape_or_damaged_is_refused(tmp_path, capsys):
-    a = tmp_path / "a"
-    code, _, err = run_main(RESUME_RUN + [f"--run_dir={a}", "--stop_step=2"], capsys)
-    assert code == 0, err
+def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, capsys):
+    for name in ("a", "b"):
+        code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / name}", "--stop_step=2"],
+                                capsys)
+        assert code == 0, err
+    a, b = tmp_path / "a", tmp_path / "b"
+    metrics = (b / "metrics.jsonl").read_bytes()
+    (b / "checkpoint.pt").write_bytes((a / "checkpoint.pt").read_bytes())
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert code == 2 and out == "" and "belongs to another run" in err and err.count("\n") == 1
+    assert (b / "metrics.jsonl").read_bytes() == metrics
     state = torch.load(a / "checkpoint.pt", weights_only=True)
     for change, message in [(lambda s: s["hp"].update(dim=64), "weights do not fit"),
                             (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),

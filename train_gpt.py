@@ -1056,7 +1056,7 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 class RunState:
     """What a run carries from step to step and from job to job; all of it is checkpointed.
     A checkpoint's values are checked against each line's interval, like the settings'."""
-    run_id: str = ""      # ties checkpoints to the config.json of their run
+    run_id: str = ""      # names the run in config.json and its checkpoints
     step: int = 0         # [0, inf) optimiser steps done: the lr schedule is a function of it
     tokens: int = 0       # [0, inf) training tokens seen
     train_ms: float = 0.0  # [0, inf) wall time of the timed steps of every job (see Warmup)
@@ -1248,8 +1248,7 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
         print(f"the run is complete at step {start}")
         return job.run_dir
     d.barrier()  # every rank has checked before rank 0 creates anything
-    run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt is not None,
-                                                ckpt["mtime"] if ckpt else None))
+    run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
