@@ -431,12 +431,14 @@ def new_run_dir(name: str) -> str:
 
 held_locks = []  # this process's run directories, open: closing one (or exiting) releases it
 
-def lock_run_dir(run_dir: str):
-    """An exclusive flock on the folder RUN_DIR itself (no file is written for it); the kernel
-    drops it however the process ends (local file systems; some network ones ignore flock)."""
+def lock_run_dir(run_dir: str, make: bool = True):
+    """An exclusive flock on the folder RUN_DIR itself (no file is written for it), made first
+    if make; the kernel drops it however the process ends (local file systems; some network
+    ones ignore flock)."""
     import fcntl
     try:
-        os.makedirs(run_dir, exist_ok=True)
+        if make:
+            os.makedirs(run_dir, exist_ok=True)
         folder = os.open(run_dir, os.O_RDONLY)
     except OSError as e:
         refuse(e, run_dir, "use run_dir")
@@ -461,8 +463,8 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     for path in (os.path.join(run_dir, n) for n in LOGS):
         if os.path.lexists(path):  # a folder or a named pipe there is bad input
             need(path, "a file")
-    lock_run_dir(run_dir)  # first: what is checked below cannot change under this job
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
+    lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
     if not resuming and os.path.lexists(path):
         raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose "
                         f"another directory, or continue it with train_gpt.py --resume={run_dir}")

@@ -1752,6 +1752,10 @@ def test_a_run_directory_is_held_by_one_job(tmp_path):
         support.release_locks()
     support.lock_run_dir(str(tmp_path))  # released: free again
     support.release_locks()
+    gone = tmp_path / "moved_away"  # a resumed run's folder moved between its read and its lock
+    with pytest.raises(tg.UserError, match="No such file"):
+        support.open_run_dir(str(gone), "", {"mtime": 0, "run_id": "ab"})
+    assert not gone.exists()  # not made again, empty
 
 
 def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, capsys):
