@@ -4,7 +4,7 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
-    python sweep.py --grid=bytes --seeds=3          # byte-level study, 2 CPU cores, ~90 min
+    python sweep.py --grid=bytes --seeds=3          # byte-level study, 2 CPU cores, ~2 h
                                                     # (python data/debian_docs.py first)
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
