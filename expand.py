@@ -8,11 +8,12 @@ like any run it resumes.
 
 The new run's settings are the checkpoint's, then any --field=value of train_gpt.py given here
 (the router, dlo_rho, lr, train_tokens, ...); n_layers is derived, P (R / P + q), and the other
-shape fields are the checkpoint's. Its optimiser state, step, clock and data position start
-afresh: our analogue of the paper's fine-tuning stage. A dense checkpoint may become any router
-whose parameters do not depend on the layer count (dense or DLO; new DLO routers start at zero,
-the model's own initialisation); a DLO checkpoint stays DLO, its routers moving with their
-layers. Policies for the new layers: identity (wo = w2 = 0, the function is unchanged), copy,
+shape fields are the checkpoint's. Its optimiser state, step and clock start afresh: our
+analogue of the paper's fine-tuning stage. With the checkpoint's train_files it reads on from
+the checkpoint's data position (tokens the source has not seen), else from the start. A dense
+checkpoint may become any router whose parameters do not depend on the layer count (dense or
+DLO; new DLO routers start at zero, the model's own initialisation); a DLO checkpoint stays
+DLO, its routers moving with their layers. Policies for the new layers: identity (wo = w2 = 0, the function is unchanged), copy,
 random (Xavier uniform), linear (the mean of the group's last tau layers, equal weights 1/tau)
 and slerp (halfway, per tensor, between the last layer and the tau-th from last): the weights
 of the merges are our choice, where Section 3.1 leaves them open.
@@ -144,7 +145,6 @@ def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int,
         raise support.UserError(f"router={hp.router} is tied to the layer count; expand into "
                                 f"a dense or DLO model")
     tg.validate(hp, world=1)
-    tg.loaders(hp, support.Dist())  # the data it will train on: resuming would refuse it later
     return hp
 
 
@@ -167,12 +167,14 @@ def expand(argv):
         raise support.UserError(f"{e} (or this command's own: --groups, --per_group, --init, "
                                 f"--tau)") from None
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
+    position = src["loader"] if hp.train_files == base.train_files else {"shard": 0, "pos": 0}
+    tg.loaders(hp, support.Dist(), {"loader": position})  # checked now: resuming would refuse it
     made = support.first_missing(args.out)
     ours = [n for n in (support.CHECKPOINT, "expand.json")  # what this will write
             if not os.path.lexists(os.path.join(args.out, n))]
     out = support.open_run_dir(args.out, "")  # probes it: a full disk is found
     try:
-        write_run(out, hp, src, base, args, argv)
+        write_run(out, hp, src, base, args, argv, position)
     except BaseException:  # a disk that fills during the writes: take back what this wrote
         support.release_locks()
         for n in ours:
@@ -186,8 +188,10 @@ def expand(argv):
           f"  python train_gpt.py --resume={out}")
 
 
-def write_run(out: str, hp: tg.Hyperparameters, src: dict, base: tg.Hyperparameters, args, argv):
-    """NEW_RUN_DIR's checkpoint (step 0 of the expanded model), expand.json and train.log."""
+def write_run(out: str, hp: tg.Hyperparameters, src: dict, base: tg.Hyperparameters, args, argv,
+              position: dict):
+    """NEW_RUN_DIR's checkpoint (step 0 of the expanded model, reading on from the data
+    position), expand.json and train.log."""
     torch.manual_seed(hp.seed)
     model = tg.GPT(hp)
     state = expand_state(src["model"], base.n_layers, args.groups, args.per_group, args.init,
@@ -197,8 +201,8 @@ def write_run(out: str, hp: tg.Hyperparameters, src: dict, base: tg.Hyperparamet
     assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
     run = tg.RunState(run_id=os.urandom(8).hex())
     support.save_checkpoint(out, tg.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp),
-                                                     {"shard": 0, "pos": 0}))
-    record = {"expanded_from": args.run_dir,
+                                                     position))
+    record = {"expanded_from": args.run_dir, "data_position": position,
               "source_step": src["step"], "groups": args.groups, "per_group": args.per_group,
               "init": args.init, "tau": args.tau, "hp": asdict(hp), **support.provenance(),
               "command": " ".join(["python expand.py", *map(shlex.quote, argv)])}

@@ -2361,7 +2361,9 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     code, out, err = expand_cli(tmp_path / "dense", tmp_path / "dlo", "--per_group=2", "--router=dlo",
                                 "--dlo_rho=0.5", "--dlo_anneal_steps=10", "--train_tokens=7680")
     assert code == 0 and f"--resume={tmp_path / 'dlo'}" in out, err
-    assert tg.load_checkpoint(str(tmp_path / "dlo"))["step"] == 0
+    expanded = tg.load_checkpoint(str(tmp_path / "dlo"))
+    assert expanded["step"] == 0  # it reads on where the source stopped: the tokens it has not seen
+    assert expanded["loader"] == tg.load_checkpoint(str(tmp_path / "dense"))["loader"] != {"shard": 0, "pos": 0}
     code, _, err = run_main([f"--resume={tmp_path / 'dlo'}"], capsys)
     assert code == 0, err
     dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
