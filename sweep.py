@@ -217,7 +217,7 @@ def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
             if state != "fresh":
-                check_settings(run_dir, args + ([] if expansion else grid["base"] + [f"--seed={seed}"]))
+                check_settings(run_dir, args if expansion else grid["base"] + args + [f"--seed={seed}"])
             if state == "fresh" and expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
                 launch([source, run_dir, *how, *args], 1, "expand.py", label=run_dir)

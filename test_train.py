@@ -2446,7 +2446,8 @@ TINY_GRID = ["--preset=smoke", "--dim=32", "--n_heads=4", "--n_kv_heads=2", "--m
 
 def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypatch, capsys):
     sweep = load_command("sweep.py")
-    gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5")
+    # (its val_tokens overrides the base's, as dlo_source's train_tokens does in the real grids)
+    gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5", "--val_tokens=256")
     grid = dict(base=TINY_GRID, n_layers=4,
                 runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2, 2), sweep.mor(4)])
     monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
