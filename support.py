@@ -471,9 +471,10 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
         raise UserError(f"{path} changed while this job started (another job was using the "
                         f"run); resume again")
-    if resuming and logged_run_id(run_dir) not in (None, ckpt["run_id"]):  # its logs would be cut
+    logged = logged_run_id(run_dir) if resuming else None
+    if logged is not None and logged != ckpt["run_id"]:  # another run's: its logs would be cut
         raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
-                        f"says {logged_run_id(run_dir)}); resume the run it came from")
+                        f"says {logged}); resume the run it came from")
     for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
