@@ -69,6 +69,13 @@ def dlo(rho, source, groups, anneal, tokens=None):
             ["{runs}/" + source + "_s{seed}", f"--groups={groups}", "--per_group=1", "--init=identity"])
 
 
+def dlo_control(source, groups, tokens):
+    """DLO's control: the same expansion of the same source, trained through the same two phases
+    (fresh optimiser and warm-up) as a dense model that skips nothing."""
+    name, _, expansion = dlo(0, source, groups, 0, tokens)
+    return ("dlo_control", ["--router=none", f"--train_tokens={tokens}"], expansion)
+
+
 def mod(capacity, L):
     return (f"mod_c{capacity}", ["--router=mod", f"--n_layers={L}", f"--mod_capacity={capacity}"])
 
@@ -96,9 +103,15 @@ def figure2_runs(L, dlo_anneal_steps, tokens):
              gated("gated_zeroinit_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_init=zero")] +
             [(f"dlo_source_{L // 2}", ["--router=none", f"--n_layers={L // 2}", f"--train_tokens={half}"])] +
             [dlo(rho, f"dlo_source_{L // 2}", L // 2, dlo_anneal_steps, half) for rho in (0.25, 0.5)] +
+            [dlo_control(f"dlo_source_{L // 2}", L // 2, half)] +
             [mod(0.125, L), mor(L), mor(L, routed=False)])
 
 
+BYTES_BASE = ["--train_files=data/debian_docs/docs_train_*.bin",
+              "--val_files=data/debian_docs/docs_val_*.bin", "--encoding=bytes", "--vocab_size=256",
+              "--dim=64", "--n_heads=4", "--n_kv_heads=4", "--max_seq_len=256", "--seq_len=256",
+              "--batch_size=8", "--device_batch_size=8", "--val_every=0", "--val_tokens=262144",
+              "--save_every=200", "--lr=3e-3", "--compile=false"]
 GRIDS = {
     # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
     # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
@@ -121,15 +134,16 @@ GRIDS = {
                 n_layers=4, runs=figure2_runs(4, 40, 61440)),
     # The byte-level study (README: Results): blocks, not the 256-row head, are the compute.
     # 6 layers of width 64 on data/debian_docs.py's corpus, 1,200 steps of 8 x 256 bytes (600,
-    # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained).
-    "bytes": dict(base=["--train_files=data/debian_docs/docs_train_*.bin",
-                        "--val_files=data/debian_docs/docs_val_*.bin", "--encoding=bytes",
-                        "--vocab_size=256", "--dim=64", "--n_heads=4", "--n_kv_heads=4",
-                        "--max_seq_len=256", "--seq_len=256", "--batch_size=8",
-                        "--device_batch_size=8", "--train_tokens=2457600", "--val_every=0",
-                        "--val_tokens=131072", "--save_every=200", "--lr=3e-3", "--compile=false"],
-                  n_layers=6, runs=figure2_runs(6, 100, 2457600)),
+    # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained); the
+    # validation: 512 held-out excerpts of 512 characters, one per page.
+    "bytes": dict(base=BYTES_BASE + ["--train_tokens=2457600"], n_layers=6,
+                  runs=figure2_runs(6, 100, 2457600)),
 }
+# bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
+# dense control, MoD), so that five seeds fit about two hours on 2 cores.
+GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs"] if r[0] in (
+    "dense_2", "dense_4", "dense_6", "gated_mu0.5", "dlo_source_3", "dlo_rho0.5", "dlo_control",
+    "mod_c0.125")])
 
 
 # ---------------------------------------------------------------------------- running

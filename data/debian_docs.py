@@ -19,6 +19,7 @@ import hashlib
 import html.parser
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -36,9 +37,12 @@ PACKAGES = {  # name=version: the .deb's sha256 (Debian 12, bookworm)
     "git-doc=1:2.39.5-0+deb12u3": "3c89668a11053a6bafade3de1f611f4613db31e082af63f43d8c5b69ad8795ec",
 }
 SHA256 = {  # the shards these packages give (Python 3.11.7's html.parser)
-    "docs_val_000000.bin": "c17aec3c9c227f76946f4f24c320fc868b80946ef485a1778e537bf33a1e7a57",
-    "docs_train_000001.bin": "2227ae0f95e028be057776c33a03e95795e7e9cb00b33f74f3426b487cfaf5f6",
+    "docs_val_000000.bin": "513736de7c97d955f253ad000e289e578af3e7da7996cd3f57fae5dbdbd4fb7a",
+    "docs_train_000001.bin": "2e371505931882f1272528f75d4929c1540398b998526ffb6c573672357422ff",
 }
+SHUFFLE_SEED = 0  # random.Random(SHUFFLE_SEED): the pages' order, then the excerpts' starts
+VAL_EVERY = 2     # pages 0, 2, 4, ... of the shuffled order are held out for validation,
+EXCERPT = 512     # each as one excerpt of at most EXCERPT characters at a random start
 BLOCKS = {"p", "div", "br", "li", "tr", "pre", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6",
           "table", "blockquote", "section"}
 
@@ -107,13 +111,17 @@ def build(out: str, workers: int) -> list:
                 if real.startswith(tree + os.sep) and os.path.isfile(real):
                     found.setdefault(real, path)
             pages += sorted(found)
+        rng = random.Random(SHUFFLE_SEED)
+        rng.shuffle(pages)  # so that any prefix of either split samples every package
         docs = os.path.join(work, "pages.jsonl")
         with open(docs, "w", encoding="utf-8") as f:
-            for path in pages:
-                text = page_text(path)
-                if text:
-                    f.write(json.dumps({"text": text}) + "\n")
-        return tokenize_corpus.tokenize([docs], out, "docs", 100_000_000, workers, "bytes", val_every=10)
+            for i, text in enumerate(filter(None, map(page_text, pages))):
+                if i % VAL_EVERY == 0:  # tokenize's validation documents: an excerpt of each
+                    start = rng.randrange(max(1, len(text) - EXCERPT + 1))
+                    text = text[start:start + EXCERPT]
+                f.write(json.dumps({"text": text}) + "\n")
+        return tokenize_corpus.tokenize([docs], out, "docs", 100_000_000, workers, "bytes",
+                                        val_every=VAL_EVERY)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         remove_made(out, made)
