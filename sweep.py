@@ -30,10 +30,12 @@ dense run of the same grid and seed, listed before it, then trained with --resum
 """
 
 import csv
+import hashlib
 import io
 import json
 import math
 import os
+import shlex
 import statistics
 import signal
 import subprocess
@@ -48,8 +50,11 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import torch.nn.functional as F  # noqa: E402
+
 import train_gpt as tg  # noqa: E402
-from data.shards import find_shards, read_shard  # noqa: E402
+from data import debian_docs, tokenize_corpus  # noqa: E402
+from data.shards import EOT, encoding, find_shards, read_shard  # noqa: E402
 
 # ---------------------------------------------------------------------------- grids
 
@@ -69,11 +74,11 @@ def dlo(rho, source, groups, anneal, tokens=None):
             ["{runs}/" + source + "_s{seed}", f"--groups={groups}", "--per_group=1", "--init=identity"])
 
 
-def dlo_control(source, groups, tokens):
+def dlo_control(source, groups, tokens=None):
     """DLO's control: the same expansion of the same source, trained through the same two phases
-    (fresh optimiser and warm-up) as a dense model that skips nothing."""
-    name, _, expansion = dlo(0, source, groups, 0, tokens)
-    return ("dlo_control", ["--router=none", f"--train_tokens={tokens}"], expansion)
+    (a fresh optimiser and warm-up) as a dense model that skips nothing."""
+    name, args, expansion = dlo(0, source, groups, 0, tokens)
+    return ("dlo_control", ["--router=none"] + args[3:], expansion)
 
 
 def mod(capacity, L):
@@ -137,6 +142,7 @@ GRIDS = {
     # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained); the
     # validation: 512 held-out excerpts of 512 characters, one per page.
     "bytes": dict(base=BYTES_BASE + ["--train_tokens=2457600"], n_layers=6,
+                  corpus_sha256=tokenize_corpus.corpus_sha256(debian_docs.SHA256),
                   runs=figure2_runs(6, 100, 2457600)),
 }
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
@@ -223,7 +229,8 @@ def check_settings(run_dir: str, args: list):
 
 
 def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
-    """Train every (configuration, seed) not finished yet. -> [(name, seed, run_dir)]."""
+    """Train every (configuration, seed) not finished yet. -> [(name, seed, run_dir, the
+    commands that train it alone)]."""
     done = []
     for seed in range(seeds):
         for name, overrides, *expansion in grid["runs"]:
@@ -232,15 +239,17 @@ def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
             if state != "fresh":
                 check_settings(run_dir, args if expansion else grid["base"] + args + [f"--seed={seed}"])
-            if state == "fresh" and expansion:  # a step-0 checkpoint, then trained as a resume
+            resume = ("train_gpt.py", [f"--resume={run_dir}"])
+            if expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
-                launch([source, run_dir, *how, *args], 1, "expand.py", label=run_dir)
-            elif state == "fresh":
-                launch(grid["base"] + args + [f"--seed={seed}", f"--run_dir={run_dir}"], nproc)
-            if state == "resume" or state == "fresh" and expansion:
-                launch([f"--resume={run_dir}"], nproc)
+                plan = [("expand.py", [source, run_dir, *how, *args]), resume]
+            else:
+                plan = [("train_gpt.py", grid["base"] + args + [f"--seed={seed}", f"--run_dir={run_dir}"])]
+            for script, argv in {"fresh": plan, "resume": [resume], "done": []}[state]:
+                launch(argv, 1 if script == "expand.py" else nproc, script, label=run_dir)
             print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
-            done.append((name, seed, run_dir))
+            command = " && ".join(f"python {script} {shlex.join(argv)}" for script, argv in plan)
+            done.append((name, seed, run_dir, command))
     return done
 
 
@@ -265,12 +274,44 @@ def eval_ms_per_token(model, idx, repeats: int = 3) -> float:
     return 1000 * statistics.median(times) / idx.numel()
 
 
+@torch.no_grad()
+def per_document(model, device: str) -> dict:
+    """The run's validation again, token by token (its first val_tokens, eval routing): the mean
+    cross-entropy, its standard error over documents and their count. A document runs from one
+    separator token to the next; documents, not tokens, are the sampled units, so the mean is a
+    ratio of per-document sums and its standard error the cluster (delta-method) one."""
+    hp = model.hp
+    loader = tg.DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len, 0, 1, hp.vocab_size)
+    sep = EOT if hp.encoding == "gpt2" else encoding(hp.encoding).eot_token
+    losses, starts = [], []
+    for _ in range(hp.val_tokens // (hp.device_batch_size * hp.seq_len)):
+        x, y = (t.to(device) for t in loader.next_batch())
+        logits = model(x).logits.flatten(0, 1).float()
+        losses.append(F.cross_entropy(logits, y.flatten(), reduction="none").double().cpu())
+        starts.append(y.flatten().cpu() == sep)
+    doc = torch.cat(starts).long().cumsum(0)  # (tokens,) the document of each target
+    counts = torch.bincount(doc).double()
+    sums = torch.zeros_like(counts).index_add_(0, doc, torch.cat(losses))[counts > 0]
+    counts = counts[counts > 0]
+    mean, n = (sums.sum() / counts.sum()).item(), len(counts)
+    se = (math.sqrt(n / (n - 1) * ((sums - mean * counts) ** 2).sum().item()) / counts.sum().item()
+          if n > 1 else None)
+    return dict(val_loss_tokenwise=mean, val_se=se, val_docs=n)
+
+
+def corpus_sha256(hp) -> str:
+    return tokenize_corpus.corpus_sha256({os.path.basename(p): tokenize_corpus.sha256_of(p) for p in
+                                          find_shards(hp.train_files) + find_shards(hp.val_files)})
+
+
 def measure(run_dir: str, device: str) -> dict:
-    """The run's final validation record, the sparsity each block reached against its
-    target, and evaluation time per token on its final weights (masked, and compacted where
-    blocks are gated), measured here."""
+    """One row of runs.csv: the run's final validation record, its settings and commit, the
+    sparsity each block reached against its target, its validation per document, and evaluation
+    time per token on its final weights (masked, and compacted where blocks are gated)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         val = [m for m in map(json.loads, f) if m["kind"] == "val"][-1]
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = json.load(f)
     model = tg.load_model(run_dir, device).eval()
     hp = model.hp
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
@@ -279,18 +320,69 @@ def measure(run_dir: str, device: str) -> dict:
         tg.compile_model(m)  # the same way on both paths measured
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
-    row = dict(router=hp.router, n_layers=hp.n_layers, val_loss=val["val_loss"],
+    row = dict(val_loss=val["val_loss"], **per_document(model, device), encoding=hp.encoding,
+               sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
+               steps=val["step"], tokens=val["step"] * hp.batch_size * hp.seq_len,
+               commit=config["git_commit"] + ("+dirty" if config["git_dirty"] else ""),
+               corpus_sha256=corpus_sha256(hp), router=hp.router, n_layers=hp.n_layers,
                params=sum(p.numel() for n, p in model.named_parameters()  # unique, outside
                           if not n.startswith(("embed.", "head."))),  # the embedding and head
-               sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
                ms_per_token_masked=eval_ms_per_token(model, idx))
     row["ms_per_token_compact"] = (eval_ms_per_token(compact, idx) if can_compact
                                    else row["ms_per_token_masked"])
     targets = model.router.zero_targets()
-    if targets:  # gates with a controller: their zero share against its target
-        row["gate_zero"] = [1 - a for a in val["block_active"]]
-        row["target_zero"] = targets
+    row["gate_zero"] = " ".join(f"{1 - a:.4f}" for a in val["block_active"]) if targets else ""
+    row["target_zero"] = " ".join("none" if z is None else f"{z:.4f}" for z in targets or ())
     return row
+
+
+# ---------------------------------------------------------------------------- statistics
+
+def t_tail(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with df degrees of freedom. With x = sqrt(df) tan(u) the
+    density becomes c cos(u)^(df - 1), c = Gamma((df + 1) / 2) / (sqrt(pi) Gamma(df / 2)), on
+    [0, pi / 2): Simpson's rule over [0, atan(|t| / sqrt(df))] on 2,000 panels."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    end, n = math.atan(abs(t) / math.sqrt(df)), 2000
+    simpson = sum((1 if i in (0, n) else 4 if i % 2 else 2) * math.cos(i * end / n) ** (df - 1)
+                  for i in range(n + 1)) * end / (3 * n)
+    return min(1.0, max(0.0, 1 - 2 * c * simpson))
+
+
+def t_critical(tail: float, df: int) -> float:
+    """The t with t_tail(t, df) = tail (bisection): 95% intervals use tail 0.05."""
+    lo, hi = 0.0, 1e4
+    for _ in range(60):
+        lo, hi = ((lo + hi) / 2, hi) if t_tail((lo + hi) / 2, df) > tail else (lo, (lo + hi) / 2)
+    return (lo + hi) / 2
+
+
+def paired(deltas: list) -> dict:
+    """Per-seed differences -> mean, their SD, the t-based 95% interval (df = n - 1) and the
+    two-sided p-value of mean 0; with one seed only the mean."""
+    n, mean = len(deltas), statistics.mean(deltas)
+    if n < 2:
+        return dict(n=n, mean=mean, sd=None, lo=None, hi=None, p=None)
+    sd = statistics.stdev(deltas)
+    half = t_critical(0.05, n - 1) * sd / math.sqrt(n)
+    p = t_tail(mean / (sd / math.sqrt(n)), n - 1) if sd > 0 else float(mean == 0)
+    return dict(n=n, mean=mean, sd=sd, lo=mean - half, hi=mean + half, p=p)
+
+
+def holm(ps: list) -> list:
+    """Holm's step-down adjustment of p-values (None stays None), for the tests of one grid."""
+    order = sorted((p, i) for i, p in enumerate(ps) if p is not None)
+    out, running = [None] * len(ps), 0.0
+    for k, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (len(order) - k) * p))
+        out[i] = running
+    return out
+
+
+def detectable(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
+    """The smallest true mean difference a paired t-test at level alpha finds with the given power
+    (normal-shift approximation): (t_{1-alpha/2} + t_{power}) sd / sqrt(n), df = n - 1."""
+    return (t_critical(alpha, n - 1) + t_critical(2 * (1 - power), n - 1)) * sd / math.sqrt(n)
 
 
 # ---------------------------------------------------------------------------- the verdict
@@ -299,152 +391,214 @@ SLACK = 0.01  # a run up to 1% beyond the end dense point (a gated model with fe
               # gates costs its gate linears more than the dense model) takes that point's value
 
 
-def frontier(points: list):
-    """points: (flops, value) of the dense runs -> f(flops): value linear in log FLOPs between
-    neighbouring points, the end point's value within SLACK beyond it, else None (no
-    extrapolation)."""
-    pts = sorted((math.log(f), v) for f, v in points)
+def frontier(points: list, envelope: bool = True):
+    """points: (flops, value) of one seed's dense runs -> f(flops): their lower envelope (a dense
+    point no better than a cheaper one is dropped; beyond the best point the best value holds;
+    envelope=False: every point), linear in log FLOPs between the points kept, from the cheapest dense point to the costliest,
+    SLACK beyond either end; else None (no extrapolation)."""
+    pts, kept = sorted((math.log(f), v) for f, v in points), []
+    for x, v in pts:
+        if not kept or v < kept[-1][1] or not envelope:
+            kept.append((x, v))
+    if pts and kept[-1][0] < pts[-1][0]:
+        kept.append((pts[-1][0], kept[-1][1]))
 
     def at(flops):
         x = math.log(flops)
-        if pts and pts[0][0] - SLACK <= x <= pts[0][0]:
-            return pts[0][1]
-        if pts and pts[-1][0] <= x <= pts[-1][0] + SLACK:
-            return pts[-1][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if not pts or not pts[0][0] - SLACK <= x <= pts[-1][0] + SLACK:
+            return None
+        if x <= kept[0][0] or x >= kept[-1][0]:
+            return kept[0][1] if x <= kept[0][0] else kept[-1][1]
+        for (x0, y0), (x1, y1) in zip(kept, kept[1:]):
             if x0 <= x <= x1:
                 return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-        return None
     return at
 
 
+def control_of(name: str):
+    """The run a configuration is also compared with, seed by seed: DLO its dense expansion
+    (dlo_control), MoR its recursive baseline; None for the others."""
+    return ("dlo_control" if name.startswith("dlo_rho") else
+            "recursive_" + name[4:] if name.startswith("mor_") else None)
+
+
 def summarise(rows: list) -> list:
-    """rows: measured runs (name, seed, ...) -> one line per configuration: mean values, the
-    cross-entropy minus the dense frontier (mean, std over seeds) and whether it is real."""
+    """rows: runs.csv's rows -> one line per comparison: each non-dense configuration against
+    the dense frontier of its own seed, and DLO and MoR against their controls; paired over
+    the seeds, Holm-corrected across all the comparisons of the grid."""
     seeds = sorted({r["seed"] for r in rows})
-    fronts, time_fronts = {}, {}
-    for s in seeds:
-        dense_rows = [r for r in rows if r["seed"] == s and r["name"].startswith("dense_")]
-        fronts[s] = frontier([(r["flops_per_token"], r["val_loss"]) for r in dense_rows])
-        time_fronts[s] = frontier([(r["flops_per_token"], r["ms_per_token_masked"])
-                                   for r in dense_rows])
-    out = []
+    fronts = {s: frontier([(r["flops_per_token"], r["val_loss"]) for r in rows
+                           if r["seed"] == s and r["name"].startswith("dense_")]) for s in seeds}
+    time_fronts = {s: frontier([(r["flops_per_token"], r["ms_per_token_masked"]) for r in rows
+                                if r["seed"] == s and r["name"].startswith("dense_")], False)
+                   for s in seeds}
+    run = {(r["name"], r["seed"]): r for r in rows}
+    lines = []
     for name in dict.fromkeys(r["name"] for r in rows):
         mine = [r for r in rows if r["name"] == name]
-        deltas = [r["val_loss"] - f for r in mine
-                  if (f := fronts[r["seed"]](r["flops_per_token"])) is not None]
-        dense_ms = [t for r in mine if (t := time_fronts[r["seed"]](r["flops_per_token"]))]
-        line = {"name": name, "seeds": len(mine)}
-        for key in ("val_loss", "sparsity", "flops_per_token", "params", "ms_per_token_masked",
-                    "ms_per_token_compact"):
-            line[key] = statistics.mean(r[key] for r in mine)
-        line["val_loss_std"] = statistics.stdev(r["val_loss"] for r in mine) if len(mine) > 1 else None
-        line["dense_ms_at_equal_flops"] = statistics.mean(dense_ms) if dense_ms else None
-        if name.startswith("dense_") or not deltas:
-            line.update(delta=None, delta_std=None, verdict="frontier" if
-                        name.startswith("dense_") else "outside the dense FLOPs range")
-        else:
-            mean = statistics.mean(deltas)
-            std = statistics.stdev(deltas) if len(deltas) > 1 else None
-            real = std is not None and abs(mean) > 2 * std
-            line.update(delta=mean, delta_std=std, verdict=(
-                ("better than dense" if mean < 0 else "worse than dense") if real else
-                "no difference beyond 2 std" if std is not None else
-                ("below" if mean < 0 else "above") + " the frontier (one seed: no spread)"))
-        out.append(line)
-    return out
+        base = {k: statistics.mean(r[k] for r in mine) for k in (
+            "val_loss", "sparsity", "flops_per_token", "params", "ms_per_token_masked",
+            "ms_per_token_compact")}
+        base["val_loss_sd"] = statistics.stdev(r["val_loss"] for r in mine) if len(mine) > 1 else None
+        base["val_se"] = max((r["val_se"] for r in mine if r["val_se"] is not None), default=None)
+        ms = [t for r in mine if (t := time_fronts[r["seed"]](r["flops_per_token"]))]
+        base["dense_ms_at_equal_flops"] = statistics.mean(ms) if ms else None
+        if name.startswith("dense_"):
+            lines.append(dict(base, name=name, vs="", seeds=len(mine), verdict="frontier"))
+            continue
+        for vs in ("dense frontier", control_of(name)):
+            if vs is None or vs != "dense frontier" and not any(r["name"] == vs for r in rows):
+                continue
+            other = [fronts[r["seed"]](r["flops_per_token"]) if vs == "dense frontier" else
+                     run[(vs, r["seed"])]["val_loss"] if (vs, r["seed"]) in run else None for r in mine]
+            deltas = [r["val_loss"] - o for r, o in zip(mine, other) if o is not None]
+            line = dict(base, name=name, vs=vs, seeds=len(deltas))
+            line.update(paired(deltas) if len(deltas) == len(mine) else
+                        dict(n=0, mean=None, sd=None, lo=None, hi=None, p=None))
+            lines.append(line)
+    adjusted = holm([ln.get("p") for ln in lines])
+    tests = sum(p is not None for p in adjusted)
+    for ln, p in zip(lines, adjusted):
+        if ln["vs"]:
+            ln["p_holm"] = p
+            ln["detectable"] = detectable(ln["sd"], ln["n"], 0.05 / tests) if p is not None else None
+            ln["verdict"] = verdict(ln)
+    return lines
+
+
+def verdict(ln: dict) -> str:
+    """Item 2's words: better / worse only where the Holm-corrected p < 0.05."""
+    if ln["mean"] is None:
+        return "outside the dense FLOPs range" if ln["vs"] == "dense frontier" else "no control run"
+    if ln["p_holm"] is None:
+        return f"{'below' if ln['mean'] < 0 else 'above'} (one seed: no test)"
+    than = "dense" if ln["vs"] == "dense frontier" else ln["vs"]
+    if ln["p_holm"] < 0.05:
+        return f"{'better' if ln['mean'] < 0 else 'worse'} than {than}"
+    return f"no detectable difference (95% CI [{ln['lo']:+.3f}, {ln['hi']:+.3f}])"
 
 
 def verdict_text(lines: list) -> str:
-    others = [ln for ln in lines if ln["delta"] is not None]
-    better = [ln["name"] for ln in others if ln["verdict"] == "better than dense"]
-    below = [ln["name"] for ln in others if ln["delta"] < 0]
-    text = (f"{len(others)} non-dense configurations lie within the dense FLOPs range; "
-            f"{len(below)} of them below the dense frontier"
-            + (f" ({', '.join(below)})" if below else "") + "; ")
-    if better:
-        return text + f"significantly better than dense (beyond 2 std): {', '.join(better)}."
-    return text + ("none significantly better than dense (the paper's finding at its scale)."
-                   if any(ln["delta_std"] is not None for ln in others) else
-                   "with one seed no difference can be called real (use --seeds=3).")
+    tested = [ln for ln in lines if ln["vs"] and ln.get("p_holm") is not None]
+    if not tested:
+        return ("with one seed no difference can be tested (use --seeds=5)" if
+                any(ln["vs"] for ln in lines) else "no comparison") + "."
+    said = [f"{ln['name']} {ln['verdict']} ({ln['mean']:+.3f}, 95% CI [{ln['lo']:+.3f}, "
+            f"{ln['hi']:+.3f}], Holm p = {ln['p_holm']:.3g})" for ln in tested
+            if not ln["verdict"].startswith("no detectable")]
+    return (f"{len(tested)} paired comparisons over {max(ln['n'] for ln in tested)} seeds, "
+            f"Holm-corrected: " + ("; ".join(said) if said else "no detectable difference in any")
+            + ".")
 
 
 # ---------------------------------------------------------------------------- the record
+
+RUN_KEYS = ("name", "seed", "val_loss", "val_se", "val_docs", "val_loss_tokenwise", "encoding",
+            "flops_per_token", "sparsity", "steps", "tokens", "commit", "corpus_sha256", "router",
+            "n_layers", "params", "ms_per_token_masked", "ms_per_token_compact", "gate_zero",
+            "target_zero", "command")
+
+
+def read_runs(path: str) -> list:
+    """runs.csv -> its rows, numbers as numbers (an empty field: None)."""
+    with open(support.need(path, "a file"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or set(RUN_KEYS) - set(rows[0]):
+        raise support.UserError(f"{path}: not a runs.csv of sweep.py (columns: {', '.join(RUN_KEYS)})")
+    for r in rows:
+        for k, v in r.items():
+            if k in ("seed", "val_docs", "steps", "tokens", "n_layers", "params"):
+                r[k] = int(v)
+            elif k not in ("name", "encoding", "commit", "corpus_sha256", "router", "gate_zero",
+                           "target_zero", "command"):
+                r[k] = float(v) if v else None
+    return rows
+
 
 def fmt(v, spec=".4f"):
     return "" if v is None else format(v, spec)
 
 
-def write_record(out: str, lines: list, rows: list, command: str, grid_name: str):
-    keys = ["name", "seeds", "val_loss", "val_loss_std", "delta", "delta_std", "verdict", "sparsity",
-            "flops_per_token", "params", "ms_per_token_masked", "ms_per_token_compact",
-            "dense_ms_at_equal_flops"]
-    csv_text = io.StringIO(newline="")
-    w = csv.DictWriter(csv_text, keys)
+def write_runs(out: str, rows: list):
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, RUN_KEYS, lineterminator="\n")
     w.writeheader()
-    w.writerows({k: ln[k] for k in keys} for ln in lines)
-    support.write_atomically(os.path.join(out, "results.csv"), csv_text.getvalue().encode())
-    table = ["| run | seeds | val CE | CE - dense frontier | std | verdict | sparsity | "
-             "fwd MFLOPs/token | unique params, no embedding or head (M) | eval ms/1k tok "
-             "masked | compact | dense at equal FLOPs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    w.writerows({k: "" if r.get(k) is None else r[k] for k in RUN_KEYS} for r in rows)
+    support.write_atomically(os.path.join(out, "runs.csv"), text.getvalue().encode())
+
+
+def write_report(out: str, rows: list) -> list:
+    """table.md and figure.png from runs.csv's rows (also: python sweep.py --report=runs.csv)."""
+    lines = summarise(rows)
+    unit = "nats per " + ("byte" if rows[0]["encoding"] == "bytes" else "token")
+    tests = sum(ln.get("p_holm") is not None for ln in lines)
+    table = [f"Differences in validation cross-entropy ({unit}), each run minus the same seed's "
+             f"dense frontier (the lower envelope of that seed's dense points, linear in log "
+             f"FLOPs) or control; mean over seeds, t-based 95% interval (df = n - 1), two-sided "
+             f"paired t-test, Holm-corrected across the {tests} tests. SD: of the per-seed "
+             f"differences. Detectable: the true difference found with 80% power at level "
+             f"0.05 / {tests}. val SE: the largest over seeds of the validation estimate's "
+             f"standard error over documents.", "",
+             "| run | vs | n | difference | 95% CI | SD | p | Holm p | verdict | detectable | "
+             "val CE (mean ± SD) | val SE | sparsity | fwd MFLOPs/token | unique params (M) | "
+             "eval ms/1k tok masked | compact | dense at equal FLOPs |", "|" + "---|" * 18]
     for ln in lines:
-        table.append(f"| {ln['name']} | {ln['seeds']} | {ln['val_loss']:.4f}"
-                     f"{' ± ' + fmt(ln['val_loss_std']) if ln['val_loss_std'] is not None else ''} | "
-                     f"{fmt(ln['delta'], '+.4f')} | {fmt(ln['delta_std'])} | {ln['verdict']} | "
-                     f"{ln['sparsity']:.3f} | {ln['flops_per_token'] / 1e6:.3f} | "
-                     f"{ln['params'] / 1e6:.3f} | "
-                     f"{1e3 * ln['ms_per_token_masked']:.2f} | "
-                     f"{1e3 * ln['ms_per_token_compact']:.2f} | "
-                     f"{fmt(ln['dense_ms_at_equal_flops'] and 1e3 * ln['dense_ms_at_equal_flops'], '.2f')} |")
+        ci = f"[{ln['lo']:+.4f}, {ln['hi']:+.4f}]" if ln.get("lo") is not None else ""
+        table.append(
+            f"| {ln['name']} | {ln['vs']} | {ln['seeds']} | {fmt(ln.get('mean'), '+.4f')} | {ci} | "
+            f"{fmt(ln.get('sd'))} | {fmt(ln.get('p'), '.3g')} | {fmt(ln.get('p_holm'), '.3g')} | "
+            f"{ln['verdict']} | {fmt(ln.get('detectable'))} | {ln['val_loss']:.4f}"
+            f"{' ± ' + fmt(ln['val_loss_sd']) if ln['val_loss_sd'] is not None else ''} | "
+            f"{fmt(ln['val_se'])} | {ln['sparsity']:.3f} | {ln['flops_per_token'] / 1e6:.3f} | "
+            f"{ln['params'] / 1e6:.3f} | {1e3 * ln['ms_per_token_masked']:.2f} | "
+            f"{1e3 * ln['ms_per_token_compact']:.2f} | "
+            f"{fmt(ln['dense_ms_at_equal_flops'] and 1e3 * ln['dense_ms_at_equal_flops'], '.2f')} |")
     per_block = ["| run | seed | zero share per block (measured) | target |", "|---|---|---|---|"]
-    for r in rows:
-        if "gate_zero" in r:
-            per_block.append(f"| {r['name']} | {r['seed']} | "
-                             f"{' '.join(f'{z:.2f}' for z in r['gate_zero'])} | "
-                             f"{' '.join('none' if z is None else f'{z:.2f}' for z in r['target_zero'])} |")
-    support.write_atomically(os.path.join(out, "table.md"),
-                             ("\n".join(table) + "\n\n" + "\n".join(per_block) + "\n").encode())
-    figure = plot(out, lines)
-    readme = (f"# Figure 2, grid `{grid_name}`\n\n    {command}\n\nVerdict: {verdict_text(lines)}\n\n"
-              + ("![figure](figure.png)\n\n" if figure else "(no figure: matplotlib is not "
-                 "installed)\n\n")
-              + "\n".join(table) + "\n\nPer gated block, the share of validation tokens with "
-              "g = 0 against the controller's target (1 - mu*):\n\n" + "\n".join(per_block)
-              + f"\n\nHardware:\n\n```\n{support.describe_system()}\n```\n")
-    support.write_atomically(os.path.join(out, "README.md"), readme.encode())
+    per_block += [f"| {r['name']} | {r['seed']} | {r['gate_zero']} | {r['target_zero']} |"
+                  for r in rows if r["gate_zero"]]
+    support.write_atomically(os.path.join(out, "table.md"), (
+        "\n".join(table) + "\n\nPer gated block, the share of validation tokens with g = 0 against "
+        "the controller's target (1 - mu*):\n\n" + "\n".join(per_block) + "\n").encode())
+    plot(out, lines, unit)
+    return lines
 
 
-def plot(out: str, lines: list) -> bool:
+def plot(out: str, lines: list, unit: str) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    # no text beside the points (it would overlap): each configuration has its own colour and
-    # its kind's marker, named once in a legend beside the panels; error bars: the std over seeds
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    markers = (("dense_", "o"), ("gated", "s"), ("dlo", "^"), ("mod", "D"), ("mor", "v"), ("recursive", "P"))
-    colours = plt.get_cmap("tab20").colors
-    for ax, xkey, xlabel in zip(axes, ("flops_per_token", "sparsity", "ms_per_token_compact"),
-                                ("estimated forward FLOPs per token (at measured sparsity)",
-                                 "sparsity: share of (token, block) MLP calls skipped",
-                                 "measured eval time per 1k tokens, ms (compact where possible)")):
-        scale = 1e3 if xkey.startswith("ms") else 1
-        dense = sorted((ln[xkey] * scale, ln["val_loss"]) for ln in lines if ln["name"].startswith("dense_"))
-        if dense and xkey != "sparsity":  # (dense models skip nothing)
-            ax.plot(*zip(*dense), "-", color="grey", label="dense frontier")
-        for i, ln in enumerate(lines):
-            marker = next((m for kind, m in markers if ln["name"].startswith(kind)), "x")
-            ax.errorbar(ln[xkey] * scale, ln["val_loss"], yerr=ln.get("val_loss_std") or 0, fmt=marker,
-                        color=colours[i % len(colours)], label=ln["name"], capsize=2)
-        if xkey == "flops_per_token":
-            ax.set_xscale("log")
-        ax.set_xlabel(xlabel, fontsize=9)
-        ax.set_ylabel("validation cross-entropy")
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.83, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 0.82, 1))
+    # left: each comparison's mean difference with its 95% interval; right: validation CE, the
+    # dense points and their envelope in black, every other configuration its own colour (tab10
+    # without its grey), named once in the legend
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+    colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
+    names = [n for n in dict.fromkeys(ln["name"] for ln in lines) if not n.startswith("dense_")]
+    colour = {n: colours[i % len(colours)] for i, n in enumerate(names)}
+    tested = [ln for ln in lines if ln["vs"] and ln.get("lo") is not None]
+    for y, ln in enumerate(tested):
+        ax.errorbar(ln["mean"], y, xerr=[[ln["mean"] - ln["lo"]], [ln["hi"] - ln["mean"]]], fmt="o",
+                    color=colour[ln["name"]], capsize=3, mfc="white" if ln["vs"] != "dense frontier" else None)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(tested)), [f"{ln['name']} - {ln['vs']}" for ln in tested], fontsize=8)
+    ax.invert_yaxis()
+    n = max((ln["n"] for ln in tested), default=0)
+    ax.set_xlabel(f"difference in validation CE, {unit} (negative: better)\nmean over n = {n} "
+                  f"seeds, bars: t-based 95% CI of the paired difference", fontsize=9)
+    dense = sorted((ln["flops_per_token"], ln["val_loss"]) for ln in lines if ln["name"].startswith("dense_"))
+    if dense:
+        ax2.plot(*zip(*dense), "o-", color="black", label="dense (mean over seeds)")
+    for ln in lines:
+        if not ln["name"].startswith("dense_") and ln["vs"] in ("dense frontier", ""):
+            ax2.errorbar(ln["flops_per_token"], ln["val_loss"], yerr=ln["val_loss_sd"] or 0, fmt="s",
+                         color=colour[ln["name"]], capsize=3, label=ln["name"])
+    ax2.set_xscale("log")
+    ax2.set_xlabel("estimated forward FLOPs per token (at the measured sparsity)", fontsize=9)
+    ax2.set_ylabel(f"validation CE, {unit}\nmean over n = {n} seeds, bars: SD over seeds", fontsize=9)
+    ax2.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
     support.write_atomically(os.path.join(out, "figure.png"), png.getvalue())
@@ -466,6 +620,9 @@ def parser() -> support.ArgParser:
                    help="folder of the run directories (default: logs/sweep_<grid>)")
     p.add_argument("--out", type=support.path_arg, metavar="DIR",
                    help="record folder (default: records/<date>_figure2_<grid>)")
+    p.add_argument("--report", type=support.path_arg, metavar="CSV",
+                   help="only write table.md and figure.png from a record's runs.csv (into "
+                        "--out, default: the CSV's folder)")
     p.add_argument("--device", type=support.check_device, default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the evaluation is measured: cpu, cuda or cuda:K "
                    "(default: %(default)s)")
@@ -474,8 +631,11 @@ def parser() -> support.ArgParser:
 
 def main(argv):
     args = parser().parse_args(argv)
-    seeds, nproc = args.seeds, args.nproc_per_node
-    device = args.device
+    if args.report:  # the table and figure again, from a record's runs.csv
+        rows = read_runs(args.report)
+        out = support.writable_dir(args.out or os.path.dirname(os.path.abspath(args.report)))
+        print(verdict_text(write_report(out, rows)))
+        return
     grid = GRIDS[args.grid]
     runs_dir = args.runs or os.path.join("logs", f"sweep_{args.grid}")
     out = support.writable_dir(args.out or os.path.join(
@@ -483,15 +643,24 @@ def main(argv):
     support.writable_dir(runs_dir)
     t0 = time.time()
     try:
-        done = run_grid(grid, runs_dir, seeds, nproc)
+        done = run_grid(grid, runs_dir, args.seeds, args.nproc_per_node)
     except Stopped as e:
         print(e, flush=True)
         return
-    rows = [{"name": name, "seed": seed, **measure(run_dir, device)} for name, seed, run_dir in done]
-    lines = summarise(rows)
-    command = "python sweep.py " + " ".join(argv)
-    write_record(out, lines, rows, command, args.grid)
-    print(verdict_text(lines))
+    rows = [dict(name=name, seed=seed, **measure(run_dir, args.device), command=command)
+            for name, seed, run_dir, command in done]
+    write_runs(out, rows)
+    lines = write_report(out, rows)
+    corpus = ", ".join(sorted({r["corpus_sha256"] for r in rows}))
+    pin = grid.get("corpus_sha256")
+    said = (f"Corpus sha256 {corpus}: " + ("" if not pin else "the pinned corpus" if corpus == pin
+                                          else f"NOT the pinned corpus ({pin})"))
+    readme = (f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
+              f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
+              f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
+              f"The table: table.md. Hardware:\n\n```\n{support.describe_system()}\n```\n")
+    support.write_atomically(os.path.join(out, "README.md"), readme.encode())
+    print(said, verdict_text(lines), sep="\n")
     print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")
 
 

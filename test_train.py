@@ -833,6 +833,47 @@ def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
     assert docs.page_text(str(page)) == "Title\nOne & two three\na\nb <c>\nkept\ncaf\u00e9"
 
 
+def fake_debian(tmp_path, apt_get: str) -> dict:
+    """PATH with an apt-get running apt_get (bash) and a dpkg-deb whose -x makes 12 pages of
+    2,000 characters, each naming its package and number, from any .deb."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(parents=True)
+    (bin_ / "apt-get").write_text("#!/bin/bash\n" + apt_get)
+    (bin_ / "dpkg-deb").write_text(
+        '#!/bin/bash\nname=$(basename "$2"); name=${name%%_*}; mkdir -p "$3/html"\n'
+        'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) > "$3/html/$i.html"; done\n')
+    for tool in bin_.iterdir():
+        tool.chmod(0o755)
+    return {"PATH": f"{bin_}:{os.environ['PATH']}"}
+
+
+def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_path):
+    docs = load_command("data/debian_docs.py")
+    gone = fake_debian(tmp_path / "a", 'echo "E: Version \'${2#*=}\' for \'${2%%=*}\' was not found" >&2; exit 100\n')
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'out'}"], **gone)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: apt-get "
+        "download python3.11-doc=3.11.2-6+deb12u8 failed (E: Version '3.11.2-6+deb12u8' for "
+        "'python3.11-doc' was not found): the pinned version is not offered here"), r.stderr
+    assert "--debs=DIR" in r.stderr and "--unpinned" in r.stderr and not (tmp_path / "out").exists()
+    # today's versions instead: each .deb holds its name; the build says it is not the pinned one
+    today = fake_debian(tmp_path / "b", 'printf "%s" "$2" > "$2_9.9_all.deb"\n')
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'out'}", "--unpinned"], **today)
+    assert r.returncode == 0 and r.stdout.count("NOT the pinned corpus") == 2, r.stderr
+    manifest = json.loads((tmp_path / "out" / "docs.manifest.json").read_text())
+    names = [spec.split("=")[0] for spec in docs.PACKAGES]
+    assert manifest["inputs"] == {n: hashlib.sha256(n.encode()).hexdigest() for n in names}
+    # 36 pages shuffled: every 2nd held out as an excerpt of its page, any prefix from every package
+    split = {}
+    for kind in ("val", "train"):
+        tokens = shards.read_shard(str(next((tmp_path / "out").glob(f"docs_{kind}_*.bin"))), 256)
+        split[kind] = bytes(tokens.astype(np.uint8)).decode().split("\0")[1:]
+    pages = {"\n".join([f"{n} page {i}"] * 100) for n in names for i in range(12)}
+    assert len(split["val"]) == len(split["train"]) == 18 and set(split["train"]) < pages
+    assert all(len(t) == docs.EXCERPT and any(t in p for p in pages) for t in split["val"])
+    for kind, texts in split.items():
+        assert all(any(n in t for t in texts[:6]) for n in names), kind  # the first third
+
+
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
@@ -2404,6 +2445,20 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- Figure 2 harness
 
+def test_student_t_and_holm_against_tables_and_closed_forms():
+    sweep = load_command("sweep.py")
+    for df, t975 in ((1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)):  # printed tables
+        assert sweep.t_critical(0.05, df) == pytest.approx(t975, abs=6e-4)
+        assert sweep.t_tail(t975, df) == pytest.approx(0.05, abs=2e-4)
+    assert sweep.t_critical(0.4, 4) == pytest.approx(0.941, abs=6e-4)  # one-sided 0.80, df 4
+    for t in (0.3, 1.0, 3.0, 20.0):  # closed forms: Cauchy (df 1) and df 2
+        assert sweep.t_tail(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-9)
+        assert sweep.t_tail(-t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), abs=1e-9)
+    # Holm by hand: sorted 0.005 0.01 0.03 0.04 times 4 3 2 1, then the running maximum
+    assert sweep.holm([0.01, 0.04, 0.03, None, 0.005]) == pytest.approx([0.03, 0.06, 0.06, None, 0.02])
+    assert sweep.holm([0.5, 0.9]) == [1.0, 1.0]
+
+
 def test_frontier_and_verdict_on_hand_made_numbers():
     sweep = load_command("sweep.py")
     at = sweep.frontier([(4e6, 3.0), (1e6, 4.0)])
@@ -2411,32 +2466,45 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert at(1e6) == 4.0 and at(4e6) == 3.0
     assert at(4e6 * 1.005) == 3.0  # within the slack beyond the end point
     assert at(5e6) is None and at(0.5e6) is None  # no extrapolation
+    # the lower envelope: a costlier dense point no better than a cheaper one is dropped
+    env = sweep.frontier([(1e6, 4.0), (4e6, 3.0), (16e6, 3.2)])
+    assert env(8e6) == 3.0 and env(16e6) == 3.0 and env(2e6) == pytest.approx(3.5)
 
     def row(name, seed, flops, loss):
         return dict(name=name, seed=seed, flops_per_token=flops, val_loss=loss, sparsity=0.5,
-                    ms_per_token_masked=flops / 1e9, ms_per_token_compact=flops / 2e9, params=1e6)
-    rows = []
-    for s in range(3):
-        rows += [row("dense_2", s, 1e6, 4.0), row("dense_4", s, 4e6, 3.0)]
-    rows += [row("gated_a", s, 2e6, loss) for s, loss in enumerate([3.40, 3.41, 3.39])]
-    rows += [row("gated_b", s, 2e6, loss) for s, loss in enumerate([3.60, 3.40, 3.50])]
-    rows += [row("gated_c", s, 8e6, 2.0) for s in range(3)]  # beyond the dense FLOPs range
-    rows += [row("gated_d", s, 2e6, loss) for s, loss in enumerate([3.60, 3.61, 3.59])]
-    lines = {ln["name"]: ln for ln in sweep.summarise(rows)}
-    assert lines["gated_d"]["verdict"] == "worse than dense" and lines["gated_d"]["delta"] == pytest.approx(0.1)
-    assert lines["gated_c"]["verdict"] == "outside the dense FLOPs range"
-    assert lines["gated_a"]["val_loss_std"] == pytest.approx(0.01)
-    a, b = lines["gated_a"], lines["gated_b"]
-    assert a["delta"] == pytest.approx(-0.10) and a["delta_std"] == pytest.approx(0.01)
-    assert a["verdict"] == "better than dense"  # 0.10 > 2 x 0.01
-    assert b["delta"] == pytest.approx(0.0, abs=1e-12) and b["delta_std"] == pytest.approx(0.1)
-    assert b["verdict"] == "no difference beyond 2 std"
-    assert lines["gated_c"]["delta"] is None and lines["dense_4"]["verdict"] == "frontier"
+                    val_se=0.01, ms_per_token_masked=flops / 1e9, ms_per_token_compact=flops / 2e9,
+                    params=1e6)
+    rows, a_losses = [], [3.40, 3.41, 3.39, 3.42, 3.38]
+    for s in range(5):
+        rows += [row("dense_2", s, 1e6, 4.0 + 0.1 * s), row("dense_4", s, 4e6, 3.0 + 0.1 * s)]
+    rows += [row("gated_a", s, 2e6, loss + 0.1 * s) for s, loss in enumerate(a_losses)]
+    rows += [row("gated_b", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.1, -0.1, 0.05, -0.05, 0])]
+    rows += [row("gated_c", s, 8e6, 2.0) for s in range(5)]  # beyond the dense FLOPs range
+    rows += [row("dlo_control", s, 2e6, 3.5 + 0.1 * s) for s in range(5)]
+    rows += [row("dlo_rho0.5", s, 2e6, 3.6 + 0.1 * s + 0.001 * s) for s in range(5)]
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
+    a = lines[("gated_a", "dense frontier")]
+    deltas = [x - 3.5 for x in a_losses]  # each seed's frontier at 2e6 is 3.5 + 0.1 s
+    mean, sd = sum(deltas) / 5, math.sqrt(sum((d - sum(deltas) / 5) ** 2 for d in deltas) / 4)
+    assert a["mean"] == pytest.approx(mean) and a["sd"] == pytest.approx(sd)
+    assert a["hi"] - a["mean"] == pytest.approx(2.776 * sd / math.sqrt(5), rel=1e-3)
+    assert a["p"] == pytest.approx(1.45e-4, rel=0.01) and a["verdict"] == "better than dense"
+    b = lines[("gated_b", "dense frontier")]
+    assert b["mean"] == pytest.approx(0, abs=1e-12) and b["p"] == pytest.approx(1.0)
+    assert b["verdict"] == f"no detectable difference (95% CI [{b['lo']:+.3f}, {b['hi']:+.3f}])"
+    assert lines[("gated_c", "dense frontier")]["verdict"] == "outside the dense FLOPs range"
+    dlo = lines[("dlo_rho0.5", "dlo_control")]  # against its own control, seed by seed
+    assert dlo["mean"] == pytest.approx(0.102) and dlo["verdict"] == "worse than dlo_control"
+    tested = [ln for ln in lines.values() if ln.get("p") is not None]
+    assert len(tested) == 5  # gated_a, gated_b, dlo_control, dlo_rho0.5 twice
+    holm = sweep.holm([ln["p"] for ln in tested])
+    assert [ln["p_holm"] for ln in tested] == pytest.approx(holm)
+    assert lines[("dense_4", "")]["verdict"] == "frontier"
     assert a["dense_ms_at_equal_flops"] == pytest.approx(2.5e-3)  # (1e-3 + 4e-3) / 2, log midpoint
     text = sweep.verdict_text(list(lines.values()))
-    assert "3 non-dense configurations" in text and "better than dense (beyond 2 std): gated_a." in text
+    assert text.startswith("5 paired comparisons over 5 seeds, Holm-corrected: gated_a better than dense")
     one_seed = sweep.summarise([r for r in rows if r["seed"] == 0])
-    assert "use --seeds=3" in sweep.verdict_text(one_seed)
+    assert "use --seeds=5" in sweep.verdict_text(one_seed)
 
 
 TINY_GRID = ["--preset=smoke", "--dim=32", "--n_heads=4", "--n_kv_heads=2", "--max_seq_len=32",
@@ -2449,7 +2517,8 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     # (its val_tokens overrides the base's, as dlo_source's train_tokens does in the real grids)
     gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5", "--val_tokens=256")
     grid = dict(base=TINY_GRID, n_layers=4,
-                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2, 2), sweep.mor(4)])
+                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2, 2),
+                      sweep.dlo_control("dense_2", 2), sweep.mor(4)])
     monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
     runs, out = tmp_path / "runs", tmp_path / "out"
     # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
@@ -2464,37 +2533,64 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}"]
     assert support.cli(sweep.main, argv) == 0
     assert "resumed at step 2" in (runs / "gated_mu0.5_s0" / "train.log").read_text()
-    for name in ("dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5", "mor_r2"):
+    names = ["dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5", "dlo_control", "mor_r2"]
+    for name in names:
         assert sweep.run_state(str(runs / f"{name}_s0")) == "done"
-    assert {p.name for p in out.iterdir()} >= {"table.md", "results.csv", "figure.png", "README.md"}
+    assert {p.name for p in out.iterdir()} >= {"table.md", "runs.csv", "figure.png", "README.md"}
     assert (out / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     readme = (out / "README.md").read_text()
-    assert re.search(r"Verdict: [0-3] non-dense configurations lie within", readme)
-    with open(out / "results.csv") as f:
-        table = {r["name"]: r for r in __import__("csv").DictReader(f)}
-    assert list(table) == ["dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5", "mor_r2"]
+    assert "Verdict: with one seed no difference can be tested" in readme
+    table = {r["name"]: r for r in sweep.read_runs(str(out / "runs.csv"))}
+    assert list(table) == names
+    control = json.loads((runs / "dlo_control_s0" / "config.json").read_text())
+    assert (control["router"], control["n_layers"]) == ("none", 4)  # dense_2 expanded, no skipping
     # unique parameters: MoR's 4 applied blocks are 3 of their own, the dense 4-layer model's 4
-    params = {name: float(r["params"]) for name, r in table.items()}
+    params = {name: r["params"] for name, r in table.items()}
     assert params["dense_2"] < params["mor_r2"] < params["dense_4"]
     for name, r in table.items():  # the table holds each run's own final validation
         last = [m for m in read_metrics(runs / f"{name}_s0") if m["kind"] == "val"][-1]
-        assert float(r["val_loss"]) == pytest.approx(last["val_loss"])
-        assert float(r["flops_per_token"]) == pytest.approx(last["fwd_flops_per_token"])
-        assert float(r["ms_per_token_masked"]) > 0 and float(r["ms_per_token_compact"]) > 0
+        assert r["val_loss"] == pytest.approx(last["val_loss"])
+        assert r["flops_per_token"] == pytest.approx(last["fwd_flops_per_token"])
+        assert r["ms_per_token_masked"] > 0 and r["ms_per_token_compact"] > 0
+        assert (r["steps"], r["tokens"]) == (last["step"], last["step"] * 8 * 32)
+        assert r["val_loss_tokenwise"] == pytest.approx(r["val_loss"], abs=1e-5)
+    # the standard error over documents, by hand from the dense model's per-token losses
+    model = tg.load_model(str(runs / "dense_4_s0")).eval()
+    hp = model.hp
+    stream = torch.from_numpy(shards.read_shard(shards.find_shards(hp.val_files)[0], hp.vocab_size)[
+        :hp.val_tokens + 1].astype(np.int64))
+    with torch.no_grad():
+        logits = model(stream[:-1].view(-1, hp.seq_len)).logits.flatten(0, 1)
+    docs, cur = [], []
+    for loss, target in zip(F.cross_entropy(logits, stream[1:], reduction="none").tolist(), stream[1:].tolist()):
+        if target == shards.EOT and cur:
+            docs.append(cur)
+            cur = []
+        cur.append(loss)
+    docs.append(cur)
+    total, n = sum(map(sum, docs)), sum(map(len, docs))
+    se = math.sqrt(len(docs) / (len(docs) - 1) * sum((sum(d) - total / n * len(d)) ** 2 for d in docs)) / n
+    assert (table["dense_4"]["val_docs"], table["dense_4"]["val_se"]) == (len(docs), pytest.approx(se))
+    # the table and figure again from runs.csv alone, by the record's own command
+    before = (out / "table.md").read_text()
+    (out / "table.md").unlink()
+    assert support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]) == 0
+    assert (out / "table.md").read_text() == before and "| dlo_rho0.5 | dlo_control | 1 |" in before
     d2, d4 = (table[n] for n in ("dense_2", "dense_4"))
-    x = lambda r: math.log(float(r["flops_per_token"]))  # noqa: E731
+    x = lambda r: math.log(r["flops_per_token"])  # noqa: E731
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(list(table.values()))}
     for name in ("gated_mu0.5", "dlo_rho0.5"):
         r = table[name]
-        if x(d2) <= x(r) <= x(d4):  # the frontier, interpolated here
+        if x(d2) <= x(r) <= x(d4) and d4["val_loss"] < d2["val_loss"]:  # the frontier, by hand
             w = (x(r) - x(d2)) / (x(d4) - x(d2))
-            front = float(d2["val_loss"]) + w * (float(d4["val_loss"]) - float(d2["val_loss"]))
-            assert float(r["delta"]) == pytest.approx(float(r["val_loss"]) - front, abs=1e-9)
+            front = d2["val_loss"] + w * (d4["val_loss"] - d2["val_loss"])
+            assert lines[(name, "dense frontier")]["mean"] == pytest.approx(r["val_loss"] - front, abs=1e-9)
     # run again: nothing is trained, no run directory changes
     before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
     capsys.readouterr()
     assert support.cli(sweep.main, argv) == 0
     printed = capsys.readouterr().out
-    assert printed.count(": done") == 5 and "trained" not in printed
+    assert printed.count(": done") == 6 and "trained" not in printed
     assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
     # the grid edited (a longer budget): its finished runs are not taken as the new grid's
     monkeypatch.setitem(grid, "base", [a.replace("=1280", "=2560") for a in TINY_GRID])

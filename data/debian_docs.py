@@ -1,17 +1,24 @@
 """Build a byte-level corpus of real English text from Debian documentation packages.
 
     python data/debian_docs.py                       # -> data/debian_docs/docs_{val,train}_*.bin
+    python data/debian_docs.py --debs=DIR            # the pinned .deb files from a folder
+    python data/debian_docs.py --unpinned            # today's versions: not the pinned corpus
 
 Downloads the .deb files of PACKAGES at their pinned versions with `apt-get download` (no root
-needed; a Debian or Ubuntu machine whose package lists hold those versions: Debian 12), checks
-each file's sha256 against the pin, extracts its HTML pages with `dpkg-deb`, strips the markup
-with the standard library's html.parser (the text of each page; scripts and styles dropped,
-block elements on lines of their own) and writes the pages as byte shards through
-tokenize_corpus.py (--encoding=bytes): one document per page, in sorted order, every 10th page
-held out for validation: 1,938 pages, 21,758,029 bytes (2,089,812 validation, 19,668,217
-training), in about 15 s on 2 cores. The corpus is not committed; its shards' sha256 are (SHA256
-below, checked at the end, and the corpus's manifest). The downloads go into a temporary
-folder inside --out, removed at the end.
+needed; a Debian 12 machine's package lists), checks each file's sha256 against the pin, extracts
+its HTML pages with `dpkg-deb`, strips the markup with the standard library's html.parser (the
+text of each page; scripts and styles dropped, block elements on lines of their own) and writes
+the pages as byte shards through tokenize_corpus.py (--encoding=bytes), one document per page.
+The pages are shuffled (SHUFFLE_SEED) first, so that any prefix of either split samples every
+package; every VAL_EVERY-th page is held out for validation as one excerpt of EXCERPT characters
+at a random start, so that a validation of a few hundred kB averages over hundreds of pages
+(sweep.py reports its standard error over documents). 1,938 pages: 969 training pages
+(10,913,597 bytes) and 969 validation excerpts (496,409 bytes), in about 30 s on 2 cores. The
+corpus is not committed; its shards' sha256 are (SHA256, checked at the end; the inputs' sha256
+go into the corpus's manifest). The downloads go into a temporary folder inside --out, removed
+at the end. Mirrors drop a version once it is superseded: then --debs takes the pinned files from
+a folder (snapshot.debian.org keeps every version), and --unpinned builds from the versions
+offered now, printed as NOT the pinned corpus (sweep.py's records say the same).
 """
 
 import glob
@@ -28,7 +35,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/, no torch
-from support import ArgParser, UserError, cli, first_missing, path_arg, remove_made, writable_dir  # noqa: E402
+from support import (ArgParser, UserError, cli, first_missing, need, path_arg,  # noqa: E402
+                     remove_made, writable_dir)
 from data import tokenize_corpus  # noqa: E402
 
 PACKAGES = {  # name=version: the .deb's sha256 (Debian 12, bookworm)
@@ -77,22 +85,32 @@ def page_text(path: str) -> str:
     return parser.text()
 
 
-def download(spec: str, sha: str, folder: str) -> str:
-    """apt-get download of one pinned package into folder, its sha256 checked; -> the .deb."""
-    r = subprocess.run(["apt-get", "download", spec], cwd=folder, capture_output=True, text=True)
-    debs = glob.glob(os.path.join(folder, spec.split("=")[0] + "_*.deb"))
-    if r.returncode or len(debs) != 1:
+def download(spec: str, sha: str, folder: str, debs: str = None, unpinned: bool = False) -> tuple:
+    """One package's .deb and its sha256: the pinned file from the folder debs, else apt-get
+    download of the pinned version into folder (unpinned: of the version offered now)."""
+    if debs:
+        for path in sorted(glob.glob(os.path.join(glob.escape(debs), "*.deb"))):
+            if tokenize_corpus.sha256_of(path) == sha:
+                return path, sha
+        raise UserError(f"--debs={debs}: no .deb there has {spec}'s pinned sha256 {sha}")
+    r = subprocess.run(["apt-get", "download", spec.split("=")[0] if unpinned else spec], cwd=folder,
+                       capture_output=True, text=True)
+    found = glob.glob(os.path.join(folder, spec.split("=")[0] + "_*.deb"))
+    if r.returncode or len(found) != 1:
         tail = (r.stderr.strip().splitlines() or ["no .deb"])[-1]
-        raise UserError(f"apt-get download {spec} failed ({tail}); this needs Debian 12's "
-                        f"package lists (apt-get update)")
-    with open(debs[0], "rb") as f:
-        if hashlib.sha256(f.read()).hexdigest() != sha:
-            raise UserError(f"{debs[0]}: sha256 differs from the pinned one; not the same text")
-    return debs[0]
+        raise UserError(f"apt-get download {spec} failed ({tail}): the pinned version is not offered "
+                        f"here (superseded, or not Debian 12?); download the .deb files PACKAGES pins "
+                        f"(snapshot.debian.org keeps every version) into a folder and give "
+                        f"--debs=DIR, or build from the versions offered now with --unpinned (not "
+                        f"the pinned corpus; their sha256 go into the manifest)")
+    got = tokenize_corpus.sha256_of(found[0])
+    if got != sha and not unpinned:
+        raise UserError(f"{found[0]}: sha256 differs from the pinned one; not the same text")
+    return found[0], got
 
 
-def build(out: str, workers: int) -> list:
-    for tool in ("apt-get", "dpkg-deb"):
+def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> list:
+    for tool in ("dpkg-deb",) + (() if debs else ("apt-get",)):
         if shutil.which(tool) is None:
             raise UserError(f"{tool} not found: this command builds the corpus on Debian or Ubuntu")
     writable_dir(out)
@@ -100,9 +118,9 @@ def build(out: str, workers: int) -> list:
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".debian_docs.", dir=out)
     try:
-        pages = []
+        pages, inputs = [], {}
         for spec, sha in PACKAGES.items():
-            deb = download(spec, sha, work)
+            deb, inputs[spec.split("=")[0]] = download(spec, sha, work, debs, unpinned)
             tree = os.path.join(work, spec.split("=")[0])
             subprocess.run(["dpkg-deb", "-x", deb, tree], check=True)
             found = {}  # each page once: the packages link folders and files to one another
@@ -121,7 +139,7 @@ def build(out: str, workers: int) -> list:
                     text = text[start:start + EXCERPT]
                 f.write(json.dumps({"text": text}) + "\n")
         return tokenize_corpus.tokenize([docs], out, "docs", 100_000_000, workers, "bytes",
-                                        val_every=VAL_EVERY)
+                                        val_every=VAL_EVERY, inputs=inputs)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         remove_made(out, made)
@@ -134,12 +152,20 @@ def main(argv):
     p = ArgParser("python data/debian_docs.py", __doc__)
     p.add_argument("--out", type=path_arg, default=os.path.join(HERE, "debian_docs"), metavar="DIR",
                    help="folder for the shards (default: data/debian_docs)")
+    p.add_argument("--debs", type=path_arg, metavar="DIR",
+                   help="take the pinned .deb files from this folder (found by sha256), not apt-get")
+    p.add_argument("--unpinned", action="store_true",
+                   help="build from the versions apt-get offers now: not the pinned corpus; the "
+                        ".deb files' sha256 go into the corpus's manifest")
     args = p.parse_args(argv)
-    for path in build(args.out, workers=1):
+    if args.debs and args.unpinned:
+        raise UserError("--debs and --unpinned: give one (--debs holds the pinned files)")
+    for path in build(args.out, 1, args.debs and need(args.debs, "a folder"), args.unpinned):
         with open(path, "rb") as f:
             sha, name = hashlib.sha256(f.read()).hexdigest(), os.path.basename(path)
         print(f"{name} sha256 {sha}: " + ("the pinned corpus" if SHA256.get(name) == sha else
-                                          "NOT the pinned corpus (another Python's html.parser?)"))
+                                          "NOT the pinned corpus (other inputs, or another "
+                                          "Python's html.parser)"))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ def sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
+def corpus_sha256(shards: dict) -> str:
+    """One sha256 for a corpus, {shard name: its sha256}: of the names and sha256s, in name order."""
+    return hashlib.sha256("".join(f"{n} {shards[n]}\n" for n in sorted(shards)).encode()).hexdigest()
+
+
 class Corpus:
     """The shards of one corpus NAME in folder OUT, replaced whole or not at all. Shards are
     written into a temporary folder inside OUT (.NAME.<random>); commit() writes
@@ -152,7 +157,8 @@ class Corpus:
         return shard
 
     def write_manifest(self, previous: dict):
-        m = {"written_by": self.WRITER, "shards": self.shards}
+        m = {"written_by": self.WRITER, "shards": self.shards, **(
+            {"inputs": self.inputs} if getattr(self, "inputs", None) else {})}
         if previous:  # the files of the version being replaced, while any may remain
             m["previous"] = previous
         write_atomically(self.manifest, json.dumps(m, indent=1).encode())
@@ -265,10 +271,11 @@ class Progress:
             Progress.open_line = not final
 
 
-def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0):
+def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0, inputs=None):
     """Encode every document in order and write shards; returns the shard paths. val_every K:
     documents 0, K, 2K, ... go to validation shards, the others to training shards (0: the
-    first shard is validation)."""
+    first shard is validation). inputs: {name: sha256} of what the text came from, for the
+    manifest."""
     for path in paths:
         need(path, "a file")
         if not os.access(path, os.R_OK):
@@ -287,6 +294,7 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0):
     pool = mp.Pool(workers) if workers > 1 else None
     try:
         with Corpus(out, name, enc) as corpus:
+            corpus.inputs = inputs
             items = ((n, text, enc) for n, text in documents(paths, raw=enc == "bytes"))
             results = pool.imap(_encode, items, chunksize=16) if pool else map(_encode, items)
             for doc_name, ids in results:
