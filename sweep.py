@@ -4,8 +4,9 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
-    python sweep.py --grid=bytes --seeds=3          # byte-level study, 2 CPU cores, ~2 h
+    python sweep.py --grid=bytes_core --seeds=5     # byte-level study, 2 CPU cores, ~2 h
                                                     # (python data/debian_docs.py first)
+    python sweep.py --report=RECORD/runs.csv        # a record's table and figure again
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
 
@@ -13,15 +14,14 @@ Each configuration of the grid trains through train_gpt.py in its own run direct
 --runs, as a subprocess (under torchrun when --nproc_per_node > 1). A run that finished is
 skipped and one with a checkpoint is resumed, so rerunning the command after a crash finishes
 the grid without redoing finished runs. A Ctrl-C (SIGINT, SIGTERM or SIGUSR1) reaches the run
-in flight once: it saves its checkpoint, and the sweep waits for it, then stops (status 0). Then, in this process, on each run's final weights:
-validation cross-entropy and estimated FLOPs per token at the measured sparsity come from the
-run's last validation record; evaluation tokens per second are measured here, masked and (for
-gated runs) compacted, side by side. The dense frontier is cross-entropy against log FLOPs per
-token, linear between neighbouring dense points; every other run is reported as its
-cross-entropy minus the frontier's at its FLOPs (negative: better than dense). With --seeds=K
-the difference is the mean over seeds, and it is called real only beyond twice its standard
-deviation. The record folder gets table.md, results.csv, figure.png (matplotlib, a plot-only
-requirement) and a README with the command, the hardware and the verdict.
+in flight once: it saves its checkpoint, and the sweep waits for it, then stops (status 0).
+Then, in this process, on each run's final weights: validation cross-entropy and estimated
+FLOPs per token at the measured sparsity come from the run's last validation record; the
+validation again token by token gives its standard error over documents; evaluation time per
+token is measured here, masked and (for gated runs) compacted, side by side. The verdict is
+summarise's: paired over seeds, Holm-corrected (README: Results). The record folder gets
+runs.csv (a row per run), table.md, figure.png (matplotlib, a plot-only requirement) and a
+README with the command, the corpus's sha256 (pinned or not), the hardware and the verdict.
 
 Add a configuration to a grid with one line in GRIDS: (name, [train_gpt.py overrides]). Names
 starting with "dense_" make the frontier. A run that starts from another (DLO) has a third
