@@ -505,13 +505,16 @@ def read_runs(path: str) -> list:
         rows = list(csv.DictReader(f))
     if not rows or set(RUN_KEYS) - set(rows[0]):
         raise support.UserError(f"{path}: not a runs.csv of sweep.py (columns: {', '.join(RUN_KEYS)})")
-    for r in rows:
+    for i, r in enumerate(rows, 2):
         for k, v in r.items():
-            if k in ("seed", "val_docs", "steps", "tokens", "n_layers", "params"):
-                r[k] = int(v)
-            elif k not in ("name", "encoding", "commit", "corpus_sha256", "router", "gate_zero",
-                           "target_zero", "command"):
-                r[k] = float(v) if v else None
+            try:
+                if k in ("seed", "val_docs", "steps", "tokens", "n_layers", "params"):
+                    r[k] = int(v)
+                elif k not in ("name", "encoding", "commit", "corpus_sha256", "router", "gate_zero",
+                               "target_zero", "command"):
+                    r[k] = float(v) if v else None
+            except (TypeError, ValueError):
+                raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
     return rows
 
 
@@ -586,7 +589,8 @@ def plot(out: str, lines: list, unit: str) -> bool:
     ax.invert_yaxis()
     n = max((ln["n"] for ln in tested), default=0)
     ax.set_xlabel(f"difference in validation CE, {unit} (negative: better)\nmean over n = {n} "
-                  f"seeds, bars: t-based 95% CI of the paired difference", fontsize=9)
+                  f"seeds, bars: t-based 95% CI of the paired difference; hollow: against its control",
+                  fontsize=9)
     dense = sorted((ln["flops_per_token"], ln["val_loss"]) for ln in lines if ln["name"].startswith("dense_"))
     if dense:
         ax2.plot(*zip(*dense), "o-", color="black", label="dense (mean over seeds)")
@@ -653,8 +657,9 @@ def main(argv):
     lines = write_report(out, rows)
     corpus = ", ".join(sorted({r["corpus_sha256"] for r in rows}))
     pin = grid.get("corpus_sha256")
-    said = (f"Corpus sha256 {corpus}: " + ("" if not pin else "the pinned corpus" if corpus == pin
-                                          else f"NOT the pinned corpus ({pin})"))
+    said = f"Corpus sha256 {corpus}: " + ("no pin for this grid's corpus" if not pin else
+                                          "the pinned corpus" if corpus == pin else
+                                          f"NOT the pinned corpus ({pin})")
     readme = (f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
               f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
               f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
