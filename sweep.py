@@ -501,8 +501,11 @@ RUN_KEYS = ("name", "seed", "val_loss", "val_se", "val_docs", "val_loss_tokenwis
 
 def read_runs(path: str) -> list:
     """runs.csv -> its rows, numbers as numbers (an empty field: None)."""
-    with open(support.need(path, "a file"), newline="") as f:
-        rows = list(csv.DictReader(f))
+    try:
+        with open(support.need(path, "a file"), newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise support.UserError(f"{path}: not a runs.csv of sweep.py ({e})") from None
     if not rows or set(RUN_KEYS) - set(rows[0]):
         raise support.UserError(f"{path}: not a runs.csv of sweep.py (columns: {', '.join(RUN_KEYS)})")
     for i, r in enumerate(rows, 2):
