@@ -77,8 +77,8 @@ def dlo(rho, source, groups, anneal, tokens=None):
 def dlo_control(source, groups, tokens=None):
     """DLO's control: the same expansion of the same source, trained through the same two phases
     (a fresh optimiser and warm-up) as a dense model that skips nothing."""
-    name, args, expansion = dlo(0, source, groups, 0, tokens)
-    return ("dlo_control", ["--router=none"] + args[3:], expansion)
+    return ("dlo_control", ["--router=none"] + ([f"--train_tokens={tokens}"] if tokens else []),
+            dlo(0, source, groups, 0)[2])
 
 
 def mod(capacity, L):
@@ -364,9 +364,11 @@ def paired(deltas: list) -> dict:
     if n < 2:
         return dict(n=n, mean=mean, sd=None, lo=None, hi=None, p=None)
     sd = statistics.stdev(deltas)
+    if sd <= 1e-12 * max(1.0, abs(mean)):  # identical differences (up to rounding): no test
+        return dict(n=n, mean=mean, sd=sd, lo=None, hi=None, p=None)
     half = t_critical(0.05, n - 1) * sd / math.sqrt(n)
-    p = t_tail(mean / (sd / math.sqrt(n)), n - 1) if sd > 0 else float(mean == 0)
-    return dict(n=n, mean=mean, sd=sd, lo=mean - half, hi=mean + half, p=p)
+    return dict(n=n, mean=mean, sd=sd, lo=mean - half, hi=mean + half,
+                p=t_tail(mean / (sd / math.sqrt(n)), n - 1))
 
 
 def holm(ps: list) -> list:
@@ -380,8 +382,9 @@ def holm(ps: list) -> list:
 
 
 def detectable(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
-    """The smallest true mean difference a paired t-test at level alpha finds with the given power
-    (normal-shift approximation): (t_{1-alpha/2} + t_{power}) sd / sqrt(n), df = n - 1."""
+    """The smallest true mean difference a paired t-test at level alpha finds with about the given
+    power (normal-shift approximation, a few points low at n = 5: about 75% for 80%):
+    (t_{1-alpha/2} + t_{power}) sd / sqrt(n), df = n - 1."""
     return (t_critical(alpha, n - 1) + t_critical(2 * (1 - power), n - 1)) * sd / math.sqrt(n)
 
 
@@ -452,8 +455,9 @@ def summarise(rows: list) -> list:
             other = [fronts[r["seed"]](r["flops_per_token"]) if vs == "dense frontier" else
                      run[(vs, r["seed"])]["val_loss"] if (vs, r["seed"]) in run else None for r in mine]
             deltas = [r["val_loss"] - o for r, o in zip(mine, other) if o is not None]
-            line = dict(base, name=name, vs=vs, seeds=len(deltas))
-            line.update(paired(deltas) if len(deltas) == len(mine) else
+            line = dict(base, name=name, vs=vs, seeds=len(deltas) if len(deltas) == len(mine) else
+                        f"{len(deltas)} of {len(mine)}")  # seeds out of range or without control
+            line.update(paired(deltas) if deltas else
                         dict(n=0, mean=None, sd=None, lo=None, hi=None, p=None))
             lines.append(line)
     adjusted = holm([ln.get("p") for ln in lines])
@@ -467,11 +471,12 @@ def summarise(rows: list) -> list:
 
 
 def verdict(ln: dict) -> str:
-    """Item 2's words: better / worse only where the Holm-corrected p < 0.05."""
+    """The record's words: better / worse only where the Holm-corrected p < 0.05."""
     if ln["mean"] is None:
         return "outside the dense FLOPs range" if ln["vs"] == "dense frontier" else "no control run"
     if ln["p_holm"] is None:
-        return f"{'below' if ln['mean'] < 0 else 'above'} (one seed: no test)"
+        return f"{'below' if ln['mean'] < 0 else 'above'} (" + (
+            "one seed" if ln["n"] < 2 else "the same difference in every seed") + ": no test)"
     than = "dense" if ln["vs"] == "dense frontier" else ln["vs"]
     if ln["p_holm"] < 0.05:
         return f"{'better' if ln['mean'] < 0 else 'worse'} than {than}"
@@ -518,6 +523,13 @@ def read_runs(path: str) -> list:
                     r[k] = float(v) if v else None
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
+        bad = [k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v) or
+               v is None and k != "val_se" or k == "flops_per_token" and v is not None and v <= 0]
+        if bad:
+            raise support.UserError(f"{path}:{i}: {bad[0]}={r[bad[0]]} (a finite number"
+                                    f"{', above 0' if bad[0] == 'flops_per_token' else ''} is needed)")
+    if len({(r["name"], r["seed"]) for r in rows}) < len(rows):
+        raise support.UserError(f"{path}: a (name, seed) appears twice; one row per run")
     return rows
 
 
@@ -542,7 +554,7 @@ def write_report(out: str, rows: list) -> list:
              f"dense frontier (the lower envelope of that seed's dense points, linear in log "
              f"FLOPs) or control; mean over seeds, t-based 95% interval (df = n - 1), two-sided "
              f"paired t-test, Holm-corrected across the {tests} tests. SD: of the per-seed "
-             f"differences. Detectable: the true difference found with 80% power at level "
+             f"differences. Detectable: the true difference found with about 80% power at level "
              f"0.05 / {tests}. val SE: the largest over seeds of the validation estimate's "
              f"standard error over documents.", "",
              "| run | vs | n | difference | 95% CI | SD | p | Holm p | verdict | detectable | "
@@ -577,10 +589,10 @@ def plot(out: str, lines: list, unit: str) -> bool:
     except ImportError:
         return False
     # left: each comparison's mean difference with its 95% interval; right: validation CE, the
-    # dense points and their envelope in black, every other configuration its own colour (tab10
-    # without its grey), named once in the legend
+    # dense means joined in black, every other configuration its own colour (tab20 without its
+    # greys, 18 of them), named once in the legend
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
-    colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
+    colours = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]
     names = [n for n in dict.fromkeys(ln["name"] for ln in lines) if not n.startswith("dense_")]
     colour = {n: colours[i % len(colours)] for i, n in enumerate(names)}
     tested = [ln for ln in lines if ln["vs"] and ln.get("lo") is not None]
@@ -657,6 +669,7 @@ def main(argv):
     rows = [dict(name=name, seed=seed, **measure(run_dir, args.device), command=command)
             for name, seed, run_dir, command in done]
     write_runs(out, rows)
+    rows = read_runs(os.path.join(out, "runs.csv"))  # the record is what runs.csv regenerates
     lines = write_report(out, rows)
     corpus = ", ".join(sorted({r["corpus_sha256"] for r in rows}))
     pin = grid.get("corpus_sha256")

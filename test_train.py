@@ -872,6 +872,17 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
     assert all(len(t) == docs.EXCERPT and any(t in p for p in pages) for t in split["val"])
     for kind, texts in split.items():
         assert all(any(n in t for t in texts[:6]) for n in names), kind  # the first third
+    # the same inputs give the same corpus (a seeded shuffle), into a folder of its own
+    shas = dict(manifest["shards"])
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'again'}", "--unpinned"], **today)
+    assert r.returncode == 0 and json.loads((tmp_path / "again" / "docs.manifest.json").read_text())[
+        "shards"] == shas
+    # a folder holding the pinned corpus is not replaced by an unpinned one
+    (tmp_path / "again" / "docs.manifest.json").write_text(json.dumps({
+        "written_by": "data/tokenize_corpus.py", "shards": docs.SHA256}))
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'again'}", "--unpinned"], **today)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {tmp_path / 'again'} holds the pinned "
+                                                     "corpus, which --unpinned would replace")
 
 
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
@@ -2480,9 +2491,17 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     rows += [row("gated_a", s, 2e6, loss + 0.1 * s) for s, loss in enumerate(a_losses)]
     rows += [row("gated_b", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.1, -0.1, 0.05, -0.05, 0])]
     rows += [row("gated_c", s, 8e6, 2.0) for s in range(5)]  # beyond the dense FLOPs range
-    rows += [row("dlo_control", s, 2e6, 3.5 + 0.1 * s) for s in range(5)]
+    rows += [row("dlo_control", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.01, -0.01, 0.02, -0.02, 0])]
     rows += [row("dlo_rho0.5", s, 2e6, 3.6 + 0.1 * s + 0.001 * s) for s in range(5)]
+    e_deltas = [0.05, 0.01, 0.03, 0.045, 0.005]  # raw p 0.036, not after Holm's correction
+    rows += [row("gated_e", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate(e_deltas)]
+    rows += [row("gated_f", s, 2e6, 3.55 + 0.1 * s) for s in range(5)]  # the same in every seed
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
+    e = lines[("gated_e", "dense frontier")]
+    assert e["p"] == pytest.approx(0.036167, abs=2e-6) and e["p_holm"] > 0.05  # (scipy's ttest_1samp)
+    assert e["verdict"].startswith("no detectable difference (95% CI [+0.003, +0.053])")
+    assert e["detectable"] == pytest.approx((sweep.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3)
+    assert lines[("gated_f", "dense frontier")]["verdict"] == "above (the same difference in every seed: no test)"
     a = lines[("gated_a", "dense frontier")]
     deltas = [x - 3.5 for x in a_losses]  # each seed's frontier at 2e6 is 3.5 + 0.1 s
     mean, sd = sum(deltas) / 5, math.sqrt(sum((d - sum(deltas) / 5) ** 2 for d in deltas) / 4)
@@ -2495,14 +2514,15 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert lines[("gated_c", "dense frontier")]["verdict"] == "outside the dense FLOPs range"
     dlo = lines[("dlo_rho0.5", "dlo_control")]  # against its own control, seed by seed
     assert dlo["mean"] == pytest.approx(0.102) and dlo["verdict"] == "worse than dlo_control"
+    assert lines[("dlo_control", "dense frontier")]["p"] == pytest.approx(1.0)
     tested = [ln for ln in lines.values() if ln.get("p") is not None]
-    assert len(tested) == 5  # gated_a, gated_b, dlo_control, dlo_rho0.5 twice
+    assert len(tested) == 6  # gated_a, gated_b, gated_e, dlo_control, dlo_rho0.5 twice
     holm = sweep.holm([ln["p"] for ln in tested])
     assert [ln["p_holm"] for ln in tested] == pytest.approx(holm)
     assert lines[("dense_4", "")]["verdict"] == "frontier"
     assert a["dense_ms_at_equal_flops"] == pytest.approx(2.5e-3)  # (1e-3 + 4e-3) / 2, log midpoint
     text = sweep.verdict_text(list(lines.values()))
-    assert text.startswith("5 paired comparisons over 5 seeds, Holm-corrected: gated_a better than dense")
+    assert text.startswith("6 paired comparisons over 5 seeds, Holm-corrected: gated_a better than dense")
     one_seed = sweep.summarise([r for r in rows if r["seed"] == 0])
     assert "use --seeds=5" in sweep.verdict_text(one_seed)
 

@@ -105,7 +105,8 @@ def download(spec: str, sha: str, folder: str, debs: str = None, unpinned: bool 
                         f"the pinned corpus; their sha256 go into the manifest)")
     got = tokenize_corpus.sha256_of(found[0])
     if got != sha and not unpinned:
-        raise UserError(f"{found[0]}: sha256 differs from the pinned one; not the same text")
+        raise UserError(f"{found[0]}: sha256 {got} differs from the pinned {sha}: not the same "
+                        f"text; give the pinned file with --debs=DIR, or build with --unpinned")
     return found[0], got
 
 
@@ -114,6 +115,14 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
         if shutil.which(tool) is None:
             raise UserError(f"{tool} not found: this command builds the corpus on Debian or Ubuntu")
     writable_dir(out)
+    try:  # the pinned corpus may no longer be buildable: an unpinned one is never put in its place
+        with open(os.path.join(out, "docs.manifest.json")) as f:
+            pinned = json.load(f).get("shards") == SHA256
+    except (OSError, ValueError, AttributeError):
+        pinned = False
+    if unpinned and pinned:
+        raise UserError(f"{out} holds the pinned corpus, which --unpinned would replace; give "
+                        f"another --out (and train on it with --train_files/--val_files)")
     made = first_missing(out)
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".debian_docs.", dir=out)
