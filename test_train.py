@@ -259,6 +259,35 @@ def test_zero_initialised_gates_are_not_stuck():
     assert all(gate.bias.grad.item() != 0 for gate in model.router.gates)
 
 
+def test_eq1_and_eq2_have_gradient_one_at_their_bounds_on_every_torch():
+    # torch 2.15 made clamp's gradient 0 at a bound: with it, zero-initialised gates never move
+    x = torch.tensor([-1.0, 0.0, 0.5, 1.0, 2.0], requires_grad=True)
+    y = tg.clamp_keep_grad(x, 0.0, 1.0)
+    y.sum().backward()
+    assert torch.equal(y, x.detach().clamp(0, 1)) and x.grad.tolist() == [0, 1, 1, 1, 0]
+    x.grad = None
+    tg.clamp_keep_grad(x, 0.0).sum().backward()  # eq. 1's ReLU
+    assert x.grad.tolist() == [0, 1, 1, 1, 1]
+
+
+def test_the_defaults_are_the_papers_table_2_and_section_3_1():
+    hp = tg.Hyperparameters()
+    table2 = dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=50257, ffn_mult=4,
+                  norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024, init_std=0.02, batch_size=512,
+                  device_batch_size=32, lr=1e-3, beta1=0.8, beta2=0.95, adam_eps=1e-10,
+                  weight_decay=0.0, warmup_frac=0.1, warmup_start=0.1)
+    section = dict(seq_len=1024, train_tokens=10_000_000_000, sandwich_norm=True,  # 3.1
+                   gate_init="normal", gate_axis="key", router="skip_middle",
+                   gamma=1e-3, delta=1e-2, mu_start=1.0, controller="proportional_tol")  # 2.4
+    assert {k: getattr(hp, k) for k in {**table2, **section}} == {**table2, **section}
+    assert hp.batch_size * hp.seq_len == 524_288  # Section 3.1's tokens per global batch
+    opt = tg.optimizer(tg.GPT(tiny()), tiny())  # AdamW, one learning rate for every parameter
+    assert type(opt) is torch.optim.AdamW and {g["lr"] for g in opt.param_groups} == {tiny().lr}
+    # linear warm-up over 10% of the steps from 10% of the peak, then cosine decay
+    assert [tg.lr_at(hp, s, 1000) / hp.lr for s in (0, 50, 100)] == pytest.approx([0.1, 0.55, 1.0])
+    assert tg.lr_at(hp, 550, 1000) / hp.lr == pytest.approx(0.5)
+
+
 def test_mirrored_blocks_share_a_gate():
     assert [tg.mirror(i, 6) for i in range(6)] == [0, 1, 2, 2, 1, 0]
     torch.manual_seed(0)
@@ -3121,13 +3150,10 @@ def test_cuda_compact_path_compiles_with_few_recompilations():
     model = tg.compile_model(raw)
     counts = torch._dynamo.utils.counters
     counts.clear()
-    torch._dynamo.config.fail_on_recompile_limit_hit = True  # a bound that holds by giving up fails
-    try:
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # giving up fails
         for seed in range(6):  # different data: different active lengths per block
             idx = torch.randint(0, 97, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
             cuda_step(model, idx)
-    finally:
-        torch._dynamo.config.fail_on_recompile_limit_hit = False
     # lengths are padded to multiples of PACK: a graph per packed length, training only here
     assert counts["stats"]["unique_graphs"] <= 256 // tg.PACK, dict(counts["stats"])
 
@@ -3194,14 +3220,16 @@ def test_ddp_with_compact_blocks_empty_on_one_rank(tmp_path):
 
 
 @cuda
-def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypatch):
+def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypatch, request):
     # bench.py flips model.hp between the masked and the compacted path on one compiled
     # model, at four sparsities: each path compiles once per padded length, not per call
     import torch._dynamo
     bench = load_command("bench.py")
     monkeypatch.setitem(bench.SIZES, "tiny", (dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4,
                                                    max_seq_len=256, seq_len=256), 4))
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)  # not monkeypatch: pytest
+    patch.__enter__()  # 9.2 undoes a config attribute by deleting it, and the option is gone
+    request.addfinalizer(lambda: patch.__exit__(None, None, None))
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
@@ -3281,7 +3309,7 @@ def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
                                   ("dlo", False), ("dlo", True), ("mod", False), ("mod", True),
                                   ("mor", False), ("mor", True)]],
     ("flex", "skip_middle", False), ("flex", "mod", False)])  # Flex: a score_mod, and key masks
-def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch):
+def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, request):
     # at the paper's depth (12 layers): graph breaks and recompiles are dynamo's decisions, the
     # same on CPU and CUDA: traced here with the eager backend, dynamo told to fail where it
     # would give up (its recompile limit). Flex, CUDA's attention, has no backward on CPU: its
@@ -3289,8 +3317,9 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch):
     import torch._dynamo
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{"backend": "eager", **kw}))
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default
+    patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8)
+    patch.__enter__()  # (the default limit; not monkeypatch: see the bench test above)
+    request.addfinalizer(lambda: patch.__exit__(None, None, None))
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()

@@ -23,7 +23,8 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
   - ln g is added to the logit of the *key* j (eq. 3: g_j multiplies exp(q_i k_j)). The
     authors' code adds it on the query axis, which softmax cancels, so their attention was
     never gated: `gate_axis=query` reproduces that (no compact path: skipped tokens stay keys).
-  - ReLU in eq. 1 is clamp(z, min=0): subgradient 1 at z = 0, so `gate_init=zero` gates learn.
+  - ReLU in eq. 1 and eq. 2's clamp have subgradient 1 at their bounds (clamp_keep_grad, on
+    every torch), so `gate_init=zero` gates learn.
   - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
   - Eq. 6's tolerance applies to |deviation| (authors' code): coefficients fall as well as
     rise; beta uses it with variance targets mu*(1 - mu*); eq. 4's variance is over N (their
@@ -264,6 +265,11 @@ class Block(nn.Module):
 # "# router=NAME" in Hyperparameters, tests. A forward pass fills a trace (per-layer lists):
 # every router records "block" and "mlp", (B, T) bool, the tokens that ran the block and its MLP.
 
+def clamp_keep_grad(x: torch.Tensor, low: float, high: float = math.inf) -> torch.Tensor:
+    """clamp(x, low, high) with gradient 1 on [low, high], bounds included, on every torch
+    (2.15 made clamp's gradient 0 at a bound): eq. 1's ReLU and eq. 2 at exactly 0."""
+    return torch.where((x >= low) & (x <= high), x, x.detach().clamp(low, high))
+
 def mirror(layer: int, n_layers: int) -> int:
     """Index of the gate used by block `layer`: its own in the first half, block L-1-l's after."""
     return layer if layer < n_layers // 2 else n_layers - 1 - layer
@@ -403,10 +409,10 @@ class SkipMiddle(Router):
     def run(self, layer, block, x, trace, mask, pos=None, cache=None):
         L = self.hp.n_layers
         if layer < L // 2:
-            # eq. (1): s = ReLU(w.h + b) as clamp, so d/dz at z = 0 is 1 (module docstring)
-            s = self.gates[layer](x).float().clamp(min=0.0)[..., 0]  # (B, T)
+            # eq. (1): s = ReLU(w.h + b), d/dz at z = 0 is 1 (module docstring)
+            s = clamp_keep_grad(self.gates[layer](x).float(), 0.0)[..., 0]  # (B, T)
             trace["S"].append(s if layer == 0 else trace["S"][-1] + s)
-            trace["gates"].append(1.0 - trace["S"][-1].clamp(0.0, 1.0))  # eq. (2)
+            trace["gates"].append(1.0 - clamp_keep_grad(trace["S"][-1], 0.0, 1.0))  # eq. (2)
         else:
             trace["gates"].append(trace["gates"][mirror(layer, L)])
         g = trace["gates"][-1][..., None].type_as(x)  # (B, T, 1)
@@ -1179,8 +1185,9 @@ def compile_model(raw: GPT) -> nn.Module:
     compact each block reads its active count on the host (the packed length), which would cut
     the model's graph at every block; so each block's dense part is compiled (per mode, a graph
     per packed length, at most max_seq_len / PACK, one ungated) and the routers run eagerly."""
-    lengths = -(-raw.hp.max_seq_len // PACK)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * lengths + 2)
+    lengths, config = -(-raw.hp.max_seq_len // PACK), torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # < 2.7
+    setattr(config, limit, max(getattr(config, limit), 2 * lengths + 2))
     for block in raw.blocks:
         block.dense, block.pack = torch.compile(block.dense, dynamic=False), PACK
     return raw if raw.hp.compact else torch.compile(raw)
