@@ -9,6 +9,8 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --report=RECORD/runs.csv        # a record's table and figure again
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
+             --first_seed=S: seeds S..K-1 only, so that jobs sharing --runs split a grid (on 2
+             cores two jobs of one thread each, OMP_NUM_THREADS=1, outrun one of two threads)
 
 Each configuration of the grid trains through train_gpt.py in its own run directory under
 --runs, as a subprocess (under torchrun when --nproc_per_node > 1). A run that finished is
@@ -228,11 +230,11 @@ def check_settings(run_dir: str, args: list):
                                 f" the grid changed since; give another --runs")
 
 
-def run_grid(grid: dict, runs_dir: str, seeds: int, nproc: int) -> list:
+def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
     """Train every (configuration, seed) not finished yet. -> [(name, seed, run_dir, the
     commands that train it alone)]."""
     done = []
-    for seed in range(seeds):
+    for seed in seeds:
         for name, overrides, *expansion in grid["runs"]:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
@@ -633,6 +635,9 @@ def parser() -> support.ArgParser:
                    help="which grid of runs (default: %(default)s)")
     p.add_argument("--seeds", type=support.in_range(int, 1), default=1, metavar="K",
                    help="seeds per configuration (default: %(default)s)")
+    p.add_argument("--first_seed", type=support.in_range(int, 0), default=0, metavar="S",
+                   help="train and report seeds S to K - 1 only: one grid split over jobs that "
+                        "share --runs (default: %(default)s)")
     p.add_argument("--nproc_per_node", type=support.in_range(int, 1), default=1, metavar="N",
                    help="processes per run; above 1 under torchrun (default: %(default)s)")
     p.add_argument("--runs", type=support.path_arg, metavar="DIR",
@@ -662,7 +667,7 @@ def main(argv):
     support.writable_dir(runs_dir)
     t0 = time.time()
     try:
-        done = run_grid(grid, runs_dir, args.seeds, args.nproc_per_node)
+        done = run_grid(grid, runs_dir, range(args.first_seed, args.seeds), args.nproc_per_node)
     except Stopped as e:
         print(e, flush=True)
         return
