@@ -3248,7 +3248,7 @@ def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypa
 def test_a_training_step_and_its_router_update_read_the_device_once(router, compact, monkeypatch):
     # on a GPU every value read back to the host waits for the queued work: count the reads
     # made by train_gpt.py's own code (item, tolist, bool, float, int) in a step, the router's
-    # update and its learning-rate scales (README: what the host waits for). With compact,
+    # update and its learning-rate scales (docs/speed.md: what the host waits for). With compact,
     # each compacted block of each micro-batch reads its active count: its packed length
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):

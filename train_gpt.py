@@ -31,7 +31,7 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
     code: N - 1). `adaptive` is Table 1's gamma sign(dev) with no tolerance (theirs applies
     delta). The controller reads the global batch's statistics; each micro-step's regulariser
     its own micro-batch's.
-  - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (the README
+  - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (docs/flops.md
     relates this to the authors' estimator, ~1.9x ours at the paper's size).
   - compact=True and the KV-cached decoder weight a key with g = 0 by exactly 0, not 1e-6.
 DLO (Tan et al. 2024), `router=dlo`:
