@@ -853,6 +853,16 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
     assert code == 0 and out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
 
 
+def test_every_script_under_records_runs_on_todays_code():
+    scripts = sorted(Path(HERE).glob("records/*/*.py"))
+    assert [p.name for p in scripts] == ["memory_step.py"]  # a new one: give it a tiny run here
+    r = subprocess.run([sys.executable, str(scripts[0]), HERE, "1", "1"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and re.fullmatch(r"device_batch=1 x 1024 n_layers=1: peak RSS "
+                                              r"[\d.]+ GiB \(after building the model [\d.]+ GiB\), "
+                                              r"step [\d.]+ s\n", r.stdout), r.stderr[-2000:]
+
+
 def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
     docs = load_command("data/debian_docs.py")
     page = tmp_path / "p.html"

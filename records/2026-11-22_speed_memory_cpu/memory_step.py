@@ -19,7 +19,7 @@ sys.path.insert(0, sys.argv[1])
 import train_gpt as tg  # noqa: E402
 
 B, L = int(sys.argv[2]), int(sys.argv[3])
-hp = replace(tg.Hyperparameters(), n_layers=L, router="none", compile=False, attn_impl="sdpa")
+hp = replace(tg.Hyperparameters(), n_layers=L, router="none", attn_impl="sdpa")  # never compiled
 model = tg.GPT(hp)
 x = torch.randint(0, hp.vocab_size, (B, hp.seq_len))
 y = torch.roll(x, -1, dims=1)
