@@ -38,7 +38,8 @@ def cli(main, argv, before_error=None) -> int:
         sys.stdout.flush()
         return 0
     except KeyboardInterrupt as e:
-        status, text, ckpt = 128 + getattr(e, "signum", signal.SIGINT), "interrupted by a second signal", STOP.last_ckpt
+        status, ckpt = 128 + getattr(e, "signum", signal.SIGINT), STOP.last_ckpt
+        text = "interrupted by a second signal"
         if ckpt is None:
             return status
     except RunStopped as e:
@@ -86,7 +87,8 @@ def in_range(kind, low, high=math.inf):
     def convert(text: str):
         with contextlib.suppress(ValueError, OverflowError):
             value = kind(text)
-            if math.isfinite(value) and low <= value <= high and (kind is int or float32_safe(value)):
+            if (math.isfinite(value) and low <= value <= high
+                    and (kind is int or float32_safe(value))):
                 return value
         size = "" if kind is int else ", 0 or of float32 size"
         raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}]{size}, "
@@ -183,7 +185,8 @@ def field_facts(cls) -> dict:
             group = comment or group
         elif name := re.match(r"(\w+): \w+ = ", code):  # a field's line
             spec = SPEC.match(comment)
-            facts[name[1]] = (group, spec[0] if spec else "", comment[spec.end() if spec else 0:].strip())
+            rest = comment[spec.end() if spec else 0:].strip()
+            facts[name[1]] = (group, spec[0] if spec else "", rest)
     return facts
 
 def field_help(cls) -> list:
@@ -249,7 +252,8 @@ def kind_of(path: str) -> str:
             return "a symbolic link loop"
         if os.path.islink(path):
             return "a broken symbolic link"
-        return "nothing" if e.errno in (errno.ENOENT, errno.ENOTDIR) else (e.strerror or str(e)).lower()
+        missing = e.errno in (errno.ENOENT, errno.ENOTDIR)
+        return "nothing" if missing else (e.strerror or str(e)).lower()
 
 def need(path: str, kind: str) -> str:
     """path, if it is kind ('a file' or 'a folder'); else a UserError saying what is there."""
@@ -369,7 +373,8 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
     except UserError as e:
         raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
     except Exception as e:  # truncated, overwritten, or from an incompatible version
-        raise UserError(f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
+        raise UserError(f"{path}: corrupt or incompatible checkpoint "
+                        f"({type(e).__name__})") from None
     if missing:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
                         f"version of train_gpt.py?)")
@@ -398,7 +403,8 @@ def provenance() -> dict:
             r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=20)
             return r.stdout.strip() if r.returncode == 0 else None
     commit = git("rev-parse", "HEAD")
-    out = {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")) if commit else None}
+    dirty = bool(git("status", "--porcelain")) if commit else None
+    out = {"git_commit": commit, "git_dirty": dirty}
     for name in SOURCES:
         with open(os.path.join(HERE, name), "rb") as f:
             out[f"sha256 {name}"] = hashlib.sha256(f.read()).hexdigest()
@@ -420,7 +426,8 @@ def describe_system() -> str:
 def new_run_dir(name: str) -> str:
     """A fresh logs/<date_time>_<name>_<6 hex>/ (never shared: mkdir refuses an existing one)."""
     while True:
-        path = os.path.join("logs", f"{time.strftime('%Y-%m-%d_%H%M%S')}_{name}_{os.urandom(3).hex()}")
+        stamp = time.strftime('%Y-%m-%d_%H%M%S')
+        path = os.path.join("logs", f"{stamp}_{name}_{os.urandom(3).hex()}")
         try:
             os.makedirs(path)
             return path
@@ -529,13 +536,15 @@ class RunLog:
                     for line in f:  # what the checkpoint has seen
                         with contextlib.suppress(ValueError, KeyError, TypeError):  # cut lines
                             m = json.loads(line)
-                            if m["step"] <= (min(resumed_at, val_done) if m["kind"] == "val" else resumed_at):
+                            seen = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
+                            if m["step"] <= seen:
                                 kept.append(line)
                 record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
                 write_atomically(metrics, b"".join(kept + [record] * (record not in kept)))
             for name in SOURCES:  # in full, as they ran: the trainer's first, unmarked
                 with open(os.path.join(HERE, name)) as f:
-                    self.log.write(("" if name == SOURCES[0] else f"{'-' * 40} {name}\n") + f.read())
+                    rule = "" if name == SOURCES[0] else f"{'-' * 40} {name}\n"
+                    self.log.write(rule + f.read())
             self.metrics = open(metrics, "a")
             dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
             sources = "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
@@ -622,7 +631,8 @@ class Dist:
     @property
     def launcher(self) -> str:
         """How to start the trainer again as this job was started (for "resume with:")."""
-        return f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1 else "python train_gpt.py"
+        return (f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1
+                else "python train_gpt.py")
 
     def sync(self):
         """Wait for the device's queued work (CUDA runs asynchronously): before timing."""
@@ -651,9 +661,10 @@ class Dist:
             except Exception as e:
                 error = e
         if dist.is_initialized():
-            sent = error if error is None or isinstance(error, (UserError, OSError)) else RunStopped(
-                f"rank 0 failed ({type(error).__name__}: {error})" +
-                (f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else ""))
+            sent = error
+            if not (error is None or isinstance(error, (UserError, OSError))):
+                sent = RunStopped(f"rank 0 failed ({type(error).__name__}: {error})" + (
+                    f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else ""))
             box = [sent, result if share else None]
             dist.broadcast_object_list(box, src=0)
             if not self.master:
@@ -691,13 +702,15 @@ def all_reduce_sums(sums: dict) -> dict:
     """Each float64 tensor of a dict summed over the ranks, in one collective call."""
     import torch
     flat = all_reduce(torch.cat([t.reshape(-1) for t in sums.values()]))
-    return {k: part.view_as(t) for (k, t), part in zip(sums.items(), flat.split([t.numel() for t in sums.values()]))}
+    parts = flat.split([t.numel() for t in sums.values()])
+    return {k: part.view_as(t) for (k, t), part in zip(sums.items(), parts)}
 
 def all_finite(model, opt) -> bool:
     """Whether every weight and every optimiser moment is finite (one host sync)."""
     import torch
     tensors = [p.detach() for p in model.parameters()] + [
-        v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
+        v for state in opt.state.values() for v in state.values()
+        if torch.is_tensor(v) and v.is_floating_point()]
     return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
 def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
