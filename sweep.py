@@ -592,9 +592,10 @@ def plot(out: str, lines: list, unit: str) -> bool:
         return False
     # left: each comparison's mean difference with its 95% interval; right: validation CE, the
     # dense means joined in black, every other configuration its own colour (tab20 without its
-    # greys, 18 of them), named once in the legend
+    # greys: 18, the 9 strong ones first), named once in the legend
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
-    colours = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]
+    tab20 = plt.get_cmap("tab20").colors  # its strong colours first, then their light ones
+    colours = [tab20[i] for i in [*range(0, 20, 2), *range(1, 20, 2)] if i not in (14, 15)]
     names = [n for n in dict.fromkeys(ln["name"] for ln in lines) if not n.startswith("dense_")]
     colour = {n: colours[i % len(colours)] for i, n in enumerate(names)}
     tested = [ln for ln in lines if ln["vs"] and ln.get("lo") is not None]
