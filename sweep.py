@@ -32,7 +32,7 @@ dense run of the same grid and seed, listed before it, then trained with --resum
 """
 
 import csv
-import hashlib
+import functools
 import io
 import json
 import math
@@ -301,9 +301,10 @@ def per_document(model, device: str) -> dict:
     return dict(val_loss_tokenwise=mean, val_se=se, val_docs=n)
 
 
-def corpus_sha256(hp) -> str:
+@functools.lru_cache(maxsize=None)  # once per corpus, not per run (FineWeb's shards are ~20 GB)
+def corpus_sha256(train_files: str, val_files: str) -> str:
     return tokenize_corpus.corpus_sha256({os.path.basename(p): tokenize_corpus.sha256_of(p) for p in
-                                          find_shards(hp.train_files) + find_shards(hp.val_files)})
+                                          find_shards(train_files) + find_shards(val_files)})
 
 
 def measure(run_dir: str, device: str) -> dict:
@@ -326,7 +327,7 @@ def measure(run_dir: str, device: str) -> dict:
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
                steps=val["step"], tokens=val["step"] * hp.batch_size * hp.seq_len,
                commit=config["git_commit"] + ("+dirty" if config["git_dirty"] else ""),
-               corpus_sha256=corpus_sha256(hp), router=hp.router, n_layers=hp.n_layers,
+               corpus_sha256=corpus_sha256(hp.train_files, hp.val_files), router=hp.router, n_layers=hp.n_layers,
                params=sum(p.numel() for n, p in model.named_parameters()  # unique, outside
                           if not n.startswith(("embed.", "head."))),  # the embedding and head
                ms_per_token_masked=eval_ms_per_token(model, idx))
@@ -399,8 +400,8 @@ SLACK = 0.01  # a run up to 1% beyond the end dense point (a gated model with fe
 def frontier(points: list, envelope: bool = True):
     """points: (flops, value) of one seed's dense runs -> f(flops): their lower envelope (a dense
     point no better than a cheaper one is dropped; beyond the best point the best value holds;
-    envelope=False: every point), linear in log FLOPs between the points kept, from the cheapest dense point to the costliest,
-    SLACK beyond either end; else None (no extrapolation)."""
+    envelope=False: every point), linear in log FLOPs between the points kept, from the cheapest
+    dense point to the costliest, SLACK beyond either end; else None (no extrapolation)."""
     pts, kept = sorted((math.log(f), v) for f, v in points), []
     for x, v in pts:
         if not kept or v < kept[-1][1] or not envelope:
