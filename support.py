@@ -29,9 +29,17 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file s
 def cli(main, argv, before_error=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
     full disk, RunStopped, or a failure once a training job has a run directory (then the
-    line names STOP.last_ckpt); 128+N on signal N. At most one error line."""
+    line names STOP.last_ckpt); 128+N on signal N. At most one error line. Once it returns, a
+    signal (say, during the interpreter's shutdown) changes neither the output nor the status."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
+    try:
+        return command(main, argv, before_error)
+    finally:  # a no-op, not SIG_IGN, which the processes started later would inherit
+        for sig in SAVE_SIGNALS:
+            signal.signal(sig, lambda *_: None)
+
+def command(main, argv, before_error) -> int:
     STOP.last_ckpt = None  # (tests run several commands in one process)
     try:
         main(argv)

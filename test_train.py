@@ -865,22 +865,22 @@ def test_every_script_under_records_runs_on_todays_code():
 
 def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
     docs = load_command("data/debian_docs.py")
-    page = tmp_path / "p.html"
-    page.write_text("<html><head><title>T</title><style>p {}</style></head><body><h1>Title</h1>"
-                    "<p>One  &amp; <b>two</b>\tthree</p><script>var x = 1;</script><ul><li>a</li>"
-                    "<li>b &lt;c&gt;</li></ul><pre>  kept\n</pre>caf\u00e9</body></html>", encoding="utf-8")
-    assert docs.page_text(str(page)) == "Title\nOne & two three\na\nb <c>\nkept\ncaf\u00e9"
+    page = ("<html><head><title>T</title><style>p {}</style></head><body><h1>Title</h1>"
+            "<p>One  &amp; <b>two</b>\tthree</p><script>var x = 1;</script><ul><li>a</li>"
+            "<li>b &lt;c&gt;</li></ul><pre>  kept\n</pre>caf\u00e9</body></html>").encode()
+    assert docs.page_text(page) == "Title\nOne & two three\na\nb <c>\nkept\ncaf\u00e9"
 
 
 def fake_debian(tmp_path, apt_get: str) -> dict:
-    """PATH with an apt-get running apt_get (bash) and a dpkg-deb whose -x makes 12 pages of
-    2,000 characters, each naming its package and number, from any .deb."""
+    """PATH with an apt-get running apt_get (bash) and a dpkg-deb whose --fsys-tarfile streams
+    12 pages of 2,000 characters, each naming its package and number, from any .deb."""
     bin_ = tmp_path / "bin"
     bin_.mkdir(parents=True)
     (bin_ / "apt-get").write_text("#!/bin/bash\n" + apt_get)
     (bin_ / "dpkg-deb").write_text(
-        '#!/bin/bash\nname=$(basename "$2"); name=${name%%_*}; mkdir -p "$3/html"\n'
-        'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) > "$3/html/$i.html"; done\n')
+        '#!/bin/bash\nname=$(basename "$2"); name=${name%%_*}; t=$(mktemp -d); mkdir "$t/html"\n'
+        'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) > "$t/html/$i.html"; done\n'
+        'tar -cf - -C "$t" .; rm -r "$t"\n')
     for tool in bin_.iterdir():
         tool.chmod(0o755)
     return {"PATH": f"{bin_}:{os.environ['PATH']}"}
@@ -922,6 +922,17 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
     r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'again'}", "--unpinned"], **today)
     assert r.returncode == 2 and r.stderr.startswith(f"error: {tmp_path / 'again'} holds the pinned "
                                                      "corpus, which --unpinned would replace")
+    # a shard that is not ours in --out: refused before any download (apt-get would leave a mark)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "docs_train_000001.bin").write_bytes(b"my own")
+    marks = fake_debian(tmp_path / "c", f'touch {tmp_path}/downloaded; exit 100\n')
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'mine'}"], **marks)
+    assert r.returncode == 2 and "named like a shard of corpus 'docs'" in r.stderr, r.stderr
+    assert not (tmp_path / "downloaded").exists() and os.listdir(tmp_path / "mine") == ["docs_train_000001.bin"]
+    # SIGTERM while a package streams its pages: status 143, and the folder it made is gone
+    (tmp_path / "b" / "bin" / "dpkg-deb").write_text('#!/bin/bash\nkill -TERM $PPID; sleep 1\n')
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'sig' / 'out'}", "--unpinned"], **today)
+    assert r.returncode == 143 and r.stderr == "" and not (tmp_path / "sig").exists(), r.stderr
 
 
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
@@ -1803,6 +1814,33 @@ def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path
                 checked += 1
     assert checked > 100 and not (tmp_path / "s").exists() and not (tmp_path / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "run", "t.txt"]
+
+
+SIGNAL_HOOK = """import atexit, os, signal, sys
+sig, at = getattr(signal, os.environ["HOOK_SIGNAL"]), os.environ["HOOK_AT"]
+class Hook:  # the signal lands as the command first imports the module `at`
+    def find_spec(self, name, path=None, target=None):
+        if name == at:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), sig)
+if at == "exit":  # or once the command is over, during the interpreter's shutdown
+    atexit.register(os.kill, os.getpid(), sig)
+else:
+    sys.meta_path.insert(0, Hook())
+"""
+
+
+def test_a_signal_as_a_command_loads_numpy_or_after_it_ended_prints_no_traceback(tmp_path):
+    # every command, at a deterministic moment: numpy's import (before torch's, or during it),
+    # the first heavy import of each; or in an atexit hook, after the command returned
+    (tmp_path / "sitecustomize.py").write_text(SIGNAL_HOOK)
+    for path in ("train_gpt.py", *COMMANDS, "data/debian_docs.py"):
+        for sig, at, status in (("SIGINT", "numpy", 130), ("SIGTERM", "exit", 0)):
+            env = {**os.environ, "PYTHONPATH": str(tmp_path), "HOOK_SIGNAL": sig, "HOOK_AT": at}
+            r = subprocess.run([sys.executable, path, "--help"], cwd=HERE, env=env, timeout=120,
+                               capture_output=True, text=True)
+            assert r.returncode == status and r.stderr == "", (path, sig, at, r.returncode, r.stderr)
+            assert (r.stdout != "") == (at == "exit"), (path, at, r.stdout)
 
 
 # ---------------------------------------------------------------------------- runs that survive

@@ -27,7 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import ArgParser, UserError, cli, in_range, path_arg, writable_dir  # noqa: E402
+from support import (ArgParser, UserError, cli, exit_quietly_on_signals, in_range,  # noqa: E402
+                     path_arg, writable_dir)
+
+if __name__ == "__main__":
+    exit_quietly_on_signals()
+
 from data.shards import shard_tokens  # noqa: E402
 
 REPO = "kjj0/fineweb10B-gpt2"

@@ -5,20 +5,22 @@
     python data/debian_docs.py --unpinned            # today's versions: not the pinned corpus
 
 Downloads the .deb files of PACKAGES at their pinned versions with `apt-get download` (no root
-needed; a Debian 12 machine's package lists), checks each file's sha256 against the pin, extracts
-its HTML pages with `dpkg-deb`, strips the markup with the standard library's html.parser (the
-text of each page; scripts and styles dropped, block elements on lines of their own) and writes
-the pages as byte shards through tokenize_corpus.py (--encoding=bytes), one document per page.
-The pages are shuffled (SHUFFLE_SEED) first, so that any prefix of either split samples every
-package; every VAL_EVERY-th page is held out for validation as one excerpt of EXCERPT characters
-at a random start, so that a validation of a few hundred kB averages over hundreds of pages
-(sweep.py reports its standard error over documents). 1,938 pages: 969 training pages
-(10,913,597 bytes) and 969 validation excerpts (496,409 bytes), in about 30 s on 2 cores. The
-corpus is not committed; its shards' sha256 are (SHA256, checked at the end; the inputs' sha256
-go into the corpus's manifest). The downloads go into a temporary folder inside --out, removed
-at the end. Mirrors drop a version once it is superseded: then --debs takes the pinned files from
-a folder (snapshot.debian.org keeps every version), and --unpinned builds from the versions
-offered now, printed as NOT the pinned corpus (sweep.py's records say the same).
+needed; a Debian 12 machine's package lists), checks each file's sha256 against the pin, reads
+its HTML pages from the file tree `dpkg-deb --fsys-tarfile` streams, strips the markup with the
+standard library's html.parser (the text of each page; scripts and styles dropped, block
+elements on lines of their own) and writes the pages as byte shards through tokenize_corpus.py
+(--encoding=bytes), one document per page. The pages are shuffled (SHUFFLE_SEED) first, so that
+any prefix of either split samples every package; every VAL_EVERY-th page is held out for
+validation as one excerpt of EXCERPT characters at a random start, so that a validation of a few
+hundred kB averages over hundreds of pages (sweep.py reports its standard error over documents).
+1,938 pages: 969 training pages (10,913,597 bytes) and 969 validation excerpts (496,409 bytes),
+in about 30 s on 2 cores. The corpus is not committed; its shards' sha256 are (SHA256, checked
+at the end; the inputs' sha256 go into the corpus's manifest). Nothing is extracted to disk: the
+downloads (~18 MB) go into a temporary folder inside --out, removed at the end, on an error or a
+signal (kill -9 leaves it: .debian_docs.<random>); a shard-named file there that is not this
+corpus's is refused first. Mirrors drop a version once it is superseded: then --debs takes the
+pinned files from a folder (snapshot.debian.org keeps every version), and --unpinned builds from
+the versions offered now, printed as NOT the pinned corpus (sweep.py's records say the same).
 """
 
 import glob
@@ -31,12 +33,17 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/, no torch
-from support import (ArgParser, UserError, cli, first_missing, need, path_arg,  # noqa: E402
-                     remove_made, writable_dir)
+from support import (ArgParser, UserError, cli, exit_quietly_on_signals, first_missing,  # noqa: E402
+                     need, path_arg, remove_made, writable_dir)
+
+if __name__ == "__main__":
+    exit_quietly_on_signals()
+
 from data import tokenize_corpus  # noqa: E402
 
 PACKAGES = {  # name=version: the .deb's sha256 (Debian 12, bookworm)
@@ -78,11 +85,23 @@ class PageText(html.parser.HTMLParser):
         return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip().replace("\0", "")
 
 
-def page_text(path: str) -> str:
+def page_text(page: bytes) -> str:
     parser = PageText()
-    with open(path, encoding="utf-8", errors="replace") as f:  # (the pages are UTF-8)
-        parser.feed(f.read())
+    parser.feed(page.decode("utf-8", errors="replace"))  # (the pages are UTF-8)
     return parser.text()
+
+
+def package_pages(deb: str) -> list:
+    """The HTML pages of a .deb, in the order of their paths, read from the file tree dpkg-deb
+    streams: nothing is extracted to disk. Each page once: a link is not a page of its own (the
+    packages link folders and files to one another); hidden files are not pages."""
+    with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE) as p:
+        with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
+            pages = {m.name: tar.extractfile(m).read() for m in tar if m.isfile() and
+                     m.name.endswith(".html") and not re.search(r"/\.[^./]", m.name)}
+    if p.wait():
+        raise UserError(f"dpkg-deb --fsys-tarfile {deb} failed (status {p.returncode})")
+    return [pages[name] for name in sorted(pages)]
 
 
 def download(spec: str, sha: str, folder: str, debs: str = None, unpinned: bool = False) -> tuple:
@@ -123,6 +142,7 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
     if unpinned and pinned:
         raise UserError(f"{out} holds the pinned corpus, which --unpinned would replace; give "
                         f"another --out (and train on it with --train_files/--val_files)")
+    tokenize_corpus.Corpus(out, "docs", "bytes", check_only=True)  # now, not after the downloads
     made = first_missing(out)
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".debian_docs.", dir=out)
@@ -130,14 +150,7 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
         pages, inputs = [], {}
         for spec, sha in PACKAGES.items():
             deb, inputs[spec.split("=")[0]] = download(spec, sha, work, debs, unpinned)
-            tree = os.path.join(work, spec.split("=")[0])
-            subprocess.run(["dpkg-deb", "-x", deb, tree], check=True)
-            found = {}  # each page once: the packages link folders and files to one another
-            for path in sorted(glob.glob(os.path.join(tree, "**", "*.html"), recursive=True)):
-                real = os.path.realpath(path)
-                if real.startswith(tree + os.sep) and os.path.isfile(real):
-                    found.setdefault(real, path)
-            pages += sorted(found)
+            pages += package_pages(deb)
         rng = random.Random(SHUFFLE_SEED)
         rng.shuffle(pages)  # so that any prefix of either split samples every package
         docs = os.path.join(work, "pages.jsonl")

@@ -40,17 +40,22 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import stat
 import sys
 import tempfile
 import time
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import (ArgParser, UserError, cli, first_missing, in_range, named, need,  # noqa: E402
-                     nonempty, path_arg, remove_made, writable_dir, write_atomically)
+from support import (ArgParser, UserError, cli, exit_quietly_on_signals, first_missing,  # noqa: E402
+                     in_range, named, need, nonempty, path_arg, remove_made, writable_dir,
+                     write_atomically)
+
+if __name__ == "__main__":
+    exit_quietly_on_signals()
+
+import numpy as np  # noqa: E402
 from data.shards import (EOT, encoding, find_shards, header, read_shard,  # noqa: E402
                          shard_encoding)
 GPT2_VOCAB = 50257
@@ -91,7 +96,8 @@ class Corpus:
     folder, and the folders this created for OUT, are removed; nothing else is touched."""
     WRITER = "data/tokenize_corpus.py"
 
-    def __init__(self, out: str, name: str, enc: str = "gpt2"):
+    def __init__(self, out: str, name: str, enc: str = "gpt2", check_only: bool = False):
+        """check_only: refuse what the corpus may not replace, and write nothing (yet)."""
         if os.sep in name or name in (".", ".."):
             raise UserError(f"--name={name}: a name, not a path")
         out = os.path.abspath(out)  # a/b/../c: the folders made are the ones removed
@@ -104,6 +110,8 @@ class Corpus:
         if foreign:
             self.refuse(os.path.join(out, foreign[0]) + f" (and {len(foreign) - 1} more) is named "
                         f"like a shard of corpus {name!r}")
+        if check_only:
+            return
         self.made = first_missing(out)
         try:
             os.makedirs(out, exist_ok=True)
@@ -234,6 +242,14 @@ def documents(paths, raw: bool = False):
 _encodings = {}
 
 
+def quiet_worker():
+    """A pool worker leaves Ctrl-C and SIGUSR1 to its parent, and ends at once, without a
+    traceback, on the SIGTERM of the parent's pool.terminate()."""
+    for sig in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _encode(item):
     """Worker: (name, text or bytes, encoding) -> (name, uint16 array of [its EOT] + ids) or
     (name, error message)."""
@@ -291,7 +307,7 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0, i
                         f"a shard takes in memory are not available") from None
     fill, split = {False: 0, True: 0}, (lambda i: i % val_every == 0) if val_every else (lambda i: False)
     progress = Progress()
-    pool = mp.Pool(workers) if workers > 1 else None
+    pool = mp.Pool(workers, quiet_worker) if workers > 1 else None
     try:
         with Corpus(out, name, enc) as corpus:
             corpus.inputs = inputs
