@@ -149,7 +149,8 @@ def main(argv):
     sizes, repeats, compile_, out = args.size or [], args.repeats, args.compile, args.out
     device = args.device
     out = support.writable_dir(out or os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
-                                              "_skip_bench_" + device.split(":")[0]))
+                                              "_skip_bench_" + device.split(":")[0]),
+                               ("bench.md", "bench.json"))
     print(support.describe_system())
     print(HEADER)
     results = []
@@ -158,10 +159,10 @@ def main(argv):
         results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
-    support.write_atomically(os.path.join(out, "bench.md"), (
+    support.write_output(out, "bench.md", (
         f"    python bench.py {' '.join(argv)}\n\n{support.describe_system()}\n\n"
         f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n").encode())
-    support.write_atomically(os.path.join(out, "bench.json"), json.dumps(
+    support.write_output(out, "bench.json", json.dumps(
         dict(argv=argv, repeats=repeats, device=device, results=results), indent=1).encode())
     print(f"written to {out}")
 

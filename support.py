@@ -33,13 +33,6 @@ def cli(main, argv, before_error=None) -> int:
     signal (say, during the interpreter's shutdown) changes neither the output nor the status."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
-    try:
-        return command(main, argv, before_error)
-    finally:  # a no-op, not SIG_IGN, which the processes started later would inherit
-        for sig in SAVE_SIGNALS:
-            signal.signal(sig, lambda *_: None)
-
-def command(main, argv, before_error) -> int:
     STOP.last_ckpt = None  # (tests run several commands in one process)
     try:
         main(argv)
@@ -55,6 +48,9 @@ def command(main, argv, before_error) -> int:
     except (UserError, OSError) as e:
         ckpt, text = STOP.last_ckpt, os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
+    finally:  # a no-op, not SIG_IGN, which the processes started later would inherit
+        for sig in SAVE_SIGNALS:
+            signal.signal(sig, lambda *_: None)
     text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
     try:
         sys.stdout.flush()
@@ -74,8 +70,7 @@ def os_error_text(e: Exception) -> str:
     return f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
 
 def exit_quietly_on_signals():
-    """Before a script loads torch (seconds), a signal exits at once, 128+N, no traceback:
-    os._exit, as an exception in a half-done C-extension import may be caught and retried."""
+    """Until cli(): a signal exits at once, 128+N, no traceback (os._exit: no half-done import)."""
     for sig in SAVE_SIGNALS:
         signal.signal(sig, lambda signum, _: os._exit(128 + signum))
 
@@ -109,8 +104,7 @@ def nonempty(text: str) -> str:
         raise argparse.ArgumentTypeError("expected a non-empty value")
     return text
 
-def path_arg(text: str) -> str:
-    """A file or folder: not empty here; what is there is checked where it is used."""
+def path_arg(text: str) -> str:  # a file or folder: what is there is checked where it is used
     return nonempty(text)
 
 def check_device(name: str) -> str:
@@ -133,7 +127,6 @@ class ArgParser(argparse.ArgumentParser):
     def __init__(self, prog: str, doc: str):
         super().__init__(prog, description=doc, allow_abbrev=False,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-
     def error(self, message):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
@@ -184,8 +177,8 @@ SPEC = re.compile(r"[\[(]\s*([^,\])]+),\s*([^\])]+)[\])]|\{([^}]*)\}")  # "[0, 1
 
 @functools.lru_cache(maxsize=None)
 def field_facts(cls) -> dict:
-    """name -> (group, spec, help) for each field of dataclass cls, from its source: the comment
-    heading its block; the interval or choices (SPEC) opening its own comment, or ""; the rest."""
+    """name -> (group, spec, help) per field of dataclass cls, from its source: the comment heading
+    its block; the interval or choices opening its comment (SPEC; {NAME}: NAME's keys); the rest."""
     facts, group = {}, ""
     for line in inspect.getsource(cls).splitlines()[2:]:
         code, _, comment = (part.strip() for part in line.partition("#"))
@@ -194,7 +187,8 @@ def field_facts(cls) -> dict:
         elif name := re.match(r"(\w+): \w+ = ", code):  # a field's line
             spec = SPEC.match(comment)
             rest = comment[spec.end() if spec else 0:].strip()
-            facts[name[1]] = (group, spec[0] if spec else "", rest)
+            keys = spec and spec[3] and vars(inspect.getmodule(cls)).get(spec[3])  # {NAME}
+            facts[name[1]] = (group, "{%s}" % "|".join(keys) if keys else (spec or [""])[0], rest)
     return facts
 
 def field_help(cls) -> list:
@@ -278,12 +272,20 @@ def refuse(e: OSError, path: str, doing: str = "write to"):
     raise UserError(f"cannot {doing} {path}: {e.strerror or e}") from None
 
 PROBE_BYTES = 1 << 20
+OUTPUTS = ".outputs.json"  # in a folder a command wrote files into: {name: sha256} of each
 
-def writable_dir(path: str) -> str:
-    """Prove before any long work that folder path (or where it would be made) takes PROBE_BYTES,
-    synced (an empty file fits on a full disk), in a nameless file: nothing is left behind."""
+def writable_dir(path: str, outputs=()) -> str:
+    """Before any long work: folder path (or where it would be made) takes PROBE_BYTES, synced, in
+    a nameless file (an empty file fits on a full disk), and each of outputs there is absent or
+    a file write_output wrote, unchanged since (no user's file is replaced)."""
     if not path:
         raise UserError("expected a folder, got an empty path")
+    ours = written_outputs(path)
+    for p in (os.path.join(path, name) for name in outputs):
+        if os.path.lexists(p) and (os.path.islink(p) or ours.get(os.path.basename(p)) != (
+                sha256_of(p) if os.path.isfile(p) else "")):
+            raise UserError(f"{p} is there ({kind_of(p)}) and this command did not write it, or "
+                            f"it changed since: move it or write elsewhere; nothing was written")
     made = first_missing(path)
     existing = os.path.dirname(made) if made else os.path.abspath(path)
     if not os.path.isdir(existing):
@@ -296,6 +298,22 @@ def writable_dir(path: str) -> str:
     except OSError as e:
         refuse(e, path)
     return path
+
+def written_outputs(folder: str) -> dict:
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        with open(os.path.join(folder, OUTPUTS)) as f:
+            return {str(k): str(v) for k, v in json.load(f).items()}
+    return {}
+
+def write_output(folder: str, name: str, data: bytes):
+    """write_atomically, its sha256 recorded in folder's OUTPUTS (writable_dir may replace it)."""
+    ours = {**written_outputs(folder), name: hashlib.sha256(data).hexdigest()}
+    write_atomically(os.path.join(folder, name), data)
+    write_atomically(os.path.join(folder, OUTPUTS), json.dumps(ours, indent=1).encode())
+
+def sha256_of(path: str) -> str:
+    with open(path, "rb") as f:  # (a FineWeb shard is 200 MB)
+        return hashlib.sha256(f.read()).hexdigest()
 
 def first_missing(path: str):
     """The topmost folder that making path would create (None if path exists), for remove_made."""
@@ -412,11 +430,8 @@ def provenance() -> dict:
             return r.stdout.strip() if r.returncode == 0 else None
     commit = git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain")) if commit else None
-    out = {"git_commit": commit, "git_dirty": dirty}
-    for name in SOURCES:
-        with open(os.path.join(HERE, name), "rb") as f:
-            out[f"sha256 {name}"] = hashlib.sha256(f.read()).hexdigest()
-    return out
+    return {"git_commit": commit, "git_dirty": dirty,
+            **{f"sha256 {name}": sha256_of(os.path.join(HERE, name)) for name in SOURCES}}
 
 def describe_system() -> str:
     import numpy as np
@@ -433,23 +448,20 @@ def describe_system() -> str:
 
 def new_run_dir(name: str) -> str:
     """A fresh logs/<date_time>_<name>_<6 hex>/ (never shared: mkdir refuses an existing one)."""
-    while True:
+    while True:  # a taken name (the same second, the same 6 hex digits) draws another
         stamp = time.strftime('%Y-%m-%d_%H%M%S')
         path = os.path.join("logs", f"{stamp}_{name}_{os.urandom(3).hex()}")
         try:
-            os.makedirs(path)
-            return path
-        except FileExistsError:
-            continue
+            return os.makedirs(path) or path
         except OSError as e:
-            refuse(e, path, "create")
+            if e.errno != errno.EEXIST:
+                refuse(e, path, "create")
 
 held_locks = []  # this process's run directories, open: closing one (or exiting) releases it
 
 def lock_run_dir(run_dir: str, make: bool = True):
-    """An exclusive flock on the folder RUN_DIR itself (no file is written for it), made first
-    if make; the kernel drops it however the process ends (local file systems; some network
-    ones ignore flock)."""
+    """An exclusive flock on the folder RUN_DIR itself (made first if make; no file is written):
+    the kernel drops it however the process ends (some network file systems ignore flock)."""
     import fcntl
     try:
         if make:
@@ -525,8 +537,7 @@ def clock(train_ms: float, timed_steps: int) -> str:
 
 class RunLog:
     """train.log, config.json and metrics.jsonl (rank 0 only). Each job appends to train.log the
-    sources it runs, in full; a resume keeps the metrics its checkpoint has seen: each step is
-    there once, even after a crash."""
+    sources it runs, in full; a resume keeps the metrics its checkpoint saw, each step once."""
 
     def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
                  val_done: int = -1):
@@ -592,33 +603,29 @@ class RunLog:
 SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedulers, Slurm
 
 class StopSignal:
-    """SAVE_SIGNALS ask for a checkpoint at the next step; a second one stops at once. Re-entrant:
-    held for the whole job. After finish() (the final save) signals are ignored: status 0."""
+    """Once armed (the job can save), SAVE_SIGNALS ask for a checkpoint at the next step; before
+    that, or a second one, stops at once. Re-entrant: held for the whole job. After finish() (the
+    final save) signals are ignored: status 0."""
 
     def __init__(self):
-        self.signum, self.depth, self.previous, self.finished = 0, 0, {}, False
+        self.signum, self.depth, self.previous, self.finished, self.armed = 0, 0, {}, False, False
         self.last_ckpt = None  # a training job's last good checkpoint ("none" before its first)
-
     def __call__(self, signum, frame):
-        if self.signum:
+        if self.signum or not self.armed:
             raise Interrupted(signum)
         self.signum = signum
-
     def __enter__(self):
         if self.depth == 0:
-            self.signum, self.finished = 0, False
+            self.signum, self.finished, self.armed = 0, False, False
             self.previous = {sig: signal.signal(sig, self) for sig in SAVE_SIGNALS}
         self.depth += 1
         return self
-
     def __exit__(self, *exc):
         self.depth -= 1
         if self.depth == 0:
             for sig, handler in self.previous.items():
                 signal.signal(sig, signal.SIG_IGN if self.finished else handler)
-
-    def finish(self):
-        self.finished = True
+    def finish(self): self.finished = True
 
 STOP = StopSignal()  # handlers are installed only inside `with STOP:`
 
@@ -633,12 +640,10 @@ class Dist:
     device: str = "cpu"
 
     @property
-    def master(self):
-        return self.rank == 0
+    def master(self): return self.rank == 0
 
     @property
-    def launcher(self) -> str:
-        """How to start the trainer again as this job was started (for "resume with:")."""
+    def launcher(self) -> str:  # the trainer's command line, as this job's ("resume with:")
         return (f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1
                 else "python train_gpt.py")
 

@@ -545,7 +545,10 @@ def write_runs(out: str, rows: list):
     w = csv.DictWriter(text, RUN_KEYS, lineterminator="\n")
     w.writeheader()
     w.writerows({k: "" if r.get(k) is None else r[k] for k in RUN_KEYS} for r in rows)
-    support.write_atomically(os.path.join(out, "runs.csv"), text.getvalue().encode())
+    support.write_output(out, "runs.csv", text.getvalue().encode())
+
+
+REPORT = ("table.md", "figure.png")  # what write_report writes
 
 
 def write_report(out: str, rows: list) -> list:
@@ -577,7 +580,7 @@ def write_report(out: str, rows: list) -> list:
     per_block = ["| run | seed | zero share per block (measured) | target |", "|---|---|---|---|"]
     per_block += [f"| {r['name']} | {r['seed']} | {r['gate_zero']} | {r['target_zero']} |"
                   for r in rows if r["gate_zero"]]
-    support.write_atomically(os.path.join(out, "table.md"), (
+    support.write_output(out, "table.md", (
         "\n".join(table) + "\n\nPer gated block, the share of validation tokens with g = 0 against "
         "the controller's target (1 - mu*):\n\n" + "\n".join(per_block) + "\n").encode())
     plot(out, lines, unit)
@@ -624,7 +627,7 @@ def plot(out: str, lines: list, unit: str) -> bool:
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
-    support.write_atomically(os.path.join(out, "figure.png"), png.getvalue())
+    support.write_output(out, "figure.png", png.getvalue())
     plt.close(fig)
     return True
 
@@ -659,13 +662,15 @@ def main(argv):
     args = parser().parse_args(argv)
     if args.report:  # the table and figure again, from a record's runs.csv
         rows = read_runs(args.report)
-        out = support.writable_dir(args.out or os.path.dirname(os.path.abspath(args.report)))
+        out = support.writable_dir(args.out or os.path.dirname(os.path.abspath(args.report)),
+                                   REPORT)
         print(verdict_text(write_report(out, rows)))
         return
     grid = GRIDS[args.grid]
     runs_dir = args.runs or os.path.join("logs", f"sweep_{args.grid}")
     out = support.writable_dir(args.out or os.path.join(
-        "records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"))
+        "records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"),
+        ("runs.csv", "README.md", *REPORT))
     support.writable_dir(runs_dir)
     t0 = time.time()
     try:
@@ -687,7 +692,7 @@ def main(argv):
               f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
               f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
               f"The table: table.md. Hardware:\n\n```\n{support.describe_system()}\n```\n")
-    support.write_atomically(os.path.join(out, "README.md"), readme.encode())
+    support.write_output(out, "README.md", readme.encode())
     print(said, verdict_text(lines), sep="\n")
     print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")
 

@@ -111,7 +111,7 @@ class Rotary(nn.Module):
         cos, sin = ((self.cos[:x.size(2)], self.sin[:x.size(2)]) if pos is None  # (T, hd/2)
                     else (self.cos[pos][:, None], self.sin[pos][:, None]))  # (B, 1, T, hd/2)
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # even / odd features
-        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).type_as(x)
 
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
@@ -154,23 +154,23 @@ def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
     gqa = q.size(1) != k.size(1)
     if mask is not None:
         log_g = None if log_g is None else stored(log_g)
-        def score_mod(score, b, h, q_idx, kv_idx):
+        def mod(score, b, h, q_idx, kv_idx):  # the score_mod
             return score + log_g[b, kv_idx if axis == "key" else q_idx]
         return flex_attention_fn(compiled=q.is_cuda)(
-            q, k, v, score_mod=None if log_g is None else score_mod, block_mask=mask, enable_gqa=gqa)
+            q, k, v, score_mod=None if log_g is None else mod, block_mask=mask, enable_gqa=gqa)
     if log_g is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     T = q.size(2)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     per = log_g.float()[:, None, None, :] if axis == "key" else log_g.float()[:, None, :, None]
-    bias = torch.zeros(T, T, device=q.device).masked_fill(~causal, float("-inf")) + per  # (B, 1, T_q, T_k)
+    bias = torch.zeros(T, T, device=q.device).masked_fill(future, -math.inf) + per  # (B, 1, Tq, Tk)
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
                                           enable_gqa=gqa).type_as(q)
 
 FLEX_MIN_HEAD_DIM = 16  # Inductor's Flex kernels refuse smaller head dimensions
 
 def attention_impl(hp: "Hyperparameters", cuda: bool) -> str:
-    """attn_impl, auto resolved: Flex on CUDA (its backward needs it) at head dim >= 16, else SDPA."""
+    """attn_impl; auto: Flex on CUDA (its backward needs it) at head dim >= 16, else SDPA."""
     if hp.attn_impl != "auto":
         return hp.attn_impl
     return "flex" if cuda and hp.dim // hp.n_heads >= FLEX_MIN_HEAD_DIM else "sdpa"
@@ -180,13 +180,13 @@ class Attention(nn.Module):
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = hp.n_heads, hp.n_kv_heads, hp.dim // hp.n_heads
+        self.n_heads, self.n_kv_heads, self.gate_axis = hp.n_heads, hp.n_kv_heads, hp.gate_axis
+        self.head_dim = hp.dim // hp.n_heads
         self.wq = nn.Linear(hp.dim, hp.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(hp.n_heads * self.head_dim, hp.dim, bias=False)
         self.rotary = Rotary(self.head_dim, hp.max_seq_len, hp.rope_theta)
-        self.gate_axis = hp.gate_axis
 
     def forward(self, x, log_g, mask, pos=None, cache=None):
         """x: (B, T, d); log_g: (B, T) per position or None; pos: (B, T) positions or None.
@@ -218,9 +218,9 @@ class Block(nn.Module):
 
     def attend(self, x, g, mask, pos=None, cache=None, keys=None):
         """x + g * Norm(Attn(Norm(x))), keys weighted by `keys` (default g); g None: ungated."""
-        keys = g if keys is None else keys
-        log_g = None if keys is None else torch.log(keys.squeeze(-1).float().clamp(min=self.gate_eps))
-        y = self.attn_out(self.attn(self.attn_in(x), log_g, mask, pos, cache))  # log_g (B, T) per key
+        keys = g if keys is None else keys  # log_g below: (B, T), per key
+        log_g = None if keys is None else keys.squeeze(-1).float().clamp(min=self.gate_eps).log()
+        y = self.attn_out(self.attn(self.attn_in(x), log_g, mask, pos, cache))
         return x + (y if g is None else g * y)
 
     def mlp(self, x):  # the FFN branch, without the residual
@@ -231,9 +231,9 @@ class Block(nn.Module):
         keys = g = 0 adds nothing to its residual and is invisible as a key."""
         if compact and g is not None:
             return self.forward_compact(x, g, mask, g if keys is None else keys)
-        return self.dense(x, g, mask, pos, cache, keys)
+        return self.every_token(x, g, mask, pos, cache, keys)
 
-    def dense(self, x, g, mask, pos=None, cache=None, keys=None):
+    def every_token(self, x, g, mask, pos=None, cache=None, keys=None):
         """The block on every token of x (compile_model compiles this, shared by all blocks)."""
         x = self.attend(x, g, mask, pos, cache, keys)
         return x + (self.mlp(x) if g is None else g * self.mlp(x))
@@ -249,12 +249,12 @@ class Block(nn.Module):
         # token (g = 0, x unchanged) so that every parameter gets a gradient, zero here: under
         # DDP a rank where a block's parameters got none would stall the all-reduce
         Tc = min(T, -(-max(1, int(counts.max())) // self.pack) * self.pack)  # padded: few shapes
-        pos = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :Tc]  # (B, Tc) active first
-        valid = (torch.arange(Tc, device=x.device)[None, :] < counts[:, None])[..., None]  # (B, Tc, 1)
+        pos = (~active).to(torch.int8).argsort(dim=1, stable=True)[:, :Tc]  # (B, Tc) active first
+        valid = (torch.arange(Tc, device=x.device) < counts[:, None])[..., None]  # (B, Tc, 1)
         index = pos[..., None].expand(B, Tc, d)
         gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
         mask = None if mask is None else causal_block_mask(Tc, str(x.device))  # cached per length
-        return x.scatter(1, index, self.dense(x.gather(1, index), gc, mask, pos=pos, keys=kc))
+        return x.scatter(1, index, self.every_token(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
 # -----------------------------------------------------------------------------
 # Depth routers: which tokens run which blocks, and how that is trained and counted
@@ -285,7 +285,8 @@ class Router(nn.Module):
     means = {}  # metric -> trace key: per-layer means over tokens in train and val records
     expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
     layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
-    skips = "block"  # the trace key of what a token skips (skipview.py): "block", "mlp" (DLO), "recursion" (MoR)
+    skips = "block"  # trace key of what a token skips (skipview.py); "mlp": DLO, "recursion": MoR
+    packs_in_training = True  # compact packs tokens in training too (compile_model); DLO: no
 
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -319,9 +320,9 @@ class Router(nn.Module):
         return [1.0] * self.n_blocks(self.hp)  # per block, a factor on its (and layer_params') rate
 
     # the other hooks: what they return or do for the dense model
-    def reset_parameters(self): pass  # its own init, after the model's N(0, init_std) of every linear
+    def reset_parameters(self): pass  # its own init, after GPT's N(0, init_std) of every linear
     def layer_params(self, layer: int) -> list: return []  # its parameters at block `layer`'s rate
-    def update(self, sums, count: int, step: int): pass  # after each step: loss()'s sums, count tokens
+    def update(self, sums, count: int, step: int): pass  # after a step: loss()'s sums, count tokens
     def log_lines(self, v: dict, step: int) -> list: return []  # its lines of the validation log
     def zero_targets(self): return None  # per layer, the share of zero gates aimed at (sweep.py)
     def routing_state(self) -> dict: return {}  # state outside the parameters: checkpointed
@@ -359,34 +360,31 @@ class GateController(nn.Module):
         mu = mean_targets(hp)
         adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
         init = 0.0 if adaptive else hp.fixed_coef
-        for name, value in (("mu", mu),                  # (L,) mean targets
-                            ("var", mu * (1 - mu)),      # (L,) Bernoulli variance targets
-                            ("alpha", torch.full_like(mu, init)),
-                            ("beta", torch.full_like(mu, init if self.kind != "sparsity" else 0.0))):
-            self.register_buffer(name, value, persistent=False)
+        for name, v in (("mu", mu),                  # (L,) mean targets
+                        ("var", mu * (1 - mu)),      # (L,) Bernoulli variance targets
+                        ("alpha", torch.full_like(mu, init)),
+                        ("beta", torch.full_like(mu, init if self.kind != "sparsity" else 0.0))):
+            self.register_buffer(name, v, persistent=False)
 
     def loss(self, gates):
         """gates: (L, B, T) -> scalar; eq. (4) statistics over this micro-batch."""
         if self.kind == "none":
             return gates.new_zeros(())
-        mean = gates.mean(dim=(1, 2))
-        var = gates.var(dim=(1, 2), unbiased=False)
+        mean, var = gates.mean(dim=(1, 2)), gates.var(dim=(1, 2), unbiased=False)
         a, b, mu, tv = (t.to(gates) for t in (self.alpha, self.beta, self.mu, self.var))
-        if self.kind == "sparsity_variance_l2":
-            terms = a * (mean - mu) ** 2 + b * (var - tv) ** 2
-        else:
-            terms = a * mean + b * var
+        l2 = self.kind == "sparsity_variance_l2"
+        terms = a * (mean - mu) ** 2 + b * (var - tv) ** 2 if l2 else a * mean + b * var
         return terms.mean()  # (1/L) sum over layers
 
     def update(self, mean, var):
         """mean, var: (L,) statistics of the whole global batch, identical on every rank."""
-        for coef, dev in ((self.alpha, mean.double() - self.mu), (self.beta, var.double() - self.var)):
+        for c, dev in ((self.alpha, mean.double() - self.mu), (self.beta, var.double() - self.var)):
             if self.kind == "proportional_tol":
-                coef += self.gamma * dev * (dev.abs() > self.delta)  # eq. (6)
+                c += self.gamma * dev * (dev.abs() > self.delta)  # eq. (6)
             elif self.kind == "proportional":
-                coef += self.gamma * dev
+                c += self.gamma * dev
             elif self.kind == "adaptive":
-                coef += self.gamma * torch.sign(dev)
+                c += self.gamma * torch.sign(dev)
 
 class SkipMiddle(Router):
     """The paper's router (Sections 2.1-2.4): block l < L/2 reads s_l = ReLU(w.h + b) (eq. 1);
@@ -438,15 +436,16 @@ class SkipMiddle(Router):
 
     def loss(self, route, step):
         g = route["gates"].detach().double()
-        return self.ctrl.loss(route["gates"]), torch.stack([g.sum(dim=(1, 2)), (g * g).sum(dim=(1, 2))])
+        return self.ctrl.loss(route["gates"]), torch.stack([g.sum((1, 2)), (g * g).sum((1, 2))])
 
     def update(self, sums, count, step):
         mean = sums[0] / count
         self.ctrl.update(mean, sums[1] / count - mean * mean)
 
     def log_lines(self, v, step):
+        c = self.ctrl
         return [f"  gate_mean:{fmt_list(v['gate_mean'])}",
-                f"  alpha:{fmt_list(self.ctrl.alpha.tolist())} beta:{fmt_list(self.ctrl.beta.tolist())}"]
+                f"  alpha:{fmt_list(c.alpha.tolist())} beta:{fmt_list(c.beta.tolist())}"]
 
     @staticmethod
     def extra_flops(hp, T):
@@ -473,13 +472,13 @@ class DLO(Router):
     (1 - rho_i) of each sequence by r, rho_i from similarity labels (eqs. 5-8) and an annealed
     rate (eq. 9); in inference r >= beta / 2. Trace: "logits" hW, "scale" r (0: skipped),
     "similarity" (training) eq. 4's cosine of the MLP's input and output."""
-    skips = "mlp"
+    skips, packs_in_training = "mlp", False
     layer_modules = "routers"
 
     def __init__(self, hp):
         super().__init__(hp)
         self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(hp.n_layers))
-        # rho_{i,1}: step 1's annealed rate (the paper's rho would skip most when meant to skip least)
+        # rho_{i,1}: step 1's annealed rate (paper's rho would skip most when meant to skip least)
         self.register_buffer("rates", torch.full((hp.n_layers,), self.overall(0),
                                                  dtype=torch.float64), persistent=False)
 
@@ -501,8 +500,8 @@ class DLO(Router):
         z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
         r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
         a = block.attend(x, None, mask, pos, cache)
-        if self.training:  # the top floor((1 - rho_i) S) of each sequence by r; k a tensor: no host read
-            k = torch.floor((1 - self.rates[layer]) * x.size(1))
+        if self.training:  # the top floor((1 - rho_i) S) of each sequence by r
+            k = torch.floor((1 - self.rates[layer]) * x.size(1))  # a tensor: no host read
             order = r[..., 0].argsort(dim=1, descending=True, stable=True)  # (B, T) by rank
             first = torch.arange(x.size(1), device=x.device) < k  # (T,) per rank: in the top k
             run = torch.empty_like(order, dtype=torch.bool).scatter(
@@ -541,7 +540,7 @@ class DLO(Router):
                 labels.double().sum(dim=(1, 2))[None])
 
     def update(self, sums, count, step):
-        """eq. (8) as a skip rate (module docstring): the share of each layer's tokens labelled 0."""
+        """eq. (8) as a skip rate (module docstring): each layer's share of tokens labelled 0."""
         self.rates.copy_(1 - sums[0].double() / count)  # on the device
 
     def lr_scales(self, step):
@@ -549,7 +548,8 @@ class DLO(Router):
         return ((1 - self.rates) / (1 - self.overall(step))).tolist()  # (a host read per step)
 
     def log_lines(self, v, step):
-        return [f"  train_skip_rates:{fmt_list(self.rates.tolist())} rho_t:{self.overall(step):.3f}"]
+        return [f"  train_skip_rates:{fmt_list(self.rates.tolist())} "
+                f"rho_t:{self.overall(step):.3f}"]
 
     @staticmethod
     def extra_flops(hp, T):
@@ -570,11 +570,11 @@ class MixtureOfDepths(Router):
 
     def __init__(self, hp):
         super().__init__(hp)
-        self.routed = [layer for layer in range(hp.n_layers) if layer % hp.mod_every == hp.mod_every - 1]
+        self.routed = [i for i in range(hp.n_layers) if i % hp.mod_every == hp.mod_every - 1]
         self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in self.routed)
 
     def layer_params(self, layer):
-        return list(self.routers[self.routed.index(layer)].parameters()) if layer in self.routed else []
+        return [p for i, r in zip(self.routed, self.routers) if i == layer for p in r.parameters()]
 
     def run(self, layer, block, x, trace, mask, pos=None, cache=None):
         if layer not in self.routed:
@@ -632,7 +632,7 @@ class MixtureOfRecursions(Router):
 
     def forward(self, blocks, x, trace, mask, pos=None, cache=None):
         first, *stack, last = blocks
-        at = lambda layer: None if cache is None else (cache, layer)  # noqa: E731 (K/V per applied block)
+        at = lambda i: None if cache is None else (cache, i)  # noqa: E731 (K/V per applied block)
         x = self.resid(trace, self.run(0, first, x, trace, mask, pos, at(0)))
         active = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T)
         for r in range(self.hp.mor_recursions):
@@ -663,8 +663,8 @@ class MixtureOfRecursions(Router):
         trace["logits"].append(z)
         trace["active"].append(active)
         if self.training:  # k_r <= k_(r-1): the top k are all active
-            N = self.hp.mor_recursions
-            top = z.masked_fill(~active, -math.inf).topk(max(1, (N - r) * x.size(1) // N), dim=1).indices
+            N, T = self.hp.mor_recursions, x.size(1)
+            top = z.masked_fill(~active, -math.inf).topk(max(1, (N - r) * T // N), dim=1).indices
             chosen = torch.zeros_like(active).scatter(1, top, True)  # (B, T)
             trace["topk"].append(chosen)
         else:
@@ -675,7 +675,8 @@ class MixtureOfRecursions(Router):
         """BCE of each active token's z against its top-k membership, mean over active tokens."""
         if "topk" not in route:  # the recursive baseline, or N_r = 1: nothing is chosen
             return super().loss(route, step)
-        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float(), reduction="none")
+        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float(),
+                                                 reduction="none")
         return self.hp.mor_aux_coef * (bce * route["active"]).sum() / route["active"].sum(), None
 
     @staticmethod
@@ -690,7 +691,8 @@ class MixtureOfRecursions(Router):
         if unchosen and hp.compact:  # (recursion 0 runs every token)
             return f"compact=true: with {unchosen} every token runs everywhere"
         if unchosen and hp.mor_aux_coef != Hyperparameters.mor_aux_coef:
-            return f"mor_aux_coef={hp.mor_aux_coef} has no effect with {unchosen}: no router chooses"
+            return (f"mor_aux_coef={hp.mor_aux_coef} has no effect with {unchosen}: "
+                    f"no router chooses")
         return ""
 
     @staticmethod
@@ -701,8 +703,9 @@ ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureO
            "mor": MixtureOfRecursions}
 CONTROLLERS = {  # Table 1's controllers (GateController), and the fields each one reads
     "proportional_tol": "mu_start mu_end gamma delta", "proportional": "mu_start mu_end gamma",
-    "adaptive": "mu_start mu_end gamma", "sparsity": "fixed_coef", "sparsity_variance": "fixed_coef",
-    "sparsity_variance_l2": "mu_start mu_end fixed_coef", "none": ""}
+    "adaptive": "mu_start mu_end gamma", "sparsity": "fixed_coef",
+    "sparsity_variance": "fixed_coef", "sparsity_variance_l2": "mu_start mu_end fixed_coef",
+    "none": ""}
 
 # -----------------------------------------------------------------------------
 # The model
@@ -743,8 +746,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad.to(grad_h.dtype), (grad_w * grad).to(ctx.weight_dtype), None, None, None
+        dh, dw = ctx.saved_tensors  # forward's gradients of h and the weight, for grad = 1
+        return dh * grad.to(dh.dtype), (dw * grad).to(ctx.weight_dtype), None, None, None
 
 class GPT(nn.Module):
     def __init__(self, hp: "Hyperparameters"):
@@ -795,7 +798,8 @@ class DistributedLoader:
         for path in self.files:
             if encoding not in (None, found := shard_encoding(path)):
                 raise UserError(f"{path} holds {found} tokens, but encoding={encoding}: train a "
-                                f"{found} model on it (--encoding={found}), or give {encoding} shards")
+                                f"{found} model on it (--encoding={found}), or give "
+                                f"{encoding} shards")
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard = None
         self.reset()
@@ -813,7 +817,7 @@ class DistributedLoader:
 
     def check_position(self, state: dict):
         """A checkpoint's data position (state()) must lie in these shards (changed or edited?)."""
-        shard, pos = (state.get("shard"), state.get("pos")) if isinstance(state, dict) else (None, None)
+        shard, pos = map((state if isinstance(state, dict) else {}).get, ("shard", "pos"))
         if not (type(shard) is type(pos) is int and 0 <= shard < len(self.files) and
                 0 <= pos <= shard_tokens(self.files[shard]) - self.B * self.T * self.world - 1):
             raise UserError(f"the checkpoint's data position (shard {shard}, token {pos}) is "
@@ -891,7 +895,7 @@ class Hyperparameters:
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
-    encoding: str = "gpt2"       # {gpt2|bytes} fixed; the shards' tokens: GPT-2 BPE, or UTF-8 bytes (vocab_size=256)
+    encoding: str = "gpt2"  # {gpt2|bytes} fixed; shards: GPT-2 BPE | UTF-8 bytes (vocab_size=256)
     # model (paper Table 2)
     vocab_size: int = 50257      # [2, 65536] fixed; GPT-2 BPE
     n_layers: int = 12           # [1, inf) fixed; L, must be even when gated
@@ -905,13 +909,13 @@ class Hyperparameters:
     init_std: float = 0.02       # (0, inf) normal init of every weight matrix
     sandwich_norm: bool = True   # fixed; x + Norm(Module(Norm(x))); False: pre-norm ablation
     attn_impl: str = "auto"      # {auto|flex|sdpa} auto: flex on CUDA at head dim >= 16, else sdpa
-    router: str = "skip_middle"  # {none|skip_middle|dlo|mod|mor} fixed; depth router (ROUTERS)
+    router: str = "skip_middle"  # {ROUTERS} fixed; depth router
     compact: bool = False        # run routed blocks on the tokens that run them only (exact)
     gate_eps: float = 1e-6       # (0, 1) floor on a gate inside ln g (Section 2.2)
     # router=skip_middle: gates and sparsity control (Section 2.4)
     gate_init: str = "normal"    # {normal|zero} weights N(0, init_std), bias 0 (Section 3.1) | zero
-    gate_axis: str = "key"       # {key|query} fixed; ln g on each key's logit (eq. 3) | query (authors' code)
-    controller: str = "proportional_tol"  # {proportional_tol|proportional|adaptive|sparsity|sparsity_variance|sparsity_variance_l2|none} Table 1
+    gate_axis: str = "key"  # {key|query} fixed; ln g per key (eq. 3) | per query (authors' code)
+    controller: str = "proportional_tol"  # {CONTROLLERS} Table 1
     mu_start: float = 1.0        # [0, 1] mean-gate target at block 0
     mu_end: float = 0.5          # [0, 1] mean-gate target at block L/2 - 1, linear in between
     gamma: float = 1e-3          # [0, inf) coefficient update multiplier (eq. 6)
@@ -923,13 +927,13 @@ class Hyperparameters:
     dlo_beta: float = 2.0        # (0, inf) score r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)
     dlo_gamma: float = 0.05      # [0, inf) gamma of eq. 1
     # router=mod: Mixture-of-Depths (Raposo et al. 2024)
-    mod_capacity: float = 0.125  # (0, 1] share of each sequence that runs a routed block (paper's best)
-    mod_every: int = 2           # [1, inf) fixed; route every mod_every-th block (the paper: every other)
-    mod_aux_coef: float = 0.01   # (0, inf) BCE weight teaching r > 0 the top-k (inference's teacher)
+    mod_capacity: float = 0.125  # (0, 1] share of a sequence run by a routed block (paper's best)
+    mod_every: int = 2           # [1, inf) fixed; route every mod_every-th block (the paper: 2)
+    mod_aux_coef: float = 0.01   # (0, inf) BCE weight teaching r > 0 the top-k (for inference)
     # router=mor: Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing
-    mor_recursions: int = 3      # [1, inf) fixed; N_r: the stack of (n_layers - 2) / N_r shared blocks runs N_r times
+    mor_recursions: int = 3  # [1, inf) fixed; N_r runs of a stack of (L - 2) / N_r shared blocks
     mor_routed: bool = True      # fixed; false: the recursive baseline, every token every recursion
-    mor_aux_coef: float = 0.1    # (0, inf) BCE weight teaching z > 0 the top-k (inference's teacher)
+    mor_aux_coef: float = 0.1    # (0, inf) BCE weight teaching z > 0 the top-k (for inference)
     # optimisation (Table 2)
     lr: float = 1e-3             # (0, inf) AdamW peak learning rate, one for all parameters
     beta1: float = 0.8           # [0, 1) AdamW betas
@@ -956,11 +960,11 @@ class Job:
     run_dir: str = ""            # default: a new logs/<date_time>_<preset or run>_<hex>/
     resume: str = ""             # RUN_DIR: continue that run from its checkpoint, in place
     preset: str = ""             # {|smoke} smoke: small gated model on the embedded sample, CPU
-    stop_step: int = 0           # [0, inf) end this job after this step, with a checkpoint (0: run on)
+    stop_step: int = 0           # [0, inf) end this job after this step, checkpointed (0: run on)
     max_bad_steps: int = 0       # [0, inf) non-finite losses to skip (no update) before stopping
     compile: bool = True         # torch.compile the model (CUDA only)
     peak_flops: float = 0.0      # [0, inf) per-GPU dense bf16 peak for MFU; 0: the device's
-    untimed_steps: int = 10      # [0, inf) first steps of each job kept off the clock (compile warm-up)
+    untimed_steps: int = 10      # [0, inf) first steps of each job, off the clock (compile warm-up)
 
 PRESETS = {
     "": {},
@@ -972,7 +976,7 @@ PRESETS = {
                   val_every=20, val_tokens=4 * 128 * 8, save_every=60, compile=False,
                   lr=3e-3),  # 3x the paper's lr so the fall is plain within 120 steps
 }
-FIXED = [name for name, (_, _, help) in field_facts(Hyperparameters).items() if help.startswith("fixed;")]
+FIXED = [f for f, (_, _, help) in field_facts(Hyperparameters).items() if help.startswith("fixed;")]
 
 def usage() -> str:
     """--help: every field with its default and comment, grouped as in the dataclasses."""
@@ -983,18 +987,19 @@ def usage() -> str:
         f"presets: {', '.join(p for p in PRESETS if p)}"])
 
 def parse_overrides(argv) -> dict:
-    """--field=value pairs of Hyperparameters and Job, typed against the defaults (Job's checked)."""
+    """--field=value pairs of Hyperparameters and Job, typed as the defaults (Job's checked)."""
     given = parse_fields((Hyperparameters, Job), argv)
     check_fields(Job(**{k: v for k, v in given.items() if k in JOB}))
     return given
 
 def job_settings(given: dict) -> Job:
     """This job's settings: the defaults, then the preset's, then the given ones."""
-    return Job(**{k: v for k, v in {**PRESETS[given.get("preset", "")], **given}.items() if k in JOB})
+    merged = {**PRESETS[given.get("preset", "")], **given}
+    return Job(**{k: v for k, v in merged.items() if k in JOB})
 
 def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
     """base (the defaults, or a resumed run's), then the preset, then the given fields. Data paths
-    become absolute (a run resumes from any folder): given ones from here, others the repository's."""
+    become absolute (to resume from any folder): given ones from here, others the repository's."""
     merged = {**PRESETS[given.get("preset", "")], **given}
     hp = replace(base or Hyperparameters(), **{k: v for k, v in merged.items() if k not in JOB})
     for f in ("train_files", "val_files"):
@@ -1013,12 +1018,14 @@ def validate(hp: Hyperparameters, world: int):
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
     if hp.encoding == "bytes" and hp.vocab_size != 256:
-        raise UserError(f"encoding=bytes has 256 token ids: give vocab_size=256 (not {hp.vocab_size})")
+        raise UserError(f"encoding=bytes has 256 token ids: give vocab_size=256 "
+                        f"(not {hp.vocab_size})")
     defaults = Hyperparameters()
-    for f, (group, _, _) in field_facts(Hyperparameters).items():  # another router's knob does nothing
+    for f, (group, _, _) in field_facts(Hyperparameters).items():  # other routers' knobs do nothing
         owner = re.match(r"router=(\w+)", group)
         if owner and owner[1] != hp.router and getattr(hp, f) != getattr(defaults, f):
-            raise UserError(f"{f} sets the {owner[1]} router's behaviour; router={hp.router} has none")
+            raise UserError(f"{f} sets the {owner[1]} router's behaviour; "
+                            f"router={hp.router} has none")
     problem = ROUTERS[hp.router].check(hp)
     if problem:
         raise UserError(problem)
@@ -1033,16 +1040,21 @@ def validate(hp: Hyperparameters, world: int):
     if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
         raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
                         f"({hp.device_batch_size * hp.seq_len * world} tokens)")
-    # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments (the
-    # model's own count, on the meta device), RoPE tables, one loss chunk's fp32 logits
-    with torch.device("meta"):
-        params = sum(p.numel() for p in GPT(hp).parameters())
-    need = (16 * params + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
+    # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments, RoPE
+    # tables, one loss chunk's fp32 logits
+    need = (16 * n_weights(hp) + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
             + 8 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size)
     if need > machine_memory():
         raise UserError(f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
                         f"{machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
                         f"max_seq_len or device_batch_size)")
+
+def n_weights(hp: Hyperparameters) -> int:
+    """A lower bound on the parameter count by arithmetic, no model built (so no size overflows
+    or takes minutes): the embedding, the head, and each built block's attention and FFN."""
+    d, kv = hp.dim, hp.dim // hp.n_heads * hp.n_kv_heads
+    block = 2 * d * (d + kv) + 3 * d * hp.ffn_mult * d  # q, o, k, v; SwiGLU's three matrices
+    return 2 * hp.vocab_size * d + ROUTERS[hp.router].n_blocks(hp) * block
 
 def num_steps(hp: Hyperparameters) -> int:
     return hp.train_tokens // (hp.batch_size * hp.seq_len)
@@ -1065,7 +1077,7 @@ class RunState:
     run_id: str = ""      # names the run in config.json and its checkpoints
     step: int = 0         # [0, inf) optimiser steps done: the lr schedule is a function of it
     tokens: int = 0       # [0, inf) training tokens seen
-    train_ms: float = 0.0  # [0, inf) wall time of the timed steps of every job (see Warmup)
+    train_ms: float = 0.0  # [0, inf) wall time of the timed steps of every job (see StepClock)
     timed_steps: int = 0  # [0, inf) at most step, as bad_steps and val_done
     bad_steps: int = 0    # [0, inf) non-finite losses skipped
     val_done: int = -1    # [-1, inf) the last step whose validation is recorded
@@ -1074,7 +1086,8 @@ class RunState:
 CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
     "hp", "world_size", "model", "optimizer", "routing", "loader", "rng")
 
-def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
+def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt,
+                     loader: dict) -> dict:
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
     return {**asdict(run), "hp": asdict(hp), "world_size": world, "model": raw.state_dict(),
             "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
@@ -1140,16 +1153,14 @@ def resume_settings(given: dict) -> tuple:
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
     """A CPU batch on device; to a GPU from pinned memory without blocking the host (the
     copy is ordered before the kernels that read it on the same stream)."""
-    if device == "cpu":
-        return batch
-    return batch.pin_memory().to(device, non_blocking=True)
+    return batch if device == "cpu" else batch.pin_memory().to(device, non_blocking=True)
 
 def route_sums(route: dict, router: Router) -> dict:
     """Per-layer sums over the tokens of a forward pass, float64 (L,) per key, detached: the
     tokens that ran each block and each MLP, and the router's `means` (made means later)."""
     keys = {"block_active": "block", "mlp_active": "mlp", **router.means}
     sums = {name: route[key].detach().double().sum(dim=(1, 2)) for name, key in keys.items()}
-    n = route["block"].detach().double().sum(dim=2)  # (L, B) tokens that ran each block, per sequence
+    n = route["block"].detach().double().sum(2)  # (L, B) tokens that ran each block, per sequence
     return {**sums, "attn_pairs": (n * (n + 1) / 2).sum(dim=1)}  # their causal query-key pairs
 
 @torch.no_grad()
@@ -1164,33 +1175,33 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
         with autocast:
             _, route, resid, loss = model(x, targets=y)
         n = y.new_full((), y.numel(), dtype=torch.float64)
-        sums = add_sums(sums, {"tokens": n, "loss": loss.double() * n, "resid_norm": resid.double() * n,
-                               **route_sums(route, model.router)})
+        sums = add_sums(sums, {"tokens": n, "loss": loss.double() * n,
+                               "resid_norm": resid.double() * n, **route_sums(route, model.router)})
     sums = all_reduce_sums(sums)
     model.train()
     tokens, loss = sums.pop("tokens"), sums.pop("loss")
     pairs = (sums.pop("attn_pairs") * hp.seq_len / tokens).tolist()  # per layer, per sequence
     v = {k: (t / tokens).tolist() for k, t in sums.items()}  # per-layer means
     fwd = flops_per_token(hp, v["block_active"], v["mlp_active"], pairs)
-    return dict(val_loss=(loss / tokens).item(), sparsity=1 - sum(v["mlp_active"]) / hp.n_layers, **v,
-                attn_pairs=pairs,
-                fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
-                fwd_flops_per_token_dense=flops_per_token(replace(hp, router="none", compact=False)),
-                fwd_flops_per_seq=fwd * hp.seq_len)
+    dense = flops_per_token(replace(hp, router="none", compact=False))
+    return dict(val_loss=(loss / tokens).item(), sparsity=1 - sum(v["mlp_active"]) / hp.n_layers,
+                **v, attn_pairs=pairs, fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
+                fwd_flops_per_token_dense=dense, fwd_flops_per_seq=fwd * hp.seq_len)
 
 PACK = 128  # compiled compact blocks: packed lengths are multiples of this
 
 def compile_model(raw: GPT) -> nn.Module:
     """torch.compile where it stays compiled: without compact, the whole model, one graph. With
     compact each block reads its active count on the host (the packed length), which would cut
-    the model's graph at every block; so each block's dense part is compiled (per mode, a graph
-    per packed length, at most max_seq_len / PACK, one ungated) and the routers run eagerly."""
+    the model's graph at every block; so each block's every_token is compiled (per mode, a graph
+    per packed length, at most max_seq_len / PACK, one ungated) and the routers run eagerly. A
+    router that packs only in evaluation (DLO), which runs raw (evaluate), trains as one graph."""
     lengths, config = -(-raw.hp.max_seq_len // PACK), torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # < 2.7
     setattr(config, limit, max(getattr(config, limit), 2 * lengths + 2))
     for block in raw.blocks:
-        block.dense, block.pack = torch.compile(block.dense, dynamic=False), PACK
-    return raw if raw.hp.compact else torch.compile(raw)
+        block.every_token, block.pack = torch.compile(block.every_token, dynamic=False), PACK
+    return raw if raw.hp.compact and raw.router.packs_in_training else torch.compile(raw)
 
 def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
@@ -1199,7 +1210,7 @@ def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
 def param_groups(raw: GPT) -> list:
     """AdamW groups: everything outside the blocks, then one group per block with the router's
     parameters of that block, so that a router can scale each layer's rate (DLO eq. 10)."""
-    groups = [list(block.parameters()) + raw.router.layer_params(i) for i, block in enumerate(raw.blocks)]
+    groups = [list(b.parameters()) + raw.router.layer_params(i) for i, b in enumerate(raw.blocks)]
     inside = {id(p) for group in groups for p in group}
     rest = [p for p in raw.parameters() if id(p) not in inside]
     return [{"params": params} for params in [rest] + groups]
@@ -1216,8 +1227,8 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
     steps = num_steps(hp)
     if ckpt is not None and ckpt["step"] > steps:
         raise UserError(f"the checkpoint is at step {ckpt['step']} but these settings make "
-                        f"{steps} steps in all (train_tokens / (batch_size x seq_len)); "
-                        f"give a train_tokens of at least {ckpt['step'] * hp.batch_size * hp.seq_len}")
+                        f"{steps} steps in all (train_tokens / (batch_size x seq_len)); give a "
+                        f"train_tokens of at least {ckpt['step'] * hp.batch_size * hp.seq_len}")
     if ckpt is not None and 0 < job.stop_step <= ckpt["step"]:
         raise UserError(f"stop_step={job.stop_step} is not after the checkpoint's step "
                         f"{ckpt['step']}")
@@ -1250,44 +1261,47 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
     opt = optimizer(raw, hp)
     run = (restore(ckpt, hp, job, raw, opt, train_loader, cuda) if ckpt is not None
            else RunState(run_id=os.urandom(8).hex()))
-    start = run.step
+    start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
         print(f"the run is complete at step {start}")
         return job.run_dir
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
+    STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
+    launcher = os.getppid()  # torchrun's pid, for a worker: agreed_signal watches it
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
-    config = {**asdict(hp), "job": asdict(job), "world_size": d.world, "grad_accum": accum, "num_steps": steps,
-              "run_dir": run_dir, "device": d.device, "run_id": run.run_id, **provenance(),
-              "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
+        model = nn.parallel.DistributedDataParallel(model,
+                                                    device_ids=[d.local_rank] if cuda else None)
+    config = {**asdict(hp), "job": asdict(job), "world_size": d.world, "grad_accum": accum,
+              "num_steps": steps, "run_dir": run_dir, "device": d.device, "run_id": run.run_id,
+              **provenance(), "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
     log = open_log(d, run_dir, config, resumed_at=start if ckpt else None, val_done=run.val_done)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
-    log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} "
-              f"grad_accum:{accum} world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
+    log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} grad_accum:{accum} "
+              f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
               f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
     log.print(f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
               f"train_time and step_avg count the other steps of all jobs")
-    warmup, saved_val = Warmup(log, start, job.untimed_steps, job.compile and cuda), run.val_done
+    clock = StepClock(log, start, job.untimed_steps, job.compile and cuda)
     try:
         with STOP as stop:
             for step in range(start, steps + 1):  # at each step boundary, then the step
-                signum = agreed_signal(stop, d)
+                signum = agreed_signal(stop, d, launcher)
                 ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
-                # validate if due: every val_every steps and at the last. A signal skips it (to
-                # stop soon); the checkpoint says it is owed (val_done < step), so the resumed
-                # job runs it first
+                # validate if due: every val_every steps and at the last. A signal skips it (to stop
+                # soon); the checkpoint marks it owed (val_done < step), so a resume runs it first
                 val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
                 if val_due and not signum and run.val_done < step:
                     d.sync()
-                    log_validation(log, raw.router, evaluate(raw, hp, val_loader, d, autocast), run, steps)
-                    run.val_done = step  # (evaluate: the raw model, without DDP's hooks)
+                    v = evaluate(raw, hp, val_loader, d, autocast)  # the raw model: no DDP hooks
+                    log_validation(log, raw.router, v, run, steps)
+                    run.val_done = step
                 # save if due: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
-                if (step > start or run.val_done != saved_val) and (ending or periodic):
+                if (step > start or run.val_done != saved_val or not ckpt) and (ending or periodic):
                     save_run_checkpoint(d, run_dir, step, raw, opt, lambda: checkpoint_state(
                         run, hp, d.world, raw, opt, train_loader.state()))  # position: global
                     log.saved(step)
@@ -1307,12 +1321,12 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                 raw.router.update(stats.get("router"), stats["tokens"][0], step)
                 d.sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
-                warmup.add(run, step_ms)
+                clock.add(run, step_ms)
                 log_step(log, raw.router, hp, run, steps, stats, lrs, step_ms, peak, d.world)
-        warmup.end(run)
+        clock.end(run)
         if run.step < steps or run.val_done < run.step:
             why = f"signal {signal.Signals(signum).name}" if signum else "stop_step"
-            owed = "" if run.val_done == run.step or not val_due else " (its validation is still owed)"
+            owed = " (its validation is still owed)" if val_due and run.val_done != run.step else ""
             log.print(f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
                       f"resume with: {d.launcher} --resume={shlex.quote(run_dir)}")
         elif run.step == start:
@@ -1337,7 +1351,8 @@ def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: Di
         raw.router.load_routing_state(ckpt["routing"])
         set_rng_state(ckpt["rng"], cuda)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise UserError(f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
+        raise UserError(f"{where}: corrupt or incompatible checkpoint "
+                        f"({type(e).__name__})") from None
     routing = [t for v in raw.router.routing_state().values()  # tensors, or dicts of them
                for t in (v.values() if isinstance(v, dict) else [v])]
     if not (all_finite(raw, opt) and all(t.isfinite().all() for t in routing)):  # never saved so
@@ -1348,18 +1363,21 @@ def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: Di
     loader.restore(ckpt["loader"])
     return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
 
-def agreed_signal(stop, d: Dist) -> int:
+def agreed_signal(stop, d: Dist, launcher: int) -> int:
     """The highest signal number any rank got (0: none): every rank stops at the same step, or
-    the others would hang (a scheduler may signal some ranks only)."""
+    the others would hang (a scheduler may signal some ranks only). A worker whose launcher
+    (pid) is gone, as torchrun is on a SIGUSR1 it does not pass on, counts that as SIGHUP."""
+    signum = stop.signum or (d.world > 1 and os.getppid() != launcher) * signal.SIGHUP
     return int(all_reduce(torch.tensor(  # (one process: no collective, no copy)
-        float(stop.signum), device=d.device if d.world > 1 else "cpu"), "max"))
+        float(signum), device=d.device if d.world > 1 else "cpu"), "max"))
 
-class Warmup:
+class StepClock:
     """The clock: a job's first `untimed` steps are warm-up (compilation), logged once as such;
     train_time and step_avg count the other steps of all jobs."""
 
     def __init__(self, log: RunLog, start: int, untimed: int, compiled: bool):
-        self.log, self.start, self.untimed, self.compiled, self.ms = log, start, untimed, compiled, 0.0
+        self.log, self.start, self.untimed, self.compiled = log, start, untimed, compiled
+        self.ms = 0.0  # this job's warm-up time
 
     def add(self, run: RunState, step_ms: float):
         if run.step - self.start > self.untimed:
@@ -1392,13 +1410,13 @@ def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int):
 def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, steps: int,
              stats: dict, lrs: list, step_ms: float, peak: float, world: int):
     """The step's line of train.log and its record in metrics.jsonl (per-layer means)."""
-    count = stats["tokens"][0]
-    means = {k: [v / count for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
+    n = stats["tokens"][0]
+    means = {k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
     line = (f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
             f"{clock(run.train_ms, run.timed_steps)} "
             f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
     if peak:  # executed work: all tokens, except what compact really skips
-        active, pairs = (means["block_active"], [p * hp.seq_len / count for p in stats["attn_pairs"]]) \
+        active, pairs = (means["block_active"], [p * hp.seq_len / n for p in stats["attn_pairs"]]) \
             if hp.compact else (None, None)
         line += f" mfu:{100 * mfu(hp, step_ms / 1000, world, peak, active, pairs):.1f}%"
     log.print(line)
@@ -1412,11 +1430,11 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
     route_sums) and "router", loss()'s sums for its update, float64 left on the device."""
     for group, lr in zip(opt.param_groups, lrs):
         group["lr"] = lr
-    x_all, y_all = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
+    xs, ys = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
     sums = {}
     for micro in range(accum):
         sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
-        x, y = x_all[sl], y_all[sl]
+        x, y = xs[sl], ys[sl]
         # only the last micro-step all-reduces gradients
         no_sync = model.no_sync() if d.world > 1 and micro < accum - 1 else contextlib.nullcontext()
         with no_sync:
@@ -1447,7 +1465,7 @@ def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: i
     log.print(f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
               f"fwd_flops/token:{v['fwd_flops_per_token']:.4g} "
               f"dense:{v['fwd_flops_per_token_dense']:.4g} {clock(run.train_ms, run.timed_steps)}")
-    log.print(f"  block_active:{fmt_list(v['block_active'])} mlp_active:{fmt_list(v['mlp_active'])}")
+    log.print("  " + " ".join(f"{k}:{fmt_list(v[k])}" for k in ("block_active", "mlp_active")))
     for line in router.log_lines(v, run.step):
         log.print(line)
     log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
@@ -1459,11 +1477,11 @@ def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: i
 def main(argv):
     """One training job. Its exit status (support.cli, as every command here): 0 done, or
     stopped with a checkpoint by a signal or stop_step; 2 bad input, before anything is
-    written; 1 a failure mid-run; 130 a second signal."""
+    written; 1 a failure mid-run; 128+N signal N before the job could save, or a second one."""
     if "--help" in argv or "-h" in argv:
         print(usage())
         return
-    with STOP:  # from the start: a first signal during start-up stops before step 1
+    with STOP:  # from the start: a signal during start-up stops at once (train() arms STOP)
         given = parse_overrides(argv)
         job = job_settings(given)
         hp, ckpt = resume_settings(given) if job.resume else (resolve(given), None)

@@ -49,8 +49,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
 from support import (ArgParser, UserError, cli, exit_quietly_on_signals, first_missing,  # noqa: E402
-                     in_range, named, need, nonempty, path_arg, remove_made, writable_dir,
-                     write_atomically)
+                     in_range, named, need, nonempty, path_arg, remove_made, sha256_of,
+                     writable_dir, write_atomically)
 
 if __name__ == "__main__":
     exit_quietly_on_signals()
@@ -69,14 +69,6 @@ def shard_bytes(tokens, enc: str = "gpt2") -> bytes:
             raise UserError("token ids must fit uint16")
         tokens = tokens.astype(np.uint16)
     return header(len(tokens), enc) + tokens.tobytes()
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def corpus_sha256(shards: dict) -> str:
