@@ -33,7 +33,7 @@ def cli(main, argv, before_error=None) -> int:
     signal (say, during the interpreter's shutdown) changes neither the output nor the status."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
-    STOP.last_ckpt = None  # (tests run several commands in one process)
+    status, STOP.last_ckpt = 0, None  # (tests run several commands in one process)
     try:
         main(argv)
         sys.stdout.flush()
@@ -48,9 +48,9 @@ def cli(main, argv, before_error=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = STOP.last_ckpt, os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
-    finally:  # a no-op, not SIG_IGN, which the processes started later would inherit
+    finally:  # once it is over a signal ends the process at once, with the command's own status
         for sig in SAVE_SIGNALS:
-            signal.signal(sig, lambda *_: None)
+            signal.signal(sig, lambda *_: os._exit(status))
     text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
     try:
         sys.stdout.flush()
@@ -299,9 +299,9 @@ def writable_dir(path: str, outputs=()) -> str:
         refuse(e, path)
     return path
 
-def written_outputs(folder: str) -> dict:
+def written_outputs(d: str) -> dict:  # (a named pipe opens at once, empty: no hang)
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-        with open(os.path.join(folder, OUTPUTS)) as f:
+        with open(os.path.join(d, OUTPUTS), opener=lambda p, m: os.open(p, m | os.O_NONBLOCK)) as f:
             return {str(k): str(v) for k, v in json.load(f).items()}
     return {}
 
@@ -498,10 +498,11 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
         raise UserError(f"{path} changed while this job started (another job was using the "
                         f"run); resume again")
-    logged = logged_run_id(run_dir) if resuming else None
-    if logged is not None and logged != ckpt["run_id"]:  # another run's: its logs would be cut
+    logged = logged_run_id(run_dir) if resuming else None  # another run's: its logs would be cut
+    if resuming and logged != ckpt["run_id"] and (logged or os.path.lexists(os.path.join(
+            run_dir, "metrics.jsonl"))):  # (no config.json and no metrics: expand.py's new run)
         raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
-                        f"says {logged}); resume the run it came from")
+                        f"says {logged or 'nothing'}); resume the run it came from")
     for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)

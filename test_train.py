@@ -933,6 +933,11 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
     (tmp_path / "b" / "bin" / "dpkg-deb").write_text('#!/bin/bash\nkill -TERM $PPID; sleep 1\n')
     r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'sig' / 'out'}", "--unpinned"], **today)
     assert r.returncode == 143 and r.stderr == "" and not (tmp_path / "sig").exists(), r.stderr
+    for stream in ("", "cut"):  # a damaged .deb, as dpkg-deb streams it: one line, nothing left
+        (tmp_path / "b" / "bin" / "dpkg-deb").write_text(f'#!/bin/bash\nprintf "{stream}"\n')
+        r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'bad' / 'out'}", "--unpinned"], **today)
+        assert r.returncode == 2 and r.stderr.startswith("error: dpkg-deb --fsys-tarfile ") and \
+            r.stderr.count("\n") == 1 and not (tmp_path / "bad").exists(), r.stderr
 
 
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
@@ -2133,6 +2138,11 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
     code, out, err = run_main([f"--resume={b}"], capsys)
     assert code == 2 and out == "" and "belongs to another run" in err and err.count("\n") == 1
     assert (b / "metrics.jsonl").read_bytes() == metrics
+    (b / "config.json").unlink()  # no record of whose run this is, but a history to cut
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert code == 2 and out == "" and err.endswith("config.json says nothing); resume the run it "
+                                                    "came from\n") and err.count("\n") == 1, err
+    assert (b / "metrics.jsonl").read_bytes() == metrics and not (b / "config.json").exists()
     state = torch.load(a / "checkpoint.pt", weights_only=True)
     for change, message in [(lambda s: s["hp"].update(dim=64), "weights do not fit"),
                             (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),

@@ -1252,6 +1252,7 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
     """Train (or, given a checkpoint, go on training) and return the run directory.
     argv: the command-line arguments, for the record."""
     # setup: check everything, build the model and restore the checkpoint; then write anything
+    launcher = os.getppid()  # torchrun, for a worker: agreed_signal watches it (read first)
     check_run(hp, job, d, ckpt)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
@@ -1267,9 +1268,8 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
         return job.run_dir
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt))
-    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
-    launcher = os.getppid()  # torchrun's pid, for a worker: agreed_signal watches it
+    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(model,

@@ -96,9 +96,12 @@ def package_pages(deb: str) -> list:
     streams: nothing is extracted to disk. Each page once: a link is not a page of its own (the
     packages link folders and files to one another); hidden files are not pages."""
     with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE) as p:
-        with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
-            pages = {m.name: tar.extractfile(m).read() for m in tar if m.isfile() and
-                     m.name.endswith(".html") and not re.search(r"/\.[^./]", m.name)}
+        try:
+            with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
+                pages = {m.name: tar.extractfile(m).read() for m in tar if m.isfile() and
+                         m.name.endswith(".html") and not re.search(r"/\.[^./]", m.name)}
+        except tarfile.TarError as e:  # a cut or empty stream: dpkg-deb failed, or a bad .deb
+            raise UserError(f"dpkg-deb --fsys-tarfile {deb}: {e} (a damaged .deb?)") from None
     if p.wait():
         raise UserError(f"dpkg-deb --fsys-tarfile {deb} failed (status {p.returncode})")
     return [pages[name] for name in sorted(pages)]
