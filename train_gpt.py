@@ -1042,7 +1042,8 @@ def validate(hp: Hyperparameters, world: int):
                         f"({hp.device_batch_size * hp.seq_len * world} tokens)")
     # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments, RoPE
     # tables, one loss chunk's fp32 logits
-    need = (16 * n_weights(hp) + 4 * hp.n_layers * hp.max_seq_len * hp.dim // hp.n_heads
+    blocks = ROUTERS[hp.router].n_blocks(hp)  # built (MoR's fewer than n_layers), each a RoPE table
+    need = (16 * n_weights(hp) + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
             + 8 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size)
     if need > machine_memory():
         raise UserError(f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
