@@ -9,12 +9,12 @@
 #
 # Stages (estimated seconds on one H100, until measured; summary.txt grows as they finish):
 #   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)  60
-#   tests    the CUDA tests of test_train.py                                              240
-#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)   120
 #   paper_none, paper_skip_middle
 #            the paper configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16),
-#            40 steps each; run folders outside the record (no 2.3 GB checkpoint in it), their
-#            logs copied in                                                           180 each
+#            40 steps each, first: a compiled run that does not learn makes the rest moot; run
+#            folders outside the record (no 2.3 GB checkpoint in it), logs copied in  180 each
+#   tests    the CUDA tests of test_train.py                                              240
+#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)   120
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks           300
 #   gpu1     sweep.py --grid=gpu1 in pieces: each call trains until its budget is spent, then
 #            SIGTERM makes the run in flight save; the next call goes on (~25 min in all)
@@ -105,10 +105,10 @@ paper_run() {  # paper_run ROUTER: the global batch is one device batch (the sam
 }
 
 stage env 60 env_check
+stage paper_none 180 paper_run none  # learning first: both losses must fall
+stage paper_skip_middle 180 paper_run skip_middle
 stage tests 240 python -m pytest -q test_train.py -k cuda -rs
 stage ddp 120 ddp_run
-stage paper_none 180 paper_run none
-stage paper_skip_middle 180 paper_run skip_middle
 stage bench 300 python bench.py --size=paper --device=cuda --compile=1 --out="$out/bench"
 
 # the checks end here (estimated 18 min, 3 calls); the gpu1 grid is a result, not a check:

@@ -26,11 +26,10 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
   - ReLU in eq. 1 and eq. 2's clamp have subgradient 1 at their bounds (clamp_keep_grad, on
     every torch), so `gate_init=zero` gates learn.
   - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
-  - Eq. 6's tolerance applies to |deviation| (authors' code): coefficients fall as well as
-    rise; beta uses it with variance targets mu*(1 - mu*); eq. 4's variance is over N (their
-    code: N - 1). `adaptive` is Table 1's gamma sign(dev) with no tolerance (theirs applies
-    delta). The controller reads the global batch's statistics; each micro-step's regulariser
-    its own micro-batch's.
+  - Eq. 6's tolerance applies to |deviation| (authors' code): coefficients fall as well as rise;
+    beta uses it with variance targets mu*(1 - mu*); eq. 4's variance is over N (their code: N - 1).
+    `adaptive` is Table 1's gamma sign(dev) with no tolerance (theirs applies delta). The controller
+    reads the global batch's statistics; each micro-step's regulariser its own micro-batch's.
   - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (docs/flops.md
     relates this to the authors' estimator, ~1.9x ours at the paper's size).
   - compact=True and the KV-cached decoder weight a key with g = 0 by exactly 0, not 1e-6.
@@ -712,9 +711,9 @@ CONTROLLERS = {  # Table 1's controllers (GateController), and the fields each o
 
 class Output(NamedTuple):
     logits: torch.Tensor  # (B, T, V) fp32; None when the loss was asked for instead
+    loss: torch.Tensor    # mean cross-entropy against the targets, when given
     route: dict           # the trace stacked: "block", "mlp" (L, B, T) bool and the router's own
     resid: torch.Tensor   # (L,) mean L2 norm of the residual after each block (eval only)
-    loss: torch.Tensor = None  # mean cross-entropy against the targets, when given
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of h W^T against targets, `rows` rows at a time: the (N, V) logits and
@@ -775,13 +774,16 @@ class GPT(nn.Module):
         x = self.router(self.blocks, self.embed_norm(self.embed(idx)), trace, mask, pos, cache)
         route = {k: torch.stack(v) for k, v in trace.items()}
         resid = route.pop("resid", None)
+        return Output(*self.readout(x, targets), route, resid)
+
+    def readout(self, x, targets=None):  # -> (logits, None), or with targets (None, loss)
         h = self.head_norm(x)
         if targets is None:
-            return Output(self.head(h).float(), route, resid)
+            return self.head(h).float(), None
         h, weight = h.flatten(0, 1), self.head.weight
         grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         total = LinearCrossEntropy.apply(h, weight, targets.flatten(), self.hp.loss_rows, grads)
-        return Output(None, route, resid, total / targets.numel())
+        return None, total / targets.numel()
 
 # -----------------------------------------------------------------------------
 # Data: modded-nanogpt shards, in order, one global batch per step (format: data/shards.py)
@@ -1174,7 +1176,7 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     for _ in range(hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)):
         x, y = (to_device(t, d.device) for t in loader.next_batch())
         with autocast:
-            _, route, resid, loss = model(x, targets=y)
+            _, loss, route, resid = model(x, targets=y)
         n = y.new_full((), y.numel(), dtype=torch.float64)
         sums = add_sums(sums, {"tokens": n, "loss": loss.double() * n,
                                "resid_norm": resid.double() * n, **route_sums(route, model.router)})
@@ -1194,14 +1196,16 @@ PACK = 128  # compiled compact blocks: packed lengths are multiples of this
 def compile_model(raw: GPT) -> nn.Module:
     """torch.compile where it stays compiled: without compact, the whole model, one graph. With
     compact each block reads its active count on the host (the packed length), which would cut
-    the model's graph at every block; so each block's every_token is compiled (per mode, a graph
-    per packed length, at most max_seq_len / PACK, one ungated) and the routers run eagerly. A
-    router that packs only in evaluation (DLO), which runs raw (evaluate), trains as one graph."""
+    the model's graph at every block; so each block's every_token (per mode, a graph per packed
+    length, at most max_seq_len / PACK, one ungated) and the head (readout: eagerly its matmuls on
+    the odd vocabulary ran at half speed on an H100) are compiled, the routers eager. DLO, which
+    packs only in evaluation (run raw: evaluate), trains as one graph."""
     lengths, config = -(-raw.hp.max_seq_len // PACK), torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # < 2.7
     setattr(config, limit, max(getattr(config, limit), 2 * lengths + 2))
     for block in raw.blocks:
         block.every_token, block.pack = torch.compile(block.every_token, dynamic=False), PACK
+    raw.readout = torch.compile(raw.readout)
     return raw if raw.hp.compact and raw.router.packs_in_training else torch.compile(raw)
 
 def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
@@ -1219,12 +1223,11 @@ def param_groups(raw: GPT) -> list:
 def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
     """Refuse settings that cannot train here, before anything is written."""
     validate(hp, d.world)
-    if hp.attn_impl == "flex" and hp.dim // hp.n_heads < FLEX_MIN_HEAD_DIM:
-        raise UserError(f"attn_impl=flex needs a head dimension of at least {FLEX_MIN_HEAD_DIM} "
-                        f"(dim / n_heads = {hp.dim // hp.n_heads}); use auto or sdpa")
-    if hp.attn_impl == "flex" and not d.device.startswith("cuda"):
-        raise UserError("attn_impl=flex cannot train on CPU (FlexAttention has no CPU "
-                        "backward); use auto or sdpa")
+    hd = hp.dim // hp.n_heads
+    if hp.attn_impl == "flex" and not (d.device.startswith("cuda") and hd >= FLEX_MIN_HEAD_DIM):
+        raise UserError(f"attn_impl=flex trains on CUDA only (FlexAttention has no CPU backward), "
+                        f"at a head dimension of at least {FLEX_MIN_HEAD_DIM}; here {d.device} and "
+                        f"dim / n_heads = {hd}: use auto or sdpa")
     steps = num_steps(hp)
     if ckpt is not None and ckpt["step"] > steps:
         raise UserError(f"the checkpoint is at step {ckpt['step']} but these settings make "
@@ -1382,12 +1385,11 @@ class StepClock:
 
     def add(self, run: RunState, step_ms: float):
         if run.step - self.start > self.untimed:
-            run.train_ms += step_ms
-            run.timed_steps += 1
-            return
-        self.ms += step_ms
-        if run.step - self.start == self.untimed:
-            self.report(run)
+            run.train_ms, run.timed_steps = run.train_ms + step_ms, run.timed_steps + 1
+        else:
+            self.ms += step_ms
+            if run.step - self.start == self.untimed:
+                self.report(run)
 
     def end(self, run: RunState):
         if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
@@ -1467,9 +1469,8 @@ def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: i
               f"fwd_flops/token:{v['fwd_flops_per_token']:.4g} "
               f"dense:{v['fwd_flops_per_token_dense']:.4g} {clock(run.train_ms, run.timed_steps)}")
     log.print("  " + " ".join(f"{k}:{fmt_list(v[k])}" for k in ("block_active", "mlp_active")))
-    for line in router.log_lines(v, run.step):
+    for line in router.log_lines(v, run.step) + [f"  resid_norm:{fmt_list(v['resid_norm'])}"]:
         log.print(line)
-    log.print(f"  resid_norm:{fmt_list(v['resid_norm'])}")
     log.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
 
 # -----------------------------------------------------------------------------
