@@ -3,39 +3,55 @@
 # Each call runs the stages not done yet that fit in its time budget (default 450 s, so a call
 # stays under 8 minutes), then stops; a stage whose output exists is skipped. Needs a CUDA
 # machine with torch, numpy, tiktoken, huggingface_hub and pytest, and a C compiler and the
-# Python headers (torch.compile builds kernels at run time); no network (the embedded sample).
+# Python headers (torch.compile builds kernels at run time); no network: the embedded sample, and
+# the byte corpus carried for the grid.
 #
 #     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
-# Stages (estimated seconds on one H100, until measured; summary.txt grows as they finish):
-#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)  60
+# Stages (seconds on one H100, measured 2026-11-25; summary.txt grows as they finish):
+#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   40
 #   paper_none, paper_skip_middle
-#            the paper configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16),
-#            40 steps each, first: a compiled run that does not learn makes the rest moot; run
-#            folders outside the record (no 2.3 GB checkpoint in it), logs copied in  180 each
-#   tests    the CUDA tests of test_train.py                                              240
-#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)   120
-#   bench    bench.py --size=paper --compile=1: masked against compacted blocks           300
-#   gpu1     sweep.py --grid=gpu1 in pieces: each call trains until its budget is spent, then
-#            SIGTERM makes the run in flight save; the next call goes on (~25 min in all)
+#            first, as a compiled run that does not learn makes the rest moot: the paper
+#            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
+#            failing unless the last validation loss is under 0.9 x the first training loss;
+#            run folders outside the record (a 2.3 GB checkpoint), logs copied in          60 each
+#   tests    the CUDA tests of test_train.py (compiled = eager at dim 256, Flex with ln g) 170
+#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)       55
+#   bench    bench.py --size=paper --compile=1: masked against compacted blocks          145
+#   grid     sweep.py --grid=bytes_core --seeds=GPU_CHECK_SEEDS (default 5) on the byte corpus,
+#            which travels (22 MB: build data/debian_docs here, python data/debian_docs.py,
+#            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid); in
+#            pieces: each call trains until its budget is spent, then SIGTERM makes the run
+#            in flight save and the next call goes on (time on a GPU not yet measured)
+# GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size and on the embedded sample's grid
+# (test_train.py runs it so).
 set -uo pipefail
 cd "$(dirname "$0")"
 if ! python -c "import torch" 2>/dev/null; then
     echo "error: \`python\` cannot import torch: put the Python that holds it first on PATH" >&2
     exit 2
 fi
-if ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    echo "error: no CUDA device visible to torch" >&2
+tiny=()  # a dry run's sizes, after the checks' own (the last of a field wins)
+bench=(--size=paper --device=cuda --compile=1)
+grid=(--grid=bytes_core --seeds="${GPU_CHECK_SEEDS:-5}")
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
+    gpu=cpu_dry_run bench=(--size=smoke --device=cpu --repeats=1) grid=(--grid=cpu --seeds=1)
+    tiny=(--n_layers=2 --dim=32 --n_heads=2 --n_kv_heads=2 --max_seq_len=64 --seq_len=64
+          --batch_size=8 --device_batch_size=8 --train_tokens=$((30 * 8 * 64)) --val_tokens=512
+          --untimed_steps=1 --lr=3e-3)
+elif ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "error: no CUDA device visible to torch (GPU_CHECK_DRY_RUN=1: a dry run on CPU)" >&2
     exit 2
+else
+    gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 fi
-gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 out=${1:-records/$(date +%F)_gpu_check_$gpu}
 budget=${GPU_CHECK_SECONDS:-450}
 if ! mkdir -p "$out"; then
     echo "error: cannot create $out" >&2
     exit 2
 fi
-export OMP_NUM_THREADS=8
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 ran=0
 
 stage() {  # stage NAME ESTIMATE_S COMMAND...: run it unless done, if it fits in what is left
@@ -55,23 +71,24 @@ stage() {  # stage NAME ESTIMATE_S COMMAND...: run it unless done, if it fits in
 }
 
 summary_of() {  # one stage's figures for summary.txt
+    local log=$out/$1/train.log
     case $1 in
         tests) echo "; $(tail -1 "$out/tests.txt")" ;;
-        paper_*) echo "; $(grep -h '^step:40/40 train' "$out/$1/train.log" | grep -o 'step_avg.*')" \
-                      "$(grep -h '^peak memory' "$out/$1/train.log");" \
-                      "$(grep -h '^step:1/40 train' "$out/$1/train.log" | grep -o 'train_loss:[0-9.]*')" \
-                      "-> $(grep -h '^step:40/40 val' "$out/$1/train.log" | grep -o 'val_loss:[0-9.]*')" ;;
+        paper_*) echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
+                      "$(grep -h '^peak memory' "$log");" \
+                      "$(grep -h '^step:1/.* train_loss' "$log" | grep -o 'train_loss:[0-9.]*')" \
+                      "-> $(grep -h '^step:.* val_loss' "$log" | tail -1 | grep -o 'val_loss:[0-9.]*')" ;;
         *) ;;
     esac
 }
 
 env_check() {
-    nvidia-smi
+    if [ -z "${tiny[*]}" ]; then nvidia-smi; fi
     python -c "import torch, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda)"
     python -c "
 import torch
 f = torch.compile(lambda x: torch.sin(x) * 2)
-x = torch.randn(1024, device='cuda')
+x = torch.randn(1024, device='cuda' if torch.cuda.is_available() else 'cpu')
 assert torch.allclose(f(x), torch.sin(x) * 2)
 print('torch.compile: ok')"
 }
@@ -85,7 +102,7 @@ ddp_run() {  # a small gated, compacted model under torchrun: launcher, NCCL, co
     torchrun --standalone --nproc_per_node=1 train_gpt.py --router=skip_middle --compact=true \
         "${sample[@]}" --n_layers=4 --dim=256 --n_heads=4 --n_kv_heads=4 --max_seq_len=256 --seq_len=256 --batch_size=16 \
         --device_batch_size=8 --train_tokens=$((30 * 16 * 256)) --val_every=10 \
-        --val_tokens=8192 --save_every=10 --untimed_steps=5 --run_dir="$run/run"
+        --val_tokens=8192 --save_every=10 --untimed_steps=5 --run_dir="$run/run" "${tiny[@]}"
     local status=$?
     mkdir -p "$out/ddp" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/ddp/"
     rm -rf "$run"  # made by mktemp above: only this stage's run folder
@@ -97,40 +114,48 @@ paper_run() {  # paper_run ROUTER: the global batch is one device batch (the sam
     run=$(mktemp -d) || return 1
     python train_gpt.py --router="$1" "${sample[@]}" --batch_size=32 --device_batch_size=32 \
         --train_tokens=$((40 * 32 * 1024)) --val_every=0 --val_tokens=32768 --save_every=0 \
-        --untimed_steps=10 --run_dir="$run/run"
+        --untimed_steps=10 --run_dir="$run/run" "${tiny[@]}"
     local status=$?
     mkdir -p "$out/paper_$1" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/paper_$1/"
     rm -rf "$run"  # made by mktemp above: only this stage's run folder
-    return $status
+    (( status )) && return $status
+    python - "$out/paper_$1/metrics.jsonl" <<'EOF'  # it learns: the loss falls by 10% at least
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+first = next(r["train_loss"] for r in records if r["kind"] == "train")
+last = [r["val_loss"] for r in records if r["kind"] == "val"][-1]
+print(f"step 1 training loss {first:.4f}, last validation loss {last:.4f}")
+sys.exit(0 if last < 0.9 * first else "error: the loss did not fall by 10%: not learning")
+EOF
 }
 
 stage env 60 env_check
-stage paper_none 180 paper_run none  # learning first: both losses must fall
-stage paper_skip_middle 180 paper_run skip_middle
+stage paper_none 120 paper_run none  # learning first: both losses must fall
+stage paper_skip_middle 120 paper_run skip_middle
 stage tests 240 python -m pytest -q test_train.py -k cuda -rs
 stage ddp 120 ddp_run
-stage bench 300 python bench.py --size=paper --device=cuda --compile=1 --out="$out/bench"
+stage bench 240 python bench.py "${bench[@]}" --out="$out/bench"
 
-# the checks end here (estimated 18 min, 3 calls); the gpu1 grid is a result, not a check:
-# it trains until the budget is spent; SIGTERM lets the run in flight save, and sweep.py then
-# stops with status 0; done once it has written its record
+# the checks end here (about 10 min, 2 calls); the grid is a result, not a check: it trains
+# until the budget is spent; SIGTERM lets the run in flight save, and sweep.py then stops with
+# status 0; done once it has written its record
 if [ ! -e "$out/checks.done" ]; then
     echo "checks: finished (exit status of each stage above)" | tee -a "$out/summary.txt"
     touch "$out/checks.done"
 fi
-if [ ! -e "$out/gpu1/results.csv" ]; then
+if [ ! -e "$out/grid/runs.csv" ]; then
     left=$((budget - SECONDS))
-    if (( left < 120 )); then
-        echo "next: gpu1 grid; run 'bash gpu_check.sh $out' again"
+    if (( left < 30 )); then
+        echo "next: the grid; run 'bash gpu_check.sh $out' again"
         exit 0
     fi
-    echo "== gpu1 grid, for up to $left s"
-    timeout --signal=TERM --kill-after=30 "$left" python sweep.py --grid=gpu1 \
-        --runs="logs/gpu_check_gpu1" --out="$out/gpu1" >> "$out/gpu1.txt" 2>&1
-    if [ -e "$out/gpu1/results.csv" ]; then
-        echo "gpu1: done; $(tail -1 "$out/gpu1.txt")" | tee -a "$out/summary.txt"
+    echo "== grid (${grid[*]}), for up to $left s"
+    timeout --signal=TERM --kill-after=30 "$left" python sweep.py "${grid[@]}" \
+        --runs="${GPU_CHECK_RUNS:-logs/gpu_check_grid}" --out="$out/grid" >> "$out/grid.txt" 2>&1
+    if [ -e "$out/grid/runs.csv" ]; then
+        echo "grid: done; $(tail -1 "$out/grid.txt")" | tee -a "$out/summary.txt"
     else
-        echo "gpu1: $(tail -1 "$out/gpu1.txt"); run 'bash gpu_check.sh $out' again"
+        echo "grid: $(tail -1 "$out/grid.txt"); run 'bash gpu_check.sh $out' again"
         exit 0
     fi
 fi

@@ -863,6 +863,37 @@ def test_every_script_under_records_runs_on_todays_code():
                                               r"step [\d.]+ s\n", r.stdout), r.stderr[-2000:]
 
 
+def test_gpu_check_dry_runs_every_stage_on_cpu_in_resumed_pieces(tmp_path):
+    # GPU_CHECK_DRY_RUN=1: gpu_check.sh on CPU at a tiny size. A budget of 1 s runs one stage a
+    # call (a call's first stage always runs): six calls, each going on from the last, each
+    # stage once; then the grid, cut by its budget, stops its run in flight for the next call
+    out, runs = tmp_path / "check", tmp_path / "runs"
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "GPU_CHECK_RUNS": str(runs),
+           "OMP_NUM_THREADS": "2", "GPU_CHECK_SECONDS": "1"}
+    stages = ["env", "paper_none", "paper_skip_middle", "tests", "ddp", "bench"]
+    said = []
+    for stage in stages + ["checks"]:
+        r = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), str(out)], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        said.append(r.stdout)
+    for stage, stdout in zip(stages, said):
+        assert stdout.startswith(f"== {stage} (") and "run 'bash gpu_check.sh" in stdout, stdout
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary] == stages + ["checks"], summary
+    assert all(": exit 0," in line for line in summary[:-1]), summary
+    learned = (out / "paper_none.txt").read_text().splitlines()[-1].split()
+    assert learned[:4] == ["step", "1", "training", "loss"]  # the stage's learning check
+    assert float(learned[-1]) < 0.9 * float(learned[4].rstrip(","))
+    assert said[-1].endswith("next: the grid; run 'bash gpu_check.sh " + str(out) + "' again\n")
+    r = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), str(out)], capture_output=True,
+                       env={**env, "GPU_CHECK_SECONDS": "45"}, text=True, timeout=300)
+    assert r.returncode == 0 and "run 'bash gpu_check.sh" in r.stdout, r.stdout + r.stderr
+    grid = (out / "grid.txt").read_text()  # (the run in flight saved, or was starting)
+    assert "sweep stopped by SIGTERM" in grid and "run the same command again" in grid, grid
+    assert any(runs.iterdir())
+    assert not (out / "grid" / "runs.csv").exists() and len(summary) == 7
+
 def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
     docs = load_command("data/debian_docs.py")
     page = ("<html><head><title>T</title><style>p {}</style></head><body><h1>Title</h1>"
