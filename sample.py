@@ -97,7 +97,7 @@ def main(argv):
     device = args.device
     model = tg.load_model(args.run_dir, device)
     hp = model.hp
-    enc = encoding(hp.encoding)  # the run's: GPT-2 BPE, or UTF-8 bytes
+    enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
     if len(prompt) >= hp.max_seq_len:
         raise support.UserError(f"the prompt is {len(prompt)} tokens; the model's context holds "

@@ -1725,14 +1725,19 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
     run = tmp_path / "run"
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
-    a_file, text = tmp_path / "a_file", tmp_path / "t.txt"
+    a_file, text, edited = tmp_path / "a_file", tmp_path / "t.txt", tmp_path / "edited"
     a_file.write_text("x")
     text.write_text("some text")
+    shutil.copytree(run, edited)  # its checkpoint edited to the other encoding (the same shapes)
+    ckpt = torch.load(edited / "checkpoint.pt", weights_only=True)
+    torch.save({**ckpt, "hp": {**ckpt["hp"], "encoding": "bytes"}}, edited / "checkpoint.pt")
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
     cases = [
         (sample.main, [str(run), "--prompt=" + "word " * 40], "context holds 32, so no token could follow"),
         (sample.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
         (sample.main, [str(tmp_path / "none")], "none: no such folder"),
+        (sample.main, [str(edited)], "vocab_size=50257 cannot use encoding=bytes (256 token ids)"),
+        (skipview.main, [str(edited), f"--out={tmp_path}/e.html"], "cannot use encoding=bytes"),
         (sample.main, [], "the following arguments are required: RUN_DIR"),
         (bench.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
         (sweep.main, [f"--out={a_file}"], f"cannot write to {a_file}"),

@@ -109,9 +109,16 @@ class ByteEncoding:
         return bytes(ids)
 
 
-def encoding(name: str):
-    """The tokenizer of an encoding name in ENCODINGS: tiktoken's GPT-2 BPE, or ByteEncoding."""
-    return ByteEncoding() if name == "bytes" else gpt2_encoding()
+def encoding(name: str, vocab_size: int = None):
+    """The tokenizer of an encoding name in ENCODINGS: tiktoken's GPT-2 BPE, or ByteEncoding.
+    With a model's vocab_size, a UserError unless the two fit: every id the tokenizer makes has
+    a row in the model, and a byte model makes only bytes (a checkpoint edited to the other
+    encoding would otherwise fail inside the model or the decoder)."""
+    enc = ByteEncoding() if name == "bytes" else gpt2_encoding()
+    if vocab_size is not None and (vocab_size < enc.n_vocab or name == "bytes" and vocab_size > 256):
+        raise UserError(f"a model with vocab_size={vocab_size} cannot use encoding={name} "
+                        f"({enc.n_vocab} token ids): is its checkpoint edited?")
+    return enc
 
 
 def gpt2_encoding():
