@@ -20,7 +20,7 @@
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks          145
 #   grid     sweep.py --grid=bytes_core --seeds=GPU_CHECK_SEEDS (default 5) on the byte corpus,
 #            which travels (22 MB: build data/debian_docs here, python data/debian_docs.py,
-#            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid); in
+#            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid_<gpu>); in
 #            pieces: each call trains until its budget is spent, then SIGTERM makes the run
 #            in flight save and the next call goes on (time on a GPU not yet measured)
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size and on the embedded sample's grid
@@ -36,6 +36,7 @@ bench=(--size=paper --device=cuda --compile=1)
 grid=(--grid=bytes_core --seeds="${GPU_CHECK_SEEDS:-5}")
 if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
     gpu=cpu_dry_run bench=(--size=smoke --device=cpu --repeats=1) grid=(--grid=cpu --seeds=1)
+    export CUDA_VISIBLE_DEVICES=  # on CPU even where there is a GPU
     tiny=(--n_layers=2 --dim=32 --n_heads=2 --n_kv_heads=2 --max_seq_len=64 --seq_len=64
           --batch_size=8 --device_batch_size=8 --train_tokens=$((30 * 8 * 64)) --val_tokens=512
           --untimed_steps=1 --lr=3e-3)
@@ -151,9 +152,14 @@ if [ ! -e "$out/grid/runs.csv" ]; then
     fi
     echo "== grid (${grid[*]}), for up to $left s"
     timeout --signal=TERM --kill-after=30 "$left" python sweep.py "${grid[@]}" \
-        --runs="${GPU_CHECK_RUNS:-logs/gpu_check_grid}" --out="$out/grid" >> "$out/grid.txt" 2>&1
+        --runs="${GPU_CHECK_RUNS:-logs/gpu_check_grid_$gpu}" --out="$out/grid" \
+        >> "$out/grid.txt" 2>&1
+    status=$?  # 124, 137: cut by the budget (the run in flight saved, or was starting)
     if [ -e "$out/grid/runs.csv" ]; then
         echo "grid: done; $(tail -1 "$out/grid.txt")" | tee -a "$out/summary.txt"
+    elif (( status != 124 && status != 137 )); then
+        echo "grid: failed (exit $status): $(tail -1 "$out/grid.txt")" | tee -a "$out/summary.txt"
+        exit 1
     else
         echo "grid: $(tail -1 "$out/grid.txt"); run 'bash gpu_check.sh $out' again"
         exit 0
