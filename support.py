@@ -300,9 +300,12 @@ def writable_dir(path: str, outputs=()) -> str:
     return path
 
 def written_outputs(d: str) -> dict:  # (a named pipe opens at once, empty: no hang)
-    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-        with open(os.path.join(d, OUTPUTS), opener=lambda p, m: os.open(p, m | os.O_NONBLOCK)) as f:
-            return {str(k): str(v) for k, v in json.load(f).items()}
+    path = os.path.join(d, OUTPUTS)
+    with contextlib.suppress(OSError):  # none there, or not readable: checked where written
+        with open(path, opener=lambda p, m: os.open(p, m | os.O_NONBLOCK)) as f:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                return {str(k): str(v) for k, v in json.load(f).items()}
+        raise UserError(f"{path} is not a record this project wrote: move it; nothing was written")
     return {}
 
 def write_output(folder: str, name: str, data: bytes):
@@ -348,8 +351,7 @@ def write_atomically(path: str, data: bytes):
     os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
     handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
     os.close(handle)
-    umask = os.umask(0)
-    os.umask(umask)
+    os.umask(umask := os.umask(0))  # (read by setting it)
     try:
         os.chmod(tmp, 0o666 & ~umask)
         with named(path), open(tmp, "wb") as f:
@@ -375,8 +377,7 @@ LOGS = ("train.log", "metrics.jsonl", "config.json")
 
 def save_checkpoint(run_dir: str, state: dict) -> str:
     """torch.save to RUN_DIR/checkpoint.pt; the previous file stays until the new one is whole."""
-    import io
-    import torch
+    import io, torch
     path, buf = os.path.join(run_dir, CHECKPOINT), io.BytesIO()
     torch.save(state, buf)
     write_atomically(path, buf.getvalue())
@@ -434,8 +435,7 @@ def provenance() -> dict:
             **{f"sha256 {name}": sha256_of(os.path.join(HERE, name)) for name in SOURCES}}
 
 def describe_system() -> str:
-    import numpy as np
-    import torch  # loaded already by every caller
+    import numpy as np, torch  # loaded already by every caller
     lines = [f"python {sys.version.split()[0]}  torch {torch.__version__}  "
              f"cuda {torch.version.cuda}  numpy {np.__version__}",
              f"platform {platform.platform()}  cpus {os.cpu_count()}"]

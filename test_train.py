@@ -1485,7 +1485,6 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
     code, _, err = run_main(RESUME_RUN + ["--stop_step=4", f"--run_dir={tmp_path}"], capsys)
     assert code == 0, err
     good = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    config = json.loads((tmp_path / "config.json").read_text())
     for key, value, message in (("step", -3, "step=-3 must lie in [0, inf)"),
                                 ("val_done", 9, "val_done=9 exceeds step=4"),
                                 ("train_ms", float("nan"), "train_ms=nan must lie in [0, inf)"),
@@ -1829,6 +1828,13 @@ def test_an_output_name_taken_by_what_bench_did_not_write_is_refused_before_the_
             "it, or it changed since: move it or write elsewhere; nothing was written\n"), r.stderr
         if taken == "bench.md":
             (tmp_path / "b" / "bench.md").rmdir()
+    (tmp_path / "c").mkdir()  # a user's own file of the record's name is not replaced either
+    (tmp_path / "c" / ".outputs.json").write_text("my notes")
+    r = subprocess.run([sys.executable, "bench.py", f"--out={tmp_path / 'c'}"], cwd=HERE,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not a record this project " \
+        "wrote: move it" in r.stderr and (tmp_path / "c" / ".outputs.json").read_text() == "my notes", r.stderr
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".outputs.json"]
 
 
 def test_a_disk_that_fills_mid_write_names_the_file_and_keeps_what_was_there(tmp_path):
