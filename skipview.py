@@ -103,7 +103,7 @@ def main(argv):
     device = args.device
     model = tg.load_model(args.run_dir, device)
     hp = model.hp
-    enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes (one byte a token)
+    enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     if args.text is not None:
         ids = enc.encode_ordinary(args.text)
         if not ids:

@@ -115,7 +115,8 @@ def encoding(name: str, vocab_size: int = None):
     a row in the model, and a byte model makes only bytes (a checkpoint edited to the other
     encoding would otherwise fail inside the model or the decoder)."""
     enc = ByteEncoding() if name == "bytes" else gpt2_encoding()
-    if vocab_size is not None and (vocab_size < enc.n_vocab or name == "bytes" and vocab_size > 256):
+    too_big = name == "bytes" and vocab_size is not None and vocab_size > enc.n_vocab
+    if vocab_size is not None and vocab_size < enc.n_vocab or too_big:
         raise UserError(f"a model with vocab_size={vocab_size} cannot use encoding={name} "
                         f"({enc.n_vocab} token ids): is its checkpoint edited?")
     return enc
