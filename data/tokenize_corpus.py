@@ -279,11 +279,11 @@ class Progress:
             Progress.open_line = not final
 
 
-def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0, inputs=None):
-    """Encode every document in order and write shards; returns the shard paths. val_every K:
-    documents 0, K, 2K, ... go to validation shards, the others to training shards (0: the
-    first shard is validation). inputs: {name: sha256} of what the text came from, for the
-    manifest."""
+def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, inputs=None):
+    """Encode every document in order and write shards; returns the shard paths. is_val: true of
+    the index of each document that goes to validation shards, the others to training shards
+    (None: the first shard is validation). inputs: {name: sha256} of what the text came from,
+    for the manifest."""
     for path in paths:
         need(path, "a file")
         if not os.access(path, os.R_OK):
@@ -293,11 +293,11 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0, i
     n_docs, n_tokens = 0, 0
     try:  # 2 bytes a token, not a list; the training and the validation shard being filled
         buffers = {False: np.empty(shard_tokens, dtype=np.uint16), True: np.empty(
-            shard_tokens if val_every else 0, dtype=np.uint16)}
+            shard_tokens if is_val else 0, dtype=np.uint16)}
     except MemoryError:
         raise UserError(f"--shard_tokens={shard_tokens}: the {2 * shard_tokens / 2**30:.1f} GiB "
                         f"a shard takes in memory are not available") from None
-    fill, split = {False: 0, True: 0}, (lambda i: i % val_every == 0) if val_every else (lambda i: False)
+    fill, split = {False: 0, True: 0}, is_val or (lambda i: False)
     progress = Progress()
     pool = mp.Pool(workers, quiet_worker) if workers > 1 else None
     try:
@@ -317,14 +317,14 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", val_every=0, i
                     take = min(len(ids), shard_tokens - fill[val])
                     shard[fill[val]:fill[val] + take], fill[val], ids = ids[:take], fill[val] + take, ids[take:]
                     if fill[val] == shard_tokens:
-                        corpus.add(shard, val if val_every else None)
+                        corpus.add(shard, val if is_val else None)
                         fill[val] = 0
                 progress.update(n_docs, n_tokens, len(corpus.shards))
             for val in (True, False):
                 if fill[val]:
-                    corpus.add(buffers[val][:fill[val]], val if val_every else None)
-            if val_every and not any("_train_" in n for n in corpus.shards) and corpus.shards:
-                raise UserError(f"--val_every={val_every} sent all {n_docs} documents to validation: "
+                    corpus.add(buffers[val][:fill[val]], val if is_val else None)
+            if is_val and not any("_train_" in n for n in corpus.shards) and corpus.shards:
+                raise UserError(f"all {n_docs} documents went to validation: "
                                 f"no training shard; nothing was written")
             written = corpus.commit()
     finally:
@@ -453,7 +453,7 @@ def main(argv):
         if not args.out:
             raise UserError("give --out=DIR for the shards")
         tokenize(args.files, args.out, args.name, args.shard_tokens, args.workers,
-                 args.encoding, args.val_every)
+                 args.encoding, args.val_every and (lambda i: i % args.val_every == 0))
 
 
 def run(argv) -> int:
