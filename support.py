@@ -203,10 +203,6 @@ def field_help(cls) -> list:
         lines.append(f"  {flag:<36} {' '.join(t for t in (spec, text) if t)}".rstrip())
     return lines
 
-def number(text: str):
-    """A bound of an interval: an int where it is one (exact past 2^53), else a float."""
-    return int(text) if text.strip().lstrip("-").isdigit() else float(text)
-
 def check_fields(obj):
     """A UserError naming the first field of obj outside its spec (field_facts) or float32."""
     for name, (_, spec, _) in field_facts(type(obj)).items():
@@ -214,7 +210,7 @@ def check_fields(obj):
         if m and m[3] is not None and v not in m[3].split("|"):
             raise UserError(f"{name}={v!r}; choose from {', '.join(map(repr, m[3].split('|')))}")
         if m and m[3] is None:
-            low, high = number(m[1]), number(m[2])
+            low, high = (int(b) if b.lstrip("-").isdigit() else float(b) for b in m.group(1, 2))
             if not (low < v < high or v == low and spec[0] == "[" or v == high and spec[-1] == "]"):
                 raise UserError(f"{name}={v} must lie in {spec}")
         if isinstance(v, float) and not float32_safe(v):
@@ -373,13 +369,17 @@ def write_atomically(path: str, data: bytes):
 # Checkpoints and what a resume reads
 
 CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
+PREVIOUS = "checkpoint.prev.pt"  # the one before it, if a step from it had a finite loss
 LOGS = ("train.log", "metrics.jsonl", "config.json")
 
-def save_checkpoint(run_dir: str, state: dict) -> str:
-    """torch.save to RUN_DIR/checkpoint.pt; the previous file stays until the new one is whole."""
+def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
+    """torch.save to RUN_DIR/checkpoint.pt (write_atomically), keep: the old one as PREVIOUS too."""
     import io, torch
-    path, buf = os.path.join(run_dir, CHECKPOINT), io.BytesIO()
-    torch.save(state, buf)
+    path, prev = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
+    torch.save(state, buf := io.BytesIO())
+    with contextlib.suppress(OSError):  # (a first save has none to keep)
+        keep and os.path.lexists(prev) and os.remove(prev)
+        keep and os.link(path, prev)
     write_atomically(path, buf.getvalue())
     return path
 
@@ -406,16 +406,6 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
         raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
                         f"version of train_gpt.py?)")
     return {**state, "mtime": mtime}
-
-def rng_state(cuda: bool) -> dict:
-    import torch
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if cuda else []}
-
-def set_rng_state(state: dict, cuda: bool):
-    import torch
-    torch.set_rng_state(state["cpu"])
-    if cuda and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 # -----------------------------------------------------------------------------
 # Run directories: creation, locking, logs, provenance
@@ -503,7 +493,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
             run_dir, "metrics.jsonl"))):  # (no config.json and no metrics: expand.py's new run)
         raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
                         f"says {logged or 'nothing'}); resume the run it came from")
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), "checkpoint*.pt.????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
     old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
@@ -605,8 +595,8 @@ SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedu
 
 class StopSignal:
     """Once armed (the job can save), SAVE_SIGNALS ask for a checkpoint at the next step; before
-    that, or a second one, stops at once. Re-entrant: held for the whole job. After finish() (the
-    final save) signals are ignored: status 0."""
+    that, or a second one, stops at once. Re-entrant: held for the job. After finish() (the final
+    save) signals are ignored (status 0). The job's checkpoint: last_ckpt, untried (last_good)."""
 
     def __init__(self):
         self.signum, self.depth, self.previous, self.finished, self.armed = 0, 0, {}, False, False
@@ -617,7 +607,7 @@ class StopSignal:
         self.signum = signum
     def __enter__(self):
         if self.depth == 0:
-            self.signum, self.finished, self.armed = 0, False, False
+            self.signum, self.finished, self.armed, self.untried = 0, False, False, True
             self.previous = {sig: signal.signal(sig, self) for sig in SAVE_SIGNALS}
         self.depth += 1
         return self
@@ -728,16 +718,26 @@ def all_finite(model, opt) -> bool:
     return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
 def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
-    """state() as RUN_DIR/checkpoint.pt (rank 0) if all is finite; else, or failing, RunStopped."""
+    """state() as RUN_DIR/checkpoint.pt (rank 0) if all is finite; else, or failing, RunStopped.
+    The old one stays as PREVIOUS if a step from it was finite (not STOP.untried): last_good."""
     if not all_finite(model, opt):
         raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
                          f"replaced; last good checkpoint: {STOP.last_ckpt}")
     try:
-        path = d.on_master(lambda: save_checkpoint(run_dir, state()))
+        path = d.on_master(lambda: save_checkpoint(run_dir, state(), keep=not STOP.untried))
     except (UserError, OSError) as e:  # a full disk, or a folder made read-only
         raise RunStopped(f"cannot write the checkpoint of step {step} ({os_error_text(e)}); "
                          f"last good checkpoint: {STOP.last_ckpt}") from None
-    STOP.last_ckpt = f"{path} (step {step})"
+    STOP.last_ckpt, STOP.untried = f"{path} (step {step})", True
+
+def last_good(d: Dist, run_dir: str) -> str:
+    """For a stop on a non-finite loss: the newest checkpoint, or if no step from it was finite
+    (an update that exploded but stayed finite, saved at its step), PREVIOUS put back."""
+    path, prev = os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, PREVIOUS)
+    if STOP.untried and d.on_master(lambda: os.path.isfile(prev) and not os.replace(prev, path)):
+        STOP.untried, STOP.last_ckpt = False, (f"{path} (the one before, put back: no step from "
+                                               f"{STOP.last_ckpt} had a finite loss)")
+    return STOP.last_ckpt
 
 def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,
              val_done: int = -1) -> RunLog:

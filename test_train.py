@@ -1451,16 +1451,38 @@ def nan_on_call(n):
     return fake
 
 
-def test_non_finite_loss_stops_the_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))  # 2 micro-steps: step 5
-    code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
-    assert code == 1
-    assert err == (f"error: non-finite loss at step 5; no update was applied; last good "
-                   f"checkpoint: {tmp_path / 'checkpoint.pt'} (step 4)\n")
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
-    assert sorted(p.name for p in tmp_path.glob("checkpoint*")) == ["checkpoint.pt"]
-    metrics = read_metrics(tmp_path)  # every line whole
-    assert [m["step"] for m in metrics if m["kind"] == "train"] == [1, 2, 3, 4]
+def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, monkeypatch, capsys):
+    ckpt = tmp_path / "run" / "checkpoint.pt"
+    args = RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path / 'run'}"]
+    with monkeypatch.context() as m:  # step 6 (2 micro-steps each): step 4's checkpoint trained
+        m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(11))
+        code, _, err = run_main(args, capsys)
+    assert code == 1 and err == (f"error: non-finite loss at step 6; no update was applied; last "
+                                 f"good checkpoint: {ckpt} (step 4)\n")
+    assert torch.load(ckpt, weights_only=True)["step"] == 4
+    assert [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"] == [1, 2, 3, 4, 5]
+    # no step from the newest checkpoint (step 6's, as if its update had exploded) is finite: the
+    # one before it comes back, and the run goes on from it as if it had never stopped
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'whole'}"], capsys)
+    assert code == 0, err
+    for call in (5, 1):  # step 7: in the job that saved step 6, then in a job resumed from it
+        if call == 1:
+            code, _, err = run_main([f"--resume={ckpt.parent}", "--stop_step=6"], capsys)
+            assert code == 0 and torch.load(ckpt, weights_only=True)["step"] == 6, err
+        with monkeypatch.context() as m:
+            m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(call))
+            code, _, err = run_main([f"--resume={ckpt.parent}"], capsys)
+        assert code == 1 and err == (f"error: non-finite loss at step 7; no update was applied; last "
+                                     f"good checkpoint: {ckpt} (the one before, put back: no step "
+                                     f"from {ckpt} (step 6) had a finite loss)\n"), err
+        assert torch.load(ckpt, weights_only=True)["step"] == 4
+        assert sorted(p.name for p in ckpt.parent.glob("checkpoint*")) == ["checkpoint.pt"]
+    code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
+    assert code == 0, err
+    train = lambda d: [(m["step"], m["train_loss"]) for m in read_metrics(d) if m["kind"] == "train"]  # noqa: E731
+    assert train(tmp_path / "run") == train(tmp_path / "whole")
+    weights = lambda d: torch.load(d / "checkpoint.pt", weights_only=True)["model"]  # noqa: E731
+    assert all(torch.equal(v, weights(tmp_path / "whole")[k]) for k, v in weights(tmp_path / "run").items())
 
 
 def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path, capsys):
@@ -1701,7 +1723,8 @@ def numeric_range_is_checked(name, default) -> list:
     cls = tg.Job if name in tg.JOB else tg.Hyperparameters
     interval = support.field_facts(cls)[name][1]
     assert interval[:1] in ("[", "("), f"a numeric field {name} without a range in its line"
-    low, high = (support.number(t) for t in interval[1:-1].split(","))
+    low, high = (int(t) if t.strip().lstrip("-").isdigit() else float(t)  # (exact past 2^53)
+                 for t in interval[1:-1].split(","))
     step = 1 if type(default) is int else 1e-3
     inside = [default, low if interval[0] == "[" else low + step]
     inside += [high if interval[-1] == "]" else high - step] if math.isfinite(high) else [1e30]

@@ -84,9 +84,9 @@ import torch.nn.functional as F  # noqa: E402
 from data.shards import find_shards, read_shard, shard_encoding, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
                      all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
-                     field_help, fmt_list, machine_memory, open_log, open_run_dir, parse_fields,
-                     provenance, read_checkpoint, release_locks, rng_state, save_run_checkpoint,
-                     saved_fields, set_rng_state, setup_distributed)
+                     field_help, fmt_list, last_good, machine_memory, open_log, open_run_dir,
+                     parse_fields, provenance, read_checkpoint, release_locks, save_run_checkpoint,
+                     saved_fields, setup_distributed)
 
 # -----------------------------------------------------------------------------
 # Components: RMSNorm, rotary embeddings, SwiGLU
@@ -1028,8 +1028,7 @@ def validate(hp: Hyperparameters, world: int):
         if owner and owner[1] != hp.router and getattr(hp, f) != getattr(defaults, f):
             raise UserError(f"{f} sets the {owner[1]} router's behaviour; "
                             f"router={hp.router} has none")
-    problem = ROUTERS[hp.router].check(hp)
-    if problem:
+    if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
     if hp.batch_size % (hp.device_batch_size * world):
         raise UserError(f"batch_size={hp.batch_size} is not divisible by device_batch_size "
@@ -1094,7 +1093,8 @@ def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT",
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
     return {**asdict(run), "hp": asdict(hp), "world_size": world, "model": raw.state_dict(),
             "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
-            "rng": rng_state(next(raw.parameters()).is_cuda)}
+            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()
+                    if next(raw.parameters()).is_cuda else []}}
 
 def load_checkpoint(run_dir: str) -> dict:
     """RUN_DIR's checkpoint, its counters and settings checked (its weights: load_weights)."""
@@ -1134,8 +1134,7 @@ def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
     return model.to(device)
 
 def resume_settings(given: dict) -> tuple:
-    """-> (hp, checkpoint): the checkpoint's hyperparameters with the given ones on top, none
-    of them "fixed;" (Hyperparameters)."""
+    """-> (hp, checkpoint): the checkpoint's settings with the given ones on top, none "fixed;"."""
     run_dir = given["resume"]
     if given.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
@@ -1154,8 +1153,7 @@ def resume_settings(given: dict) -> tuple:
 # Training loop
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
-    """A CPU batch on device; to a GPU from pinned memory without blocking the host (the
-    copy is ordered before the kernels that read it on the same stream)."""
+    """A CPU batch on device; to a GPU from pinned memory, not blocking (ordered on its stream)."""
     return batch if device == "cpu" else batch.pin_memory().to(device, non_blocking=True)
 
 def route_sums(route: dict, router: Router) -> dict:
@@ -1319,9 +1317,10 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                                    lrs, step)
                 run.step += 1
                 if not math.isfinite(stats["total_loss"][0]):  # no update was applied
-                    skip_bad_step(log, run, job.max_bad_steps, steps)
+                    skip_bad_step(log, run, job.max_bad_steps, steps, lambda: last_good(d, run_dir))
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
+                STOP.untried = False  # a step from the newest checkpoint trained: it is good
                 raw.router.update(stats.get("router"), stats["tokens"][0], step)
                 d.sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
@@ -1353,7 +1352,8 @@ def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: Di
     try:
         opt.load_state_dict(ckpt["optimizer"])
         raw.router.load_routing_state(ckpt["routing"])
-        set_rng_state(ckpt["rng"], cuda)
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"] if cuda else [])  # ([]: none is set)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{where}: corrupt or incompatible checkpoint "
                         f"({type(e).__name__})") from None
@@ -1401,12 +1401,12 @@ class StepClock:
         self.log.record({"kind": "warmup", "step": run.step, "steps": run.step - self.start,
                          "warmup_ms": self.ms})
 
-def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int):
+def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int, last_good):
     """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
     run.bad_steps += 1
     if run.bad_steps > max_bad_steps:
         raise RunStopped(f"non-finite loss at step {run.step}; no update was applied; last good "
-                         f"checkpoint: {STOP.last_ckpt}")
+                         f"checkpoint: {last_good()}")
     log.print(f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
               f"max_bad_steps={max_bad_steps})")
 
