@@ -368,7 +368,7 @@ def write_atomically(path: str, data: bytes):
 # -----------------------------------------------------------------------------
 # Checkpoints and what a resume reads
 
-CHECKPOINT = "checkpoint.pt"  # one per run directory, replaced atomically at each save
+CHECKPOINT = "checkpoint.pt"  # the run directory's newest, replaced atomically at each save
 PREVIOUS = "checkpoint.prev.pt"  # the one before it, if a step from it had a finite loss
 LOGS = ("train.log", "metrics.jsonl", "config.json")
 
@@ -482,9 +482,12 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
             need(path, "a file")
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
-    if not resuming and os.path.lexists(path):
-        raise UserError(f"{run_dir} already holds a run that saved a checkpoint; choose "
-                        f"another directory, or continue it with train_gpt.py --resume={run_dir}")
+    held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
+    if not resuming and held:
+        raise UserError(f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
+                        f"choose another directory, or continue it with train_gpt.py --resume="
+                        f"{run_dir}" + (f" once {PREVIOUS} is renamed {CHECKPOINT}"
+                                        if held == [PREVIOUS] else ""))
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
         raise UserError(f"{path} changed while this job started (another job was using the "
                         f"run); resume again")
@@ -493,7 +496,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
             run_dir, "metrics.jsonl"))):  # (no config.json and no metrics: expand.py's new run)
         raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
                         f"says {logged or 'nothing'}); resume the run it came from")
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), "checkpoint*.pt.????????.tmp")):
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
     old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
@@ -529,7 +532,6 @@ def clock(train_ms: float, timed_steps: int) -> str:
 class RunLog:
     """train.log, config.json and metrics.jsonl (rank 0 only). Each job appends to train.log the
     sources it runs, in full; a resume keeps the metrics its checkpoint saw, each step once."""
-
     def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
                  val_done: int = -1):
         self.active = active
@@ -563,25 +565,21 @@ class RunLog:
                            f"{dirty[config['git_dirty']]}\n{sources}{describe_system()}\n"
                            f"hyperparameters: {json.dumps(config)}\n{'=' * 100}\n")
             self.log.flush()
-
     def print(self, line: str):
         if self.active:
             print(line, flush=True)
             with named(self.log.name):
                 self.log.write(line + "\n")
                 self.log.flush()
-
     def saved(self, step: int):
         """A checkpoint of step is on disk: said in both logs."""
         self.print(f"checkpoint saved at step {step}")
         self.record({"kind": "checkpoint", "step": step})
-
     def record(self, obj: dict):
         if self.active:
             with named(self.metrics.name):
                 self.metrics.write(json.dumps(obj) + "\n")
                 self.metrics.flush()
-
     def close(self):
         if self.active:  # every write was flushed: a failure here would only hide the first
             for f in (self.log, self.metrics):
@@ -629,31 +627,25 @@ class Dist:
     local_rank: int = 0
     world: int = 1
     device: str = "cpu"
-
     @property
     def master(self): return self.rank == 0
-
     @property
     def launcher(self) -> str:  # the trainer's command line, as this job's ("resume with:")
         return (f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1
                 else "python train_gpt.py")
-
     def sync(self):
         """Wait for the device's queued work (CUDA runs asynchronously): before timing."""
         import torch
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-
     def barrier(self):
         import torch.distributed as dist
         if dist.is_initialized():
             dist.barrier()
-
     def close(self):
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
-
     def on_master(self, fn, share: bool = True):
         """fn() on rank 0; its failure is raised on every rank, so none waits in a collective for
         it: the same UserError or OSError, else RunStopped. share: all get the result."""
@@ -734,9 +726,15 @@ def last_good(d: Dist, run_dir: str) -> str:
     """For a stop on a non-finite loss: the newest checkpoint, or if no step from it was finite
     (an update that exploded but stayed finite, saved at its step), PREVIOUS put back."""
     path, prev = os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, PREVIOUS)
-    if STOP.untried and d.on_master(lambda: os.path.isfile(prev) and not os.replace(prev, path)):
-        STOP.untried, STOP.last_ckpt = False, (f"{path} (the one before, put back: no step from "
-                                               f"{STOP.last_ckpt} had a finite loss)")
+    def put_back():  # -> its step; None: none there, the same file (a save cut after its link),
+        import torch  # or one that does not load
+        with contextlib.suppress(Exception):
+            if os.path.isfile(prev) and not os.path.samefile(prev, path):
+                step = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)["step"]
+                return os.replace(prev, path) or step
+    if STOP.untried and (step := d.on_master(put_back)) is not None:
+        STOP.untried, STOP.last_ckpt = False, (f"{path} (step {step}, put back: no step from the "
+                                               f"newer {STOP.last_ckpt} had a finite loss)")
     return STOP.last_ckpt
 
 def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,

@@ -31,6 +31,7 @@ element, expand.py's arguments, with "{runs}" and "{seed}" filled in: it is expa
 dense run of the same grid and seed, listed before it, then trained with --resume.
 """
 
+import contextlib
 import csv
 import functools
 import io
@@ -43,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import support
 
@@ -54,6 +55,7 @@ import torch  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
+import expand  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data import debian_docs, tokenize_corpus  # noqa: E402
 from data.shards import EOT, encoding, find_shards, read_shard  # noqa: E402
@@ -215,17 +217,36 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
         raise kind(f"{label}: {script} exited {proc.returncode}: {tail}")
 
 
-def check_settings(run_dir: str, args: list):
-    """A run begun before the grid was edited (its train_tokens, say) is not taken as this
-    grid's: a UserError naming the settings of args that its config.json does not hold."""
+EXPANSION = ("groups", "per_group", "init", "tau")  # expand.py's own settings (expand.json)
+
+
+def check_settings(run_dir: str, plan: list):
+    """A run begun before the grid was edited is not taken as this grid's: a UserError naming each
+    setting the plan's first command gives that the run's files do not hold. Every field of
+    Hyperparameters is compared (config.json), so an override removed counts as much as one
+    changed, and a DLO run's expansion settings too (expand.json; its settings are then those
+    expand.py derives from its source's)."""
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            config = json.load(f)
+            there = json.load(f)
     except (OSError, ValueError):
         return  # not written yet: the run starts or resumes with these settings
-    given = tg.parse_overrides([a for a in args if not a.startswith("--run_dir=")])
-    changed = [f"{k}={config.get(k)} there, {v} here" for k, v in given.items()
-               if k not in tg.JOB and k not in ("train_files", "val_files") and config.get(k) != v]
+    script, argv = plan[0]
+    given = {}
+    if script == "expand.py":
+        args, rest = expand.parser().parse_known_args(argv)
+        with open(os.path.join(args.run_dir, "config.json")) as f:
+            source = tg.saved_settings(json.load(f))
+        hp = expand.expanded_settings(source, tg.parse_overrides(rest), args.groups,
+                                      args.per_group, args.init, args.tau)
+        given = {k: getattr(args, k) for k in EXPANSION}
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            with open(os.path.join(run_dir, "expand.json")) as f:
+                there.update({k: v for k, v in json.load(f).items() if k in EXPANSION})
+    else:
+        hp = tg.resolve(tg.parse_overrides([a for a in argv if not a.startswith("--run_dir=")]))
+    given.update((k, v) for k, v in asdict(hp).items() if k not in ("train_files", "val_files"))
+    changed = [f"{k}={there.get(k)} there, {v} here" for k, v in given.items() if there.get(k) != v]
     if changed:
         raise support.UserError(f"{run_dir} was trained with other settings ({'; '.join(changed)}):"
                                 f" the grid changed since; give another --runs")
@@ -240,14 +261,14 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
-            if state != "fresh":
-                check_settings(run_dir, args if expansion else grid["base"] + args + [f"--seed={seed}"])
             resume = ("train_gpt.py", [f"--resume={run_dir}"])
             if expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
                 plan = [("expand.py", [source, run_dir, *how, *args]), resume]
             else:
                 plan = [("train_gpt.py", grid["base"] + args + [f"--seed={seed}", f"--run_dir={run_dir}"])]
+            if state != "fresh":
+                check_settings(run_dir, plan)
             for script, argv in {"fresh": plan, "resume": [resume], "done": []}[state]:
                 launch(argv, 1 if script == "expand.py" else nproc, script, label=run_dir)
             print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
@@ -339,7 +360,7 @@ def measure(run_dir: str, device: str) -> dict:
     row = dict(val_loss=val["val_loss"], **docs, encoding=hp.encoding,
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
                steps=val["step"], tokens=val["step"] * hp.batch_size * hp.seq_len,
-               commit=config["git_commit"] + ("+dirty" if config["git_dirty"] else ""),
+               commit=(config["git_commit"] or "none") + ("+dirty" if config["git_dirty"] else ""),
                corpus_sha256=corpus_sha256(hp.train_files, hp.val_files), router=hp.router, n_layers=hp.n_layers,
                params=sum(p.numel() for n, p in model.named_parameters()  # unique, outside
                           if not n.startswith(("embed.", "head."))),  # the embedding and head

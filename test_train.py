@@ -1473,10 +1473,25 @@ def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, mon
             m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(call))
             code, _, err = run_main([f"--resume={ckpt.parent}"], capsys)
         assert code == 1 and err == (f"error: non-finite loss at step 7; no update was applied; last "
-                                     f"good checkpoint: {ckpt} (the one before, put back: no step "
-                                     f"from {ckpt} (step 6) had a finite loss)\n"), err
+                                     f"good checkpoint: {ckpt} (step 4, put back: no step from the "
+                                     f"newer {ckpt} (step 6) had a finite loss)\n"), err
         assert torch.load(ckpt, weights_only=True)["step"] == 4
         assert sorted(p.name for p in ckpt.parent.glob("checkpoint*")) == ["checkpoint.pt"]
+    # a save cut after its link leaves checkpoint.prev.pt the same file: nothing to put back
+    prev = ckpt.parent / "checkpoint.prev.pt"
+    os.link(ckpt, prev)
+    with monkeypatch.context() as m:
+        m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(1))
+        code, _, err = run_main([f"--resume={ckpt.parent}"], capsys)
+    assert code == 1 and err.endswith(f"last good checkpoint: {ckpt} (step 4)\n"), err
+    # a fresh start refuses a folder holding either; with only the earlier one it says what to do
+    prev.unlink()
+    os.replace(ckpt, prev)
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={ckpt.parent}"], capsys)
+    assert code == 2 and err.endswith(f"(checkpoint.prev.pt); choose another directory, or continue "
+                                      f"it with train_gpt.py --resume={ckpt.parent} once "
+                                      f"checkpoint.prev.pt is renamed checkpoint.pt\n"), err
+    os.replace(prev, ckpt)
     code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
     assert code == 0, err
     train = lambda d: [(m["step"], m["train_loss"]) for m in read_metrics(d) if m["kind"] == "train"]  # noqa: E731
@@ -2846,6 +2861,18 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     code, err = support.cli(sweep.main, argv), capsys.readouterr().err
     assert code == 2 and "dense_2_s0 was trained with other settings (train_tokens=1280 there, " \
         "2560 here)" in err, err
+    assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    # so is a grid with an override removed (dense_2's router=none: the default again), or a DLO
+    # run's expansion made otherwise
+    monkeypatch.setitem(grid, "base", TINY_GRID)
+    runs_of = list(grid["runs"])
+    dlo = runs_of[3]
+    for i, entry, said in ((0, ("dense_2", ["--n_layers=2"]), "router=none there, skip_middle here"),
+                           (3, (*dlo[:2], [*dlo[2][:-1], "--init=copy"]), "init=identity there, copy here")):
+        monkeypatch.setitem(grid, "runs", runs_of[:i] + [entry] + runs_of[i + 1:])
+        code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+        assert code == 2 and f"{entry[0]}_s0 was trained with other settings ({said})" in err, err
+    monkeypatch.setitem(grid, "runs", runs_of)
     assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
     # a file the sweep did not write (or changed since) is never replaced: refused before any run
     (out / "README.md").write_text("my notes")
