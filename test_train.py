@@ -1247,6 +1247,21 @@ def test_resume_is_bitwise_identical(tmp_path, capsys):
     assert (part / "train.log").read_text().count("resumed at step 4") == 1
 
 
+def test_a_resume_drops_only_our_records_past_its_checkpoint(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    mine = [b"my note: try a lower lr\n", b'{"kind": "note", "step": "two"}\n', b"[1, 2]\n"]
+    with open(tmp_path / "metrics.jsonl", "ab") as f:  # a user's lines, then as if a job had
+        f.write(b"".join(mine) + b'{"kind": "train", "step": 3}\n{"kind": "tra')  # crashed
+    code, _, err = run_main([f"--resume={tmp_path}", "--stop_step=3"], capsys)
+    assert code == 0, err
+    lines = (tmp_path / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    assert all(lines.count(line) == 1 for line in mine) and all(line.endswith(b"}\n") for line in
+                                                                 lines if line not in mine)
+    ours = [json.loads(line) for line in lines if line not in mine]
+    assert [m["step"] for m in ours if m["kind"] == "train"] == [1, 2, 3]
+
+
 def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=1"], capsys)
     assert code == 0, err
@@ -1894,7 +1909,7 @@ def test_a_disk_that_fills_mid_write_names_the_file_and_keeps_what_was_there(tmp
 
 
 COMMANDS = ("sample.py", "bench.py", "sweep.py", "skipview.py", "expand.py",
-            "data/tokenize_corpus.py", "data/cached_fineweb10B.py")
+            "data/tokenize_corpus.py", "data/cached_fineweb10B.py", "data/debian_docs.py")
 
 
 def bad_values(action, loop):
@@ -1917,6 +1932,8 @@ def bad_values(action, loop):
         return [("", "invalid choice"), ("nope", "invalid choice")]
     if kind is support.nonempty:
         return [("", "expected a non-empty value")]
+    if action.nargs == 0:  # a flag
+        return [("", "ignored explicit argument"), ("x", "ignored explicit argument")]
     return []  # free text (a prompt)
 
 
@@ -1969,7 +1986,7 @@ def test_a_signal_as_a_command_loads_numpy_or_after_it_ended_prints_no_traceback
     # every command, at a deterministic moment: numpy's import (before torch's, or during it),
     # the first heavy import of each; or in an atexit hook, after the command returned
     (tmp_path / "sitecustomize.py").write_text(SIGNAL_HOOK)
-    for path in ("train_gpt.py", *COMMANDS, "data/debian_docs.py"):
+    for path in ("train_gpt.py", *COMMANDS):
         for sig, at, status in (("SIGINT", "numpy", 130), ("SIGTERM", "exit", 0)):
             env = {**os.environ, "PYTHONPATH": str(tmp_path), "HOOK_SIGNAL": sig, "HOOK_AT": at}
             r = subprocess.run([sys.executable, path, "--help"], cwd=HERE, env=env, timeout=120,

@@ -176,7 +176,7 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
         shutil.rmtree(work, ignore_errors=True)
 
 
-def main(argv):
+def parser() -> ArgParser:
     p = ArgParser("python data/debian_docs.py", __doc__)
     p.add_argument("--out", type=path_arg, default=os.path.join(HERE, "debian_docs"), metavar="DIR",
                    help="folder for the shards (default: data/debian_docs)")
@@ -185,7 +185,11 @@ def main(argv):
     p.add_argument("--unpinned", action="store_true",
                    help="build from the versions apt-get offers now: not the pinned corpus; the "
                         ".deb files' sha256 go into the corpus's manifest")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv):
+    args = parser().parse_args(argv)
     if args.debs and args.unpinned:
         raise UserError("--debs and --unpinned: give one (--debs holds the pinned files)")
     for path in build(args.out, 1, args.debs and need(args.debs, "a folder"), args.unpinned):
