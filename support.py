@@ -534,7 +534,7 @@ class RunLog:
     sources it runs, in full; a resume keeps the metrics its checkpoint saw, each step once."""
     def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
                  val_done: int = -1):
-        self.active = active
+        self.active, self.resumed_at = active, resumed_at
         if not active:
             return
         log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
@@ -574,9 +574,10 @@ class RunLog:
                 self.log.write(line + "\n")
                 self.log.flush()
     def saved(self, step: int):
-        """A checkpoint of step is on disk: said in both logs."""
+        """A checkpoint of step is on disk: said in both logs (metrics.jsonl: once per step)."""
         self.print(f"checkpoint saved at step {step}")
-        self.record({"kind": "checkpoint", "step": step})
+        if step != self.resumed_at:  # (a resumed job's step saved again, its validation done)
+            self.record({"kind": "checkpoint", "step": step})
     def record(self, obj: dict):
         if self.active:
             with named(self.metrics.name):
@@ -731,9 +732,8 @@ def last_good(d: Dist, run_dir: str) -> str:
     def put_back():  # -> its step; None: none there, the same file (a save cut after its link),
         import torch  # or one that does not load
         with contextlib.suppress(Exception):
-            if os.path.isfile(prev) and not os.path.samefile(prev, path):
-                step = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)["step"]
-                return os.replace(prev, path) or step
+            step = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)["step"]
+            return None if os.path.samefile(prev, path) else os.replace(prev, path) or step
     if STOP.untried and (step := d.on_master(put_back)) is not None:
         STOP.untried, STOP.last_ckpt = False, (f"{path} (step {step}, put back: no step from the "
                                                f"newer {STOP.last_ckpt} had a finite loss)")

@@ -2136,6 +2136,8 @@ def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
     ref, run = (read_metrics(tmp_path / r) for r in ("ref", "run"))
     strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
     assert val_steps(tmp_path / "run") == [0, 4, 8] and strip(ref) == strip(run)
+    # each save's step once, though the resumed job saved step n again with its validation
+    assert [m["step"] for m in run if m["kind"] == "checkpoint"] == sorted({n, 8})
     files = lambda: {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}  # noqa: E731
     before = files()
     code, out, _ = run_main([f"--resume={tmp_path / 'run'}", "--lr=0.5"], capsys)  # nothing to do
