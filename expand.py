@@ -170,9 +170,13 @@ def expand(argv):
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
     position = src["loader"] if hp.train_files == base.train_files else {"shard": 0, "pos": 0}
     tg.loaders(hp, support.Dist(), {"loader": position})  # checked now: resuming would refuse it
+    ours = (support.CHECKPOINT, "expand.json", "train.log")  # what this writes: none may be there,
+    taken = [n for n in (*ours, support.PREVIOUS, *support.LOGS)  # nor another run's files (moving
+             if os.path.lexists(os.path.join(args.out, n))]    # an aborted run's aside is not ours)
+    if taken:
+        raise support.UserError(f"{args.out} already holds {', '.join(dict.fromkeys(taken))}: "
+                                f"expand into a folder of its own; nothing was written")
     made = support.first_missing(args.out)
-    ours = [n for n in (support.CHECKPOINT, "expand.json")  # what this will write
-            if not os.path.lexists(os.path.join(args.out, n))]
     out = support.open_run_dir(args.out, "")  # probes it: a full disk is found
     try:
         write_run(out, hp, src, base, args, argv, position)

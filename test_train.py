@@ -2703,11 +2703,20 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
             ((tmp_path / "dense", tmp_path / 'x', "--nope=1"), "unknown field 'nope'"),
             ((tmp_path / "nowhere", tmp_path / 'x'), "nowhere: no such folder"),
             ((tmp_path / "dense", tmp_path / 'x', "--val_tokens=1e8"), "more than the validation shards hold"),
-            ((tmp_path / "dense", tmp_path / "dlo"), "already holds a run")):
+            ((tmp_path / "dense", tmp_path / "dlo"), "dlo already holds checkpoint.pt, expand.json, "
+             "train.log, checkpoint.prev.pt, metrics.jsonl, config.json: expand into a folder")):
         code, _, err = expand_cli(*args)
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, (args, err)
         assert not (tmp_path / "x").exists()
+    # nor onto an aborted run's logs, or a file of that name of the user's: neither moved nor replaced
+    for name in ("train.log", "expand.json"):
+        (tmp_path / "mine").mkdir(exist_ok=True)
+        (tmp_path / "mine" / name).write_text("mine")
+        code, _, err = expand_cli(tmp_path / "dense", tmp_path / "mine")
+        assert code == 2 and f"mine already holds {name}: " in err and err.count("\n") == 1, err
+        assert [p.name for p in (tmp_path / "mine").iterdir()] == [name]
+        (tmp_path / "mine" / name).unlink()
     # a disk that fills while the new checkpoint is written: named, status 1, nothing left
     r = subprocess.run([sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x" / "y"],
                        cwd=HERE, capture_output=True, text=True, timeout=300,
