@@ -1637,7 +1637,10 @@ def bad_inputs(tmp_path):
         (smoke + ["--mu_start=-0.1"], "must lie in [0, 1]"),
         (smoke + ["--device_batch_size=3"], "not divisible"),
         (smoke + ["--seq_len=256"], "seq_len=256 is beyond the RoPE table (max_seq_len=128)"),
-        (["--train_files=/nonexistent/x_*.bin"], "no shards match /nonexistent/x_*.bin"),
+        (["--train_files=/nonexistent/x_*.bin"], "no shards match /nonexistent/x_*.bin: check the path"),
+        (["--train_files=/no/fineweb10B_bytes/f_*.bin", "--encoding=bytes", "--vocab_size=256"],
+         "python data/tokenize_corpus.py --from_shards='data/fineweb10B/*.bin' --encoding=bytes "
+         "--out=/no/fineweb10B_bytes"),  # a conversion's, not the download's advice
         (smoke + [f"--train_files={tmp_path}/trunc_*.bin"], "trunc_000001.bin: header says 9000"),
         (smoke + [f"--train_files={tmp_path}/magic_*.bin"], "magic_000001.bin: bad magic number 7"),
         (smoke + [f"--train_files={tmp_path}/oov_*.bin"],
