@@ -90,7 +90,8 @@ def find_shards(pattern: str) -> list:
                 "fineweb" in pattern.lower() and "bytes" in pattern.lower() else
                 "fetch FineWeb with `python data/cached_fineweb10B.py`, or train on the "
                 "embedded sample with --preset=smoke" if "fineweb" in pattern.lower() else
-                "build it with `python data/debian_docs.py`" if "debian_docs" in pattern else "check the path")
+                "build it with `python data/debian_docs.py`" if "debian_docs" in pattern else
+                "check the path")
         raise UserError(f"no shards match {pattern}: {hint}")
     return files
 
