@@ -19,7 +19,7 @@
 #   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)       55
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks          145
 #   grid     sweep.py --grid=bytes_core --seeds=GPU_CHECK_SEEDS (default 5) on the byte corpus,
-#            which travels (22 MB: build data/debian_docs here, python data/debian_docs.py,
+#            which travels (26 MB: build data/debian_docs here, python data/debian_docs.py,
 #            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid_<gpu>); in
 #            pieces: each call trains until its budget is spent, then SIGTERM makes the run
 #            in flight save and the next call goes on (time on a GPU not yet measured)
