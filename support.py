@@ -545,14 +545,14 @@ class RunLog:
                 self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
                 kept = []
                 with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
-                    for line in f:  # our records past what the checkpoint saw go, and a line
-                        try:  # cut by a crash (no newline); a line of the user's stays
+                    for line in f:  # our records past what the checkpoint saw go, and one a
+                        try:  # crash cut (no newline); a line of the user's stays, ended
                             m = json.loads(line)
                             seen = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
                             gone = m["step"] > seen
                         except (ValueError, KeyError, TypeError):
-                            gone = not line.endswith(b"\n")
-                        kept += [] if gone else [line]
+                            gone = line.startswith(b'{"kind": ') and not line.endswith(b"\n")
+                        kept += [] if gone else [line.rstrip(b"\n") + b"\n"]
                 record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
                 write_atomically(metrics, b"".join(kept + [record] * (record not in kept)))
             for name in SOURCES:  # in full, as they ran: the trainer's first, unmarked

@@ -161,16 +161,21 @@ GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs
 
 def run_state(run_dir: str) -> str:
     """done (its final validation is recorded), resume (a checkpoint), or fresh."""
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            steps = json.load(f)["num_steps"]
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            vals = [m for m in map(json.loads, f) if m["kind"] == "val"]
-        if vals and vals[-1]["step"] == steps:
-            return "done"
-    except (OSError, ValueError, KeyError):
-        pass
+    vals, config = run_records(run_dir, "val"), json_object(os.path.join(run_dir, "config.json"))
+    if vals and vals[-1]["step"] == config.get("num_steps"):
+        return "done"
     return "resume" if os.path.exists(os.path.join(run_dir, tg.CHECKPOINT)) else "fresh"
+
+
+def run_records(run_dir: str, kind: str) -> list:
+    """The run's metrics.jsonl records of kind, in order (other lines, a user's notes, skipped)."""
+    out = []
+    with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                m = json.loads(line)
+                out += [m] if isinstance(m, dict) and m.get("kind") == kind else []
+    return out
 
 
 class Stopped(Exception):
@@ -220,33 +225,44 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
 EXPANSION = ("groups", "per_group", "init", "tau")  # expand.py's own settings (expand.json)
 
 
+def json_object(path: str) -> dict:
+    """The JSON object in path; {} where there is none (no file, not JSON, not an object)."""
+    with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
+        obj = json.load(f)
+        return obj if isinstance(obj, dict) else {}
+    return {}
+
+
+HOW = ("device_batch_size", "loss_rows", "attn_impl", "compact")  # how a step is computed, not
+#                                  what: a resume may change them; compared where the grid sets them
+
+
 def check_settings(run_dir: str, plan: list):
     """A run begun before the grid was edited is not taken as this grid's: a UserError naming each
-    setting the plan's first command gives that the run's files do not hold. Every field of
-    Hyperparameters is compared (config.json), so an override removed counts as much as one
-    changed, and a DLO run's expansion settings too (expand.json; its settings are then those
-    expand.py derives from its source's)."""
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            there = json.load(f)
-    except (OSError, ValueError):
-        return  # not written yet: the run starts or resumes with these settings
+    setting the plan's first command gives that the run's files hold otherwise. Every field of
+    Hyperparameters that config.json holds is compared, so an override removed counts as much as
+    one changed (HOW's only where the grid sets them), and a DLO run's expansion settings too
+    (expand.json; its settings are those expand.py derives from its source's)."""
     script, argv = plan[0]
-    given = {}
+    there = json_object(os.path.join(run_dir, "config.json"))
+    argv = [a for a in argv if not a.startswith("--run_dir=")]
     if script == "expand.py":
         args, rest = expand.parser().parse_known_args(argv)
-        with open(os.path.join(args.run_dir, "config.json")) as f:
-            source = tg.saved_settings(json.load(f))
-        hp = expand.expanded_settings(source, tg.parse_overrides(rest), args.groups,
-                                      args.per_group, args.init, args.tau)
-        given = {k: getattr(args, k) for k in EXPANSION}
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            with open(os.path.join(run_dir, "expand.json")) as f:
-                there.update({k: v for k, v in json.load(f).items() if k in EXPANSION})
+        source = os.path.join(args.run_dir, "config.json")
+        if not (base := json_object(source)):
+            raise support.UserError(f"{source}: not a run's settings (the source of {run_dir})")
+        hp = expand.expanded_settings(tg.saved_settings(base), tg.parse_overrides(rest),
+                                      args.groups, args.per_group, args.init, args.tau)
+        there.update((k, v) for k, v in json_object(os.path.join(run_dir, "expand.json")).items()
+                     if k in EXPANSION)
+        given, explicit = {k: getattr(args, k) for k in EXPANSION}, tg.parse_overrides(rest)
     else:
-        hp = tg.resolve(tg.parse_overrides([a for a in argv if not a.startswith("--run_dir=")]))
-    given.update((k, v) for k, v in asdict(hp).items() if k not in ("train_files", "val_files"))
-    changed = [f"{k}={there.get(k)} there, {v} here" for k, v in given.items() if there.get(k) != v]
+        given, explicit = {}, tg.parse_overrides(argv)
+        hp = tg.resolve(explicit)
+    given.update((k, v) for k, v in asdict(hp).items() if k not in ("train_files", "val_files")
+                 and (k in explicit or k not in HOW))
+    changed = [f"{k}={there[k]} there, {v} here" for k, v in given.items()
+               if k in there and there[k] != v]
     if changed:
         raise support.UserError(f"{run_dir} was trained with other settings ({'; '.join(changed)}):"
                                 f" the grid changed since; give another --runs")
@@ -333,8 +349,7 @@ def measure(run_dir: str, device: str) -> dict:
     """One row of runs.csv: the run's final validation record, its settings and commit, the
     sparsity each block reached against its target, its validation per document, and evaluation
     time per token on its final weights (masked, and compacted where blocks are gated)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        val = [m for m in map(json.loads, f) if m["kind"] == "val"][-1]
+    val = run_records(run_dir, "val")[-1]
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
     model = tg.load_model(run_dir, device).eval()

@@ -1260,6 +1260,11 @@ def test_a_resume_drops_only_our_records_past_its_checkpoint(tmp_path, capsys):
                                                                  lines if line not in mine)
     ours = [json.loads(line) for line in lines if line not in mine]
     assert [m["step"] for m in ours if m["kind"] == "train"] == [1, 2, 3]
+    with open(tmp_path / "metrics.jsonl", "ab") as f:  # a note with no newline: not a cut record
+        f.write(b"last note")
+    code, _, err = run_main([f"--resume={tmp_path}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    assert b"\nlast note\n" in (tmp_path / "metrics.jsonl").read_bytes()
 
 
 def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
@@ -2879,7 +2884,9 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
             w = (x(r) - x(d2)) / (x(d4) - x(d2))
             front = d2["val_loss"] + w * (d4["val_loss"] - d2["val_loss"])
             assert lines[(name, "dense frontier")]["mean"] == pytest.approx(r["val_loss"] - front, abs=1e-9)
-    # run again: nothing is trained, no run directory changes
+    # run again: nothing is trained, no run directory changes (a user's notes in a log included)
+    with open(runs / "dense_2_s0" / "metrics.jsonl", "a") as f:
+        f.write("my note\n[1, 2]\n")
     before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
     capsys.readouterr()
     assert support.cli(sweep.main, argv) == 0

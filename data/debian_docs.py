@@ -136,10 +136,10 @@ def download(spec: str, sha: str, folder: str, debs: str = None, unpinned: bool 
 
 
 def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> list:
+    writable_dir(out)
     for tool in ("dpkg-deb",) + (() if debs else ("apt-get",)):
         if shutil.which(tool) is None:
             raise UserError(f"{tool} not found: this command builds the corpus on Debian or Ubuntu")
-    writable_dir(out)
     try:  # the pinned corpus may no longer be buildable: an unpinned one is never put in its place
         with open(os.path.join(out, "docs.manifest.json")) as f:
             pinned = json.load(f).get("shards") == SHA256

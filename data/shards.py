@@ -83,14 +83,15 @@ def find_shards(pattern: str) -> list:
     for path in files:
         if not os.path.isfile(path):
             raise UserError(f"{pattern} matches {path}, which is {kind_of(path)}, not a shard file")
-    if not files:
+    if not files:  # the advice by the folder's own name (data/fineweb10B_bytes, say)
+        folder = os.path.basename(os.path.dirname(pattern)).lower()
         hint = ("make them from FineWeb's with `python data/tokenize_corpus.py --from_shards="
                 f"'data/fineweb10B/*.bin' --encoding=bytes --out={os.path.dirname(pattern) or '.'} "
                 f"--name=fineweb`" if
-                "fineweb" in pattern.lower() and "bytes" in pattern.lower() else
+                "fineweb" in folder and "bytes" in folder else
                 "fetch FineWeb with `python data/cached_fineweb10B.py`, or train on the "
-                "embedded sample with --preset=smoke" if "fineweb" in pattern.lower() else
-                "build it with `python data/debian_docs.py`" if "debian_docs" in pattern else
+                "embedded sample with --preset=smoke" if "fineweb" in folder else
+                "build it with `python data/debian_docs.py`" if folder == "debian_docs" else
                 "check the path")
         raise UserError(f"no shards match {pattern}: {hint}")
     return files
