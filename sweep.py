@@ -145,7 +145,7 @@ GRIDS = {
     # 6 layers of width 64 on data/debian_docs.py's corpus, 1,200 steps of 8 x 256 bytes (600,
     # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained); the
     # validation: the first 3,983 of the corpus's held-out excerpts of 512 characters, one per
-    # page, for a standard error under 0.005 nats (its whole shard but a cut last excerpt).
+    # page (its whole shard but a cut last excerpt): a standard error of 0.005-0.0065 nats.
     "bytes": dict(base=BYTES_BASE + ["--train_tokens=2457600"], n_layers=6,
                   corpus_sha256=tokenize_corpus.corpus_sha256(debian_docs.SHA256),
                   runs=figure2_runs(6, 100, 2457600)),

@@ -59,7 +59,7 @@ SHA256 = {  # the shards these packages give (Python 3.11.7's html.parser)
 SHUFFLE_SEED = 0  # random.Random(SHUFFLE_SEED): the pages' order, then the excerpts' starts
 TRAIN_EVERY = 6   # pages 0, 6, 12, ... of the shuffled order train; the others are held out
 EXCERPT = 512     # for validation, each as one excerpt of at most EXCERPT characters at a random
-#                   start: thousands of documents, for a validation SE under 0.005 nats (issue 33)
+#                   start: thousands of documents, for a validation SE near 0.005 nats (issue 33)
 BLOCKS = {"p", "div", "br", "li", "tr", "pre", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6",
           "table", "blockquote", "section"}
 
