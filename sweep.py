@@ -253,11 +253,12 @@ def check_settings(run_dir: str, plan: list):
         source = os.path.join(args.run_dir, "config.json")
         if not (base := json_object(source)):
             raise support.UserError(f"{source}: not a run's settings (the source of {run_dir})")
-        hp = expand.expanded_settings(tg.saved_settings(base), tg.parse_overrides(rest),
-                                      args.groups, args.per_group, args.init, args.tau)
+        explicit = tg.parse_overrides(rest)
+        hp = expand.expanded_settings(tg.saved_settings(base), explicit, args.groups,
+                                      args.per_group, args.init, args.tau)
         there.update((k, v) for k, v in json_object(os.path.join(run_dir, "expand.json")).items()
                      if k in EXPANSION)
-        given, explicit = {k: getattr(args, k) for k in EXPANSION}, tg.parse_overrides(rest)
+        given = {k: getattr(args, k) for k in EXPANSION}
     else:
         given, explicit = {}, tg.parse_overrides(argv)
         hp = tg.resolve(explicit)

@@ -18,9 +18,10 @@ documents). 4,782 pages: 797 training pages (10,771,593 bytes) and 3,985 validat
 are (SHA256, checked at the end; the inputs' sha256 go into the corpus's manifest). Nothing is
 extracted to disk: the downloads (~55 MB) go into a temporary folder inside --out, removed at
 the end, on an error or a signal (kill -9 leaves it: .debian_docs.<random>); a shard-named file
-there that is not this corpus's is refused first. Mirrors drop a version once it is superseded: then --debs takes the
-pinned files from a folder (snapshot.debian.org keeps every version), and --unpinned builds from
-the versions offered now, printed as NOT the pinned corpus (sweep.py's records say the same).
+there that is not this corpus's is refused first. Mirrors drop a version once it is superseded:
+then --debs takes the pinned files from a folder (snapshot.debian.org keeps every version), and
+--unpinned builds from the versions offered now, printed as NOT the pinned corpus (sweep.py's
+records say the same).
 """
 
 import glob
@@ -101,8 +102,9 @@ def package_pages(deb: str) -> list:
     with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE) as p:
         try:
             with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
-                pages = {m.name: tar.extractfile(m).read() for m in tar if m.isfile() and
-                         m.name.endswith(".html") and not re.search(r"/\.[^./]|/translations/", m.name)}
+                pages = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()
+                         and m.name.endswith(".html")
+                         and not re.search(r"/\.[^./]|/translations/", m.name)}
         except tarfile.TarError as e:  # a cut or empty stream: dpkg-deb failed, or a bad .deb
             raise UserError(f"dpkg-deb --fsys-tarfile {deb}: {e} (a damaged .deb?)") from None
     if p.wait():
@@ -159,15 +161,15 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
             pages += package_pages(deb)
         rng = random.Random(SHUFFLE_SEED)
         rng.shuffle(pages)  # so that any prefix of either split samples every package
-        docs = os.path.join(work, "pages.jsonl")
+        docs, held_out = os.path.join(work, "pages.jsonl"), lambda i: i % TRAIN_EVERY != 0
         with open(docs, "w", encoding="utf-8") as f:
             for i, text in enumerate(filter(None, map(page_text, pages))):
-                if i % TRAIN_EVERY:  # tokenize's validation documents: an excerpt of each
+                if held_out(i):  # tokenize's validation documents: an excerpt of each
                     start = rng.randrange(max(1, len(text) - EXCERPT + 1))
                     text = text[start:start + EXCERPT]
                 f.write(json.dumps({"text": text}) + "\n")
         return tokenize_corpus.tokenize([docs], out, "docs", 100_000_000, workers, "bytes",
-                                        is_val=lambda i: i % TRAIN_EVERY != 0, inputs=inputs)
+                                        is_val=held_out, inputs=inputs)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         remove_made(out, made)
