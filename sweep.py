@@ -4,7 +4,7 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
-    python sweep.py --grid=bytes_core --seeds=5     # byte-level study, 2 CPU cores, ~3.5 h
+    python sweep.py --grid=bytes_core --seeds=5     # byte-level study, 2 cores, 3.4 h in 3 jobs
                                                     # (python data/debian_docs.py first)
     python sweep.py --report=RECORD/runs.csv        # a record's table and figure again
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
@@ -44,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 
 import support
 
@@ -144,8 +144,8 @@ GRIDS = {
     # The byte-level study (README: Results): blocks, not the 256-row head, are the compute.
     # 6 layers of width 64 on data/debian_docs.py's corpus, 1,200 steps of 8 x 256 bytes (600,
     # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained); the
-    # validation: the first 3,983 of the corpus's held-out excerpts of 512 characters, one per
-    # page (its whole shard but a cut last excerpt): a standard error of 0.0049-0.0065 nats
+    # validation: the first 3,982 of the corpus's held-out excerpts of 512 characters, one per
+    # page (the last of them cut): a standard error of 0.0049-0.0065 nats
     # (records/2026-11-26_figure2_bytes_core_5seeds_v2_cpu; docs/data.md: what would meet 0.005).
     "bytes": dict(base=BYTES_BASE + ["--train_tokens=2457600"], n_layers=6,
                   corpus_sha256=tokenize_corpus.corpus_sha256(debian_docs.SHA256),
@@ -153,7 +153,7 @@ GRIDS = {
 }
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
 # dense control, MoD): five seeds took about two hours on 2 cores with 262,144 validation bytes;
-# with 2,048,000, about 3.3 h as three one-thread jobs splitting the seeds (--first_seed).
+# with 2,048,000, about 3.4 h as three one-thread jobs splitting the seeds (--first_seed).
 GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs"] if r[0] in (
     "dense_2", "dense_4", "dense_6", "gated_mu0.5", "dlo_source_3", "dlo_rho0.5", "dlo_control",
     "mod_c0.125")])
@@ -235,6 +235,7 @@ def json_object(path: str) -> dict:
     return {}
 
 
+JOB = {f.name for f in fields(tg.Job)} - {"run_dir", "resume", "preset"}  # told each job anew
 HOW = ("device_batch_size", "loss_rows", "attn_impl", "compact")  # how a step is computed, not
 #                                  what: a resume may change them; compared where the grid sets them
 
@@ -280,7 +281,8 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
-            resume = ("train_gpt.py", [f"--resume={run_dir}"])
+            job = [a for a in grid["base"] + args if a.split("=")[0][2:] in JOB]  # kept on resume
+            resume = ("train_gpt.py", [f"--resume={run_dir}", *job])
             if expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
                 plan = [("expand.py", [source, run_dir, *how, *args]), resume]

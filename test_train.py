@@ -2841,6 +2841,8 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     assert "Verdict: with one seed no difference can be tested" in readme
     table = {r["name"]: r for r in sweep.read_runs(str(out / "runs.csv"))}
     assert list(table) == names
+    for name in ("gated_mu0.5", "dlo_rho0.5", "dlo_control"):  # resumed, with the grid's job
+        assert json.loads((runs / f"{name}_s0" / "config.json").read_text())["job"]["untimed_steps"] == 0
     control = json.loads((runs / "dlo_control_s0" / "config.json").read_text())
     assert (control["router"], control["n_layers"]) == ("none", 4)  # dense_2 expanded, no skipping
     # unique parameters: MoR's 4 applied blocks are 3 of their own, the dense 4-layer model's 4
