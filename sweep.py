@@ -44,7 +44,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 
 import support
 
@@ -235,7 +235,6 @@ def json_object(path: str) -> dict:
     return {}
 
 
-JOB = {f.name for f in fields(tg.Job)} - {"run_dir", "resume", "preset"}  # told each job anew
 HOW = ("device_batch_size", "loss_rows", "attn_impl", "compact")  # how a step is computed, not
 #                                  what: a resume may change them; compared where the grid sets them
 
@@ -281,7 +280,8 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
-            job = [a for a in grid["base"] + args if a.split("=")[0][2:] in JOB]  # kept on resume
+            job = [a for a in grid["base"] + args  # the job's settings, kept on resume
+                   if a.split("=")[0][2:] in tg.JOB - {"run_dir", "resume", "preset"}]
             resume = ("train_gpt.py", [f"--resume={run_dir}", *job])
             if expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
