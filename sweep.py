@@ -18,9 +18,8 @@ skipped and one with a checkpoint is resumed, so rerunning the command after a c
 the grid without redoing finished runs. A Ctrl-C (SIGINT, SIGTERM or SIGUSR1) reaches the run
 in flight once: it saves its checkpoint, and the sweep waits for it, then stops (status 0).
 Then, in this process, on each run's final weights: validation cross-entropy and estimated
-FLOPs per token at the measured sparsity come from the run's last validation record; the
-validation again token by token gives its standard error over documents; evaluation time per
-token is measured here, masked and (for gated runs) compacted, side by side. The verdict is
+FLOPs per token at the measured sparsity, and the former's standard error over documents, come
+from the run's last validation record; evaluation time per token is measured here, masked and (for gated runs) compacted, side by side. The verdict is
 summarise's: paired over seeds, Holm-corrected (README: Results). The record folder gets
 runs.csv (a row per run), table.md, figure.png (matplotlib, a plot-only requirement) and a
 README with the command, the corpus's sha256 (pinned or not), the hardware and the verdict.
@@ -53,12 +52,10 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import torch.nn.functional as F  # noqa: E402
-
 import expand  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data import debian_docs, tokenize_corpus  # noqa: E402
-from data.shards import EOT, encoding, find_shards, read_shard  # noqa: E402
+from data.shards import find_shards, read_shard  # noqa: E402
 
 # ---------------------------------------------------------------------------- grids
 
@@ -319,31 +316,6 @@ def eval_ms_per_token(model, idx, repeats: int = 3) -> float:
     return 1000 * statistics.median(times) / idx.numel()
 
 
-@torch.no_grad()
-def per_document(model, device: str) -> dict:
-    """The run's validation again, token by token (its first val_tokens, eval routing): the mean
-    cross-entropy, its standard error over documents and their count. A document runs from one
-    separator token to the next; documents, not tokens, are the sampled units, so the mean is a
-    ratio of per-document sums and its standard error the cluster (delta-method) one."""
-    hp = model.hp
-    loader = tg.DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len, 0, 1, hp.vocab_size)
-    sep = EOT if hp.encoding == "gpt2" else encoding(hp.encoding).eot_token
-    losses, starts = [], []
-    for _ in range(hp.val_tokens // (hp.device_batch_size * hp.seq_len)):
-        x, y = (t.to(device) for t in loader.next_batch())
-        logits = model(x).logits.flatten(0, 1).float()
-        losses.append(F.cross_entropy(logits, y.flatten(), reduction="none").double().cpu())
-        starts.append(y.flatten().cpu() == sep)
-    doc = torch.cat(starts).long().cumsum(0)  # (tokens,) the document of each target
-    counts = torch.bincount(doc).double()
-    sums = torch.zeros_like(counts).index_add_(0, doc, torch.cat(losses))[counts > 0]
-    counts = counts[counts > 0]
-    mean, n = (sums.sum() / counts.sum()).item(), len(counts)
-    se = (math.sqrt(n / (n - 1) * ((sums - mean * counts) ** 2).sum().item()) / counts.sum().item()
-          if n > 1 else None)
-    return dict(val_loss_tokenwise=mean, val_se=se, val_docs=n)
-
-
 @functools.lru_cache(maxsize=None)  # once per corpus, not per run (FineWeb's shards are ~20 GB)
 def corpus_sha256(train_files: str, val_files: str) -> str:
     return tokenize_corpus.corpus_sha256({os.path.basename(p): tokenize_corpus.sha256_of(p) for p in
@@ -352,8 +324,8 @@ def corpus_sha256(train_files: str, val_files: str) -> str:
 
 def measure(run_dir: str, device: str) -> dict:
     """One row of runs.csv: the run's final validation record, its settings and commit, the
-    sparsity each block reached against its target, its validation per document, and evaluation
-    time per token on its final weights (masked, and compacted where blocks are gated)."""
+    sparsity each block reached against its target, and evaluation time per token on its final
+    weights (masked, and compacted where blocks are gated)."""
     val = run_records(run_dir, "val")[-1]
     with open(os.path.join(run_dir, "config.json")) as f:
         config = json.load(f)
@@ -365,19 +337,8 @@ def measure(run_dir: str, device: str) -> dict:
         tg.compile_model(m)  # the same way on both paths measured
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
-    # per_document is the costly part (a pass over val_tokens): kept in the run's folder, keyed by
-    # its final validation, so that jobs splitting a grid (--first_seed) measure their own runs
-    # side by side and the pass that writes the record, or one rerun after a stop, reads them
-    cache, key = os.path.join(run_dir, "per_document.json"), [val["step"], val["val_loss"], hp.val_tokens]
-    try:
-        with open(cache) as f:
-            docs = json.load(f)
-    except (OSError, ValueError):
-        docs = None
-    if not isinstance(docs, dict) or docs.pop("key", None) != key:
-        docs = per_document(model, device)
-        support.write_atomically(cache, json.dumps(dict(docs, key=key)).encode())
-    row = dict(val_loss=val["val_loss"], **docs, encoding=hp.encoding,
+    row = dict(val_loss=val["val_loss"], val_se=val.get("val_se"), val_docs=val.get("val_docs"),  # (None:
+               encoding=hp.encoding,  # validated before train_gpt.py counted documents)
                sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
                steps=val["step"], tokens=val["step"] * hp.batch_size * hp.seq_len,
                commit=(config["git_commit"] or "none") + ("+dirty" if config["git_dirty"] else ""),
@@ -555,7 +516,7 @@ def verdict_text(lines: list) -> str:
 
 # ---------------------------------------------------------------------------- the record
 
-RUN_KEYS = ("name", "seed", "val_loss", "val_se", "val_docs", "val_loss_tokenwise", "encoding",
+RUN_KEYS = ("name", "seed", "val_loss", "val_se", "val_docs", "encoding",
             "flops_per_token", "sparsity", "steps", "tokens", "commit", "corpus_sha256", "router",
             "n_layers", "params", "ms_per_token_masked", "ms_per_token_compact", "gate_zero",
             "target_zero", "command")
@@ -574,14 +535,14 @@ def read_runs(path: str) -> list:
         for k, v in r.items():
             try:
                 if k in ("seed", "val_docs", "steps", "tokens", "n_layers", "params"):
-                    r[k] = int(v)
+                    r[k] = int(v) if v or k != "val_docs" else None
                 elif k not in ("name", "encoding", "commit", "corpus_sha256", "router", "gate_zero",
                                "target_zero", "command"):
                     r[k] = float(v) if v else None
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
         bad = [k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v) or
-               v is None and k != "val_se" or k == "flops_per_token" and v is not None and v <= 0]
+               v is None and k not in ("val_se", "val_docs") or k == "flops_per_token" and v is not None and v <= 0]
         if bad:
             raise support.UserError(f"{path}:{i}: {bad[0]}={r[bad[0]]} (a finite number"
                                     f"{', above 0' if bad[0] == 'flops_per_token' else ''} is needed)")

@@ -81,7 +81,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from data.shards import find_shards, read_shard, shard_encoding, shard_tokens  # noqa: E402
+from data.shards import BYTES_EOT, EOT, find_shards, read_shard, shard_encoding, shard_tokens  # noqa: E402
 from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
                      all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
                      field_help, fmt_list, last_good, machine_memory, open_log, open_run_dir,
@@ -547,8 +547,7 @@ class DLO(Router):
         return ((1 - self.rates) / (1 - self.overall(step))).tolist()  # (a host read per step)
 
     def log_lines(self, v, step):
-        return [f"  train_skip_rates:{fmt_list(self.rates.tolist())} "
-                f"rho_t:{self.overall(step):.3f}"]
+        return [f"  train_skip_rates:{fmt_list(self.rates.tolist())} rho_t:{self.overall(step):.3f}"]
 
     @staticmethod
     def extra_flops(hp, T):
@@ -674,8 +673,7 @@ class MixtureOfRecursions(Router):
         """BCE of each active token's z against its top-k membership, mean over active tokens."""
         if "topk" not in route:  # the recursive baseline, or N_r = 1: nothing is chosen
             return super().loss(route, step)
-        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float(),
-                                                 reduction="none")
+        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float(), reduction="none")
         return self.hp.mor_aux_coef * (bce * route["active"]).sum() / route["active"].sum(), None
 
     @staticmethod
@@ -690,8 +688,7 @@ class MixtureOfRecursions(Router):
         if unchosen and hp.compact:  # (recursion 0 runs every token)
             return f"compact=true: with {unchosen} every token runs everywhere"
         if unchosen and hp.mor_aux_coef != Hyperparameters.mor_aux_coef:
-            return (f"mor_aux_coef={hp.mor_aux_coef} has no effect with {unchosen}: "
-                    f"no router chooses")
+            return (f"mor_aux_coef={hp.mor_aux_coef} has no effect with {unchosen}: no router chooses")
         return ""
 
     @staticmethod
@@ -763,10 +760,10 @@ class GPT(nn.Module):
                 nn.init.normal_(m.weight, mean=0.0, std=hp.init_std)
         self.router.reset_parameters()
 
-    def forward(self, idx, pos=None, cache=None, targets=None) -> Output:
+    def forward(self, idx, pos=None, cache=None, targets=None, per_token=False) -> Output:
         """idx: (B, T) token ids; with a KVCache one token (1, 1) at position pos (1, 1), kept as
-        K/V only in the blocks it runs. Routing follows model.train() / model.eval(). With
-        targets (B, T): the mean cross-entropy (chunked, loss_rows), no logits."""
+        K/V only in the blocks it runs. Routing follows model.train() / model.eval(). With targets
+        (B, T): the mean cross-entropy (chunked, loss_rows), no logits; per_token: each one's (B, T)."""
         # Flex: one causal block mask per forward (eagerly: lru_cache per length), none decoding
         flex = cache is None and attention_impl(self.hp, idx.is_cuda) == "flex"
         mask = causal_block_mask(idx.size(1), str(idx.device)) if flex else None
@@ -774,13 +771,17 @@ class GPT(nn.Module):
         x = self.router(self.blocks, self.embed_norm(self.embed(idx)), trace, mask, pos, cache)
         route = {k: torch.stack(v) for k, v in trace.items()}
         resid = route.pop("resid", None)
-        return Output(*self.readout(x, targets), route, resid)
+        return Output(*self.readout(x, targets, per_token), route, resid)
 
-    def readout(self, x, targets=None):  # -> (logits, None), or with targets (None, loss)
+    def readout(self, x, targets=None, per_token=False):  # -> (logits, None) or (None, loss)
         h = self.head_norm(x)
         if targets is None:
             return self.head(h).float(), None
         h, weight = h.flatten(0, 1), self.head.weight
+        if per_token:  # loss_rows rows of logits at a time, as LinearCrossEntropy computes them
+            w, rows = weight.to(h.dtype), self.hp.loss_rows
+            return None, torch.cat([F.cross_entropy((hc @ w.t()).float(), tc, reduction="none") for hc, tc
+                                    in zip(h.split(rows), targets.flatten().split(rows))]).view_as(targets)
         grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         total = LinearCrossEntropy.apply(h, weight, targets.flatten(), self.hp.loss_rows, grads)
         return None, total / targets.numel()
@@ -800,8 +801,7 @@ class DistributedLoader:
         for path in self.files:
             if encoding not in (None, found := shard_encoding(path)):
                 raise UserError(f"{path} holds {found} tokens, but encoding={encoding}: train a "
-                                f"{found} model on it (--encoding={found}), or give "
-                                f"{encoding} shards")
+                                f"{found} model on it (--encoding={found}), or give {encoding} shards")
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard = None
         self.reset()
@@ -852,8 +852,7 @@ class DistributedLoader:
 # -----------------------------------------------------------------------------
 # FLOPs: forward pass of one sequence of seq_len tokens, 2 per multiply-add
 
-def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None,
-                  pairs=None) -> float:
+def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None, pairs=None) -> float:
     """Forward FLOPs of one sequence of T tokens (default seq_len). active / mlp_active: per layer,
     the share of tokens that run the block / its MLP (None: all / as active). A skipped token
     costs nothing there (the paper's Figure 2): projections and FFN scale with the share a,
@@ -878,8 +877,7 @@ def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=N
     """Forward FLOPs per token at seq_len; training (forward + backward) is 3x this."""
     return forward_flops(hp, active, mlp_active, pairs=pairs) / hp.seq_len
 
-def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None,
-        pairs=None) -> float:
+def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None, pairs=None) -> float:
     """Model FLOPs utilisation of one step: 3x the forward FLOPs of the work executed on its
     batch_size x seq_len tokens over all devices' peak. active: the blocks' shares (compact)."""
     tokens = hp.batch_size * hp.seq_len
@@ -1020,22 +1018,19 @@ def validate(hp: Hyperparameters, world: int):
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
     if hp.encoding == "bytes" and hp.vocab_size != 256:
-        raise UserError(f"encoding=bytes has 256 token ids: give vocab_size=256 "
-                        f"(not {hp.vocab_size})")
+        raise UserError(f"encoding=bytes has 256 token ids: give vocab_size=256 (not {hp.vocab_size})")
     defaults = Hyperparameters()
     for f, (group, _, _) in field_facts(Hyperparameters).items():  # other routers' knobs do nothing
         owner = re.match(r"router=(\w+)", group)
         if owner and owner[1] != hp.router and getattr(hp, f) != getattr(defaults, f):
-            raise UserError(f"{f} sets the {owner[1]} router's behaviour; "
-                            f"router={hp.router} has none")
+            raise UserError(f"{f} sets the {owner[1]} router's behaviour; router={hp.router} has none")
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
     if hp.batch_size % (hp.device_batch_size * world):
         raise UserError(f"batch_size={hp.batch_size} is not divisible by device_batch_size "
                         f"({hp.device_batch_size}) x world size ({world})")
     if hp.seq_len > hp.max_seq_len:
-        raise UserError(f"seq_len={hp.seq_len} is beyond the RoPE table "
-                        f"(max_seq_len={hp.max_seq_len})")
+        raise UserError(f"seq_len={hp.seq_len} is beyond the RoPE table (max_seq_len={hp.max_seq_len})")
     if num_steps(hp) < 1:
         raise UserError("train_tokens is less than one global batch")
     if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
@@ -1088,8 +1083,7 @@ class RunState:
 CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
     "hp", "world_size", "model", "optimizer", "routing", "loader", "rng")
 
-def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt,
-                     loader: dict) -> dict:
+def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
     return {**asdict(run), "hp": asdict(hp), "world_size": world, "model": raw.state_dict(),
             "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
@@ -1167,25 +1161,35 @@ def route_sums(route: dict, router: Router) -> dict:
 @torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
     """Validation over val_tokens, inference routing, all-reduced over ranks: the loss, the
-    route_sums and residual norms per token, FLOPs per token at the shares that ran."""
+    route_sums and residual norms per token, FLOPs per token at the shares that ran. Documents,
+    not tokens, are the sampled units (each runs from one separator to the next): the loss is a
+    ratio of per-document sums, and val_se its standard error over them (delta method)."""
     model.eval()
     loader.reset()
-    sums = {}
-    for _ in range(hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world)):
+    B, T, sep = hp.device_batch_size, hp.seq_len, BYTES_EOT if hp.encoding == "bytes" else EOT
+    steps, sums = hp.val_tokens // (B * T * d.world), {}
+    # (loss | starts a document, step, rank, token): every target in the order the loader reads
+    each = torch.zeros(2, steps, d.world, B * T, dtype=torch.float64, device=d.device)
+    for i in range(steps):
         x, y = (to_device(t, d.device) for t in loader.next_batch())
         with autocast:
-            _, loss, route, resid = model(x, targets=y)
-        n = y.new_full((), y.numel(), dtype=torch.float64)
-        sums = add_sums(sums, {"tokens": n, "loss": loss.double() * n,
-                               "resid_norm": resid.double() * n, **route_sums(route, model.router)})
-    sums = all_reduce_sums(sums)
+            _, loss, route, resid = model(x, targets=y, per_token=True)
+        each[0, i, d.rank], each[1, i, d.rank] = loss.flatten(), (y == sep).flatten()
+        sums = add_sums(sums, {"resid_norm": resid.double() * y.numel(), **route_sums(route, model.router)})
+    sums = all_reduce_sums({**sums, "each": each})
     model.train()
-    tokens, loss = sums.pop("tokens"), sums.pop("loss")
+    loss, starts = sums.pop("each").cpu().flatten(1)  # (on the CPU: index_add_ in a fixed order)
+    doc = starts.long().cumsum(0)  # (tokens,) each target's document
+    count = torch.bincount(doc).double()
+    total, count = torch.zeros_like(count).index_add_(0, doc, loss)[count > 0], count[count > 0]
+    docs, tokens, mean = len(count), loss.numel(), (total.sum() / count.sum()).item()
+    se = (math.sqrt(docs / (docs - 1) * (total - mean * count).square().sum().item()) / count.sum().item()
+          if docs > 1 else None)
     pairs = (sums.pop("attn_pairs") * hp.seq_len / tokens).tolist()  # per layer, per sequence
     v = {k: (t / tokens).tolist() for k, t in sums.items()}  # per-layer means
     fwd = flops_per_token(hp, v["block_active"], v["mlp_active"], pairs)
     dense = flops_per_token(replace(hp, router="none", compact=False))
-    return dict(val_loss=(loss / tokens).item(), sparsity=1 - sum(v["mlp_active"]) / hp.n_layers,
+    return dict(val_loss=mean, val_se=se, val_docs=docs, sparsity=1 - sum(v["mlp_active"]) / hp.n_layers,
                 **v, attn_pairs=pairs, fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
                 fwd_flops_per_token_dense=dense, fwd_flops_per_seq=fwd * hp.seq_len)
 
@@ -1232,8 +1236,7 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
                         f"{steps} steps in all (train_tokens / (batch_size x seq_len)); give a "
                         f"train_tokens of at least {ckpt['step'] * hp.batch_size * hp.seq_len}")
     if ckpt is not None and 0 < job.stop_step <= ckpt["step"]:
-        raise UserError(f"stop_step={job.stop_step} is not after the checkpoint's step "
-                        f"{ckpt['step']}")
+        raise UserError(f"stop_step={job.stop_step} is not after the checkpoint's step {ckpt['step']}")
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
@@ -1274,8 +1277,7 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
-        model = nn.parallel.DistributedDataParallel(model,
-                                                    device_ids=[d.local_rank] if cuda else None)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
     config = {**asdict(hp), "job": asdict(job), "world_size": d.world, "grad_accum": accum,
               "num_steps": steps, "run_dir": run_dir, "device": d.device, "run_id": run.run_id,
               **provenance(), "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
@@ -1355,8 +1357,7 @@ def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: Di
         torch.set_rng_state(ckpt["rng"]["cpu"])
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"] if cuda else [])  # ([]: none is set)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise UserError(f"{where}: corrupt or incompatible checkpoint "
-                        f"({type(e).__name__})") from None
+        raise UserError(f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
     routing = [t for v in raw.router.routing_state().values()  # tensors, or dicts of them
                for t in (v.values() if isinstance(v, dict) else [v])]
     if not (all_finite(raw, opt) and all(t.isfinite().all() for t in routing)):  # never saved so
@@ -1416,8 +1417,7 @@ def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, st
     n = stats["tokens"][0]
     means = {k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
     line = (f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
-            f"{clock(run.train_ms, run.timed_steps)} "
-            f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
+            f"{clock(run.train_ms, run.timed_steps)} tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
     if peak:  # executed work: all tokens, except what compact really skips
         active, pairs = (means["block_active"], [p * hp.seq_len / n for p in stats["attn_pairs"]]) \
             if hp.compact else (None, None)
