@@ -907,15 +907,17 @@ def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
 
 def fake_debian(tmp_path, apt_get: str) -> dict:
     """PATH with an apt-get running apt_get (bash) and a dpkg-deb whose --fsys-tarfile streams
-    12 pages of 2,000 characters, each naming its package and number, from any .deb, and one
-    page under translations/ (not English: not a page of the corpus)."""
+    12 pages of 2,000 characters, each naming its package and number, from any .deb, and pages
+    NOT_PAGES drops: translations, Sphinx's source listings and indexes, maxima's single page."""
     bin_ = tmp_path / "bin"
     bin_.mkdir(parents=True)
     (bin_ / "apt-get").write_text("#!/bin/bash\n" + apt_get)
     (bin_ / "dpkg-deb").write_text(
         '#!/bin/bash\nname=$(basename "$2"); name=${name%%_*}; t=$(mktemp -d); mkdir "$t/html"\n'
         'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) > "$t/html/$i.html"; done\n'
-        'mkdir -p "$t/html/translations/it"; echo "<p>traduzione</p>" > "$t/html/translations/it/a.html"\n'
+        'mkdir -p "$t/html/translations/it" "$t/html/_modules" "$t/apache2-doc/manual/it"\n'
+        'for p in translations/it/a _modules/m genindex-A search maxima_singlepage ../apache2-doc/manual/it/a; do\n'
+        '  printf "<p>%.0snot a page </p>" $(seq 100) > "$t/html/$p.html"; done\n'
         'tar -cf - -C "$t" .; rm -r "$t"\n')
     for tool in bin_.iterdir():
         tool.chmod(0o755)
@@ -937,17 +939,20 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
     manifest = json.loads((tmp_path / "out" / "docs.manifest.json").read_text())
     names = [spec.split("=")[0] for spec in docs.PACKAGES]
     assert manifest["inputs"] == {n: hashlib.sha256(n.encode()).hexdigest() for n in names}
-    # 48 pages shuffled: all but every TRAIN_EVERY-th held out as an excerpt of its page; the first
-    # half of the validation split and the training split sample every package; no translation
+    # 12 pages a package, shuffled: all but every TRAIN_EVERY-th held out as an excerpt of its page;
+    # neither split in package order, and the first half of the validation split samples every one
     split = {}
     for kind in ("val", "train"):
         tokens = shards.read_shard(str(next((tmp_path / "out").glob(f"docs_{kind}_*.bin"))), 256)
         split[kind] = bytes(tokens.astype(np.uint8)).decode().split("\0")[1:]
     pages = {"\n".join([f"{n} page {i}"] * 100) for n in names for i in range(12)}
-    assert (len(split["val"]), len(split["train"])) == (40, 8) and set(split["train"]) < pages
+    train = -(-len(pages) // docs.TRAIN_EVERY)  # pages 0, TRAIN_EVERY, ...
+    assert (len(split["val"]), len(split["train"])) == (len(pages) - train, train) and set(split["train"]) < pages
     assert all(len(t) == docs.EXCERPT and any(t in p for p in pages) for t in split["val"])
     for kind, texts in split.items():  # (the shuffle is seeded: this holds or fails every time)
-        assert all(any(n in t for t in texts[:len(texts) // (1 + (kind == "val"))]) for n in names), kind
+        order = [next(i for i, n in enumerate(names) if n in t) for t in texts]
+        assert order != sorted(order), kind  # not package by package
+    assert all(any(n in t for t in split["val"][:len(split["val"]) // 2]) for n in names)
     # the same inputs give the same corpus (a seeded shuffle), into a folder of its own
     shas = dict(manifest["shards"])
     r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'again'}", "--unpinned"], **today)

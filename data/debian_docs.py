@@ -13,10 +13,10 @@ elements on lines of their own) and writes the pages as byte shards through toke
 any prefix of either split samples every package; every TRAIN_EVERY-th page trains, and each of
 the others is held out for validation as one excerpt of EXCERPT characters at a random start, so
 that a validation averages over thousands of pages (sweep.py reports its standard error over
-documents). 4,782 pages: 797 training pages (10,771,593 bytes) and 3,985 validation excerpts
-(2,045,678 bytes), in about 70 s on 2 cores. The corpus is not committed; its shards' sha256
+documents). 9,838 pages: 984 training pages (8,624,264 bytes) and 8,854 validation excerpts
+(5,150,722 bytes), in about 90 s on 2 cores. The corpus is not committed; its shards' sha256
 are (SHA256, checked at the end; the inputs' sha256 go into the corpus's manifest). Nothing is
-extracted to disk: the downloads (~55 MB) go into a temporary folder inside --out, removed at
+extracted to disk: the downloads (~96 MB) go into a temporary folder inside --out, removed at
 the end, on an error or a signal (kill -9 leaves it: .debian_docs.<random>); a shard-named file
 there that is not this corpus's is refused first. Mirrors drop a version once it is superseded:
 then --debs takes the pinned files from a folder (snapshot.debian.org keeps every version), and
@@ -52,15 +52,27 @@ PACKAGES = {  # name=version: the .deb's sha256 (Debian 12, bookworm)
     "postgresql-doc-15=15.18-0+deb12u1": "3c598277a463c44d672daa2c335deb8d8252e1852fb025fd4578ea2d9a1b90f0",
     "git-doc=1:2.39.5-0+deb12u3": "3c89668a11053a6bafade3de1f611f4613db31e082af63f43d8c5b69ad8795ec",
     "linux-doc-6.1=6.1.176-1": "0d843674607703b9ef8c1db5e715c38ed52ff23574feabfe0d961d552126859f",
+    "apache2-doc=2.4.68-1~deb12u1": "cee8fe80ffb5de2744cd690c3d795b489e43a1c44c4e3a634c521642f22d7835",
+    "sqlite3-doc=3.40.1-2+deb12u2": "466e30d7066e2641fa13e56bc662a2ad521b8cc9c17dde9c9dac3d4f105e32f2",
+    "python-django-doc=3:3.2.25-0+deb12u3": "33319c8e45b95693603213442ccf9bcee933ef338488115203ad25a0e01c696f",
+    "maxima-doc=5.46.0-11": "01a726b693a7e465a62040ac5ade4762194d7553524231d77cd1fcd4a69a75b9",
+    "python-sqlalchemy-doc=1.4.46+ds1-1": "8805c3167ef75278ac6fd58ed9856321c2b2e3a7e441edba84b2eb955216d0fd",
+    "sphinx-doc=5.3.0-4": "1da3d08bb3a0bc82a4b8b8109410e223054bf5fb13904557ec8ea869046f65b4",
+    "octave-doc=7.3.0-2": "b27897cc7e3d688daa5cb8f8d1ea47077f3fbd205ce32e22522200ff0c1eadd5",
+    "debian-reference-en=2.100": "9f31d3a17df505de09689ca255512ea58c1fc47c59bb1b0c7bf1c23362e9743f",
 }
+NOT_PAGES = re.compile(  # paths whose HTML is not an English page of its own: hidden files, the
+    r"/\.[^./]|/translations/|/apache2-doc/manual/(?!en/)"  # translations (linux's, apache2's),
+    r"|/_modules/|/(genindex[^/]*|py-modindex|search)\.html$"  # Sphinx's source listings, indexes,
+    r"|/maxima_singlepage\.html$")  # and maxima's manual again as one page
 SHA256 = {  # the shards these packages give (Python 3.11.7's html.parser)
-    "docs_val_000000.bin": "458699293090aafd86c98b73192d5d2d6c51031bb6242ce2a2faedd5c0a255d0",
-    "docs_train_000001.bin": "7b9aa0a33c143b828940a7b811674ceebac2a538cbea33fb16a2953000e27cc5",
+    "docs_val_000000.bin": "1a4b21ceb39ec00813776856eeb31f89db1ff08854e2eec58e1b30351a4ff63a",
+    "docs_train_000001.bin": "9ddd69160e45caf2f7ec06ba9813449994e3e2434fe9fa2a16bfcbbc6f3ed639",
 }
 SHUFFLE_SEED = 0  # random.Random(SHUFFLE_SEED): the pages' order, then the excerpts' starts
-TRAIN_EVERY = 6   # pages 0, 6, 12, ... of the shuffled order train; the others are held out
-EXCERPT = 512     # for validation, each as one excerpt of at most EXCERPT characters at a random
-#                   start: thousands of documents, for a validation SE near 0.005 nats (issue 33)
+TRAIN_EVERY = 10  # pages 0, 10, 20, ... of the shuffled order train; the others are held out
+EXCERPT = 768     # for validation, each as one excerpt of at most EXCERPT characters at a random
+#                   start: 8,854 documents, for a validation SE below 0.005 nats (docs/data.md)
 BLOCKS = {"p", "div", "br", "li", "tr", "pre", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6",
           "table", "blockquote", "section"}
 
@@ -97,14 +109,12 @@ def page_text(page: bytes) -> str:
 def package_pages(deb: str) -> list:
     """The HTML pages of a .deb, in the order of their paths, read from the file tree dpkg-deb
     streams: nothing is extracted to disk. Each page once: a link is not a page of its own (the
-    packages link folders and files to one another); hidden files are not pages, nor the kernel's
-    translations (not English)."""
+    packages link folders and files to one another), nor is a path NOT_PAGES matches."""
     with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE) as p:
         try:
             with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
                 pages = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()
-                         and m.name.endswith(".html")
-                         and not re.search(r"/\.[^./]|/translations/", m.name)}
+                         and m.name.endswith(".html") and not NOT_PAGES.search(m.name)}
         except tarfile.TarError as e:  # a cut or empty stream: dpkg-deb failed, or a bad .deb
             raise UserError(f"dpkg-deb --fsys-tarfile {deb}: {e} (a damaged .deb?)") from None
     if p.wait():
