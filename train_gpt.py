@@ -1315,8 +1315,7 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                 d.sync()
                 t0 = time.perf_counter()
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
-                stats = train_step(model, raw.router, hp, opt, train_loader, d, autocast, accum,
-                                   lrs, step)
+                stats = train_step(model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step)
                 run.step += 1
                 if not math.isfinite(stats["total_loss"][0]):  # no update was applied
                     skip_bad_step(log, run, job.max_bad_steps, steps, lambda: last_good(d, run_dir))
@@ -1465,9 +1464,10 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
     return sums
 
 def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: int):
-    log.print(f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} sparsity:{v['sparsity']:.4f} "
-              f"fwd_flops/token:{v['fwd_flops_per_token']:.4g} "
-              f"dense:{v['fwd_flops_per_token_dense']:.4g} {clock(run.train_ms, run.timed_steps)}")
+    log.print(f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} "
+              f"over {v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
+              f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g} "
+              f"{clock(run.train_ms, run.timed_steps)}")
     log.print("  " + " ".join(f"{k}:{fmt_list(v[k])}" for k in ("block_active", "mlp_active")))
     for line in router.log_lines(v, run.step) + [f"  resid_norm:{fmt_list(v['resid_norm'])}"]:
         log.print(line)
