@@ -289,7 +289,8 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
             for script, argv in {"fresh": plan, "resume": [resume], "done": []}[state]:
                 launch(argv, 1 if script == "expand.py" else nproc, script, label=run_dir)
             print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
-            command = " && ".join(f"python {script} {shlex.join(argv)}" for script, argv in plan)
+            command = " && ".join(f"python {script} {shlex.join(argv)}" for script, argv in plan).replace(
+                os.path.dirname(os.path.abspath(__file__)) + os.sep, "")  # as run from the repository
             done.append((name, seed, run_dir, command))
     return done
 
@@ -681,7 +682,8 @@ def main(argv):
         print(verdict_text(write_report(out, rows)))
         return
     grid = GRIDS[args.grid]
-    runs_dir = args.runs or os.path.join("logs", f"sweep_{args.grid}")
+    # absolute: the trainers run in the repository, this command wherever it was started
+    runs_dir = os.path.abspath(args.runs or os.path.join("logs", f"sweep_{args.grid}"))
     out = support.writable_dir(args.out or os.path.join(
         "records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"),
         ("runs.csv", "README.md", *REPORT))

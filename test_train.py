@@ -2956,6 +2956,16 @@ class TokenSpans(__import__("html.parser").parser.HTMLParser):
             self.spans[-1][0] += data
 
 
+def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told(tmp_path, monkeypatch):
+    sweep = load_command("sweep.py")  # (its trainers run in the repository: the paths must agree)
+    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, n_layers=2, runs=[sweep.dense(2)]))
+    monkeypatch.chdir(tmp_path)
+    assert support.cli(sweep.main, ["--grid=one", "--runs=runs", "--out=out"]) == 0
+    assert sweep.run_state(str(tmp_path / "runs" / "dense_2_s0")) == "done"
+    row = sweep.read_runs(str(tmp_path / "out" / "runs.csv"))[0]
+    assert f"--run_dir={tmp_path / 'runs' / 'dense_2_s0'}" in row["command"]
+
+
 def test_ctrl_c_on_a_sweep_lets_the_run_in_flight_save_and_stop(tmp_path):
     # the sweep gets the signal (the trainer runs in a session of its own, as after a Ctrl-C
     # at a terminal) and passes it on once: the trainer finishes its step and saves
