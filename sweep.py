@@ -116,7 +116,7 @@ def figure2_runs(L, dlo_anneal_steps, tokens):
 BYTES_BASE = ["--train_files=data/debian_docs/docs_train_*.bin",
               "--val_files=data/debian_docs/docs_val_*.bin", "--encoding=bytes", "--vocab_size=256",
               "--dim=64", "--n_heads=4", "--n_kv_heads=4", "--max_seq_len=256", "--seq_len=256",
-              "--batch_size=8", "--device_batch_size=8", "--val_every=0", "--val_tokens=5158912",
+              "--batch_size=8", "--device_batch_size=8", "--val_every=0", "--val_tokens=5046272",
               "--save_every=200", "--lr=3e-3", "--compile=false"]
 GRIDS = {
     # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
@@ -141,8 +141,8 @@ GRIDS = {
     # The byte-level study (README: Results): blocks, not the 256-row head, are the compute.
     # 6 layers of width 64 on data/debian_docs.py's corpus, 1,200 steps of 8 x 256 bytes (600,
     # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained); the
-    # validation: the corpus's 8,854 held-out excerpts of 768 characters, one per page (the last
-    # cut short), for a standard error over documents below 0.005 nats (docs/data.md).
+    # validation: the corpus's held-out excerpts of 768 characters, one per page, 6,729 of its
+    # 6,730 (the last cut short), for a standard error over documents below 0.005 (docs/data.md).
     "bytes": dict(base=BYTES_BASE + ["--train_tokens=2457600"], n_layers=6,
                   corpus_sha256=tokenize_corpus.corpus_sha256(debian_docs.SHA256),
                   runs=figure2_runs(6, 100, 2457600)),
@@ -150,7 +150,7 @@ GRIDS = {
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
 # dense control, MoD): five seeds took about two hours on 2 cores with 262,144 validation bytes;
 # with 2,048,000 validated twice, about 3.4 h as three one-thread jobs splitting the seeds
-# (--first_seed); with corpus v3's 5,158,912 validated once, about 3.5 h (from its first runs).
+# (--first_seed); with corpus v3's 5,046,272 validated once, about 3.5 h (from its first runs).
 GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs"] if r[0] in (
     "dense_2", "dense_4", "dense_6", "gated_mu0.5", "dlo_source_3", "dlo_rho0.5", "dlo_control",
     "mod_c0.125")])

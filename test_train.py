@@ -908,7 +908,8 @@ def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
 def fake_debian(tmp_path, apt_get: str) -> dict:
     """PATH with an apt-get running apt_get (bash) and a dpkg-deb whose --fsys-tarfile streams
     12 pages of 2,000 characters, each naming its package and number, from any .deb, and pages
-    NOT_PAGES drops: translations, Sphinx's source listings and indexes, maxima's single page."""
+    NOT_PAGES drops (translations, Sphinx's source listings and indexes, maxima's single page)
+    and a redirect shorter than MIN_TEXT."""
     bin_ = tmp_path / "bin"
     bin_.mkdir(parents=True)
     (bin_ / "apt-get").write_text("#!/bin/bash\n" + apt_get)
@@ -918,6 +919,7 @@ def fake_debian(tmp_path, apt_get: str) -> dict:
         'mkdir -p "$t/html/translations/it" "$t/html/_modules" "$t/apache2-doc/manual/it"\n'
         'for p in translations/it/a _modules/m genindex-A search maxima_singlepage ../apache2-doc/manual/it/a; do\n'
         '  printf "<p>%.0snot a page </p>" $(seq 100) > "$t/html/$p.html"; done\n'
+        'echo "<p>The node you are looking for is at XREFfft.</p>" > "$t/html/XREFfft.html"\n'
         'tar -cf - -C "$t" .; rm -r "$t"\n')
     for tool in bin_.iterdir():
         tool.chmod(0o755)

@@ -13,8 +13,8 @@ elements on lines of their own) and writes the pages as byte shards through toke
 any prefix of either split samples every package; every TRAIN_EVERY-th page trains, and each of
 the others is held out for validation as one excerpt of EXCERPT characters at a random start, so
 that a validation averages over thousands of pages (sweep.py reports its standard error over
-documents). 9,838 pages: 984 training pages (8,624,264 bytes) and 8,854 validation excerpts
-(5,150,722 bytes), in about 90 s on 2 cores. The corpus is not committed; its shards' sha256
+documents). 7,478 pages: 748 training pages (8,403,267 bytes) and 6,730 validation excerpts
+(5,040,014 bytes), in about 90 s on 2 cores. The corpus is not committed; its shards' sha256
 are (SHA256, checked at the end; the inputs' sha256 go into the corpus's manifest). Nothing is
 extracted to disk: the downloads (~96 MB) go into a temporary folder inside --out, removed at
 the end, on an error or a signal (kill -9 leaves it: .debian_docs.<random>); a shard-named file
@@ -65,14 +65,17 @@ NOT_PAGES = re.compile(  # paths whose HTML is not an English page of its own: h
     r"/\.[^./]|/translations/|/apache2-doc/manual/(?!en/)"  # translations (linux's, apache2's),
     r"|/_modules/|/(genindex[^/]*|py-modindex|search)\.html$"  # Sphinx's source listings, indexes,
     r"|/maxima_singlepage\.html$")  # and maxima's manual again as one page
+MIN_TEXT = 100  # characters: a shorter page is a redirect ("The node you are looking for is at
+#                 XREFfft.": octave's 2,324 Texinfo stubs and its figure and table ones; sqlite's
+#                 sqlite.html); the shortest page kept has 149 (training) or 102 (an excerpt)
 SHA256 = {  # the shards these packages give (Python 3.11.7's html.parser)
-    "docs_val_000000.bin": "1a4b21ceb39ec00813776856eeb31f89db1ff08854e2eec58e1b30351a4ff63a",
-    "docs_train_000001.bin": "9ddd69160e45caf2f7ec06ba9813449994e3e2434fe9fa2a16bfcbbc6f3ed639",
+    "docs_val_000000.bin": "7e8b3f8318490b06e5151af31bb34c6d632f696fbf2af1e9e16ade71b69c235d",
+    "docs_train_000001.bin": "dc17cf0a24cb5357f14a47a45ebb874c0e3d8a1037db1575e3cece15c3116021",
 }
 SHUFFLE_SEED = 0  # random.Random(SHUFFLE_SEED): the pages' order, then the excerpts' starts
 TRAIN_EVERY = 10  # pages 0, 10, 20, ... of the shuffled order train; the others are held out
 EXCERPT = 768     # for validation, each as one excerpt of at most EXCERPT characters at a random
-#                   start: 8,854 documents, for a validation SE below 0.005 nats (docs/data.md)
+#                   start: 6,730 documents, for a validation SE below 0.005 nats (docs/data.md)
 BLOCKS = {"p", "div", "br", "li", "tr", "pre", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6",
           "table", "blockquote", "section"}
 
@@ -173,7 +176,7 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
         rng.shuffle(pages)  # so that any prefix of either split samples every package
         docs, held_out = os.path.join(work, "pages.jsonl"), lambda i: i % TRAIN_EVERY != 0
         with open(docs, "w", encoding="utf-8") as f:
-            for i, text in enumerate(filter(None, map(page_text, pages))):
+            for i, text in enumerate(t for t in map(page_text, pages) if len(t) >= MIN_TEXT):
                 if held_out(i):  # tokenize's validation documents: an excerpt of each
                     start = rng.randrange(max(1, len(text) - EXCERPT + 1))
                     text = text[start:start + EXCERPT]
