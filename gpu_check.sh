@@ -22,9 +22,9 @@
 #            which travels (28 MB: build data/debian_docs here, python data/debian_docs.py,
 #            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid_<gpu>); in
 #            pieces: each call trains until its budget is spent, then SIGTERM makes the run
-#            in flight save and the next call goes on (on an H200 about 43 s a run, most of it
-#            validation, then done twice on a 2 MB one, and start-up: about 30 min for 5 seeds,
-#            2026-11-26 record; the corpus's validation is now 5.2 MB, read once)
+#            in flight save and the next call goes on (on an H200, 2026-11-26 record: about 43 s
+#            a run, most of it start-up and validation, then 2 MB read twice; now 5 MB read once,
+#            not yet timed there: at 43 s, about 30 min for 5 seeds)
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size and on the embedded sample's grid
 # (test_train.py runs it so).
 set -uo pipefail
