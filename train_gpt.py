@@ -1037,10 +1037,10 @@ def validate(hp: Hyperparameters, world: int):
         raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
                         f"({hp.device_batch_size * hp.seq_len * world} tokens)")
     # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments, RoPE
-    # tables, one loss chunk's fp32 logits
+    # tables, one loss chunk's logits (validation's per_token: bf16, fp32, log-softmax)
     blocks = ROUTERS[hp.router].n_blocks(hp)  # built (MoR's fewer than n_layers), each a RoPE table
     need = (16 * n_weights(hp) + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
-            + 8 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size)
+            + 10 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size)
     if need > machine_memory():
         raise UserError(f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
                         f"{machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
