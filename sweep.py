@@ -4,7 +4,7 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
-    python sweep.py --grid=bytes_core --seeds=5     # byte-level study, 2 cores, ~3.5 h in 3 jobs
+    python sweep.py --grid=bytes_core --seeds=5     # byte-level study, 2 cores, ~3 h in 3 jobs
                                                     # (python data/debian_docs.py first)
     python sweep.py --report=RECORD/runs.csv        # a record's table and figure again
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
@@ -150,7 +150,7 @@ GRIDS = {
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
 # dense control, MoD): five seeds took about two hours on 2 cores with 262,144 validation bytes;
 # with 2,048,000 validated twice, about 3.4 h as three one-thread jobs splitting the seeds
-# (--first_seed); with corpus v3's 5,046,272 validated once, about 3.5 h (from its first runs).
+# (--first_seed); with corpus v3's 5,046,272 validated once, about 3 h (estimated from its first runs).
 GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs"] if r[0] in (
     "dense_2", "dense_4", "dense_6", "gated_mu0.5", "dlo_source_3", "dlo_rho0.5", "dlo_control",
     "mod_c0.125")])
