@@ -19,10 +19,11 @@ the grid without redoing finished runs. A Ctrl-C (SIGINT, SIGTERM or SIGUSR1) re
 in flight once: it saves its checkpoint, and the sweep waits for it, then stops (status 0).
 Then, in this process, on each run's final weights: validation cross-entropy and estimated
 FLOPs per token at the measured sparsity, and the former's standard error over documents, come
-from the run's last validation record; evaluation time per token is measured here, masked and (for gated runs) compacted, side by side. The verdict is
-summarise's: paired over seeds, Holm-corrected (README: Results). The record folder gets
-runs.csv (a row per run), table.md, figure.png (matplotlib, a plot-only requirement) and a
-README with the command, the corpus's sha256 (pinned or not), the hardware and the verdict.
+from the run's last validation record; evaluation time per token is measured here, masked and
+(for gated runs) compacted, side by side. The verdict is summarise's: paired over seeds,
+Holm-corrected (README: Results). The record folder gets runs.csv (a row per run), table.md,
+figure.png (matplotlib, a plot-only requirement) and a README with the command, the corpus's
+sha256 (pinned or not), the hardware and the verdict.
 
 Add a configuration to a grid with one line in GRIDS: (name, [train_gpt.py overrides]). Names
 starting with "dense_" make the frontier. A run that starts from another (DLO) has a third
@@ -542,8 +543,8 @@ def read_runs(path: str) -> list:
                     r[k] = float(v) if v else None
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
-        bad = [k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v) or
-               v is None and k not in ("val_se", "val_docs") or k == "flops_per_token" and v is not None and v <= 0]
+        bad = [k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v) or v is None
+               and k not in ("val_se", "val_docs") or k == "flops_per_token" and v is not None and v <= 0]
         if bad:
             raise support.UserError(f"{path}:{i}: {bad[0]}={r[bad[0]]} (a finite number"
                                     f"{', above 0' if bad[0] == 'flops_per_token' else ''} is needed)")

@@ -917,7 +917,8 @@ def fake_debian(tmp_path, apt_get: str) -> dict:
         '#!/bin/bash\nname=$(basename "$2"); name=${name%%_*}; t=$(mktemp -d); mkdir "$t/html"\n'
         'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) > "$t/html/$i.html"; done\n'
         'mkdir -p "$t/html/translations/it" "$t/html/_modules" "$t/apache2-doc/manual/it"\n'
-        'for p in translations/it/a _modules/m genindex-A search maxima_singlepage ../apache2-doc/manual/it/a; do\n'
+        'for p in translations/it/a _modules/m genindex-A search maxima_singlepage \\\n'
+        '  ../apache2-doc/manual/it/a; do\n'
         '  printf "<p>%.0snot a page </p>" $(seq 100) > "$t/html/$p.html"; done\n'
         'echo "<p>The node you are looking for is at XREFfft.</p>" > "$t/html/XREFfft.html"\n'
         'tar -cf - -C "$t" .; rm -r "$t"\n')
@@ -949,7 +950,8 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
         split[kind] = bytes(tokens.astype(np.uint8)).decode().split("\0")[1:]
     pages = {"\n".join([f"{n} page {i}"] * 100) for n in names for i in range(12)}
     train = -(-len(pages) // docs.TRAIN_EVERY)  # pages 0, TRAIN_EVERY, ...
-    assert (len(split["val"]), len(split["train"])) == (len(pages) - train, train) and set(split["train"]) < pages
+    assert (len(split["val"]), len(split["train"])) == (len(pages) - train, train)
+    assert set(split["train"]) < pages
     assert all(len(t) == docs.EXCERPT and any(t in p for p in pages) for t in split["val"])
     for kind, texts in split.items():  # (the shuffle is seeded: this holds or fails every time)
         order = [next(i for i, n in enumerate(names) if n in t) for t in texts]
