@@ -190,7 +190,6 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
     cmd = ([sys.executable, script] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", script])
-    here = os.path.dirname(os.path.abspath(__file__))
     got, proc = [], None
 
     def send(sig):
@@ -202,7 +201,7 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
             send(sig)
     previous = {sig: signal.signal(sig, forward) for sig in support.SAVE_SIGNALS}
     try:
-        proc = subprocess.Popen(cmd + args, cwd=here, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd + args, cwd=support.HERE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         if got:  # one that came before the trainer existed
             send(got[0])
@@ -292,7 +291,7 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
                 launch(argv, 1 if script == "expand.py" else nproc, script, label=run_dir)
             print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
             command = " && ".join(f"python {script} {shlex.join(argv)}" for script, argv in plan).replace(
-                os.path.dirname(os.path.abspath(__file__)) + os.sep, "")  # as run from the repository
+                support.HERE + os.sep, "")  # as run from the repository
             done.append((name, seed, run_dir, command))
     return done
 
