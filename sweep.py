@@ -151,7 +151,7 @@ GRIDS = {
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
 # dense control, MoD): five seeds took about two hours on 2 cores with 262,144 validation bytes;
 # with 2,048,000 validated twice, about 3.4 h as three one-thread jobs splitting the seeds
-# (--first_seed); with corpus v3's 5,046,272 validated once, 2 h 57 min (its v3 record).
+# (--first_seed); with corpus v3's 5,046,272 validated once, about 3 h (its v3 record).
 GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs"] if r[0] in (
     "dense_2", "dense_4", "dense_6", "gated_mu0.5", "dlo_source_3", "dlo_rho0.5", "dlo_control",
     "mod_c0.125")])
@@ -573,11 +573,12 @@ def write_report(out: str, rows: list) -> list:
     unit = "nats per " + ("byte" if rows[0]["encoding"] == "bytes" else "token")
     tests = sum(ln.get("p_holm") is not None for ln in lines)
     table = [f"Differences in validation cross-entropy ({unit}), each run minus the same seed's "
-             f"dense frontier (the lower envelope of that seed's dense points, linear in log "
-             f"FLOPs) or control; mean over seeds, t-based 95% interval (df = n - 1), two-sided "
-             f"paired t-test, Holm-corrected across the {tests} tests. SD: of the per-seed "
-             f"differences. Detectable: the true difference found with about 80% power at level "
-             f"0.05 / {tests}. val SE: the largest over seeds of the validation estimate's "
+             f"dense frontier (the lower envelope of that seed's dense points: those better than "
+             f"every cheaper one, linear in log FLOPs between them) or control; mean over seeds, "
+             f"t-based 95% interval (df = n - 1), two-sided paired t-test, Holm-corrected across "
+             f"the {tests} tests. SD: of the per-seed differences. Detectable: the true difference "
+             f"a test at level 0.05 / {tests} finds with 80% power by the normal approximation "
+             f"(about 75% at n = 5). val SE: the largest over seeds of the validation estimate's "
              f"standard error over documents.", "",
              "| run | vs | n | difference | 95% CI | SD | p | Holm p | verdict | detectable | "
              "val CE (mean ± SD) | val SE | sparsity | fwd MFLOPs/token | unique params (M) | "
