@@ -149,9 +149,8 @@ GRIDS = {
                   runs=figure2_runs(6, 100, 2457600)),
 }
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
-# dense control, MoD): five seeds took about two hours on 2 cores with 262,144 validation bytes;
-# with 2,048,000 validated twice, about 3.4 h as three one-thread jobs splitting the seeds
-# (--first_seed); with corpus v3's 5,046,272 validated once, about 3 h (its v3 record).
+# dense control, MoD): five seeds take about 3 h on 2 cores as three one-thread jobs splitting the
+# seeds (--first_seed); the records give each study's time.
 GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs"] if r[0] in (
     "dense_2", "dense_4", "dense_6", "gated_mu0.5", "dlo_source_3", "dlo_rho0.5", "dlo_control",
     "mod_c0.125")])
