@@ -10,8 +10,8 @@ of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so ever
 the same fraction skipped; g is 1 or 0 for all but a sliver of tokens). Both paths then run
 the same model on the same batch, side by side, forward (no grad) and forward+backward; the
 median of --repeats timed runs after one warm-up is reported. The ideal speedup is
-forward_flops at the measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the
-dense count, and efficiency = measured / ideal speedup.
+forward_flops at the measured per-layer sparsity (the validation metric `fwd_flops_per_token`)
+against the dense count, and efficiency = measured / ideal speedup.
 """
 
 import json
@@ -28,6 +28,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 SIZES = {  # (hyperparameter overrides, batch size)
@@ -75,7 +76,11 @@ def bench_size(name, device, repeats, compile_):
     model = tg.GPT(hp).to(device)
     twin = tg.GPT(replace(hp, compact=True)).to(device)  # the same weights, compacted
     cuda = device.startswith("cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if cuda
+        else torch.autocast("cpu", enabled=False)
+    )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, hp.vocab_size, (batch, hp.seq_len), generator=gen).to(device)
@@ -95,11 +100,11 @@ def bench_size(name, device, repeats, compile_):
         for compact in (False, True):
             run = twin if compact else whole  # compact: eager around the compiled blocks
 
-            def forward():
+            def forward(run=run):
                 with torch.no_grad(), autocast:
                     run(idx)
 
-            def forward_backward():  # the training loss: the head and loss in chunks
+            def forward_backward(run=run):  # the training loss: the head and loss in chunks
                 with autocast:
                     loss = run(idx, targets=targets).loss
                 loss.backward()
@@ -116,31 +121,56 @@ def bench_size(name, device, repeats, compile_):
     return hp, batch, rows
 
 
-HEADER = ("| size | sparsity | fwd masked ms | fwd compact ms | fwd speedup | fwd+bwd masked ms "
-          "| fwd+bwd compact ms | fwd+bwd speedup | ideal (FLOPs) | fwd eff | fwd+bwd eff |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| size | sparsity | fwd masked ms | fwd compact ms | fwd speedup | fwd+bwd masked ms "
+    "| fwd+bwd compact ms | fwd+bwd speedup | ideal (FLOPs) | fwd eff | fwd+bwd eff |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def format_row(r):
-    return (f"| {r['size']} | {r['sparsity']:.3f} | {1e3 * r['fwd_masked']:.1f} | "
-            f"{1e3 * r['fwd_compact']:.1f} | {r['fwd_speedup']:.2f} | {1e3 * r['fb_masked']:.1f} | "
-            f"{1e3 * r['fb_compact']:.1f} | {r['fb_speedup']:.2f} | {r['ideal']:.2f} | "
-            f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} |")
+    return (
+        f"| {r['size']} | {r['sparsity']:.3f} | {1e3 * r['fwd_masked']:.1f} | "
+        f"{1e3 * r['fwd_compact']:.1f} | {r['fwd_speedup']:.2f} | {1e3 * r['fb_masked']:.1f} | "
+        f"{1e3 * r['fb_compact']:.1f} | {r['fb_speedup']:.2f} | {r['ideal']:.2f} | "
+        f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} |"
+    )
 
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python bench.py", __doc__)
-    p.add_argument("--size", action="append", choices=list(SIZES),
-                   help="model size to time; repeat the option for several (default: smoke)")
-    p.add_argument("--device", type=support.check_device, default="cpu",
-                   help="cpu, cuda or cuda:K (default: %(default)s)")
-    p.add_argument("--repeats", type=support.in_range(int, 1), default=3, metavar="N",
-                   help="timed runs per measurement, the median reported (default: %(default)s)")
-    p.add_argument("--compile", type=support.parse_bool, default=False, metavar="BOOL",
-                   help="torch.compile the model (CUDA only): 1/0, true/false, yes/no "
-                   "(default: 0)")
-    p.add_argument("--out", type=support.path_arg, metavar="DIR",
-                   help="output folder (default: a new dated folder under logs/)")
+    p.add_argument(
+        "--size",
+        action="append",
+        choices=list(SIZES),
+        help="model size to time; repeat the option for several (default: smoke)",
+    )
+    p.add_argument(
+        "--device",
+        type=support.check_device,
+        default="cpu",
+        help="cpu, cuda or cuda:K (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=support.in_range(int, 1),
+        default=3,
+        metavar="N",
+        help="timed runs per measurement, the median reported (default: %(default)s)",
+    )
+    p.add_argument(
+        "--compile",
+        type=support.parse_bool,
+        default=False,
+        metavar="BOOL",
+        help="torch.compile the model (CUDA only): 1/0, true/false, yes/no (default: 0)",
+    )
+    p.add_argument(
+        "--out",
+        type=support.path_arg,
+        metavar="DIR",
+        help="output folder (default: a new dated folder under logs/)",
+    )
     return p
 
 
@@ -148,10 +178,14 @@ def main(argv):
     args = parser().parse_args(argv)
     sizes, repeats, compile_, out = args.size or [], args.repeats, args.compile, args.out
     device = args.device
-    out = support.writable_dir(out or os.path.join("logs", time.strftime("%Y-%m-%d_%H%M%S") +
-                                              "_skip_bench_" + device.split(":")[0]),
-                               ("bench.md", "bench.json"))
-    print(support.describe_system())
+    out = support.writable_dir(
+        out
+        or os.path.join(
+            "logs", time.strftime("%Y-%m-%d_%H%M%S") + "_skip_bench_" + device.split(":")[0]
+        ),
+        ("bench.md", "bench.json"),
+    )
+    print(runs.describe_system())
     print(HEADER)
     results = []
     for name in sizes or ["smoke"]:
@@ -159,11 +193,21 @@ def main(argv):
         results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
-    support.write_output(out, "bench.md", (
-        f"    python bench.py {' '.join(argv)}\n\n{support.describe_system()}\n\n"
-        f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n").encode())
-    support.write_output(out, "bench.json", json.dumps(
-        dict(argv=argv, repeats=repeats, device=device, results=results), indent=1).encode())
+    support.write_output(
+        out,
+        "bench.md",
+        (
+            f"    python bench.py {' '.join(argv)}\n\n{runs.describe_system()}\n\n"
+            f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n"
+        ).encode(),
+    )
+    support.write_output(
+        out,
+        "bench.json",
+        json.dumps(
+            dict(argv=argv, repeats=repeats, device=device, results=results), indent=1
+        ).encode(),
+    )
     print(f"written to {out}")
 
 

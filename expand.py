@@ -35,6 +35,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 EXPAND_INITS = ("random", "copy", "identity", "linear", "slerp")
@@ -74,8 +75,9 @@ def new_layer(layers: list, init: str, tau: int, gen: torch.Generator) -> dict:
     return out
 
 
-def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int,
-                 router_layers: str):
+def expand_state(
+    state: dict, R: int, P: int, q: int, init: str, tau: int, seed: int, router_layers: str
+):
     """A model state with R layers in P groups of Q -> P groups of Q + q: each group's new
     layers come after its originals. The router's per-layer modules (router.<router_layers>,
     DLO's routers) move with their layers; new ones are left out (their zero initialisation
@@ -85,12 +87,16 @@ def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed:
     out = {k: v for k, v in state.items() if not k.startswith(tuple(f"{m}." for m in moving))}
 
     def layer_state(prefix, i):
-        return {k[len(f"{prefix}.{i}."):]: v for k, v in state.items() if k.startswith(f"{prefix}.{i}.")}
+        return {
+            k[len(f"{prefix}.{i}.") :]: v
+            for k, v in state.items()
+            if k.startswith(f"{prefix}.{i}.")
+        }
 
     j = 0
     for p in range(P):
         group = [layer_state("blocks", p * Q + i) for i in range(Q)]
-        for i, layer in enumerate(group):
+        for i in range(Q):
             for m in moving:
                 out.update({f"{m}.{j}.{k}": v for k, v in layer_state(m, p * Q + i).items()})
             j += 1
@@ -99,37 +105,74 @@ def expand_state(state: dict, R: int, P: int, q: int, init: str, tau: int, seed:
             j += 1
     return out
 
+
 def parser() -> support.ArgParser:
     p = support.ArgParser("python expand.py", __doc__)
-    p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="the run whose checkpoint is expanded")
-    p.add_argument("out", type=support.path_arg, metavar="NEW_RUN_DIR",
-                   help="the new run's directory (it must not hold a checkpoint)")
-    p.add_argument("--groups", type=support.in_range(int, 1), default=1, metavar="P",
-                   help="the checkpoint's R layers form P groups of R / P (default: %(default)s)")
-    p.add_argument("--per_group", type=support.in_range(int, 1), default=1, metavar="Q",
-                   help="new layers appended to each group (default: %(default)s)")
-    p.add_argument("--init", choices=EXPAND_INITS, default="identity",
-                   help="how a new layer is made (default: %(default)s)")
-    p.add_argument("--tau", type=support.in_range(int, 1), default=2,
-                   help="layers merged by linear and slerp (default: %(default)s)")
+    p.add_argument(
+        "run_dir",
+        type=support.path_arg,
+        metavar="RUN_DIR",
+        help="the run whose checkpoint is expanded",
+    )
+    p.add_argument(
+        "out",
+        type=support.path_arg,
+        metavar="NEW_RUN_DIR",
+        help="the new run's directory (it must not hold a checkpoint)",
+    )
+    p.add_argument(
+        "--groups",
+        type=support.in_range(int, 1),
+        default=1,
+        metavar="P",
+        help="the checkpoint's R layers form P groups of R / P (default: %(default)s)",
+    )
+    p.add_argument(
+        "--per_group",
+        type=support.in_range(int, 1),
+        default=1,
+        metavar="Q",
+        help="new layers appended to each group (default: %(default)s)",
+    )
+    p.add_argument(
+        "--init",
+        choices=EXPAND_INITS,
+        default="identity",
+        help="how a new layer is made (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tau",
+        type=support.in_range(int, 1),
+        default=2,
+        help="layers merged by linear and slerp (default: %(default)s)",
+    )
     return p
 
 
-def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int, init: str,
-                      tau: int) -> tg.Hyperparameters:
+def expanded_settings(
+    base: tg.Hyperparameters, overrides: dict, P: int, q: int, init: str, tau: int
+) -> tg.Hyperparameters:
     """The new run's settings, or a UserError naming what cannot be expanded that way."""
     if not tg.ROUTERS[base.router].expandable:
-        raise support.UserError(f"expand a dense or DLO checkpoint: the {base.router} router is "
-                                f"tied to the layer count")
+        raise support.UserError(
+            f"expand a dense or DLO checkpoint: the {base.router} router is tied to the layer count"
+        )
     for k in sorted(tg.JOB & set(overrides)):  # a job's settings go to train_gpt.py --resume
-        raise support.UserError(f"--{k} is not for expand.py: the new run is NEW_RUN_DIR, "
-                                f"its settings the checkpoint's (a job's {k} goes to "
-                                f"train_gpt.py --resume)")
+        raise support.UserError(
+            f"--{k} is not for expand.py: the new run is NEW_RUN_DIR, "
+            f"its settings the checkpoint's (a job's {k} goes to "
+            f"train_gpt.py --resume)"
+        )
     shape = [k for k in tg.FIXED if k not in ("router", "n_layers")]
-    changed = [f"{k} {getattr(base, k)} -> {overrides[k]}" for k in shape
-               if k in overrides and overrides[k] != getattr(base, k)]
+    changed = [
+        f"{k} {getattr(base, k)} -> {overrides[k]}"
+        for k in shape
+        if k in overrides and overrides[k] != getattr(base, k)
+    ]
     if changed:
-        raise support.UserError("an expanded model keeps the checkpoint's shape: " + ", ".join(changed))
+        raise support.UserError(
+            "an expanded model keeps the checkpoint's shape: " + ", ".join(changed)
+        )
     R = base.n_layers
     if R % P:
         raise support.UserError(f"cannot make {P} groups of {R} layers")
@@ -140,11 +183,14 @@ def expanded_settings(base: tg.Hyperparameters, overrides: dict, P: int, q: int,
         raise support.UserError(f"n_layers is derived: {n_layers}, not {overrides['n_layers']}")
     hp = tg.resolve({**overrides, "n_layers": n_layers}, base)
     if tg.ROUTERS[base.router].layer_modules and hp.router != base.router:  # they fit no other
-        raise support.UserError(f"a {base.router} checkpoint expands into a {base.router} model, "
-                                f"not router={hp.router}; expand a dense checkpoint for that")
+        raise support.UserError(
+            f"a {base.router} checkpoint expands into a {base.router} model, "
+            f"not router={hp.router}; expand a dense checkpoint for that"
+        )
     if not tg.ROUTERS[hp.router].expandable:
-        raise support.UserError(f"router={hp.router} is tied to the layer count; expand into "
-                                f"a dense or DLO model")
+        raise support.UserError(
+            f"router={hp.router} is tied to the layer count; expand into a dense or DLO model"
+        )
     tg.validate(hp, world=1)
     return hp
 
@@ -153,7 +199,7 @@ def main(argv):
     try:
         expand(argv)
     finally:
-        support.release_locks()  # NEW_RUN_DIR is free for train_gpt.py, in this process too
+        runs.release_locks()  # NEW_RUN_DIR is free for train_gpt.py, in this process too
 
 
 def expand(argv):
@@ -165,57 +211,95 @@ def expand(argv):
     try:
         overrides = tg.parse_overrides(rest)
     except support.UserError as e:
-        raise support.UserError(f"{e} (or this command's own: --groups, --per_group, --init, "
-                                f"--tau)") from None
+        raise support.UserError(
+            f"{e} (or this command's own: --groups, --per_group, --init, --tau)"
+        ) from None
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
     position = src["loader"] if hp.train_files == base.train_files else {"shard": 0, "pos": 0}
-    tg.loaders(hp, support.Dist(), {"loader": position})  # checked now: resuming would refuse it
-    ours = (support.CHECKPOINT, "expand.json", "train.log")  # what this writes: none may be there,
-    taken = [n for n in (*ours, support.PREVIOUS, *support.LOGS)  # nor another run's files (moving
-             if os.path.lexists(os.path.join(args.out, n))]    # an aborted run's aside is not ours)
+    tg.loaders(hp, runs.Dist(), {"loader": position})  # checked now: resuming would refuse it
+    ours = (runs.CHECKPOINT, "expand.json", "train.log")  # what this writes: none may be there,
+    taken = [
+        n
+        for n in (*ours, runs.PREVIOUS, *runs.LOGS)  # nor another run's files (moving
+        if os.path.lexists(os.path.join(args.out, n))
+    ]  # an aborted run's aside is not ours)
     if taken:
-        raise support.UserError(f"{args.out} already holds {', '.join(dict.fromkeys(taken))}: "
-                                f"expand into a folder of its own; nothing was written")
+        raise support.UserError(
+            f"{args.out} already holds {', '.join(dict.fromkeys(taken))}: "
+            f"expand into a folder of its own; nothing was written"
+        )
     made = support.first_missing(args.out)
-    out = support.open_run_dir(args.out, "")  # probes it: a full disk is found
+    out = runs.open_run_dir(args.out, "")  # probes it: a full disk is found
     try:
         write_run(out, hp, src, base, args, argv, position)
     except BaseException:  # a disk that fills during the writes: take back what this wrote
-        support.release_locks()
+        runs.release_locks()
         for n in ours:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(out, n))
         with contextlib.suppress(OSError):
             support.remove_made(out, made)
         raise
-    print(f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
-          f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"
-          f"  python train_gpt.py --resume={out}")
+    print(
+        f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
+        f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"
+        f"  python train_gpt.py --resume={out}"
+    )
 
 
-def write_run(out: str, hp: tg.Hyperparameters, src: dict, base: tg.Hyperparameters, args, argv,
-              position: dict):
+def write_run(
+    out: str,
+    hp: tg.Hyperparameters,
+    src: dict,
+    base: tg.Hyperparameters,
+    args,
+    argv,
+    position: dict,
+):
     """NEW_RUN_DIR's checkpoint (step 0 of the expanded model, reading on from the data
     position), expand.json and train.log."""
     torch.manual_seed(hp.seed)
     model = tg.GPT(hp)
-    state = expand_state(src["model"], base.n_layers, args.groups, args.per_group, args.init,
-                         args.tau, hp.seed, tg.ROUTERS[base.router].layer_modules)
+    state = expand_state(
+        src["model"],
+        base.n_layers,
+        args.groups,
+        args.per_group,
+        args.init,
+        args.tau,
+        hp.seed,
+        tg.ROUTERS[base.router].layer_modules,
+    )
     missing, unexpected = model.load_state_dict(state, strict=False)
     # only new routers (zero-initialised, as in a fresh model) may lack weights
     assert not unexpected and all(k.startswith("router.") for k in missing), (missing, unexpected)
-    run = tg.RunState(run_id=os.urandom(8).hex())
-    support.save_checkpoint(out, tg.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp),
-                                                     position))
-    record = {"expanded_from": args.run_dir, "data_position": position,
-              "source_step": src["step"], "groups": args.groups, "per_group": args.per_group,
-              "init": args.init, "tau": args.tau, "hp": asdict(hp), **support.provenance(),
-              "command": " ".join(["python expand.py", *map(shlex.quote, argv)])}
-    support.write_atomically(os.path.join(out, "expand.json"), json.dumps(record, indent=2).encode())
-    support.write_atomically(os.path.join(out, "train.log"), (  # train_gpt.py appends its jobs
-        f"expanded from {args.run_dir} (step {src['step']}, {base.n_layers} layers) to "
-        f"{hp.n_layers} layers by: {record['command']}\nsettings and provenance: "
-        f"expand.json\n").encode())
+    run = runs.RunState(run_id=os.urandom(8).hex())
+    runs.save_checkpoint(
+        out, runs.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp), position)
+    )
+    record = {
+        "expanded_from": args.run_dir,
+        "data_position": position,
+        "source_step": src["step"],
+        "groups": args.groups,
+        "per_group": args.per_group,
+        "init": args.init,
+        "tau": args.tau,
+        "hp": asdict(hp),
+        **runs.provenance(),
+        "command": " ".join(["python expand.py", *map(shlex.quote, argv)]),
+    }
+    support.write_atomically(
+        os.path.join(out, "expand.json"), json.dumps(record, indent=2).encode()
+    )
+    support.write_atomically(
+        os.path.join(out, "train.log"),
+        (  # train_gpt.py appends its jobs
+            f"expanded from {args.run_dir} (step {src['step']}, {base.n_layers} layers) to "
+            f"{hp.n_layers} layers by: {record['command']}\nsettings and provenance: "
+            f"expand.json\n"
+        ).encode(),
+    )
 
 
 if __name__ == "__main__":

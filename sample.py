@@ -42,15 +42,25 @@ class KVCache:
         self.k[layer, :, n], self.v[layer, :, n] = k[0, :, 0], v[0, :, 0]
         self.log_g[layer, n] = 0.0 if log_g is None else log_g.reshape(())
         self.n[layer] = n + 1
-        keys, values = self.k[layer, :, :n + 1][None], self.v[layer, :, :n + 1][None]
+        keys, values = self.k[layer, :, : n + 1][None], self.v[layer, :, : n + 1][None]
         return F.scaled_dot_product_attention(
-            q.float(), keys, values, attn_mask=self.log_g[layer, None, None, None, :n + 1],
-            enable_gqa=q.size(1) != keys.size(1)).type_as(q)
+            q.float(),
+            keys,
+            values,
+            attn_mask=self.log_g[layer, None, None, None, : n + 1],
+            enable_gqa=q.size(1) != keys.size(1),
+        ).type_as(q)
 
 
 @torch.no_grad()
-def generate(model: tg.GPT, prompt: list, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0):
+def generate(
+    model: tg.GPT,
+    prompt: list,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+):
     """Sample after `prompt` (token ids) one token at a time with a KVCache. The prompt goes
     through the same incremental path. -> (all tokens, the cache)."""
     hp, device = model.hp, next(model.parameters()).device
@@ -60,34 +70,71 @@ def generate(model: tg.GPT, prompt: list, max_new_tokens: int, temperature: floa
     cache, tokens = KVCache(hp, device), list(prompt)
     rng = torch.Generator(device=device).manual_seed(seed)
     for pos in range(len(prompt) + max_new_tokens - 1):
-        logits = model(torch.tensor([[tokens[pos]]], device=device),
-                       pos=torch.tensor([[pos]], device=device), cache=cache)[0][0, -1]
+        logits = model(
+            torch.tensor([[tokens[pos]]], device=device),
+            pos=torch.tensor([[pos]], device=device),
+            cache=cache,
+        )[0][0, -1]
         if pos == len(tokens) - 1 and temperature == 0:  # greedy
             tokens.append(int(logits.argmax()))
         elif pos == len(tokens) - 1:  # past the prompt: sample the next token
             # <= 0: no overflow, however small T; float64, where a T of 1e-50 is not 0
             logits = (logits.double() - logits.max()) / temperature
             if top_k:
-                logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float("inf")
+                logits[logits < torch.topk(logits, min(top_k, logits.numel())).values[-1]] = -float(
+                    "inf"
+                )
             tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=rng)))
     return tokens, cache
 
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python sample.py", __doc__)
-    p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="a run directory with a checkpoint")
-    p.add_argument("--prompt", default="\n", metavar="TEXT",
-                   help="text to continue; empty: start from the document separator (default: a newline)")
-    p.add_argument("--tokens", type=support.in_range(int, 1), default=100, metavar="N",
-                   help="tokens to sample, at most what the context leaves (default: %(default)s)")
-    p.add_argument("--temperature", type=support.in_range(float, 0), default=0.8, metavar="T",
-                   help="softmax temperature; 0 is greedy (default: %(default)s)")
-    p.add_argument("--top_k", type=support.in_range(int, 0), default=200, metavar="K",
-                   help="sample among the K likeliest tokens; 0: all (default: %(default)s)")
-    p.add_argument("--seed", type=support.in_range(int, 0, 2**63 - 1), default=0,
-                   help="random seed of the sampler (default: %(default)s)")
-    p.add_argument("--device", type=support.check_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda or cuda:K (default: %(default)s)")
+    p.add_argument(
+        "run_dir",
+        type=support.path_arg,
+        metavar="RUN_DIR",
+        help="a run directory with a checkpoint",
+    )
+    p.add_argument(
+        "--prompt",
+        default="\n",
+        metavar="TEXT",
+        help="text to continue; empty: start from the document separator (default: a newline)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=support.in_range(int, 1),
+        default=100,
+        metavar="N",
+        help="tokens to sample, at most what the context leaves (default: %(default)s)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=support.in_range(float, 0),
+        default=0.8,
+        metavar="T",
+        help="softmax temperature; 0 is greedy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--top_k",
+        type=support.in_range(int, 0),
+        default=200,
+        metavar="K",
+        help="sample among the K likeliest tokens; 0: all (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=support.in_range(int, 0, 2**63 - 1),
+        default=0,
+        help="random seed of the sampler (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        type=support.check_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:K (default: %(default)s)",
+    )
     return p
 
 
@@ -100,18 +147,26 @@ def main(argv):
     enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
     if len(prompt) >= hp.max_seq_len:
-        raise support.UserError(f"the prompt is {len(prompt)} tokens; the model's context holds "
-                                f"{hp.max_seq_len}, so no token could follow it: shorten the prompt")
+        raise support.UserError(
+            f"the prompt is {len(prompt)} tokens; the model's context holds "
+            f"{hp.max_seq_len}, so no token could follow it: shorten the prompt"
+        )
     if len(prompt) + n > hp.max_seq_len:
         n = hp.max_seq_len - len(prompt)
-        print(f"note: the context holds {hp.max_seq_len} tokens: sampling {n} after the "
-              f"{len(prompt)}-token prompt", file=sys.stderr)
+        print(
+            f"note: the context holds {hp.max_seq_len} tokens: sampling {n} after the "
+            f"{len(prompt)}-token prompt",
+            file=sys.stderr,
+        )
     tokens, cache = generate(model, prompt, n, temperature, top_k, seed)
     print(enc.decode(tokens))
     fed = len(tokens) - 1  # the last sampled token is never fed back
     dense = hp.n_layers * fed
-    print(f"\n--- KV cache: {sum(cache.n)} of {dense} entries ({100 * sum(cache.n) / dense:.1f}% "
-          f"of a dense cache); per block {cache.n}", file=sys.stderr)
+    print(
+        f"\n--- KV cache: {sum(cache.n)} of {dense} entries ({100 * sum(cache.n) / dense:.1f}% "
+        f"of a dense cache); per block {cache.n}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

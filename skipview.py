@@ -43,20 +43,32 @@ def colour(count: int, units: int) -> str:
     return f"hsl({hue}, 70%, 85%)"
 
 
-def html_page(pieces: list, counts: list, per_layer: list, units: int, title: str, unit: str) -> str:
-    spans = "".join(f'<span class="t" style="background:{colour(c, units)}" title="{c} of '
-                    f'{units} {unit}">{html.escape(p)}</span>' for p, c in zip(pieces, counts))
-    legend = " ".join(f'<span class="k" style="background:{colour(c, units)}">{c}</span>'
-                      for c in range(units + 1))
-    rows = "".join(f"<tr><td>{i}</td><td>{n}</td><td>{n / max(len(counts), 1):.1%}</td></tr>"
-                   for i, n in enumerate(per_layer))
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
-            f"</title><style>body{{font-family:monospace;max-width:60em;margin:2em auto}}"
-            f".t,.k{{white-space:pre-wrap}}table{{border-collapse:collapse}}"
-            f"td{{padding:0 1em}}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
-            f"<p>Colour: how many of the {units} {unit} each token ran. {legend}</p>\n"
-            f"<div>{spans}</div>\n<h2>Tokens that ran each {unit[:-1]}</h2>\n<table><tr><th>{unit[:-1]}</th>"
-            f"<th>tokens</th><th>share</th></tr>{rows}</table>\n</body></html>\n")
+def html_page(
+    pieces: list, counts: list, per_layer: list, units: int, title: str, unit: str
+) -> str:
+    spans = "".join(
+        f'<span class="t" style="background:{colour(c, units)}" title="{c} of '
+        f'{units} {unit}">{html.escape(p)}</span>'
+        for p, c in zip(pieces, counts, strict=False)
+    )
+    legend = " ".join(
+        f'<span class="k" style="background:{colour(c, units)}">{c}</span>'
+        for c in range(units + 1)
+    )
+    rows = "".join(
+        f"<tr><td>{i}</td><td>{n}</td><td>{n / max(len(counts), 1):.1%}</td></tr>"
+        for i, n in enumerate(per_layer)
+    )
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}'
+        f"</title><style>body{{font-family:monospace;max-width:60em;margin:2em auto}}"
+        f".t,.k{{white-space:pre-wrap}}table{{border-collapse:collapse}}"
+        f"td{{padding:0 1em}}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
+        f"<p>Colour: how many of the {units} {unit} each token ran. {legend}</p>\n"
+        f"<div>{spans}</div>\n<h2>Tokens that ran each {unit[:-1]}</h2>\n"
+        f"<table><tr><th>{unit[:-1]}</th>"
+        f"<th>tokens</th><th>share</th></tr>{rows}</table>\n</body></html>\n"
+    )
 
 
 def token_pieces(enc, ids: list) -> list:
@@ -67,8 +79,8 @@ def token_pieces(enc, ids: list) -> list:
     data, out = bytes(ids), []
     while len(out) < len(data):
         i = len(out)
-        n = next((n for n in (1, 2, 3, 4) if _utf8(data[i:i + n])), 0)
-        out += [data[i:i + n].decode("utf-8"), *[""] * (n - 1)] if n else ["\ufffd"]
+        n = next((n for n in (1, 2, 3, 4) if _utf8(data[i : i + n])), 0)
+        out += [data[i : i + n].decode("utf-8"), *[""] * (n - 1)] if n else ["\ufffd"]
     return out
 
 
@@ -81,20 +93,41 @@ def _utf8(b: bytes) -> bool:
 
 def terminal_view(pieces: list, counts: list) -> str:
     """Each token followed by its count, line breaks in the text shown as a visible mark."""
-    return "".join(f"{p.replace(chr(10), '⏎')}[{c}]" for p, c in zip(pieces, counts))
+    return "".join(f"{p.replace(chr(10), '⏎')}[{c}]" for p, c in zip(pieces, counts, strict=False))
 
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python skipview.py", __doc__)
-    p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="a run directory with a checkpoint")
-    p.add_argument("--text", help="the text to show (default: the first --val_tokens tokens of "
-                   "the run's validation shard)")
-    p.add_argument("--val_tokens", type=support.in_range(int, 1), default=256, metavar="N",
-                   help="validation tokens to show without --text (default: %(default)s)")
-    p.add_argument("--out", type=support.path_arg, metavar="FILE",
-                   help="also write the HTML page there (default: no page)")
-    p.add_argument("--device", type=support.check_device, default="cpu",
-                   help="cpu, cuda or cuda:K (default: %(default)s)")
+    p.add_argument(
+        "run_dir",
+        type=support.path_arg,
+        metavar="RUN_DIR",
+        help="a run directory with a checkpoint",
+    )
+    p.add_argument(
+        "--text",
+        help="the text to show (default: the first --val_tokens tokens of "
+        "the run's validation shard)",
+    )
+    p.add_argument(
+        "--val_tokens",
+        type=support.in_range(int, 1),
+        default=256,
+        metavar="N",
+        help="validation tokens to show without --text (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out",
+        type=support.path_arg,
+        metavar="FILE",
+        help="also write the HTML page there (default: no page)",
+    )
+    p.add_argument(
+        "--device",
+        type=support.check_device,
+        default="cpu",
+        help="cpu, cuda or cuda:K (default: %(default)s)",
+    )
     return p
 
 
@@ -109,21 +142,26 @@ def main(argv):
         if not ids:
             raise support.UserError("--text is empty")
     else:
-        ids = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:args.val_tokens].tolist()
-    ids = ids[:hp.max_seq_len]
+        ids = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[: args.val_tokens].tolist()
+    ids = ids[: hp.max_seq_len]
     if args.out:  # a page that cannot be written fails before the work
         if os.path.lexists(args.out) and not os.path.isfile(args.out):
-            raise support.UserError(f"--out={args.out} is {support.kind_of(args.out)}; give a "
-                                    f"file name")
+            raise support.UserError(
+                f"--out={args.out} is {support.kind_of(args.out)}; give a file name"
+            )
         support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
     counts, per_layer, units = token_depths(model, ids, device)
     unit = {"block": "blocks", "mlp": "MLPs", "recursion": "recursions"}[model.router.skips]
     pieces = token_pieces(enc, ids)
     print(terminal_view(pieces, counts))
-    print(f"\ntokens {len(ids)}; {unit} run per token: mean {sum(counts) / len(counts):.2f} of "
-          f"{units}; per {unit[:-1]}: {per_layer}")
+    print(
+        f"\ntokens {len(ids)}; {unit} run per token: mean {sum(counts) / len(counts):.2f} of "
+        f"{units}; per {unit[:-1]}: {per_layer}"
+    )
     if args.out:
-        page = html_page(pieces, counts, per_layer, units, f"{args.run_dir}: {unit} run per token", unit)
+        page = html_page(
+            pieces, counts, per_layer, units, f"{args.run_dir}: {unit} run per token", unit
+        )
         support.write_atomically(args.out, page.encode())
         print(f"written to {args.out}")
 

@@ -1,30 +1,53 @@
-"""What train_gpt.py and the commands beside it share that is not training: command lines and
-their errors, dataclass fields as options, files written whole, run directories and their
-logs, stop signals, the ranks of a torchrun job. torch is imported only inside the functions
-that use it: the data scripts import this module too, and start at once."""
+"""What every command here shares, none of it torch: command lines (exit statuses, one error
+line, options typed from dataclass fields and the facts each field carries), files (what is at a
+path, folders proven writable first, files written whole or not at all, a command's own
+outputs), and the stop signals that a training job saves on. The data scripts import it and
+start at once; check_device imports torch, as its callers have already.
 
-import argparse, contextlib, errno, functools, glob, hashlib, inspect, json, math, os, platform
-import re, signal, stat, subprocess, sys, tempfile, time
-from dataclasses import dataclass, fields
+Guarantees: bad input is one `error: ...` line and exit status 2, raised before anything is
+written; a file is replaced only whole (write_atomically), and a command replaces or deletes
+only what it wrote itself (write_output, writable_dir)."""
+
+import argparse
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import signal
+import stat
+import sys
+import tempfile
+from dataclasses import field, fields
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # the repository: its scripts and data
 
 # -----------------------------------------------------------------------------
 # Command lines: exit statuses, options, dataclass fields
 
+
 class UserError(Exception):
     """Bad input from the user: one `error: <message>` line, exit status 2."""
 
+
 class RunStopped(Exception):
     """A training job cannot go on; its message names the last checkpoint. Exit status 1."""
+
 
 class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
+
 def interrupted(signum, _frame):
     raise Interrupted(signum)
 
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
+
 
 def cli(main, argv, before_error=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
@@ -63,16 +86,19 @@ def cli(main, argv, before_error=None) -> int:
     sys.stderr.flush()
     return status
 
+
 def os_error_text(e: Exception) -> str:
     """An OS error as an error line says it: the file, if known, then what went wrong."""
     if not isinstance(e, OSError):
         return str(e)
     return f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}"
 
+
 def exit_quietly_on_signals():
     """Until cli(): a signal exits at once, 128+N, no traceback (os._exit: no half-done import)."""
     for sig in SAVE_SIGNALS:
         signal.signal(sig, lambda signum, _: os._exit(128 + signum))
+
 
 def parse_bool(text: str) -> bool:
     """A boolean option, the same in every command: 1/0, true/false, yes/no."""
@@ -80,36 +106,48 @@ def parse_bool(text: str) -> bool:
         raise argparse.ArgumentTypeError(f"expected bool (1/0/true/false/yes/no), got {text!r}")
     return text.lower() in ("1", "true", "yes")
 
+
 def float32_safe(value: float) -> bool:
     """0 or a normal float32, where the numbers are used (1e-50 would become 0, 1e39 inf)."""
-    return value == 0 or 2.0 ** -126 <= abs(value) <= 3.4028234663852886e38
+    return value == 0 or 2.0**-126 <= abs(value) <= 3.4028234663852886e38
+
 
 def in_range(kind, low, high=math.inf):
     """argparse type= for a finite `kind` in [low, high] (a float also float32_safe); the bounds
     stay on it (.kind, .low, .high) for the tests that generate bad values."""
+
     def convert(text: str):
         with contextlib.suppress(ValueError, OverflowError):
             value = kind(text)
-            if (math.isfinite(value) and low <= value <= high
-                    and (kind is int or float32_safe(value))):
+            if (
+                math.isfinite(value)
+                and low <= value <= high
+                and (kind is int or float32_safe(value))
+            ):
                 return value
         size = "" if kind is int else ", 0 or of float32 size"
-        raise argparse.ArgumentTypeError(f"expected {kind.__name__} in [{low}, {high}]{size}, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected {kind.__name__} in [{low}, {high}]{size}, got {text!r}"
+        )
+
     convert.kind, convert.low, convert.high = kind, low, high
     return convert
+
 
 def nonempty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("expected a non-empty value")
     return text
 
+
 def path_arg(text: str) -> str:  # a file or folder: what is there is checked where it is used
     return nonempty(text)
+
 
 def check_device(name: str) -> str:
     """A device the commands can run on (cpu, cuda, cuda:K), or a UserError saying why not."""
     import torch  # loaded already by every command that runs a model
+
     try:
         dev = torch.device(name)
     except RuntimeError:
@@ -118,17 +156,27 @@ def check_device(name: str) -> str:
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"--device={name}: only cpu and cuda are supported")
     if dev.type == "cuda" and (dev.index or 0) >= count:
-        raise UserError(f"--device={name}: " + (f"there are {count} CUDA devices" if count else
-                                                "no CUDA device is available here"))
+        raise UserError(
+            f"--device={name}: "
+            + (f"there are {count} CUDA devices" if count else "no CUDA device is available here")
+        )
     return name
+
 
 class ArgParser(argparse.ArgumentParser):
     """argparse for every command but the trainer: --help shows doc; an error is a UserError."""
+
     def __init__(self, prog: str, doc: str):
-        super().__init__(prog, description=doc, allow_abbrev=False,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        super().__init__(
+            prog,
+            description=doc,
+            allow_abbrev=False,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
     def error(self, message):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
+
 
 def parse_fields(classes, argv) -> dict:
     """--field=value pairs for the fields of the dataclasses, each typed against its default
@@ -156,6 +204,7 @@ def parse_fields(classes, argv) -> dict:
             raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
     return given
 
+
 def saved_fields(cls, saved) -> dict:
     """The fields of dataclass cls in saved (read from a run's files), others dropped; a missing
     or mistyped one (an int may stand for a float) is a UserError: no default stands in."""
@@ -173,73 +222,84 @@ def saved_fields(cls, saved) -> dict:
         out[f.name] = value
     return out
 
-SPEC = re.compile(r"[\[(]\s*([^,\])]+),\s*([^\])]+)[\])]|\{([^}]*)\}")  # "[0, 1)" or "{a|b}"
 
-@functools.lru_cache(maxsize=None)
-def field_facts(cls) -> dict:
-    """name -> (group, spec, help) per field of dataclass cls, from its source: the comment heading
-    its block; the interval or choices opening its comment (SPEC; {NAME}: NAME's keys); the rest."""
-    facts, group = {}, ""
-    for line in inspect.getsource(cls).splitlines()[2:]:
-        code, _, comment = (part.strip() for part in line.partition("#"))
-        if not code:
-            group = comment or group
-        elif name := re.match(r"(\w+): \w+ = ", code):  # a field's line
-            spec = SPEC.match(comment)
-            rest = comment[spec.end() if spec else 0:].strip()
-            keys = spec and spec[3] and vars(inspect.getmodule(cls)).get(spec[3])  # {NAME}
-            facts[name[1]] = (group, "{%s}" % "|".join(keys) if keys else (spec or [""])[0], rest)
-    return facts
+def setting(default, spec="", help="", *, fixed=False, router=""):
+    """A dataclass field with its facts, which the code reads (check_fields, field_help, the
+    trainer's resume and validate). spec: an interval "[low, high)" (each end open or closed,
+    inf allowed) or a tuple of choices; help: its meaning for --help; fixed: a resume may not
+    change it; router: the router that alone reads it ("": every router)."""
+    facts = {"spec": spec, "help": help, "fixed": fixed, "router": router}
+    return field(default=default, metadata=facts)
+
+
+def interval(spec: str) -> tuple:
+    """ "[low, high)" -> (low, high, low included, high included); ints stay ints."""
+    low, high = (
+        int(b) if b.strip().lstrip("-").isdigit() else float(b) for b in spec[1:-1].split(",")
+    )
+    return low, high, spec[0] == "[", spec[-1] == "]"
+
 
 def field_help(cls) -> list:
-    """The --help lines for dataclass cls: each field's default and comment, under its group."""
-    defaults, lines, group = cls(), [], None
-    for name, (head, spec, text) in field_facts(cls).items():
-        if head != group:
-            lines.append(f"\n{head}:")
-            group = head
-        value = getattr(defaults, name)
-        flag = f"--{name}={str(value).lower() if isinstance(value, bool) else value}"
-        lines.append(f"  {flag:<36} {' '.join(t for t in (spec, text) if t)}".rstrip())
+    """The --help lines for dataclass cls: each field's default, spec and help, a router's own
+    fields marked with it."""
+    lines = []
+    for f in fields(cls):
+        spec, text, router = (f.metadata[k] for k in ("spec", "help", "router"))
+        if isinstance(spec, tuple):
+            spec = "{" + "|".join(spec) + "}"
+        flag = f"--{f.name}={str(f.default).lower() if isinstance(f.default, bool) else f.default}"
+        owner = f"(router={router})" if router else ""
+        lines.append(f"  {flag:<36} {' '.join(t for t in (spec, owner, text) if t)}".rstrip())
     return lines
 
+
 def check_fields(obj):
-    """A UserError naming the first field of obj outside its spec (field_facts) or float32."""
-    for name, (_, spec, _) in field_facts(type(obj)).items():
-        v, m = getattr(obj, name), SPEC.match(spec)
-        if m and m[3] is not None and v not in m[3].split("|"):
-            raise UserError(f"{name}={v!r}; choose from {', '.join(map(repr, m[3].split('|')))}")
-        if m and m[3] is None:
-            low, high = (int(b) if b.lstrip("-").isdigit() else float(b) for b in m.group(1, 2))
-            if not (low < v < high or v == low and spec[0] == "[" or v == high and spec[-1] == "]"):
-                raise UserError(f"{name}={v} must lie in {spec}")
+    """A UserError naming the first field of obj outside its spec or float32's range."""
+    for f in fields(obj):
+        v, spec = getattr(obj, f.name), f.metadata["spec"]
+        if isinstance(spec, tuple) and v not in spec:
+            raise UserError(f"{f.name}={v!r}; choose from {', '.join(map(repr, spec))}")
+        if isinstance(spec, str) and spec:
+            low, high, closed_low, closed_high = interval(spec)
+            inside = low < v < high or (v == low and closed_low) or (v == high and closed_high)
+            if not inside:
+                raise UserError(f"{f.name}={v} must lie in {spec}")
         if isinstance(v, float) and not float32_safe(v):
-            raise UserError(f"{name}={v} is not 0 and outside float32's range (the numbers "
-                            f"are float32): it would become 0 or infinity")
+            raise UserError(
+                f"{f.name}={v} is not 0 and outside float32's range (the numbers are float32): "
+                f"it would become 0 or infinity"
+            )
+
 
 # Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (no sparsity), by a part of
 # torch.cuda.get_device_name(): the first entry that matches wins, so PCIe and NVL come first.
-PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-              ("A100", 312e12))
+PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+)
+
 
 def peak_flops(device_name: str, given: float = 0.0) -> float:
     """MFU's denominator per GPU: given, else the table's for the device; 0 when unknown."""
     return given or next((f for part, f in PEAK_FLOPS if part in device_name), 0.0)
 
-def machine_memory() -> int:
-    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
-    import torch  # loaded already by the trainer, its only caller
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 2**62
 
 # -----------------------------------------------------------------------------
 # Files: named by what is there, proven writable first, written whole or not at all
 
-KINDS = {stat.S_IFREG: "a file", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device",
-         stat.S_IFBLK: "a block device", stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket"}
+KINDS = {
+    stat.S_IFREG: "a file",
+    stat.S_IFDIR: "a folder",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFSOCK: "a socket",
+}
+
 
 def kind_of(path: str) -> str:
     """What is at path, for an error line: 'a file', 'a folder', ..., 'nothing'."""
@@ -253,13 +313,18 @@ def kind_of(path: str) -> str:
         missing = e.errno in (errno.ENOENT, errno.ENOTDIR)
         return "nothing" if missing else (e.strerror or str(e)).lower()
 
+
 def need(path: str, kind: str) -> str:
     """path, if it is kind ('a file' or 'a folder'); else a UserError saying what is there."""
     found = kind_of(path)
     if found != kind:
-        raise UserError(f"{path}: no such {kind[2:]}" if found == "nothing" else
-                        f"{path} is {found}, not {kind}")
+        raise UserError(
+            f"{path}: no such {kind[2:]}"
+            if found == "nothing"
+            else f"{path} is {found}, not {kind}"
+        )
     return path
+
 
 def refuse(e: OSError, path: str, doing: str = "write to"):
     """An OS error on a user's path: a full disk stays one (status 1), else a UserError (2)."""
@@ -267,8 +332,10 @@ def refuse(e: OSError, path: str, doing: str = "write to"):
         raise OSError(e.errno, e.strerror, path) from None
     raise UserError(f"cannot {doing} {path}: {e.strerror or e}") from None
 
+
 PROBE_BYTES = 1 << 20
 OUTPUTS = ".outputs.json"  # in a folder a command wrote files into: {name: sha256} of each
+
 
 def writable_dir(path: str, outputs=()) -> str:
     """Before any long work: folder path (or where it would be made) takes PROBE_BYTES, synced, in
@@ -278,10 +345,14 @@ def writable_dir(path: str, outputs=()) -> str:
         raise UserError("expected a folder, got an empty path")
     ours = written_outputs(path)
     for p in (os.path.join(path, name) for name in outputs):
-        if os.path.lexists(p) and (os.path.islink(p) or ours.get(os.path.basename(p)) != (
-                sha256_of(p) if os.path.isfile(p) else "")):
-            raise UserError(f"{p} is there ({kind_of(p)}) and this command did not write it, or "
-                            f"it changed since: move it or write elsewhere; nothing was written")
+        if os.path.lexists(p) and (
+            os.path.islink(p)
+            or ours.get(os.path.basename(p)) != (sha256_of(p) if os.path.isfile(p) else "")
+        ):
+            raise UserError(
+                f"{p} is there ({kind_of(p)}) and this command did not write it, or "
+                f"it changed since: move it or write elsewhere; nothing was written"
+            )
     made = first_missing(path)
     existing = os.path.dirname(made) if made else os.path.abspath(path)
     if not os.path.isdir(existing):
@@ -295,6 +366,7 @@ def writable_dir(path: str, outputs=()) -> str:
         refuse(e, path)
     return path
 
+
 def written_outputs(d: str) -> dict:  # (a named pipe opens at once, empty: no hang)
     path = os.path.join(d, OUTPUTS)
     with contextlib.suppress(OSError):  # none there, or not readable: checked where written
@@ -304,15 +376,25 @@ def written_outputs(d: str) -> dict:  # (a named pipe opens at once, empty: no h
         raise UserError(f"{path} is not a record this project wrote: move it; nothing was written")
     return {}
 
+
 def write_output(folder: str, name: str, data: bytes):
     """write_atomically, its sha256 recorded in folder's OUTPUTS (writable_dir may replace it)."""
     ours = {**written_outputs(folder), name: hashlib.sha256(data).hexdigest()}
     write_atomically(os.path.join(folder, name), data)
     write_atomically(os.path.join(folder, OUTPUTS), json.dumps(ours, indent=1).encode())
 
+
+HASH_BLOCK = 16 << 20  # sha256_of reads this much at a time: memory stays bounded
+
+
 def sha256_of(path: str) -> str:
-    with open(path, "rb") as f:  # (a FineWeb shard is 200 MB)
-        return hashlib.sha256(f.read()).hexdigest()
+    """The file's sha256, read in blocks (a FineWeb shard is 200 MB, a .deb package more)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
 
 def first_missing(path: str):
     """The topmost folder that making path would create (None if path exists), for remove_made."""
@@ -320,6 +402,7 @@ def first_missing(path: str):
     while not os.path.lexists(top):
         made, top = top, os.path.dirname(top)
     return made
+
 
 def remove_made(path: str, made):
     """Remove the empty folders from path up to made (first_missing's), deepest first."""
@@ -329,6 +412,7 @@ def remove_made(path: str, made):
         if folder == made:
             break
         folder = os.path.dirname(folder)
+
 
 @contextlib.contextmanager
 def named(path: str):
@@ -340,6 +424,7 @@ def named(path: str):
             raise OSError(e.errno, e.strerror or str(e), path) from None
         raise
 
+
 def write_atomically(path: str, data: bytes):
     """Write data to path so that a reader sees the old file or all of the new one: a temporary
     file beside it (mode as open() would give), fsynced, renamed over it, the rename fsynced."""
@@ -347,7 +432,8 @@ def write_atomically(path: str, data: bytes):
     os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
     handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
     os.close(handle)
-    os.umask(umask := os.umask(0))  # (read by setting it)
+    umask = os.umask(0)  # the only way to read it is to set it: put it back at once
+    os.umask(umask)
     try:
         os.chmod(tmp, 0o666 & ~umask)
         with named(path), open(tmp, "wb") as f:
@@ -365,234 +451,12 @@ def write_atomically(path: str, data: bytes):
     finally:
         os.close(fd)
 
-# -----------------------------------------------------------------------------
-# Checkpoints and what a resume reads
-
-CHECKPOINT = "checkpoint.pt"  # the run directory's newest, replaced atomically at each save
-PREVIOUS = "checkpoint.prev.pt"  # the one before it, if a step from it had a finite loss
-LOGS = ("train.log", "metrics.jsonl", "config.json")
-
-def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
-    """torch.save to RUN_DIR/checkpoint.pt (write_atomically), keep: the old one as PREVIOUS too."""
-    import io, torch
-    path, prev = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
-    torch.save(state, buf := io.BytesIO())
-    with contextlib.suppress(OSError):  # (a first save has none to keep)
-        keep and os.path.lexists(prev) and os.remove(prev)
-        keep and os.link(path, prev)
-    write_atomically(path, buf.getvalue())
-    return path
-
-def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
-    """RUN_DIR/checkpoint.pt if it loads, holds keys and passes check(state) (a UserError for
-    malformed records); state["mtime"] is the file's."""
-    import torch
-    path = os.path.join(need(run_dir, "a folder"), CHECKPOINT)
-    if not os.path.isfile(path):
-        raise UserError(f"{run_dir}: no checkpoint ({CHECKPOINT}) in it" + (
-            f" ({path} is {kind_of(path)})" if os.path.lexists(path) else ""))
-    try:
-        mtime = os.stat(path).st_mtime_ns
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        missing = [k for k in keys if k not in state]
-        if not missing:
-            check(state)
-    except UserError as e:
-        raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
-    except Exception as e:  # truncated, overwritten, or from an incompatible version
-        raise UserError(f"{path}: corrupt or incompatible checkpoint "
-                        f"({type(e).__name__})") from None
-    if missing:
-        raise UserError(f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
-                        f"version of train_gpt.py?)")
-    return {**state, "mtime": mtime}
-
-# -----------------------------------------------------------------------------
-# Run directories: creation, locking, logs, provenance
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("train_gpt.py", "support.py", os.path.join("data", "shards.py"))  # what a run runs
-
-def provenance() -> dict:
-    """The git commit, whether the tree differs, and the sha256 of each source a run executes."""
-    def git(*args):
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=20)
-            return r.stdout.strip() if r.returncode == 0 else None
-    commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain")) if commit else None
-    return {"git_commit": commit, "git_dirty": dirty,
-            **{f"sha256 {name}": sha256_of(os.path.join(HERE, name)) for name in SOURCES}}
-
-def describe_system() -> str:
-    import numpy as np, torch  # loaded already by every caller
-    lines = [f"python {sys.version.split()[0]}  torch {torch.__version__}  "
-             f"cuda {torch.version.cuda}  numpy {np.__version__}",
-             f"platform {platform.platform()}  cpus {os.cpu_count()}"]
-    if torch.cuda.is_available():
-        lines.append(f"gpu {torch.cuda.get_device_name()} x {torch.cuda.device_count()}")
-        with contextlib.suppress(Exception):
-            lines.append(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
-                                        timeout=20).stdout)
-    return "\n".join(lines)
-
-def new_run_dir(name: str) -> str:
-    """A fresh logs/<date_time>_<name>_<6 hex>/ (never shared: mkdir refuses an existing one)."""
-    while True:  # a taken name (the same second, the same 6 hex digits) draws another
-        stamp = time.strftime('%Y-%m-%d_%H%M%S')
-        path = os.path.join("logs", f"{stamp}_{name}_{os.urandom(3).hex()}")
-        try:
-            return os.makedirs(path) or path
-        except OSError as e:
-            if e.errno != errno.EEXIST:
-                refuse(e, path, "create")
-
-held_locks = []  # this process's run directories, open: closing one (or exiting) releases it
-
-def lock_run_dir(run_dir: str, make: bool = True):
-    """An exclusive flock on the folder RUN_DIR itself (made first if make; no file is written):
-    the kernel drops it however the process ends (some network file systems ignore flock)."""
-    import fcntl
-    try:
-        if make:
-            os.makedirs(run_dir, exist_ok=True)
-        folder = os.open(run_dir, os.O_RDONLY)
-    except OSError as e:
-        refuse(e, run_dir, "use run_dir")
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(folder)
-        raise UserError(f"{run_dir} is in use by another job (it holds the folder's lock); "
-                        f"wait for that job to end") from None
-    held_locks.append(folder)
-
-def release_locks():
-    while held_locks:  # the job is over (in a test, the process goes on)
-        os.close(held_locks.pop())
-
-def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
-    """Choose (default: a new one) and lock the run directory. Resuming (ckpt: read_checkpoint's),
-    the checkpoint must be the one read and of this folder's run; a run that never saved
-    starts afresh, its files kept in aborted_<k>/."""
-    writable_dir(run_dir or "logs")  # before anything is written, folders included
-    run_dir = run_dir or new_run_dir(name)
-    for path in (os.path.join(run_dir, n) for n in LOGS):
-        if os.path.lexists(path):  # a folder or a named pipe there is bad input
-            need(path, "a file")
-    path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
-    lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
-    held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
-    if not resuming and held:
-        raise UserError(f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
-                        f"choose another directory, or continue it with train_gpt.py --resume="
-                        f"{run_dir}" + (f" once {PREVIOUS} is renamed {CHECKPOINT}"
-                                        if held == [PREVIOUS] else ""))
-    if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
-        raise UserError(f"{path} changed while this job started (another job was using the "
-                        f"run); resume again")
-    logged = logged_run_id(run_dir) if resuming else None  # another run's: its logs would be cut
-    if resuming and logged != ckpt["run_id"] and (logged or os.path.lexists(os.path.join(
-            run_dir, "metrics.jsonl"))):  # (no config.json and no metrics: expand.py's new run)
-        raise UserError(f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
-                        f"says {logged or 'nothing'}); resume the run it came from")
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
-        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
-            os.remove(stale)
-    old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
-    if old:
-        k = 1
-        while os.path.exists(aside := os.path.join(run_dir, f"aborted_{k}")):
-            k += 1
-        try:
-            os.makedirs(aside)
-            for n in old:
-                os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
-        except OSError as e:
-            raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
-        print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
-    return run_dir
-
-def logged_run_id(run_dir: str):
-    """The run_id that RUN_DIR/config.json records, or None (no such file, or unreadable)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        if os.path.isfile(path := os.path.join(run_dir, "config.json")):  # (a pipe would hang)
-            with open(path) as f:
-                return json.load(f).get("run_id")
-
-def fmt_list(xs) -> str:
-    """Per-layer figures in a log line: [0.123 0.456 ...]."""
-    return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
-
-def clock(train_ms: float, timed_steps: int) -> str:
-    """The timing fields of the trainer's train and validation lines: the same in both."""
-    avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
-    return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
-
-class RunLog:
-    """train.log, config.json and metrics.jsonl (rank 0 only). Each job appends to train.log the
-    sources it runs, in full; a resume keeps the metrics its checkpoint saw, each step once."""
-    def __init__(self, run_dir: str, config: dict, active: bool, resumed_at: int = None,
-                 val_done: int = -1):
-        self.active, self.resumed_at = active, resumed_at
-        if not active:
-            return
-        log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
-        write_atomically(config_path, json.dumps(config, indent=2).encode())
-        with named(log):  # a write error carries no file name
-            self.log = open(log, "w" if resumed_at is None else "a")
-            if resumed_at is not None:
-                self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
-                kept = []
-                with contextlib.suppress(FileNotFoundError), open(metrics, "rb") as f:
-                    for line in f:  # our records past what the checkpoint saw go, and one a
-                        try:  # crash cut (no newline); a line of the user's stays, ended
-                            m = json.loads(line)
-                            seen = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
-                            gone = m["step"] > seen
-                        except (ValueError, KeyError, TypeError):
-                            gone = line.startswith(b'{"kind": ') and not line.endswith(b"\n")
-                        kept += [] if gone else [line.rstrip(b"\n") + b"\n"]
-                record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
-                write_atomically(metrics, b"".join(kept + [record] * (record not in kept)))
-            for name in SOURCES:  # in full, as they ran: the trainer's first, unmarked
-                with open(os.path.join(HERE, name)) as f:
-                    rule = "" if name == SOURCES[0] else f"{'-' * 40} {name}\n"
-                    self.log.write(rule + f.read())
-            self.metrics = open(metrics, "a")
-            dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
-            sources = "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
-            self.log.write(f"{'=' * 100}\ncommand: {config['command']}\n"
-                           f"git: {config['git_commit'] or 'not a git checkout'}"
-                           f"{dirty[config['git_dirty']]}\n{sources}{describe_system()}\n"
-                           f"hyperparameters: {json.dumps(config)}\n{'=' * 100}\n")
-            self.log.flush()
-    def print(self, line: str):
-        if self.active:
-            print(line, flush=True)
-            with named(self.log.name):
-                self.log.write(line + "\n")
-                self.log.flush()
-    def saved(self, step: int):
-        """A checkpoint of step is on disk: said in both logs (metrics.jsonl: once per step)."""
-        self.print(f"checkpoint saved at step {step}")
-        if step != self.resumed_at:  # (a resumed job's step saved again, its validation done)
-            self.record({"kind": "checkpoint", "step": step})
-    def record(self, obj: dict):
-        if self.active:
-            with named(self.metrics.name):
-                self.metrics.write(json.dumps(obj) + "\n")
-                self.metrics.flush()
-    def close(self):
-        if self.active:  # every write was flushed: a failure here would only hide the first
-            for f in (self.log, self.metrics):
-                with contextlib.suppress(OSError):
-                    f.close()
 
 # -----------------------------------------------------------------------------
 # Stop signals
 
 SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedulers, Slurm
+
 
 class StopSignal:
     """Once armed (the job can save), SAVE_SIGNALS ask for a checkpoint at the next step; before
@@ -602,149 +466,28 @@ class StopSignal:
     def __init__(self):
         self.signum, self.depth, self.previous, self.finished, self.armed = 0, 0, {}, False, False
         self.last_ckpt = None  # a training job's last good checkpoint ("none" before its first)
+
     def __call__(self, signum, frame):
         if self.signum or not self.armed:
             raise Interrupted(signum)
         self.signum = signum
+
     def __enter__(self):
         if self.depth == 0:
             self.signum, self.finished, self.armed, self.untried = 0, False, False, True
             self.previous = {sig: signal.signal(sig, self) for sig in SAVE_SIGNALS}
         self.depth += 1
         return self
+
     def __exit__(self, *exc):
         self.depth -= 1
         if self.depth == 0:
             for sig, handler in self.previous.items():
                 signal.signal(sig, signal.SIG_IGN if self.finished else handler)
-    def finish(self): self.finished = True
+
+    def finish(self):
+        """The job's final save is done: from here a signal changes nothing."""
+        self.finished = True
+
 
 STOP = StopSignal()  # handlers are installed only inside `with STOP:`
-
-# -----------------------------------------------------------------------------
-# Processes: the ranks of a training job and what they agree on
-
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world: int = 1
-    device: str = "cpu"
-    @property
-    def master(self): return self.rank == 0
-    @property
-    def launcher(self) -> str:  # the trainer's command line, as this job's ("resume with:")
-        return (f"torchrun --nproc_per_node={self.world} train_gpt.py" if self.world > 1
-                else "python train_gpt.py")
-    def sync(self):
-        """Wait for the device's queued work (CUDA runs asynchronously): before timing."""
-        import torch
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-    def barrier(self):
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.barrier()
-    def close(self):
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    def on_master(self, fn, share: bool = True):
-        """fn() on rank 0; its failure is raised on every rank, so none waits in a collective for
-        it: the same UserError or OSError, else RunStopped. share: all get the result."""
-        import torch.distributed as dist
-        result, error = None, None
-        if self.master:
-            try:
-                result = fn()
-            except Exception as e:
-                error = e
-        if dist.is_initialized():
-            sent = error
-            if not (error is None or isinstance(error, (UserError, OSError))):
-                sent = RunStopped(f"rank 0 failed ({type(error).__name__}: {error})" + (
-                    f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else ""))
-            box = [sent, result if share else None]
-            dist.broadcast_object_list(box, src=0)
-            if not self.master:
-                error, result = box
-        if error is not None:
-            raise error
-        return result
-
-def setup_distributed() -> Dist:
-    """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
-    import torch
-    import torch.distributed as dist
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        return Dist(device="cuda" if cuda else "cpu")
-    d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
-    if cuda:
-        torch.cuda.set_device(d.device)
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
-    return d
-
-def all_reduce(t, op: str = "sum"):
-    """A tensor summed ("sum") or maximised ("max") over the ranks, in place; returns it."""
-    import torch.distributed as dist
-    if dist.is_initialized() and dist.get_world_size() > 1:  # (one rank: no collective)
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-    return t
-
-def add_sums(total: dict, more: dict) -> dict:
-    """Per-key sums of tensors: total plus more, a key missing from either counting as 0."""
-    return {k: total.get(k, 0) + more.get(k, 0) for k in {**total, **more}}
-
-def all_reduce_sums(sums: dict) -> dict:
-    """Each float64 tensor of a dict summed over the ranks, in one collective call."""
-    import torch
-    flat = all_reduce(torch.cat([t.reshape(-1) for t in sums.values()]))
-    parts = flat.split([t.numel() for t in sums.values()])
-    return {k: part.view_as(t) for (k, t), part in zip(sums.items(), parts)}
-
-def all_finite(model, opt) -> bool:
-    """Whether every weight and every optimiser moment is finite (one host sync)."""
-    import torch
-    tensors = [p.detach() for p in model.parameters()] + [
-        v for state in opt.state.values() for v in state.values()
-        if torch.is_tensor(v) and v.is_floating_point()]
-    return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
-
-def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
-    """state() as RUN_DIR/checkpoint.pt (rank 0) if all is finite; else, or failing, RunStopped.
-    The old one stays as PREVIOUS if a step from it was finite (not STOP.untried): last_good."""
-    if not all_finite(model, opt):
-        raise RunStopped(f"non-finite weights after step {step}; the checkpoint was not "
-                         f"replaced; last good checkpoint: {STOP.last_ckpt}")
-    try:
-        path = d.on_master(lambda: save_checkpoint(run_dir, state(), keep=not STOP.untried))
-    except (UserError, OSError) as e:  # a full disk, or a folder made read-only
-        raise RunStopped(f"cannot write the checkpoint of step {step} ({os_error_text(e)}); "
-                         f"last good checkpoint: {STOP.last_ckpt}") from None
-    STOP.last_ckpt, STOP.untried = f"{path} (step {step})", True
-
-def last_good(d: Dist, run_dir: str) -> str:
-    """For a stop on a non-finite loss: the newest checkpoint, or if no step from it was finite
-    (an update that exploded but stayed finite, saved at its step), PREVIOUS put back."""
-    path, prev = os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, PREVIOUS)
-    def put_back():  # -> its step; None: none there, the same file (a save cut after its link),
-        import torch  # or one that does not load
-        with contextlib.suppress(Exception):
-            step = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)["step"]
-            return None if os.path.samefile(prev, path) else os.replace(prev, path) or step
-    if STOP.untried and (step := d.on_master(put_back)) is not None:
-        STOP.untried, STOP.last_ckpt = False, (f"{path} (step {step}, put back: no step from the "
-                                               f"newer {STOP.last_ckpt} had a finite loss)")
-    return STOP.last_ckpt
-
-def open_log(d: Dist, run_dir: str, config: dict, resumed_at: int = None,
-             val_done: int = -1) -> RunLog:
-    """The job's RunLog (inactive off rank 0); failing, RunStopped: the run directory exists."""
-    try:
-        log = d.on_master(lambda: RunLog(run_dir, config, True, resumed_at, val_done), share=False)
-    except (UserError, OSError) as e:
-        raise RunStopped(f"cannot write the run's logs ({os_error_text(e)}); last checkpoint: "
-                         f"{STOP.last_ckpt}") from None
-    return log if d.master else RunLog(run_dir, config, active=False)

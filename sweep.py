@@ -39,8 +39,8 @@ import json
 import math
 import os
 import shlex
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -54,11 +54,13 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import expand  # noqa: E402
+import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data import debian_docs, tokenize_corpus  # noqa: E402
 from data.shards import find_shards, read_shard  # noqa: E402
 
 # ---------------------------------------------------------------------------- grids
+
 
 def dense(L):
     return (f"dense_{L}", ["--router=none", f"--n_layers={L}"])
@@ -71,16 +73,22 @@ def gated(name, *extra):
 def dlo(rho, source, groups, anneal, tokens=None):
     """A third element: the run starts as expand.py's identity expansion of `source`, then
     trains `tokens` more (default: the grid's train_tokens)."""
-    return (f"dlo_rho{rho}", ["--router=dlo", f"--dlo_rho={rho}", f"--dlo_anneal_steps={anneal}"]
-            + ([f"--train_tokens={tokens}"] if tokens else []),
-            ["{runs}/" + source + "_s{seed}", f"--groups={groups}", "--per_group=1", "--init=identity"])
+    return (
+        f"dlo_rho{rho}",
+        ["--router=dlo", f"--dlo_rho={rho}", f"--dlo_anneal_steps={anneal}"]
+        + ([f"--train_tokens={tokens}"] if tokens else []),
+        ["{runs}/" + source + "_s{seed}", f"--groups={groups}", "--per_group=1", "--init=identity"],
+    )
 
 
 def dlo_control(source, groups, tokens=None):
     """DLO's control: the same expansion of the same source, trained through the same two phases
     (a fresh optimiser and warm-up) as a dense model that skips nothing."""
-    return ("dlo_control", ["--router=none"] + ([f"--train_tokens={tokens}"] if tokens else []),
-            dlo(0, source, groups, 0)[2])
+    return (
+        "dlo_control",
+        ["--router=none"] + ([f"--train_tokens={tokens}"] if tokens else []),
+        dlo(0, source, groups, 0)[2],
+    )
 
 
 def mod(capacity, L):
@@ -91,9 +99,11 @@ def mor(L, routed=True):
     """Mixture-of-Recursions at the deepest applied depth n <= L that its sharing allows (N_r = 3,
     or 2 below 5 layers), or its recursive baseline (the same sharing, every token every time)."""
     r = 3 if L >= 5 else 2
-    return (f"{'mor' if routed else 'recursive'}_r{r}",
-            ["--router=mor", f"--n_layers={L - (L - 2) % r}", f"--mor_recursions={r}"]
-            + ([] if routed else ["--mor_routed=false"]))
+    return (
+        f"{'mor' if routed else 'recursive'}_r{r}",
+        ["--router=mor", f"--n_layers={L - (L - 2) % r}", f"--mor_recursions={r}"]
+        + ([] if routed else ["--mor_routed=false"]),
+    )
 
 
 def figure2_runs(L, dlo_anneal_steps, tokens):
@@ -103,22 +113,47 @@ def figure2_runs(L, dlo_anneal_steps, tokens):
     budget as every other point: an L/2-layer dense source trains tokens / 2 (dlo_source_L/2, a
     point off the frontier), its expansion to L layers the other half."""
     half = tokens // 2
-    return ([dense(n) for n in range(2, L + 1, 2)] +
-            [gated("gated_nocontrol", f"--n_layers={L}", "--controller=none")] +
-            [gated(f"gated_mu{m}", f"--n_layers={L}", f"--mu_end={m}") for m in (0.75, 0.5, 0.25, 0.0)] +
-            [gated("gated_query_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_axis=query"),
-             gated("gated_zeroinit_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_init=zero")] +
-            [(f"dlo_source_{L // 2}", ["--router=none", f"--n_layers={L // 2}", f"--train_tokens={half}"])] +
-            [dlo(rho, f"dlo_source_{L // 2}", L // 2, dlo_anneal_steps, half) for rho in (0.25, 0.5)] +
-            [dlo_control(f"dlo_source_{L // 2}", L // 2, half)] +
-            [mod(0.125, L), mor(L), mor(L, routed=False)])
+    return (
+        [dense(n) for n in range(2, L + 1, 2)]
+        + [gated("gated_nocontrol", f"--n_layers={L}", "--controller=none")]
+        + [
+            gated(f"gated_mu{m}", f"--n_layers={L}", f"--mu_end={m}")
+            for m in (0.75, 0.5, 0.25, 0.0)
+        ]
+        + [
+            gated("gated_query_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_axis=query"),
+            gated("gated_zeroinit_mu0.5", f"--n_layers={L}", "--mu_end=0.5", "--gate_init=zero"),
+        ]
+        + [
+            (
+                f"dlo_source_{L // 2}",
+                ["--router=none", f"--n_layers={L // 2}", f"--train_tokens={half}"],
+            )
+        ]
+        + [dlo(rho, f"dlo_source_{L // 2}", L // 2, dlo_anneal_steps, half) for rho in (0.25, 0.5)]
+        + [dlo_control(f"dlo_source_{L // 2}", L // 2, half)]
+        + [mod(0.125, L), mor(L), mor(L, routed=False)]
+    )
 
 
-BYTES_BASE = ["--train_files=data/debian_docs/docs_train_*.bin",
-              "--val_files=data/debian_docs/docs_val_*.bin", "--encoding=bytes", "--vocab_size=256",
-              "--dim=64", "--n_heads=4", "--n_kv_heads=4", "--max_seq_len=256", "--seq_len=256",
-              "--batch_size=8", "--device_batch_size=8", "--val_every=0", "--val_tokens=5046272",
-              "--save_every=200", "--lr=3e-3", "--compile=false"]
+BYTES_BASE = [
+    "--train_files=data/debian_docs/docs_train_*.bin",
+    "--val_files=data/debian_docs/docs_val_*.bin",
+    "--encoding=bytes",
+    "--vocab_size=256",
+    "--dim=64",
+    "--n_heads=4",
+    "--n_kv_heads=4",
+    "--max_seq_len=256",
+    "--seq_len=256",
+    "--batch_size=8",
+    "--device_batch_size=8",
+    "--val_every=0",
+    "--val_tokens=5046272",
+    "--save_every=200",
+    "--lr=3e-3",
+    "--compile=false",
+]
 GRIDS = {
     # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
     # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
@@ -127,43 +162,88 @@ GRIDS = {
     # One H100 in ~27 min: 17 runs of ~95 s each, ~30 s of it compilation. An
     # 8-layer dim-512 model at seq 512 costs ~0.35 GFLOPs per training token; at ~150 TFLOPs
     # achieved that is ~400k tokens/s, so 24M tokens (730 steps of 32k tokens) per run.
-    "gpu1": dict(base=["--dim=512", "--n_heads=8", "--n_kv_heads=8", "--max_seq_len=512",
-                       "--seq_len=512", "--batch_size=64", "--device_batch_size=64",
-                       "--train_tokens=24000000", "--val_every=0", "--val_tokens=1048576",
-                       "--save_every=200"],
-                 n_layers=8, runs=figure2_runs(8, 100, 24_000_000)),
+    "gpu1": dict(
+        base=[
+            "--dim=512",
+            "--n_heads=8",
+            "--n_kv_heads=8",
+            "--max_seq_len=512",
+            "--seq_len=512",
+            "--batch_size=64",
+            "--device_batch_size=64",
+            "--train_tokens=24000000",
+            "--val_every=0",
+            "--val_tokens=1048576",
+            "--save_every=200",
+        ],
+        n_layers=8,
+        runs=figure2_runs(8, 100, 24_000_000),
+    ),
     # The mechanics on the embedded sample, 2 CPU cores, ~8 min (15 runs): a demonstration only
     # (tiny models, 120 steps, the output head dominates the FLOPs).
-    "cpu": dict(base=["--preset=smoke", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
-                      "--max_seq_len=64", "--seq_len=64", "--batch_size=8",
-                      "--device_batch_size=8", "--train_tokens=61440", "--val_every=0",
-                      "--val_tokens=4096", "--save_every=40", "--lr=3e-3"],
-                n_layers=4, runs=figure2_runs(4, 40, 61440)),
+    "cpu": dict(
+        base=[
+            "--preset=smoke",
+            "--dim=64",
+            "--n_heads=4",
+            "--n_kv_heads=2",
+            "--max_seq_len=64",
+            "--seq_len=64",
+            "--batch_size=8",
+            "--device_batch_size=8",
+            "--train_tokens=61440",
+            "--val_every=0",
+            "--val_tokens=4096",
+            "--save_every=40",
+            "--lr=3e-3",
+        ],
+        n_layers=4,
+        runs=figure2_runs(4, 40, 61440),
+    ),
     # The byte-level study (README: Results): blocks, not the 256-row head, are the compute.
     # 6 layers of width 64 on data/debian_docs.py's corpus, 1,200 steps of 8 x 256 bytes (600,
     # records/2026-11-25_figure2_bytes_cpu, left the deeper dense models undertrained); the
     # validation: the corpus's held-out excerpts of 768 characters, one per page, 6,729 of its
     # 6,730 (the last cut short), for a standard error over documents below 0.005 (docs/data.md).
-    "bytes": dict(base=BYTES_BASE + ["--train_tokens=2457600"], n_layers=6,
-                  corpus_sha256=tokenize_corpus.corpus_sha256(debian_docs.SHA256),
-                  runs=figure2_runs(6, 100, 2457600)),
+    "bytes": dict(
+        base=BYTES_BASE + ["--train_tokens=2457600"],
+        n_layers=6,
+        corpus_sha256=tokenize_corpus.corpus_sha256(debian_docs.SHA256),
+        runs=figure2_runs(6, 100, 2457600),
+    ),
 }
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
 # dense control, MoD): five seeds take about 3 h on 2 cores as three one-thread jobs splitting the
 # seeds (--first_seed); the records give each study's time.
-GRIDS["bytes_core"] = dict(GRIDS["bytes"], runs=[r for r in GRIDS["bytes"]["runs"] if r[0] in (
-    "dense_2", "dense_4", "dense_6", "gated_mu0.5", "dlo_source_3", "dlo_rho0.5", "dlo_control",
-    "mod_c0.125")])
+GRIDS["bytes_core"] = dict(
+    GRIDS["bytes"],
+    runs=[
+        r
+        for r in GRIDS["bytes"]["runs"]
+        if r[0]
+        in (
+            "dense_2",
+            "dense_4",
+            "dense_6",
+            "gated_mu0.5",
+            "dlo_source_3",
+            "dlo_rho0.5",
+            "dlo_control",
+            "mod_c0.125",
+        )
+    ],
+)
 
 
 # ---------------------------------------------------------------------------- running
+
 
 def run_state(run_dir: str) -> str:
     """done (its final validation is recorded), resume (a checkpoint), or fresh."""
     vals, config = run_records(run_dir, "val"), json_object(os.path.join(run_dir, "config.json"))
     if vals and vals[-1]["step"] == config.get("num_steps"):
         return "done"
-    return "resume" if os.path.exists(os.path.join(run_dir, tg.CHECKPOINT)) else "fresh"
+    return "resume" if os.path.exists(os.path.join(run_dir, runs.CHECKPOINT)) else "fresh"
 
 
 def run_records(run_dir: str, kind: str) -> list:
@@ -186,9 +266,18 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
     terminal reaches this sweep alone, which passes each of the trainer's saving signals on
     once (to torchrun's whole group): the run saves its checkpoint, this waits for it, then
     raises Stopped. A second signal, passed on too, stops the run at once."""
-    cmd = ([sys.executable, script] if nproc == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", script])
+    cmd = (
+        [sys.executable, script]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            script,
+        ]
+    )
     got, proc = [], None
 
     def send(sig):
@@ -198,10 +287,17 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
         got.append(sig)
         if proc is not None:
             send(sig)
+
     previous = {sig: signal.signal(sig, forward) for sig in support.SAVE_SIGNALS}
     try:
-        proc = subprocess.Popen(cmd + args, cwd=support.HERE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd + args,
+            cwd=support.HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         if got:  # one that came before the trainer existed
             send(got[0])
         out, err = proc.communicate()
@@ -210,10 +306,15 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
             signal.signal(sig, handler)
     label = label or " ".join(args[-1:])
     if got and proc.returncode in {0} | {128 + s for s in got} | {-s for s in got}:  # obeyed
-        done = ("saved its checkpoint" if proc.returncode == 0 and "checkpoint: none;" not in out
-                else "stopped, keeping its last checkpoint if it had one")  # (starting, or twice)
-        raise Stopped(f"sweep stopped by {signal.Signals(got[0]).name}; {label} {done}; run "
-                      f"the same command again to go on")
+        done = (
+            "saved its checkpoint"
+            if proc.returncode == 0 and "checkpoint: none;" not in out
+            else "stopped, keeping its last checkpoint if it had one"
+        )  # (starting, or twice)
+        raise Stopped(
+            f"sweep stopped by {signal.Signals(got[0]).name}; {label} {done}; run "
+            f"the same command again to go on"
+        )
     if proc.returncode:
         tail = (err.strip().splitlines() or ["(no output)"])[-1]
         kind = support.UserError if proc.returncode == 2 and not got else support.RunStopped
@@ -250,21 +351,31 @@ def check_settings(run_dir: str, plan: list):
         if not (base := json_object(source)):
             raise support.UserError(f"{source}: not a run's settings (the source of {run_dir})")
         explicit = tg.parse_overrides(rest)
-        hp = expand.expanded_settings(tg.saved_settings(base), explicit, args.groups,
-                                      args.per_group, args.init, args.tau)
-        there.update((k, v) for k, v in json_object(os.path.join(run_dir, "expand.json")).items()
-                     if k in EXPANSION)
+        hp = expand.expanded_settings(
+            tg.saved_settings(base), explicit, args.groups, args.per_group, args.init, args.tau
+        )
+        there.update(
+            (k, v)
+            for k, v in json_object(os.path.join(run_dir, "expand.json")).items()
+            if k in EXPANSION
+        )
         given = {k: getattr(args, k) for k in EXPANSION}
     else:
         given, explicit = {}, tg.parse_overrides(argv)
         hp = tg.resolve(explicit)
-    given.update((k, v) for k, v in asdict(hp).items() if k not in ("train_files", "val_files")
-                 and (k in explicit or k not in HOW))
-    changed = [f"{k}={there[k]} there, {v} here" for k, v in given.items()
-               if k in there and there[k] != v]
+    given.update(
+        (k, v)
+        for k, v in asdict(hp).items()
+        if k not in ("train_files", "val_files") and (k in explicit or k not in HOW)
+    )
+    changed = [
+        f"{k}={there[k]} there, {v} here" for k, v in given.items() if k in there and there[k] != v
+    ]
     if changed:
-        raise support.UserError(f"{run_dir} was trained with other settings ({'; '.join(changed)}):"
-                                f" the grid changed since; give another --runs")
+        raise support.UserError(
+            f"{run_dir} was trained with other settings ({'; '.join(changed)}):"
+            f" the grid changed since; give another --runs"
+        )
 
 
 def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
@@ -276,32 +387,46 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
-            job = [a for a in grid["base"] + args  # the job's settings, kept on resume
-                   if a.split("=")[0][2:] in tg.JOB - {"run_dir", "resume", "preset"}]
+            job = [
+                a
+                for a in grid["base"] + args  # the job's settings, kept on resume
+                if a.split("=")[0][2:] in tg.JOB - {"run_dir", "resume", "preset"}
+            ]
             resume = ("train_gpt.py", [f"--resume={run_dir}", *job])
             if expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
                 plan = [("expand.py", [source, run_dir, *how, *args]), resume]
             else:
-                plan = [("train_gpt.py", grid["base"] + args + [f"--seed={seed}", f"--run_dir={run_dir}"])]
+                plan = [
+                    (
+                        "train_gpt.py",
+                        grid["base"] + args + [f"--seed={seed}", f"--run_dir={run_dir}"],
+                    )
+                ]
             if state != "fresh":
                 check_settings(run_dir, plan)
             for script, argv in {"fresh": plan, "resume": [resume], "done": []}[state]:
                 launch(argv, 1 if script == "expand.py" else nproc, script, label=run_dir)
             print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
-            command = " && ".join(f"python {script} {shlex.join(argv)}" for script, argv in plan).replace(
-                support.HERE + os.sep, "")  # as run from the repository
+            command = " && ".join(
+                f"python {script} {shlex.join(argv)}" for script, argv in plan
+            ).replace(support.HERE + os.sep, "")  # as run from the repository
             done.append((name, seed, run_dir, command))
     return done
 
 
 # ---------------------------------------------------------------------------- measuring
 
+
 @torch.no_grad()
 def eval_ms_per_token(model, idx, repeats: int = 3) -> float:
     """Median wall time of an evaluation forward pass over idx, per token, in ms."""
     cuda = idx.is_cuda
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    ctx = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if cuda
+        else torch.autocast("cpu", enabled=False)
+    )
     times = []
     for i in range(repeats + 1):  # the first is a warm-up
         if cuda:
@@ -318,8 +443,12 @@ def eval_ms_per_token(model, idx, repeats: int = 3) -> float:
 
 @functools.lru_cache(maxsize=None)  # once per corpus, not per run (FineWeb's shards are ~20 GB)
 def corpus_sha256(train_files: str, val_files: str) -> str:
-    return tokenize_corpus.corpus_sha256({os.path.basename(p): tokenize_corpus.sha256_of(p) for p in
-                                          find_shards(train_files) + find_shards(val_files)})
+    return tokenize_corpus.corpus_sha256(
+        {
+            os.path.basename(p): tokenize_corpus.sha256_of(p)
+            for p in find_shards(train_files) + find_shards(val_files)
+        }
+    )
 
 
 def measure(run_dir: str, device: str) -> dict:
@@ -335,19 +464,33 @@ def measure(run_dir: str, device: str) -> dict:
     compact = tg.load_model(run_dir, device, compact=True).eval() if can_compact else model
     for m in {model, compact} if device.startswith("cuda") else ():  # its blocks compiled,
         tg.compile_model(m)  # the same way on both paths measured
-    tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[:hp.device_batch_size * hp.seq_len]
+    tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[
+        : hp.device_batch_size * hp.seq_len
+    ]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
-    row = dict(val_loss=val["val_loss"], val_se=val.get("val_se"), val_docs=val.get("val_docs"),  # (None:
-               encoding=hp.encoding,  # validated before train_gpt.py counted documents)
-               sparsity=val["sparsity"], flops_per_token=val["fwd_flops_per_token"],
-               steps=val["step"], tokens=val["step"] * hp.batch_size * hp.seq_len,
-               commit=(config["git_commit"] or "none") + ("+dirty" if config["git_dirty"] else ""),
-               corpus_sha256=corpus_sha256(hp.train_files, hp.val_files), router=hp.router, n_layers=hp.n_layers,
-               params=sum(p.numel() for n, p in model.named_parameters()  # unique, outside
-                          if not n.startswith(("embed.", "head."))),  # the embedding and head
-               ms_per_token_masked=eval_ms_per_token(model, idx))
-    row["ms_per_token_compact"] = (eval_ms_per_token(compact, idx) if can_compact
-                                   else row["ms_per_token_masked"])
+    row = dict(
+        val_loss=val["val_loss"],
+        val_se=val.get("val_se"),
+        val_docs=val.get("val_docs"),  # (None:
+        encoding=hp.encoding,  # validated before train_gpt.py counted documents)
+        sparsity=val["sparsity"],
+        flops_per_token=val["fwd_flops_per_token"],
+        steps=val["step"],
+        tokens=val["step"] * hp.batch_size * hp.seq_len,
+        commit=(config["git_commit"] or "none") + ("+dirty" if config["git_dirty"] else ""),
+        corpus_sha256=corpus_sha256(hp.train_files, hp.val_files),
+        router=hp.router,
+        n_layers=hp.n_layers,
+        params=sum(
+            p.numel()
+            for n, p in model.named_parameters()  # unique, outside
+            if not n.startswith(("embed.", "head."))
+        ),  # the embedding and head
+        ms_per_token_masked=eval_ms_per_token(model, idx),
+    )
+    row["ms_per_token_compact"] = (
+        eval_ms_per_token(compact, idx) if can_compact else row["ms_per_token_masked"]
+    )
     targets = model.router.zero_targets()
     row["gate_zero"] = " ".join(f"{1 - a:.4f}" for a in val["block_active"]) if targets else ""
     row["target_zero"] = " ".join("none" if z is None else f"{z:.4f}" for z in targets or ())
@@ -356,14 +499,21 @@ def measure(run_dir: str, device: str) -> dict:
 
 # ---------------------------------------------------------------------------- statistics
 
+
 def t_tail(t: float, df: int) -> float:
     """P(|T| >= |t|) for Student's t with df degrees of freedom. With x = sqrt(df) tan(u) the
     density becomes c cos(u)^(df - 1), c = Gamma((df + 1) / 2) / (sqrt(pi) Gamma(df / 2)), on
     [0, pi / 2): Simpson's rule over [0, atan(|t| / sqrt(df))] on 2,000 panels."""
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
     end, n = math.atan(abs(t) / math.sqrt(df)), 2000
-    simpson = sum((1 if i in (0, n) else 4 if i % 2 else 2) * math.cos(i * end / n) ** (df - 1)
-                  for i in range(n + 1)) * end / (3 * n)
+    simpson = (
+        sum(
+            (1 if i in (0, n) else 4 if i % 2 else 2) * math.cos(i * end / n) ** (df - 1)
+            for i in range(n + 1)
+        )
+        * end
+        / (3 * n)
+    )
     return min(1.0, max(0.0, 1 - 2 * c * simpson))
 
 
@@ -385,8 +535,14 @@ def paired(deltas: list) -> dict:
     if sd <= 1e-12 * max(1.0, abs(mean)):  # identical differences (up to rounding): no test
         return dict(n=n, mean=mean, sd=sd, lo=None, hi=None, p=None)
     half = t_critical(0.05, n - 1) * sd / math.sqrt(n)
-    return dict(n=n, mean=mean, sd=sd, lo=mean - half, hi=mean + half,
-                p=t_tail(mean / (sd / math.sqrt(n)), n - 1))
+    return dict(
+        n=n,
+        mean=mean,
+        sd=sd,
+        lo=mean - half,
+        hi=mean + half,
+        p=t_tail(mean / (sd / math.sqrt(n)), n - 1),
+    )
 
 
 def holm(ps: list) -> list:
@@ -409,7 +565,7 @@ def detectable(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
 # ---------------------------------------------------------------------------- the verdict
 
 SLACK = 0.01  # a run up to 1% beyond the end dense point (a gated model with few zero
-              # gates costs its gate linears more than the dense model) takes that point's value
+# gates costs its gate linears more than the dense model) takes that point's value
 
 
 def frontier(points: list, envelope: bool = True):
@@ -430,17 +586,23 @@ def frontier(points: list, envelope: bool = True):
             return None
         if x <= kept[0][0] or x >= kept[-1][0]:
             return kept[0][1] if x <= kept[0][0] else kept[-1][1]
-        for (x0, y0), (x1, y1) in zip(kept, kept[1:]):
+        for (x0, y0), (x1, y1) in zip(kept, kept[1:], strict=False):
             if x0 <= x <= x1:
                 return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
     return at
 
 
 def control_of(name: str):
     """The run a configuration is also compared with, seed by seed: DLO its dense expansion
     (dlo_control), MoR its recursive baseline; None for the others."""
-    return ("dlo_control" if name.startswith("dlo_rho") else
-            "recursive_" + name[4:] if name.startswith("mor_") else None)
+    return (
+        "dlo_control"
+        if name.startswith("dlo_rho")
+        else "recursive_" + name[4:]
+        if name.startswith("mor_")
+        else None
+    )
 
 
 def summarise(rows: list) -> list:
@@ -448,19 +610,45 @@ def summarise(rows: list) -> list:
     the dense frontier of its own seed, and DLO and MoR against their controls; paired over
     the seeds, Holm-corrected across all the comparisons of the grid."""
     seeds = sorted({r["seed"] for r in rows})
-    fronts = {s: frontier([(r["flops_per_token"], r["val_loss"]) for r in rows
-                           if r["seed"] == s and r["name"].startswith("dense_")]) for s in seeds}
-    time_fronts = {s: frontier([(r["flops_per_token"], r["ms_per_token_masked"]) for r in rows
-                                if r["seed"] == s and r["name"].startswith("dense_")], False)
-                   for s in seeds}
+    fronts = {
+        s: frontier(
+            [
+                (r["flops_per_token"], r["val_loss"])
+                for r in rows
+                if r["seed"] == s and r["name"].startswith("dense_")
+            ]
+        )
+        for s in seeds
+    }
+    time_fronts = {
+        s: frontier(
+            [
+                (r["flops_per_token"], r["ms_per_token_masked"])
+                for r in rows
+                if r["seed"] == s and r["name"].startswith("dense_")
+            ],
+            False,
+        )
+        for s in seeds
+    }
     run = {(r["name"], r["seed"]): r for r in rows}
     lines = []
     for name in dict.fromkeys(r["name"] for r in rows):
         mine = [r for r in rows if r["name"] == name]
-        base = {k: statistics.mean(r[k] for r in mine) for k in (
-            "val_loss", "sparsity", "flops_per_token", "params", "ms_per_token_masked",
-            "ms_per_token_compact")}
-        base["val_loss_sd"] = statistics.stdev(r["val_loss"] for r in mine) if len(mine) > 1 else None
+        base = {
+            k: statistics.mean(r[k] for r in mine)
+            for k in (
+                "val_loss",
+                "sparsity",
+                "flops_per_token",
+                "params",
+                "ms_per_token_masked",
+                "ms_per_token_compact",
+            )
+        }
+        base["val_loss_sd"] = (
+            statistics.stdev(r["val_loss"] for r in mine) if len(mine) > 1 else None
+        )
         base["val_se"] = max((r["val_se"] for r in mine if r["val_se"] is not None), default=None)
         ms = [t for r in mine if (t := time_fronts[r["seed"]](r["flops_per_token"]))]
         base["dense_ms_at_equal_flops"] = statistics.mean(ms) if ms else None
@@ -470,20 +658,35 @@ def summarise(rows: list) -> list:
         for vs in ("dense frontier", control_of(name)):
             if vs is None or vs != "dense frontier" and not any(r["name"] == vs for r in rows):
                 continue
-            other = [fronts[r["seed"]](r["flops_per_token"]) if vs == "dense frontier" else
-                     run[(vs, r["seed"])]["val_loss"] if (vs, r["seed"]) in run else None for r in mine]
-            deltas = [r["val_loss"] - o for r, o in zip(mine, other) if o is not None]
-            line = dict(base, name=name, vs=vs, seeds=len(deltas) if len(deltas) == len(mine) else
-                        f"{len(deltas)} of {len(mine)}")  # seeds out of range or without control
-            line.update(paired(deltas) if deltas else
-                        dict(n=0, mean=None, sd=None, lo=None, hi=None, p=None))
+            other = [
+                fronts[r["seed"]](r["flops_per_token"])
+                if vs == "dense frontier"
+                else run[(vs, r["seed"])]["val_loss"]
+                if (vs, r["seed"]) in run
+                else None
+                for r in mine
+            ]
+            deltas = [r["val_loss"] - o for r, o in zip(mine, other, strict=False) if o is not None]
+            line = dict(
+                base,
+                name=name,
+                vs=vs,
+                seeds=len(deltas) if len(deltas) == len(mine) else f"{len(deltas)} of {len(mine)}",
+            )  # seeds out of range or without control
+            line.update(
+                paired(deltas)
+                if deltas
+                else dict(n=0, mean=None, sd=None, lo=None, hi=None, p=None)
+            )
             lines.append(line)
     adjusted = holm([ln.get("p") for ln in lines])
     tests = sum(p is not None for p in adjusted)
-    for ln, p in zip(lines, adjusted):
+    for ln, p in zip(lines, adjusted, strict=False):
         if ln["vs"]:
             ln["p_holm"] = p
-            ln["detectable"] = detectable(ln["sd"], ln["n"], 0.05 / tests) if p is not None else None
+            ln["detectable"] = (
+                detectable(ln["sd"], ln["n"], 0.05 / tests) if p is not None else None
+            )
             ln["verdict"] = verdict(ln)
     return lines
 
@@ -493,8 +696,11 @@ def verdict(ln: dict) -> str:
     if ln["mean"] is None:
         return "outside the dense FLOPs range" if ln["vs"] == "dense frontier" else "no control run"
     if ln["p_holm"] is None:
-        return f"{'below' if ln['mean'] < 0 else 'above'} (" + (
-            "one seed" if ln["n"] < 2 else "the same difference in every seed") + ": no test)"
+        return (
+            f"{'below' if ln['mean'] < 0 else 'above'} ("
+            + ("one seed" if ln["n"] < 2 else "the same difference in every seed")
+            + ": no test)"
+        )
     than = "dense" if ln["vs"] == "dense frontier" else ln["vs"]
     if ln["p_holm"] < 0.05:
         return f"{'better' if ln['mean'] < 0 else 'worse'} than {than}"
@@ -504,22 +710,47 @@ def verdict(ln: dict) -> str:
 def verdict_text(lines: list) -> str:
     tested = [ln for ln in lines if ln["vs"] and ln.get("p_holm") is not None]
     if not tested:
-        return ("with one seed no difference can be tested (use --seeds=5)" if
-                any(ln["vs"] for ln in lines) else "no comparison") + "."
-    said = [f"{ln['name']} {ln['verdict']} ({ln['mean']:+.3f}, 95% CI [{ln['lo']:+.3f}, "
-            f"{ln['hi']:+.3f}], Holm p = {ln['p_holm']:.3g})" for ln in tested
-            if not ln["verdict"].startswith("no detectable")]
-    return (f"{len(tested)} paired comparisons over {max(ln['n'] for ln in tested)} seeds, "
-            f"Holm-corrected: " + ("; ".join(said) if said else "no detectable difference in any")
-            + ".")
+        return (
+            "with one seed no difference can be tested (use --seeds=5)"
+            if any(ln["vs"] for ln in lines)
+            else "no comparison"
+        ) + "."
+    said = [
+        f"{ln['name']} {ln['verdict']} ({ln['mean']:+.3f}, 95% CI [{ln['lo']:+.3f}, "
+        f"{ln['hi']:+.3f}], Holm p = {ln['p_holm']:.3g})"
+        for ln in tested
+        if not ln["verdict"].startswith("no detectable")
+    ]
+    return (
+        f"{len(tested)} paired comparisons over {max(ln['n'] for ln in tested)} seeds, "
+        f"Holm-corrected: " + ("; ".join(said) if said else "no detectable difference in any") + "."
+    )
 
 
 # ---------------------------------------------------------------------------- the record
 
-RUN_KEYS = ("name", "seed", "val_loss", "val_se", "val_docs", "encoding",
-            "flops_per_token", "sparsity", "steps", "tokens", "commit", "corpus_sha256", "router",
-            "n_layers", "params", "ms_per_token_masked", "ms_per_token_compact", "gate_zero",
-            "target_zero", "command")
+RUN_KEYS = (
+    "name",
+    "seed",
+    "val_loss",
+    "val_se",
+    "val_docs",
+    "encoding",
+    "flops_per_token",
+    "sparsity",
+    "steps",
+    "tokens",
+    "commit",
+    "corpus_sha256",
+    "router",
+    "n_layers",
+    "params",
+    "ms_per_token_masked",
+    "ms_per_token_compact",
+    "gate_zero",
+    "target_zero",
+    "command",
+)
 
 
 def read_runs(path: str) -> list:
@@ -530,22 +761,43 @@ def read_runs(path: str) -> list:
     except (UnicodeDecodeError, csv.Error) as e:
         raise support.UserError(f"{path}: not a runs.csv of sweep.py ({e})") from None
     if not rows or set(RUN_KEYS) - set(rows[0]):
-        raise support.UserError(f"{path}: not a runs.csv of sweep.py (columns: {', '.join(RUN_KEYS)})")
+        raise support.UserError(
+            f"{path}: not a runs.csv of sweep.py (columns: {', '.join(RUN_KEYS)})"
+        )
     for i, r in enumerate(rows, 2):
         for k, v in r.items():
             try:
                 if k in ("seed", "val_docs", "steps", "tokens", "n_layers", "params"):
                     r[k] = int(v) if v or k != "val_docs" else None
-                elif k not in ("name", "encoding", "commit", "corpus_sha256", "router", "gate_zero",
-                               "target_zero", "command"):
+                elif k not in (
+                    "name",
+                    "encoding",
+                    "commit",
+                    "corpus_sha256",
+                    "router",
+                    "gate_zero",
+                    "target_zero",
+                    "command",
+                ):
                     r[k] = float(v) if v else None
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
-        bad = [k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v) or v is None
-               and k not in ("val_se", "val_docs") or k == "flops_per_token" and v is not None and v <= 0]
+        bad = [
+            k
+            for k, v in r.items()
+            if isinstance(v, float)
+            and not math.isfinite(v)
+            or v is None
+            and k not in ("val_se", "val_docs")
+            or k == "flops_per_token"
+            and v is not None
+            and v <= 0
+        ]
         if bad:
-            raise support.UserError(f"{path}:{i}: {bad[0]}={r[bad[0]]} (a finite number"
-                                    f"{', above 0' if bad[0] == 'flops_per_token' else ''} is needed)")
+            raise support.UserError(
+                f"{path}:{i}: {bad[0]}={r[bad[0]]} (a finite number"
+                f"{', above 0' if bad[0] == 'flops_per_token' else ''} is needed)"
+            )
     if len({(r["name"], r["seed"]) for r in rows}) < len(rows):
         raise support.UserError(f"{path}: a (name, seed) appears twice; one row per run")
     return rows
@@ -571,17 +823,21 @@ def write_report(out: str, rows: list) -> list:
     lines = summarise(rows)
     unit = "nats per " + ("byte" if rows[0]["encoding"] == "bytes" else "token")
     tests = sum(ln.get("p_holm") is not None for ln in lines)
-    table = [f"Differences in validation cross-entropy ({unit}), each run minus the same seed's "
-             f"dense frontier (the lower envelope of that seed's dense points: those better than "
-             f"every cheaper one, linear in log FLOPs between them) or control; mean over seeds, "
-             f"t-based 95% interval (df = n - 1), two-sided paired t-test, Holm-corrected across "
-             f"the {tests} tests. SD: of the per-seed differences. Detectable: the true difference "
-             f"a test at level 0.05 / {tests} finds with 80% power by the normal approximation "
-             f"(about 75% at n = 5). val SE: the largest over seeds of the validation estimate's "
-             f"standard error over documents.", "",
-             "| run | vs | n | difference | 95% CI | SD | p | Holm p | verdict | detectable | "
-             "val CE (mean ± SD) | val SE | sparsity | fwd MFLOPs/token | unique params (M) | "
-             "eval ms/1k tok masked | compact | dense at equal FLOPs |", "|" + "---|" * 18]
+    table = [
+        f"Differences in validation cross-entropy ({unit}), each run minus the same seed's "
+        f"dense frontier (the lower envelope of that seed's dense points: those better than "
+        f"every cheaper one, linear in log FLOPs between them) or control; mean over seeds, "
+        f"t-based 95% interval (df = n - 1), two-sided paired t-test, Holm-corrected across "
+        f"the {tests} tests. SD: of the per-seed differences. Detectable: the true difference "
+        f"a test at level 0.05 / {tests} finds with 80% power by the normal approximation "
+        f"(about 75% at n = 5). val SE: the largest over seeds of the validation estimate's "
+        f"standard error over documents.",
+        "",
+        "| run | vs | n | difference | 95% CI | SD | p | Holm p | verdict | detectable | "
+        "val CE (mean ± SD) | val SE | sparsity | fwd MFLOPs/token | unique params (M) | "
+        "eval ms/1k tok masked | compact | dense at equal FLOPs |",
+        "|" + "---|" * 18,
+    ]
     for ln in lines:
         ci = f"[{ln['lo']:+.4f}, {ln['hi']:+.4f}]" if ln.get("lo") is not None else ""
         table.append(
@@ -592,13 +848,23 @@ def write_report(out: str, rows: list) -> list:
             f"{fmt(ln['val_se'])} | {ln['sparsity']:.3f} | {ln['flops_per_token'] / 1e6:.3f} | "
             f"{ln['params'] / 1e6:.3f} | {1e3 * ln['ms_per_token_masked']:.2f} | "
             f"{1e3 * ln['ms_per_token_compact']:.2f} | "
-            f"{fmt(ln['dense_ms_at_equal_flops'] and 1e3 * ln['dense_ms_at_equal_flops'], '.2f')} |")
+            f"{fmt(ln['dense_ms_at_equal_flops'] and 1e3 * ln['dense_ms_at_equal_flops'], '.2f')} |"
+        )
     per_block = ["| run | seed | zero share per block (measured) | target |", "|---|---|---|---|"]
-    per_block += [f"| {r['name']} | {r['seed']} | {r['gate_zero']} | {r['target_zero']} |"
-                  for r in rows if r["gate_zero"]]
-    support.write_output(out, "table.md", (
-        "\n".join(table) + "\n\nPer gated block, the share of validation tokens with g = 0 against "
-        "the controller's target (1 - mu*):\n\n" + "\n".join(per_block) + "\n").encode())
+    per_block += [
+        f"| {r['name']} | {r['seed']} | {r['gate_zero']} | {r['target_zero']} |"
+        for r in rows
+        if r["gate_zero"]
+    ]
+    support.write_output(
+        out,
+        "table.md",
+        (
+            "\n".join(table)
+            + "\n\nPer gated block, the share of validation tokens with g = 0 against "
+            "the controller's target (1 - mu*):\n\n" + "\n".join(per_block) + "\n"
+        ).encode(),
+    )
     plot(out, lines, unit)
     return lines
 
@@ -606,6 +872,7 @@ def write_report(out: str, rows: list) -> list:
 def plot(out: str, lines: list, unit: str) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -620,25 +887,45 @@ def plot(out: str, lines: list, unit: str) -> bool:
     colour = {n: colours[i % len(colours)] for i, n in enumerate(names)}
     tested = [ln for ln in lines if ln["vs"] and ln.get("lo") is not None]
     for y, ln in enumerate(tested):
-        ax.errorbar(ln["mean"], y, xerr=[[ln["mean"] - ln["lo"]], [ln["hi"] - ln["mean"]]], fmt="o",
-                    color=colour[ln["name"]], capsize=3, mfc="white" if ln["vs"] != "dense frontier" else None)
+        ax.errorbar(
+            ln["mean"],
+            y,
+            xerr=[[ln["mean"] - ln["lo"]], [ln["hi"] - ln["mean"]]],
+            fmt="o",
+            color=colour[ln["name"]],
+            capsize=3,
+            mfc="white" if ln["vs"] != "dense frontier" else None,
+        )
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(tested)), [f"{ln['name']} - {ln['vs']}" for ln in tested], fontsize=8)
     ax.invert_yaxis()
     n = max((ln["n"] for ln in tested), default=0)
-    ax.set_xlabel(f"difference in validation CE, {unit} (negative: better)\nmean over n = {n} "
-                  f"seeds, bars: t-based 95% CI of the paired difference; hollow: against its control",
-                  fontsize=9)
-    dense = sorted((ln["flops_per_token"], ln["val_loss"]) for ln in lines if ln["name"].startswith("dense_"))
+    ax.set_xlabel(
+        f"difference in validation CE, {unit} (negative: better)\nmean over n = {n} "
+        f"seeds, bars: t-based 95% CI of the paired difference; hollow: against its control",
+        fontsize=9,
+    )
+    dense = sorted(
+        (ln["flops_per_token"], ln["val_loss"]) for ln in lines if ln["name"].startswith("dense_")
+    )
     if dense:
-        ax2.plot(*zip(*dense), "o-", color="black", label="dense (mean over seeds)")
+        ax2.plot(*zip(*dense, strict=True), "o-", color="black", label="dense (mean over seeds)")
     for ln in lines:
         if not ln["name"].startswith("dense_") and ln["vs"] in ("dense frontier", ""):
-            ax2.errorbar(ln["flops_per_token"], ln["val_loss"], yerr=ln["val_loss_sd"] or 0, fmt="s",
-                         color=colour[ln["name"]], capsize=3, label=ln["name"])
+            ax2.errorbar(
+                ln["flops_per_token"],
+                ln["val_loss"],
+                yerr=ln["val_loss_sd"] or 0,
+                fmt="s",
+                color=colour[ln["name"]],
+                capsize=3,
+                label=ln["name"],
+            )
     ax2.set_xscale("log")
     ax2.set_xlabel("estimated forward FLOPs per token (at the measured sparsity)", fontsize=9)
-    ax2.set_ylabel(f"validation CE, {unit}\nmean over n = {n} seeds, bars: SD over seeds", fontsize=9)
+    ax2.set_ylabel(
+        f"validation CE, {unit}\nmean over n = {n} seeds, bars: SD over seeds", fontsize=9
+    )
     ax2.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     png = io.BytesIO()
@@ -650,27 +937,62 @@ def plot(out: str, lines: list, unit: str) -> bool:
 
 # ---------------------------------------------------------------------------- main
 
+
 def parser() -> support.ArgParser:
     p = support.ArgParser("python sweep.py", __doc__)
-    p.add_argument("--grid", default="cpu", choices=list(GRIDS),  # read now: tests add grids
-                   help="which grid of runs (default: %(default)s)")
-    p.add_argument("--seeds", type=support.in_range(int, 1), default=1, metavar="K",
-                   help="seeds per configuration (default: %(default)s)")
-    p.add_argument("--first_seed", type=support.in_range(int, 0), default=0, metavar="S",
-                   help="train and report seeds S to K - 1 only: one grid split over jobs that "
-                        "share --runs (default: %(default)s)")
-    p.add_argument("--nproc_per_node", type=support.in_range(int, 1), default=1, metavar="N",
-                   help="processes per run; above 1 under torchrun (default: %(default)s)")
-    p.add_argument("--runs", type=support.path_arg, metavar="DIR",
-                   help="folder of the run directories (default: logs/sweep_<grid>)")
-    p.add_argument("--out", type=support.path_arg, metavar="DIR",
-                   help="record folder (default: records/<date>_figure2_<grid>)")
-    p.add_argument("--report", type=support.path_arg, metavar="CSV",
-                   help="only write table.md and figure.png from a record's runs.csv (into "
-                        "--out, default: the CSV's folder)")
-    p.add_argument("--device", type=support.check_device, default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the evaluation is measured: cpu, cuda or cuda:K "
-                   "(default: %(default)s)")
+    p.add_argument(
+        "--grid",
+        default="cpu",
+        choices=list(GRIDS),  # read now: tests add grids
+        help="which grid of runs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=support.in_range(int, 1),
+        default=1,
+        metavar="K",
+        help="seeds per configuration (default: %(default)s)",
+    )
+    p.add_argument(
+        "--first_seed",
+        type=support.in_range(int, 0),
+        default=0,
+        metavar="S",
+        help="train and report seeds S to K - 1 only: one grid split over jobs that "
+        "share --runs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--nproc_per_node",
+        type=support.in_range(int, 1),
+        default=1,
+        metavar="N",
+        help="processes per run; above 1 under torchrun (default: %(default)s)",
+    )
+    p.add_argument(
+        "--runs",
+        type=support.path_arg,
+        metavar="DIR",
+        help="folder of the run directories (default: logs/sweep_<grid>)",
+    )
+    p.add_argument(
+        "--out",
+        type=support.path_arg,
+        metavar="DIR",
+        help="record folder (default: records/<date>_figure2_<grid>)",
+    )
+    p.add_argument(
+        "--report",
+        type=support.path_arg,
+        metavar="CSV",
+        help="only write table.md and figure.png from a record's runs.csv (into "
+        "--out, default: the CSV's folder)",
+    )
+    p.add_argument(
+        "--device",
+        type=support.check_device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the evaluation is measured: cpu, cuda or cuda:K (default: %(default)s)",
+    )
     return p
 
 
@@ -678,16 +1000,18 @@ def main(argv):
     args = parser().parse_args(argv)
     if args.report:  # the table and figure again, from a record's runs.csv
         rows = read_runs(args.report)
-        out = support.writable_dir(args.out or os.path.dirname(os.path.abspath(args.report)),
-                                   REPORT)
+        out = support.writable_dir(
+            args.out or os.path.dirname(os.path.abspath(args.report)), REPORT
+        )
         print(verdict_text(write_report(out, rows)))
         return
     grid = GRIDS[args.grid]
     # absolute: the trainers run in the repository, this command wherever it was started
     runs_dir = os.path.abspath(args.runs or os.path.join("logs", f"sweep_{args.grid}"))
-    out = support.writable_dir(args.out or os.path.join(
-        "records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"),
-        ("runs.csv", "README.md", *REPORT))
+    out = support.writable_dir(
+        args.out or os.path.join("records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"),
+        ("runs.csv", "README.md", *REPORT),
+    )
     support.writable_dir(runs_dir)
     t0 = time.time()
     try:
@@ -695,20 +1019,28 @@ def main(argv):
     except Stopped as e:
         print(e, flush=True)
         return
-    rows = [dict(name=name, seed=seed, **measure(run_dir, args.device), command=command)
-            for name, seed, run_dir, command in done]
+    rows = [
+        dict(name=name, seed=seed, **measure(run_dir, args.device), command=command)
+        for name, seed, run_dir, command in done
+    ]
     write_runs(out, rows)
     rows = read_runs(os.path.join(out, "runs.csv"))  # the record is what runs.csv regenerates
     lines = write_report(out, rows)
     corpus = ", ".join(sorted({r["corpus_sha256"] for r in rows}))
     pin = grid.get("corpus_sha256")
-    said = f"Corpus sha256 {corpus}: " + ("no pin for this grid's corpus" if not pin else
-                                          "the pinned corpus" if corpus == pin else
-                                          f"NOT the pinned corpus ({pin})")
-    readme = (f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
-              f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
-              f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
-              f"The table: table.md. Hardware:\n\n```\n{support.describe_system()}\n```\n")
+    said = f"Corpus sha256 {corpus}: " + (
+        "no pin for this grid's corpus"
+        if not pin
+        else "the pinned corpus"
+        if corpus == pin
+        else f"NOT the pinned corpus ({pin})"
+    )
+    readme = (
+        f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
+        f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
+        f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
+        f"The table: table.md. Hardware:\n\n```\n{runs.describe_system()}\n```\n"
+    )
     support.write_output(out, "README.md", readme.encode())
     print(said, verdict_text(lines), sep="\n")
     print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")

@@ -9,23 +9,23 @@ import contextlib
 import copy
 import errno
 import glob
+import hashlib
 import importlib.util
 import itertools
 import json
-import hashlib
-import re
 import math
-import shutil
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
-import signal
 import threading
 import time
 import warnings
-from unittest import mock
-from pathlib import Path
 from dataclasses import asdict, replace
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import expand
+import routers
+import runs
 import sample
 import support
 import train_gpt as tg
@@ -48,8 +50,16 @@ warnings.filterwarnings("ignore", message=".*flex_attention.*")  # eager Flex on
 
 
 def tiny(**kw) -> tg.Hyperparameters:
-    base = dict(vocab_size=97, n_layers=4, dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16, seq_len=16,
-                attn_impl="sdpa")
+    base = dict(
+        vocab_size=97,
+        n_layers=4,
+        dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=16,
+        seq_len=16,
+        attn_impl="sdpa",
+    )
     return replace(tg.Hyperparameters(), **{**base, **kw})
 
 
@@ -82,6 +92,7 @@ def random_qkv_logg(B=2, H=4, Hkv=2, T=24, hd=8, seed=0):
 
 
 # ---------------------------------------------------------------------------- model
+
 
 def test_zero_gate_parameters_give_the_dense_model():
     torch.manual_seed(0)
@@ -161,11 +172,13 @@ def test_query_axis_block_attends_as_an_ungated_block():
 
 def test_gate_settings_that_make_no_sense_are_refused():
     ok = dict(batch_size=32, device_batch_size=32, train_tokens=32 * 16, val_tokens=32 * 16)
-    for kw, message in [(dict(gate_axis="query", compact=True), "compact=true needs gate_axis=key"),
-                        (dict(gate_axis="value"), "gate_axis='value'"),
-                        (dict(gate_init="uniform"), "gate_init='uniform'"),
-                        (dict(router="none", gate_init="zero"), "router=none has none"),
-                        (dict(router="dlo", gate_axis="query"), "router=dlo has none")]:
+    for kw, message in [
+        (dict(gate_axis="query", compact=True), "compact=true needs gate_axis=key"),
+        (dict(gate_axis="value"), "gate_axis='value'"),
+        (dict(gate_init="uniform"), "gate_init='uniform'"),
+        (dict(router="none", gate_init="zero"), "router=none has none"),
+        (dict(router="dlo", gate_axis="query"), "router=dlo has none"),
+    ]:
         with pytest.raises(tg.UserError, match=re.escape(message)):
             tg.validate(tiny(**ok, **kw), 1)
     tg.validate(tiny(**ok, gate_axis="query", gate_init="zero"), 1)
@@ -178,7 +191,7 @@ def test_sdpa_gradients_match_reference():
     w = torch.randn(2, 4, 24, 8)
     (tg.gated_attention(*ins, None) * w).sum().backward()
     (reference_attention(*ref_ins) * w).sum().backward()
-    for a, b in zip(ins, ref_ins):
+    for a, b in zip(ins, ref_ins, strict=True):
         assert (a.grad - b.grad).abs().max().item() < 1e-5
     assert ins[3].grad.abs().sum() > 0  # ln g is differentiable: gates learn from attention
 
@@ -272,13 +285,39 @@ def test_eq1_and_eq2_have_gradient_one_at_their_bounds_on_every_torch():
 
 def test_the_defaults_are_the_papers_table_2_and_section_3_1():
     hp = tg.Hyperparameters()
-    table2 = dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=50257, ffn_mult=4,
-                  norm_eps=1e-5, rope_theta=10000.0, max_seq_len=1024, init_std=0.02, batch_size=512,
-                  device_batch_size=32, lr=1e-3, beta1=0.8, beta2=0.95, adam_eps=1e-10,
-                  weight_decay=0.0, warmup_frac=0.1, warmup_start=0.1)
-    section = dict(seq_len=1024, train_tokens=10_000_000_000, sandwich_norm=True,  # 3.1
-                   gate_init="normal", gate_axis="key", router="skip_middle",
-                   gamma=1e-3, delta=1e-2, mu_start=1.0, controller="proportional_tol")  # 2.4
+    table2 = dict(
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        vocab_size=50257,
+        ffn_mult=4,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_seq_len=1024,
+        init_std=0.02,
+        batch_size=512,
+        device_batch_size=32,
+        lr=1e-3,
+        beta1=0.8,
+        beta2=0.95,
+        adam_eps=1e-10,
+        weight_decay=0.0,
+        warmup_frac=0.1,
+        warmup_start=0.1,
+    )
+    section = dict(
+        seq_len=1024,
+        train_tokens=10_000_000_000,
+        sandwich_norm=True,  # 3.1
+        gate_init="normal",
+        gate_axis="key",
+        router="skip_middle",
+        gamma=1e-3,
+        delta=1e-2,
+        mu_start=1.0,
+        controller="proportional_tol",
+    )  # 2.4
     assert {k: getattr(hp, k) for k in {**table2, **section}} == {**table2, **section}
     assert hp.batch_size * hp.seq_len == 524_288  # Section 3.1's tokens per global batch
     opt = tg.optimizer(tg.GPT(tiny()), tiny())  # AdamW, one learning rate for every parameter
@@ -306,15 +345,26 @@ def test_mirrored_blocks_share_a_gate():
 def test_odd_layer_count_is_rejected_when_gated():
     with pytest.raises(tg.UserError, match="even"):
         tg.validate(tiny(n_layers=3), 1)
-    tg.validate(tiny(n_layers=3, router="none", batch_size=32, device_batch_size=32,
-                     train_tokens=32 * 16, val_tokens=32 * 16), 1)
+    tg.validate(
+        tiny(
+            n_layers=3,
+            router="none",
+            batch_size=32,
+            device_batch_size=32,
+            train_tokens=32 * 16,
+            val_tokens=32 * 16,
+        ),
+        1,
+    )
 
 
 # ---------------------------------------------------------------------------- controller
 
+
 def controller(kind, **kw):
-    hp = tiny(controller=kind, mu_start=1.0, mu_end=0.5, gamma=0.1, delta=0.05, fixed_coef=0.3,
-              **kw)
+    hp = tiny(
+        controller=kind, mu_start=1.0, mu_end=0.5, gamma=0.1, delta=0.05, fixed_coef=0.3, **kw
+    )
     return tg.GateController(hp)
 
 
@@ -326,7 +376,7 @@ def test_mean_and_variance_targets():
 
 def test_controller_updates_match_hand_computed_steps():
     mean = torch.tensor([0.98, 0.70, 0.40, 0.40])  # targets 1.0, 0.5, 0.5, 1.0
-    var = torch.tensor([0.01, 0.22, 0.32, 0.02])   # targets 0, 0.25, 0.25, 0
+    var = torch.tensor([0.01, 0.22, 0.32, 0.02])  # targets 0, 0.25, 0.25, 0
     # deviations: mean -0.02, 0.20, -0.10, -0.60; var 0.01, -0.03, 0.07, 0.02
     c = controller("proportional_tol")
     c.update(mean, var)
@@ -364,7 +414,9 @@ def test_router_update_feeds_the_controller_the_global_batch_mean_and_variance()
     var = ((every - mean[:, None]) ** 2).mean(dim=1)  # written out: population variance
     ref = controller("proportional")
     ref.update(mean, var)
-    assert torch.allclose(router.ctrl.alpha, ref.alpha) and torch.allclose(router.ctrl.beta, ref.beta)
+    assert torch.allclose(router.ctrl.alpha, ref.alpha) and torch.allclose(
+        router.ctrl.beta, ref.beta
+    )
     assert (ref.beta.abs() > 1e-4).all()  # the variance terms are not vanishing
 
 
@@ -385,20 +437,25 @@ def test_controller_state_follows_the_model_and_is_used_where_it_lives():
 
 
 def test_controller_losses_match_hand_computed_values():
-    gates = torch.tensor([[[1.0, 1.0], [1.0, 1.0]],
-                          [[0.0, 1.0], [0.5, 0.5]],
-                          [[0.0, 1.0], [0.5, 0.5]],
-                          [[1.0, 1.0], [1.0, 1.0]]])  # (L=4, B=2, T=2)
+    gates = torch.tensor(
+        [
+            [[1.0, 1.0], [1.0, 1.0]],
+            [[0.0, 1.0], [0.5, 0.5]],
+            [[0.0, 1.0], [0.5, 0.5]],
+            [[1.0, 1.0], [1.0, 1.0]],
+        ]
+    )  # (L=4, B=2, T=2)
     # per layer mean 1, .5, .5, 1; population variance 0, .125, .125, 0
     c = controller("sparsity")
     assert c.loss(gates).item() == pytest.approx(0.3 * (1 + 0.5 + 0.5 + 1) / 4)
     c = controller("sparsity_variance")
     assert c.loss(gates).item() == pytest.approx(0.3 * (3 + 0.25) / 4)
     c = controller("sparsity_variance_l2")  # targets mean 1, .5, .5, 1; var 0, .25, .25, 0
-    assert c.loss(gates).item() == pytest.approx(0.3 * (2 * 0.125 ** 2) / 4)
+    assert c.loss(gates).item() == pytest.approx(0.3 * (2 * 0.125**2) / 4)
     # every gate 0.5: means miss their targets by -0.5, 0, 0, -0.5; variances by 0, -.25, -.25, 0
     assert c.loss(torch.full_like(gates, 0.5)).item() == pytest.approx(
-        0.3 * (2 * 0.5 ** 2 + 2 * 0.25 ** 2) / 4)
+        0.3 * (2 * 0.5**2 + 2 * 0.25**2) / 4
+    )
     c = controller("proportional_tol")
     assert c.loss(gates).item() == 0.0  # coefficients start at zero
     c.alpha[:] = torch.tensor([1.0, 2.0, 2.0, 1.0], dtype=torch.float64)
@@ -408,6 +465,7 @@ def test_controller_losses_match_hand_computed_values():
 
 
 # ---------------------------------------------------------------------------- data
+
 
 def write_shard(path, tokens, magic=20240520, version=1, count=None):
     header = np.zeros(256, dtype=np.int32)
@@ -453,6 +511,7 @@ def test_embedded_sample_is_valid():
 
 # ---------------------------------------------------------------------------- FLOPs
 
+
 def math_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
     """Stand-in for SDPA made of matmuls, so that FlopCounterMode sees the attention."""
     rep = q.size(1) // k.size(1)
@@ -467,6 +526,7 @@ def counted_flops(model, B, T, backward=False):
     """FLOPs FlopCounterMode sees for a forward (and backward) pass of a (B, T) batch, with
     the attention charged for the T(T+1)/2 pairs of a causal kernel instead of all T^2."""
     from torch.utils.flop_counter import FlopCounterMode
+
     idx = torch.randint(0, model.hp.vocab_size, (B, T))
     with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(backward):
         logits = model(idx).logits
@@ -480,8 +540,7 @@ def counted_flops(model, B, T, backward=False):
 
 @pytest.mark.parametrize("seq_len", [64, 256])
 def test_dense_flops_per_token_match_flop_counter_at_the_trained_length(monkeypatch, seq_len):
-    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256,
-              seq_len=seq_len)
+    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256, seq_len=seq_len)
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     reference = counted_flops(tg.GPT(hp), 1, seq_len)
     assert tg.forward_flops(hp) == pytest.approx(reference, rel=0.02)
@@ -496,8 +555,11 @@ def test_auto_attention_is_flex_only_on_cuda_and_where_its_kernels_compile():
 
 def test_flex_block_mask_is_built_once_per_length_outside_the_layer_loop(monkeypatch):
     import torch.nn.attention.flex_attention as fa
+
     built, real = [], fa.create_block_mask  # each mask built, by its query length
-    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(
+        fa, "create_block_mask", lambda *a, **k: built.append(a[3]) or real(*a, **k)
+    )
     tg.causal_block_mask.cache_clear()
     x = torch.randint(0, 97, (2, 32))
     with torch.no_grad():
@@ -522,8 +584,15 @@ def test_flex_block_mask_is_built_once_per_length_outside_the_layer_loop(monkeyp
 def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     # a global batch of 3 sequences of 64 tokens with a RoPE table of 256: the old count
     # (a max_seq_len sequence per batch entry) would have overstated the MFU about 4x
-    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256,
-              seq_len=64, batch_size=3)
+    hp = tiny(
+        router="none",
+        vocab_size=1000,
+        dim=128,
+        n_layers=2,
+        max_seq_len=256,
+        seq_len=64,
+        batch_size=3,
+    )
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     step_flops = counted_flops(tg.GPT(hp), 3, 64, backward=True)  # forward + backward
     step_s = 0.25  # a made-up step time
@@ -532,10 +601,16 @@ def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     sparse = tg.mfu(replace(hp, router="skip_middle"), step_s, 1, 1e12, active=[0.5, 0.5])
     assert sparse < 0.7 * tg.mfu(hp, step_s, 1, 1e12)  # compact: only the work executed counts
     # the peak follows the device's name (as torch.cuda.get_device_name gives it), or is given
-    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                       ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
-                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
-                       ("Tesla V100-SXM2-16GB", 0.0), ("", 0.0)):
+    for name, peak in (
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("Tesla V100-SXM2-16GB", 0.0),
+        ("", 0.0),
+    ):
         assert support.peak_flops(name) == peak, name
         assert support.peak_flops(name, given=1e12) == 1e12
 
@@ -560,8 +635,9 @@ def test_query_axis_flops_keep_every_token_as_a_key():
     active, T, kv = [1, 0.5, 0.5, 1], 16, 2 * 8  # kv heads x head dim
     extra_kv = 2 * 0.5 * T * 2 * 2 * 32 * kv  # two blocks, half the tokens, k and v
     extra_attn = 2 * 0.5 * 0.5 * 2 * 2 * 4 * 8 * T * (T + 1) / 2  # a(1 - a) of the pairs
-    assert tg.forward_flops(query, active) - tg.forward_flops(key, active) == \
-        pytest.approx(extra_kv + extra_attn)
+    assert tg.forward_flops(query, active) - tg.forward_flops(key, active) == pytest.approx(
+        extra_kv + extra_attn
+    )
     assert tg.forward_flops(query) == tg.forward_flops(key)  # all active: the same
 
 
@@ -585,8 +661,15 @@ def test_lr_schedule():
 
 # ---------------------------------------------------------------------------- end to end
 
-TINY_RUN = ["--preset=smoke", "--n_layers=2", "--dim=64", "--n_heads=4", "--n_kv_heads=2",
-            "--max_seq_len=64", "--seq_len=64"]
+TINY_RUN = [
+    "--preset=smoke",
+    "--n_layers=2",
+    "--dim=64",
+    "--n_heads=4",
+    "--n_kv_heads=2",
+    "--max_seq_len=64",
+    "--seq_len=64",
+]
 
 
 def run_script(args, nproc=1):
@@ -596,8 +679,15 @@ def run_script(args, nproc=1):
     if nproc == 1:
         cmd = [sys.executable, "train_gpt.py", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "train_gpt.py", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "train_gpt.py",
+            *args,
+        ]
     return subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -608,8 +698,11 @@ def read_metrics(run_dir):
 
 def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code, _, err = run_main(TINY_RUN + ["--train_tokens=20480", "--val_every=10", "--val_tokens=1024",
-                                        f"--run_dir={run_dir}"], capsys)
+    code, _, err = run_main(
+        TINY_RUN
+        + ["--train_tokens=20480", "--val_every=10", "--val_tokens=1024", f"--run_dir={run_dir}"],
+        capsys,
+    )
     assert code == 0, err[-2000:]
     for name in ("train.log", "config.json", "metrics.jsonl"):
         assert (run_dir / name).exists()
@@ -622,13 +715,33 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
     train = [m for m in metrics if m["kind"] == "train"]
     assert len(train) == 40 and [m["step"] for m in val] == [0, 10, 20, 30, 40]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 2.0
-    for key in ("sparsity", "gate_mean", "block_active", "mlp_active", "resid_norm", "fwd_flops_per_token",
-                "fwd_flops_per_token_dense", "fwd_flops_per_seq", "train_time_ms"):
+    for key in (
+        "sparsity",
+        "gate_mean",
+        "block_active",
+        "mlp_active",
+        "resid_norm",
+        "fwd_flops_per_token",
+        "fwd_flops_per_token_dense",
+        "fwd_flops_per_seq",
+        "train_time_ms",
+    ):
         assert key in val[-1]
     assert val[-1]["train_flops_per_token"] == 3 * val[-1]["fwd_flops_per_token"]
     assert val[-1]["fwd_flops_per_seq"] == 64 * val[-1]["fwd_flops_per_token"]
-    assert set(train[0]) == {"kind", "step", "tokens", "train_loss", "total_loss", "lr",
-                             "layer_lr", "step_ms", "block_active", "mlp_active", "gate_mean"}
+    assert set(train[0]) == {
+        "kind",
+        "step",
+        "tokens",
+        "train_loss",
+        "total_loss",
+        "lr",
+        "layer_lr",
+        "step_ms",
+        "block_active",
+        "mlp_active",
+        "gate_mean",
+    }
     assert [m["tokens"] for m in train] == [512 * m["step"] for m in train]  # 8 x 64 per step
     assert train[0]["lr"] == pytest.approx(0.1 * 3e-3)  # the first step of the warm-up
     assert all(len(m["gate_mean"]) == len(m["block_active"]) == 2 for m in train)
@@ -644,18 +757,29 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
 
 @pytest.mark.parametrize("router", ["skip_middle", "mor"])
 def test_two_processes_match_one(tmp_path, capsys, router):
-    args = TINY_RUN + ["--dim=32", "--max_seq_len=32", "--seq_len=32", "--batch_size=8", "--device_batch_size=2",
-                       "--train_tokens=768", "--val_every=0", "--val_tokens=1024", f"--router={router}"]
+    args = TINY_RUN + [
+        "--dim=32",
+        "--max_seq_len=32",
+        "--seq_len=32",
+        "--batch_size=8",
+        "--device_batch_size=2",
+        "--train_tokens=768",
+        "--val_every=0",
+        "--val_tokens=1024",
+        f"--router={router}",
+    ]
     args += ["--n_layers=5"] if router == "mor" else []
     code, _, err = run_main(args + [f"--run_dir={tmp_path / 'one'}"], capsys)  # one: this process
     two = run_script(args + [f"--run_dir={tmp_path / 'two'}"], nproc=2)
     assert code == 0, err[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
-    m1, m2 = ([m for m in read_metrics(tmp_path / run) if m["kind"] in ("train", "val")]
-              for run in ("one", "two"))
+    m1, m2 = (
+        [m for m in read_metrics(tmp_path / run) if m["kind"] in ("train", "val")]
+        for run in ("one", "two")
+    )
     assert json.loads((tmp_path / "two" / "config.json").read_text())["grad_accum"] == 2
     assert len(m1) == len(m2) == 4  # 3 train steps and the final validation
-    for a, b in zip(m1, m2):
+    for a, b in zip(m1, m2, strict=True):
         key = "train_loss" if a["kind"] == "train" else "val_loss"
         assert abs(a[key] - b[key]) < 1e-4, (a, b)
     # 3 documents over both ranks' sequences: per-token losses gathered in the loader's order
@@ -678,9 +802,16 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- data scripts
 
+
 def run_data_script(script, args, **env):
-    return subprocess.run([sys.executable, os.path.join("data", script), *args], cwd=HERE,
-                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, os.path.join("data", script), *args],
+        cwd=HERE,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def fake_hub_cache(root, files):
@@ -697,8 +828,10 @@ def fake_hub_cache(root, files):
 
 
 def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
-    snap = fake_hub_cache(tmp_path / "hub", {"fineweb_val_000000.bin": range(100),
-                                             "fineweb_train_000001.bin": range(50, 300)})
+    snap = fake_hub_cache(
+        tmp_path / "hub",
+        {"fineweb_val_000000.bin": range(100), "fineweb_train_000001.bin": range(50, 300)},
+    )
     out = tmp_path / "data"
     env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
     r = run_data_script("cached_fineweb10B.py", ["1", f"--out={out}"], **env)
@@ -715,20 +848,26 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     (out / "fineweb_train_000001.bin").write_bytes(damaged)
     r = run_data_script("cached_fineweb10B.py", ["1", f"--out={out}"], **env)
     assert r.returncode == 0 and "fetching it again" in r.stdout
-    assert (out / "fineweb_train_000001.bin").read_bytes() == \
-        (snap / "fineweb_train_000001.bin").read_bytes()
+    assert (out / "fineweb_train_000001.bin").read_bytes() == (
+        snap / "fineweb_train_000001.bin"
+    ).read_bytes()
     # a file neither online nor cached: one clear line, exit 2, nothing under its name
     r = run_data_script("cached_fineweb10B.py", ["2", f"--out={out}"], **env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: 1 of 3 files missing (fineweb_train_000002.bin")
     assert "Rerun `python data/cached_fineweb10B.py 2`" in r.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["fineweb_train_000001.bin",
-                                                     "fineweb_val_000000.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "fineweb_train_000001.bin",
+        "fineweb_val_000000.bin",
+    ]
     # the first file alone is tried first: when it cannot be had, no other is tried (offline,
     # each would wait through the hub's retries), though the cache holds one of them
     fake_hub_cache(tmp_path / "hub2", {"fineweb_train_000001.bin": range(50, 300)})
-    r = run_data_script("cached_fineweb10B.py", ["1", f"--out={tmp_path / 'data2'}"],
-                        **{**env, "HF_HUB_CACHE": str(tmp_path / "hub2")})
+    r = run_data_script(
+        "cached_fineweb10B.py",
+        ["1", f"--out={tmp_path / 'data2'}"],
+        **{**env, "HF_HUB_CACHE": str(tmp_path / "hub2")},
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "(fineweb_val_000000.bin; " in r.stderr and "; the others were not tried)" in r.stderr
     assert not (tmp_path / "data2").exists()
@@ -736,32 +875,48 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
 
 def gpt2():
     import tiktoken
+
     return tiktoken.get_encoding("r50k_base")
 
 
 def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
-    docs = ["The quick brown fox.", "Ünïcödé and emoji 🙂 too", "", "line one\nline two\n",
-            "<|endoftext|> is plain text here"]
+    docs = [
+        "The quick brown fox.",
+        "Ünïcödé and emoji 🙂 too",
+        "",
+        "line one\nline two\n",
+        "<|endoftext|> is plain text here",
+    ]
     (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8")
     with open(tmp_path / "b.jsonl", "w", encoding="utf-8") as f:
         for d in docs[1:-1]:
             f.write(json.dumps({"text": d, "id": 1}) + "\n")
     (tmp_path / "c.txt").write_text(docs[-1], encoding="utf-8")  # a .txt after a .jsonl
     out = tmp_path / "shards"
-    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
-                                               str(tmp_path / "c.txt"),
-                                               f"--out={out}", "--name=t", "--shard_tokens=7",
-                                               "--workers=2"])
+    r = run_data_script(
+        "tokenize_corpus.py",
+        [
+            str(tmp_path / "a.txt"),
+            str(tmp_path / "b.jsonl"),
+            str(tmp_path / "c.txt"),
+            f"--out={out}",
+            "--name=t",
+            "--shard_tokens=7",
+            "--workers=2",
+        ],
+    )
     assert r.returncode == 0, r.stderr
     enc = gpt2()
     expected = [t for d in docs if d for t in [50256] + enc.encode_ordinary(d)]  # "" skipped
     files = sorted(out.glob("*.bin"))
     assert json.loads((out / "t.manifest.json").read_text())["shards"] == {
-        f.name: sha256(f.read_bytes()) for f in files}
+        f.name: sha256(f.read_bytes()) for f in files
+    }
     assert files[-1].name == "t_val_000000.bin"  # sorted: train shards come first
     assert [f.name for f in files[:-1]] == [f"t_train_{i:06d}.bin" for i in range(1, len(files))]
-    got = np.concatenate([tg.read_shard(str(out / "t_val_000000.bin"))] +
-                         [tg.read_shard(str(f)) for f in files[:-1]])
+    got = np.concatenate(
+        [tg.read_shard(str(out / "t_val_000000.bin"))] + [tg.read_shard(str(f)) for f in files[:-1]]
+    )
     assert got.tolist() == expected
     assert all(len(tg.read_shard(str(f))) == 7 for f in files[:-2])
     loader = tg.DistributedLoader(str(out / "t_train_*.bin"), 1, 3, 0, 1)
@@ -778,23 +933,45 @@ def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path):
         (tmp_path / f"{i}.txt").write_bytes(data)
     (tmp_path / "2.jsonl").write_text(json.dumps({"text": raw[2].decode()}) + "\n")
     out = tmp_path / "bytes"
-    tokenize.tokenize([str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")], str(out), "b",
-                      1000, 1, "bytes", is_val=lambda i: i % 2 == 0)
-    val, train = (tg.read_shard(str(out / n), 256).tolist() for n in ("b_val_000000.bin", "b_train_000001.bin"))
+    tokenize.tokenize(
+        [str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")],
+        str(out),
+        "b",
+        1000,
+        1,
+        "bytes",
+        is_val=lambda i: i % 2 == 0,
+    )
+    val, train = (
+        tg.read_shard(str(out / n), 256).tolist()
+        for n in ("b_val_000000.bin", "b_train_000001.bin")
+    )
     assert bytes(val) == b"\0" + raw[0] + b"\0" + raw[2] and bytes(train) == b"\0" + raw[1]
     assert {shards.shard_encoding(str(p)) for p in out.glob("*.bin")} == {"bytes"}
-    assert shards.encoding("bytes").decode(train) == "<|endoftext|>caf\ufffd latin-1 and a lone \ufffd byte"
+    assert (
+        shards.encoding("bytes").decode(train)
+        == "<|endoftext|>caf\ufffd latin-1 and a lone \ufffd byte"
+    )
     with pytest.raises(support.UserError, match="all 3 documents went to validation"):
-        tokenize.tokenize([str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")], str(tmp_path / "v"),
-                          "b", 1000, 1, "bytes", is_val=lambda i: True)
+        tokenize.tokenize(
+            [str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")],
+            str(tmp_path / "v"),
+            "b",
+            1000,
+            1,
+            "bytes",
+            is_val=lambda i: True,
+        )
     # skipview: a character's bytes show it once, at its first byte; a stray byte as U+FFFD
-    pieces = load_command("skipview.py").token_pieces(shards.encoding("bytes"), list("aé🙂".encode()) + [0xff, 98])
+    pieces = load_command("skipview.py").token_pieces(
+        shards.encoding("bytes"), list("aé🙂".encode()) + [0xFF, 98]
+    )
     assert pieces == ["a", "é", "", "🙂", "", "", "", "\ufffd", "b"]
     # what a command line that is not UTF-8 holds (surrogateescape) is its bytes; the separator
     # reads as GPT-2's <|endoftext|>
     enc = shards.encoding("bytes")
     assert enc.encode_ordinary("a\udcffb") == [97, 255, 98]
-    assert enc.decode([0, 104, 105, 0, 0xc3, 0xa9]) == "<|endoftext|>hi<|endoftext|>\u00e9"
+    assert enc.decode([0, 104, 105, 0, 0xC3, 0xA9]) == "<|endoftext|>hi<|endoftext|>\u00e9"
     (tmp_path / "nul.txt").write_bytes(b"a\0b")
     with pytest.raises(support.UserError, match="nul.txt: holds a NUL byte"):
         tokenize.tokenize([str(tmp_path / "nul.txt")], str(tmp_path / "x"), "b", 1000, 1, "bytes")
@@ -818,31 +995,58 @@ def test_gpt2_shards_convert_to_the_bytes_of_their_documents(tmp_path):
     with pytest.raises(support.UserError, match="a byte shard already"):
         tokenize.convert(str(tmp_path / "y" / "fwb_*.bin"), str(tmp_path / "z"), "again")
     before = {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()}
-    with pytest.raises(support.UserError, match="is an input, and corpus 'fw' in .* would replace it"):
+    with pytest.raises(
+        support.UserError, match="is an input, and corpus 'fw' in .* would replace it"
+    ):
         tokenize.convert(str(tmp_path / "g" / "fw_*.bin"), str(tmp_path / "g"), "fw")  # in place
     assert {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()} == before
-    for args, message in ((["--encoding=bytes"], "--encoding does not apply to the embedded sample"),
-                          ([f"--from_shards={tmp_path}/g/fw_*.bin", "--encoding=bytes", "--val_every=2",
-                            f"--out={tmp_path}/w"], "--val_every does not apply to --from_shards"),
-                          ([f"--check={tmp_path}/g", "--encoding=bytes"], "--encoding does not apply to --check")):
+    for args, message in (
+        (["--encoding=bytes"], "--encoding does not apply to the embedded sample"),
+        (
+            [
+                f"--from_shards={tmp_path}/g/fw_*.bin",
+                "--encoding=bytes",
+                "--val_every=2",
+                f"--out={tmp_path}/w",
+            ],
+            "--val_every does not apply to --from_shards",
+        ),
+        ([f"--check={tmp_path}/g", "--encoding=bytes"], "--encoding does not apply to --check"),
+    ):
         with pytest.raises(support.UserError, match=message):
             tokenize.main(args)
     assert not (tmp_path / "w").exists()
 
 
-def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_bytes(tmp_path, capsys):
+def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_bytes(
+    tmp_path, capsys
+):
     tokenize = load_command("data/tokenize_corpus.py")
     (tmp_path / "a.txt").write_bytes((Path(HERE) / "README.md").read_bytes()[:60000])
     (tmp_path / "b.txt").write_bytes((Path(HERE) / "train_gpt.py").read_bytes()[:20000])
-    tokenize.tokenize([str(tmp_path / "b.txt"), str(tmp_path / "a.txt")], str(tmp_path / "s"), "t",
-                      1 << 20, 1, "bytes", is_val=lambda i: i % 2 == 0)
+    tokenize.tokenize(
+        [str(tmp_path / "b.txt"), str(tmp_path / "a.txt")],
+        str(tmp_path / "s"),
+        "t",
+        1 << 20,
+        1,
+        "bytes",
+        is_val=lambda i: i % 2 == 0,
+    )
     capsys.readouterr()  # (the tokenizer's progress line)
     files = [f"--train_files={tmp_path}/s/t_train_*.bin", f"--val_files={tmp_path}/s/t_val_*.bin"]
-    byte_model = TINY_RUN + ["--encoding=bytes", "--vocab_size=256", "--train_tokens=5120",
-                             "--val_every=0", "--val_tokens=512"]
-    for args, message in ((byte_model, "sample_train_000001.bin holds gpt2 tokens, but encoding=bytes"),
-                          (TINY_RUN + files, "t_train_000001.bin holds bytes tokens, but encoding=gpt2"),
-                          (TINY_RUN + ["--encoding=bytes"], "encoding=bytes has 256 token ids")):
+    byte_model = TINY_RUN + [
+        "--encoding=bytes",
+        "--vocab_size=256",
+        "--train_tokens=5120",
+        "--val_every=0",
+        "--val_tokens=512",
+    ]
+    for args, message in (
+        (byte_model, "sample_train_000001.bin holds gpt2 tokens, but encoding=bytes"),
+        (TINY_RUN + files, "t_train_000001.bin holds bytes tokens, but encoding=gpt2"),
+        (TINY_RUN + ["--encoding=bytes"], "encoding=bytes has 256 token ids"),
+    ):
         code, out, err = run_main(args + [f"--run_dir={tmp_path / 'refused'}"], capsys)
         assert code == 2 and err.count("\n") == 1 and message in err, err
         assert not (tmp_path / "refused").exists()
@@ -850,8 +1054,10 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
     assert code == 0, err[-2000:]
     val = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "val"]
     assert val[-1]["val_loss"] < math.log(256)  # better than uniform over the bytes
-    code = support.cli(load_command("sample.py").main, [str(tmp_path / "run"), "--prompt=The ",
-                                                        "--tokens=20", "--seed=1"])
+    code = support.cli(
+        load_command("sample.py").main,
+        [str(tmp_path / "run"), "--prompt=The ", "--tokens=20", "--seed=1"],
+    )
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
 
@@ -859,11 +1065,19 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
 def test_every_script_under_records_runs_on_todays_code():
     scripts = sorted(Path(HERE).glob("records/*/*.py"))
     assert [p.name for p in scripts] == ["memory_step.py"]  # a new one: give it a tiny run here
-    r = subprocess.run([sys.executable, str(scripts[0]), HERE, "1", "1"], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0 and re.fullmatch(r"device_batch=1 x 1024 n_layers=1: peak RSS "
-                                              r"[\d.]+ GiB \(after building the model [\d.]+ GiB\), "
-                                              r"step [\d.]+ s\n", r.stdout), r.stderr[-2000:]
+    r = subprocess.run(
+        [sys.executable, str(scripts[0]), HERE, "1", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0 and re.fullmatch(
+        r"device_batch=1 x 1024 n_layers=1: peak RSS "
+        r"[\d.]+ GiB \(after building the model [\d.]+ GiB\), "
+        r"step [\d.]+ s\n",
+        r.stdout,
+    ), r.stderr[-2000:]
 
 
 def test_gpu_check_dry_runs_every_stage_on_cpu_in_resumed_pieces(tmp_path):
@@ -871,16 +1085,26 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_resumed_pieces(tmp_path):
     # call (a call's first stage always runs): six calls, each going on from the last, each
     # stage once; then the grid, cut by its budget, stops its run in flight for the next call
     out, runs = tmp_path / "check", tmp_path / "runs"
-    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "GPU_CHECK_RUNS": str(runs),
-           "OMP_NUM_THREADS": "2", "GPU_CHECK_SECONDS": "1"}
+    env = {
+        **os.environ,
+        "GPU_CHECK_DRY_RUN": "1",
+        "GPU_CHECK_RUNS": str(runs),
+        "OMP_NUM_THREADS": "2",
+        "GPU_CHECK_SECONDS": "1",
+    }
     stages = ["env", "paper_none", "paper_skip_middle", "tests", "ddp", "bench"]
     said = []
-    for stage in stages + ["checks"]:
-        r = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), str(out)], env=env,
-                           capture_output=True, text=True, timeout=300)
+    for _ in stages + ["checks"]:
+        r = subprocess.run(
+            ["bash", os.path.join(HERE, "gpu_check.sh"), str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         said.append(r.stdout)
-    for stage, stdout in zip(stages, said):
+    for stage, stdout in zip(stages, said, strict=False):
         assert stdout.startswith(f"== {stage} (") and "run 'bash gpu_check.sh" in stdout, stdout
     summary = (out / "summary.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in summary] == stages + ["checks"], summary
@@ -889,19 +1113,27 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_resumed_pieces(tmp_path):
     assert learned[:4] == ["step", "1", "training", "loss"]  # the stage's learning check
     assert float(learned[-1]) < 0.9 * float(learned[4].rstrip(","))
     assert said[-1].endswith("next: the grid; run 'bash gpu_check.sh " + str(out) + "' again\n")
-    r = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), str(out)], capture_output=True,
-                       env={**env, "GPU_CHECK_SECONDS": "45"}, text=True, timeout=300)
+    r = subprocess.run(
+        ["bash", os.path.join(HERE, "gpu_check.sh"), str(out)],
+        capture_output=True,
+        env={**env, "GPU_CHECK_SECONDS": "45"},
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "run 'bash gpu_check.sh" in r.stdout, r.stdout + r.stderr
     grid = (out / "grid.txt").read_text()  # (the run in flight saved, or was starting)
     assert "sweep stopped by SIGTERM" in grid and "run the same command again" in grid, grid
     assert any(runs.iterdir())
     assert not (out / "grid" / "runs.csv").exists() and len(summary) == 7
 
+
 def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
     docs = load_command("data/debian_docs.py")
-    page = ("<html><head><title>T</title><style>p {}</style></head><body><h1>Title</h1>"
-            "<p>One  &amp; <b>two</b>\tthree</p><script>var x = 1;</script><ul><li>a</li>"
-            "<li>b &lt;c&gt;</li></ul><pre>  kept\n</pre>caf\u00e9</body></html>").encode()
+    page = (
+        "<html><head><title>T</title><style>p {}</style></head><body><h1>Title</h1>"
+        "<p>One  &amp; <b>two</b>\tthree</p><script>var x = 1;</script><ul><li>a</li>"
+        "<li>b &lt;c&gt;</li></ul><pre>  kept\n</pre>caf\u00e9</body></html>"
+    ).encode()
     assert docs.page_text(page) == "Title\nOne & two three\na\nb <c>\nkept\ncaf\u00e9"
 
 
@@ -915,13 +1147,15 @@ def fake_debian(tmp_path, apt_get: str) -> dict:
     (bin_ / "apt-get").write_text("#!/bin/bash\n" + apt_get)
     (bin_ / "dpkg-deb").write_text(
         '#!/bin/bash\nname=$(basename "$2"); name=${name%%_*}; t=$(mktemp -d); mkdir "$t/html"\n'
-        'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) > "$t/html/$i.html"; done\n'
+        'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) '
+        '> "$t/html/$i.html"; done\n'
         'mkdir -p "$t/html/translations/it" "$t/html/_modules" "$t/apache2-doc/manual/it"\n'
-        'for p in translations/it/a _modules/m genindex-A search maxima_singlepage \\\n'
-        '  ../apache2-doc/manual/it/a; do\n'
+        "for p in translations/it/a _modules/m genindex-A search maxima_singlepage \\\n"
+        "  ../apache2-doc/manual/it/a; do\n"
         '  printf "<p>%.0snot a page </p>" $(seq 100) > "$t/html/$p.html"; done\n'
         'echo "<p>The node you are looking for is at XREFfft.</p>" > "$t/html/XREFfft.html"\n'
-        'tar -cf - -C "$t" .; rm -r "$t"\n')
+        'tar -cf - -C "$t" .; rm -r "$t"\n'
+    )
     for tool in bin_.iterdir():
         tool.chmod(0o755)
     return {"PATH": f"{bin_}:{os.environ['PATH']}"}
@@ -929,11 +1163,19 @@ def fake_debian(tmp_path, apt_get: str) -> dict:
 
 def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_path):
     docs = load_command("data/debian_docs.py")
-    gone = fake_debian(tmp_path / "a", 'echo "E: Version \'${2#*=}\' for \'${2%%=*}\' was not found" >&2; exit 100\n')
+    gone = fake_debian(
+        tmp_path / "a", "echo \"E: Version '${2#*=}' for '${2%%=*}' was not found\" >&2; exit 100\n"
+    )
     r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'out'}"], **gone)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: apt-get "
-        "download python3.11-doc=3.11.2-6+deb12u8 failed (E: Version '3.11.2-6+deb12u8' for "
-        "'python3.11-doc' was not found): the pinned version is not offered here"), r.stderr
+    assert (
+        r.returncode == 2
+        and r.stderr.count("\n") == 1
+        and r.stderr.startswith(
+            "error: apt-get "
+            "download python3.11-doc=3.11.2-6+deb12u8 failed (E: Version '3.11.2-6+deb12u8' for "
+            "'python3.11-doc' was not found): the pinned version is not offered here"
+        )
+    ), r.stderr
     assert "--debs=DIR" in r.stderr and "--unpinned" in r.stderr and not (tmp_path / "out").exists()
     # today's versions instead: each .deb holds its name; the build says it is not the pinned one
     today = fake_debian(tmp_path / "b", 'printf "%s" "$2" > "$2_9.9_all.deb"\n')
@@ -956,34 +1198,48 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
     for kind, texts in split.items():  # (the shuffle is seeded: this holds or fails every time)
         order = [next(i for i, n in enumerate(names) if n in t) for t in texts]
         assert order != sorted(order), kind  # not package by package
-    assert all(any(n in t for t in split["val"][:len(split["val"]) // 2]) for n in names)
+    assert all(any(n in t for t in split["val"][: len(split["val"]) // 2]) for n in names)
     # the same inputs give the same corpus (a seeded shuffle), into a folder of its own
     shas = dict(manifest["shards"])
     r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'again'}", "--unpinned"], **today)
-    assert r.returncode == 0 and json.loads((tmp_path / "again" / "docs.manifest.json").read_text())[
-        "shards"] == shas
+    assert (
+        r.returncode == 0
+        and json.loads((tmp_path / "again" / "docs.manifest.json").read_text())["shards"] == shas
+    )
     # a folder holding the pinned corpus is not replaced by an unpinned one
-    (tmp_path / "again" / "docs.manifest.json").write_text(json.dumps({
-        "written_by": "data/tokenize_corpus.py", "shards": docs.SHA256}))
+    (tmp_path / "again" / "docs.manifest.json").write_text(
+        json.dumps({"written_by": "data/tokenize_corpus.py", "shards": docs.SHA256})
+    )
     r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'again'}", "--unpinned"], **today)
-    assert r.returncode == 2 and r.stderr.startswith(f"error: {tmp_path / 'again'} holds the pinned "
-                                                     "corpus, which --unpinned would replace")
+    assert r.returncode == 2 and r.stderr.startswith(
+        f"error: {tmp_path / 'again'} holds the pinned corpus, which --unpinned would replace"
+    )
     # a shard that is not ours in --out: refused before any download (apt-get would leave a mark)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "docs_train_000001.bin").write_bytes(b"my own")
-    marks = fake_debian(tmp_path / "c", f'touch {tmp_path}/downloaded; exit 100\n')
+    marks = fake_debian(tmp_path / "c", f"touch {tmp_path}/downloaded; exit 100\n")
     r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'mine'}"], **marks)
     assert r.returncode == 2 and "named like a shard of corpus 'docs'" in r.stderr, r.stderr
-    assert not (tmp_path / "downloaded").exists() and os.listdir(tmp_path / "mine") == ["docs_train_000001.bin"]
+    assert not (tmp_path / "downloaded").exists() and os.listdir(tmp_path / "mine") == [
+        "docs_train_000001.bin"
+    ]
     # SIGTERM while a package streams its pages: status 143, and the folder it made is gone
-    (tmp_path / "b" / "bin" / "dpkg-deb").write_text('#!/bin/bash\nkill -TERM $PPID; sleep 1\n')
-    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'sig' / 'out'}", "--unpinned"], **today)
+    (tmp_path / "b" / "bin" / "dpkg-deb").write_text("#!/bin/bash\nkill -TERM $PPID; sleep 1\n")
+    r = run_data_script(
+        "debian_docs.py", [f"--out={tmp_path / 'sig' / 'out'}", "--unpinned"], **today
+    )
     assert r.returncode == 143 and r.stderr == "" and not (tmp_path / "sig").exists(), r.stderr
     for stream in ("", "cut"):  # a damaged .deb, as dpkg-deb streams it: one line, nothing left
         (tmp_path / "b" / "bin" / "dpkg-deb").write_text(f'#!/bin/bash\nprintf "{stream}"\n')
-        r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'bad' / 'out'}", "--unpinned"], **today)
-        assert r.returncode == 2 and r.stderr.startswith("error: dpkg-deb --fsys-tarfile ") and \
-            r.stderr.count("\n") == 1 and not (tmp_path / "bad").exists(), r.stderr
+        r = run_data_script(
+            "debian_docs.py", [f"--out={tmp_path / 'bad' / 'out'}", "--unpinned"], **today
+        )
+        assert (
+            r.returncode == 2
+            and r.stderr.startswith("error: dpkg-deb --fsys-tarfile ")
+            and r.stderr.count("\n") == 1
+            and not (tmp_path / "bad").exists()
+        ), r.stderr
 
 
 def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
@@ -991,11 +1247,14 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
     (tmp_path / "e.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     out = tmp_path / "shards" / "b" / ".." / "deeper"  # makedirs makes shards/b too
-    for name, message in (("c.jsonl", "c.jsonl:2: not a JSON object with a \"text\" field"),
-                          ("d.txt", "d.txt: not valid UTF-8"),
-                          ("e.jsonl", "e.jsonl:2: not valid UTF-8")):
-        r = run_data_script("tokenize_corpus.py", [str(tmp_path / name), f"--out={out}",
-                                                   "--shard_tokens=1"])
+    for name, message in (
+        ("c.jsonl", 'c.jsonl:2: not a JSON object with a "text" field'),
+        ("d.txt", "d.txt: not valid UTF-8"),
+        ("e.jsonl", "e.jsonl:2: not valid UTF-8"),
+    ):
+        r = run_data_script(
+            "tokenize_corpus.py", [str(tmp_path / name), f"--out={out}", "--shard_tokens=1"]
+        )
         assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
         assert r.stderr.count("\n") == 1
         assert not (tmp_path / "shards").exists()  # not even the folders it made for --out
@@ -1008,27 +1267,39 @@ def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_pa
     (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n')
     out = tmp_path / "shards"
     out.mkdir()
-    others = {"other_train_000001.bin": b"another corpus, kept",  # a name sharing the prefix:
-              "corpus_big_train_000001.bin": b"corpus_big is not corpus"}
+    others = {
+        "other_train_000001.bin": b"another corpus, kept",  # a name sharing the prefix:
+        "corpus_big_train_000001.bin": b"corpus_big is not corpus",
+    }
     for name, data in others.items():
         (out / name).write_bytes(data)
-    tokenize = lambda src: run_data_script("tokenize_corpus.py", [  # noqa: E731
-        str(tmp_path / src), f"--out={out}", "--shard_tokens=50", "--workers=1"])
+
+    def tokenize(src):
+        return run_data_script(
+            "tokenize_corpus.py",
+            [str(tmp_path / src), f"--out={out}", "--shard_tokens=50", "--workers=1"],
+        )
+
     n_big = -(-(1 + len(gpt2().encode_ordinary(big))) // 50)
     assert n_big > 2
     for src, n_shards in (("big.txt", n_big), ("small.txt", 1)):
         r = tokenize(src)
         assert r.returncode == 0, r.stderr
-        assert len([p for p in out.iterdir() if re.fullmatch(r"corpus_(val|train)_\d+\.bin", p.name)]) == n_shards
+        assert (
+            len([p for p in out.iterdir() if re.fullmatch(r"corpus_(val|train)_\d+\.bin", p.name)])
+            == n_shards
+        )
     assert f"removed {n_big - 1} shard(s) of the previous corpus 'corpus'" in r.stderr
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     r = tokenize("blank.jsonl")  # no documents: an error, and the corpus stays as it was
-    assert r.returncode == 2 and r.stderr == ("error: the input holds no documents (no non-empty "
-                                              "text); nothing was written\n")
+    assert r.returncode == 2 and r.stderr == (
+        "error: the input holds no documents (no non-empty text); nothing was written\n"
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert all((out / n).read_bytes() == data for n, data in others.items())
-    assert list(tg.read_shard(str(out / "corpus_val_000000.bin"))) == \
-        [50256] + gpt2().encode_ordinary("few words")
+    assert list(tg.read_shard(str(out / "corpus_val_000000.bin"))) == [
+        50256
+    ] + gpt2().encode_ordinary("few words")
 
 
 def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
@@ -1036,32 +1307,65 @@ def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
     (tmp_path / "a.txt").write_text("some words " * 30)
     out = tmp_path / "fineweb10B"
     out.mkdir()
-    download = {f"fineweb_{s}_{i:06d}.bin": f"download {i}".encode()
-                for i, s in enumerate(["val", "train", "train"])}
+    download = {
+        f"fineweb_{s}_{i:06d}.bin": f"download {i}".encode()
+        for i, s in enumerate(["val", "train", "train"])
+    }
     for name, data in download.items():
         (out / name).write_bytes(data)
-    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
-                                               "--name=fineweb", "--shard_tokens=20", "--workers=1"])
+    r = run_data_script(
+        "tokenize_corpus.py",
+        [
+            str(tmp_path / "a.txt"),
+            f"--out={out}",
+            "--name=fineweb",
+            "--shard_tokens=20",
+            "--workers=1",
+        ],
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "fineweb_train_000001.bin (and 2 more) is named like a shard of corpus 'fineweb' but " \
-           "was not written by this script" in r.stderr
+    assert (
+        "fineweb_train_000001.bin (and 2 more) is named like a shard of corpus 'fineweb' but "
+        "was not written by this script" in r.stderr
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == download
     # its own corpus, edited since it was written, is not its own any more
-    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
-                                               "--name=mine", "--shard_tokens=20", "--workers=1"])
+    r = run_data_script(
+        "tokenize_corpus.py",
+        [
+            str(tmp_path / "a.txt"),
+            f"--out={out}",
+            "--name=mine",
+            "--shard_tokens=20",
+            "--workers=1",
+        ],
+    )
     assert r.returncode == 0, r.stderr
     (out / "mine_train_000002.bin").write_bytes(b"edited")
-    r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
-                                               "--name=mine", "--workers=1"])
+    r = run_data_script(
+        "tokenize_corpus.py",
+        [str(tmp_path / "a.txt"), f"--out={out}", "--name=mine", "--workers=1"],
+    )
     assert r.returncode == 2 and "mine_train_000002.bin (and 0 more)" in r.stderr
     assert (out / "mine_train_000002.bin").read_bytes() == b"edited"
     assert not list(out.glob(".mine.*"))  # no temporary folder left
     os.mkfifo(out / "fifo_val_000000.bin")  # never read (that would wait for a writer)
     (out / "link_val_000000.bin").symlink_to(out / "mine_val_000000.bin")
     for name in ("fifo", "link"):
-        r = subprocess.run([sys.executable, "data/tokenize_corpus.py", str(tmp_path / "a.txt"),
-                            f"--out={out}", f"--name={name}", "--workers=1"], cwd=HERE,
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "data/tokenize_corpus.py",
+                str(tmp_path / "a.txt"),
+                f"--out={out}",
+                f"--name={name}",
+                "--workers=1",
+            ],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2 and f"{name}_val_000000.bin (and 0 more) is named like" in r.stderr
 
 
@@ -1074,8 +1378,10 @@ def test_a_shard_that_appears_while_tokenizing_is_not_replaced(tmp_path, monkeyp
             if i == 1:
                 (out / "c_train_000001.bin").write_bytes(b"theirs")
             yield doc
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n"
-                                              for i in range(3)))
+
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(3))
+    )
     monkeypatch.setattr(tokenize, "documents", documents)
     with pytest.raises(support.UserError, match="changed while this ran"):
         tokenize.tokenize([str(tmp_path / "a.jsonl")], str(out), "c", 20, 1)
@@ -1088,10 +1394,20 @@ def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
     # what a scheduler sends (scancel: SIGTERM; Slurm's --signal: SIGUSR1) mid-way through
     (tmp_path / "big.jsonl").write_text((json.dumps({"text": " word" * 20_000}) + "\n") * 300)
     out = tmp_path / "out" / "deeper"
-    proc = subprocess.Popen([sys.executable, "data/tokenize_corpus.py", str(tmp_path / "big.jsonl"),
-                             f"--out={out}", "--workers=1", "--shard_tokens=10000"], cwd=HERE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "data/tokenize_corpus.py",
+            str(tmp_path / "big.jsonl"),
+            f"--out={out}",
+            "--workers=1",
+            "--shard_tokens=10000",
+        ],
+        cwd=HERE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     deadline = time.time() + 120
     while not list(out.glob(".corpus.*/*.bin")) and time.time() < deadline:
         time.sleep(0.02)
@@ -1106,14 +1422,17 @@ def test_a_manifest_it_did_not_write_is_refused_like_a_shard(tmp_path):
     (tmp_path / "theirs.json").write_text('{"shards": {}}')
     out = tmp_path / "s"
     out.mkdir()
-    for make in (lambda m: m.write_text('{"shards": {}}'),  # another tool's
-                 lambda m: m.write_text("not json"),
-                 lambda m: m.mkdir(),
-                 lambda m: m.symlink_to(tmp_path / "theirs.json")):
+    for make in (
+        lambda m: m.write_text('{"shards": {}}'),  # another tool's
+        lambda m: m.write_text("not json"),
+        lambda m: m.mkdir(),
+        lambda m: m.symlink_to(tmp_path / "theirs.json"),
+    ):
         manifest = out / "corpus.manifest.json"
         make(manifest)
-        r = run_data_script("tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}",
-                                                   "--workers=1"])
+        r = run_data_script(
+            "tokenize_corpus.py", [str(tmp_path / "a.txt"), f"--out={out}", "--workers=1"]
+        )
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert f"{manifest} is the manifest of corpus 'corpus' but was not written" in r.stderr
         assert [p.name for p in out.iterdir()] == ["corpus.manifest.json"]
@@ -1131,11 +1450,12 @@ def test_a_corpus_cut_short_at_either_manifest_write_stays_its_own(tmp_path, mon
         tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
         before, calls = corpus(), []
 
-        def disk_full(path, data):
+        def disk_full(path, data, calls=calls, fail_at=fail_at):
             calls.append(path)
             if len(calls) == fail_at:
                 raise OSError(errno.ENOSPC, "No space left on device", path)
             real(path, data)
+
         monkeypatch.setattr(tokenize, "write_atomically", disk_full)
         with pytest.raises(OSError):
             tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
@@ -1157,7 +1477,9 @@ def test_sample_regenerates_byte_for_byte(tmp_path):
     r = run_data_script("tokenize_corpus.py", [f"--out={tmp_path}"])
     assert r.returncode == 0, r.stderr
     for name in ("sample_train_000001.bin", "sample_val_000000.bin", "sample.manifest.json"):
-        assert (tmp_path / name).read_bytes() == (Path(HERE) / "data" / "sample" / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == (
+            Path(HERE) / "data" / "sample" / name
+        ).read_bytes()
 
 
 def test_check_command_counts_and_rejects(tmp_path):
@@ -1167,7 +1489,9 @@ def test_check_command_counts_and_rejects(tmp_path):
     write_shard(tmp_path / "x_000000.bin", range(10))
     write_shard(tmp_path / "x_000001.bin", [5, 60000])
     r = run_data_script("tokenize_corpus.py", [f"--check={tmp_path}"])
-    assert r.returncode == 2 and "x_000001.bin: token id 60000 is outside the vocabulary" in r.stderr
+    assert (
+        r.returncode == 2 and "x_000001.bin: token id 60000 is outside the vocabulary" in r.stderr
+    )
 
 
 # runs a script as `python SCRIPT ARGS...` would, then fails if torch was imported on the way
@@ -1187,26 +1511,43 @@ def test_data_scripts_run_without_importing_torch(tmp_path):
     (tmp_path / "a.txt").write_text("a few words")
     env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
     for args, status in (
-            (["data/tokenize_corpus.py", "--check=data/sample"], 0),
-            (["data/tokenize_corpus.py", str(tmp_path / "a.txt"), f"--out={tmp_path / 's'}",
-              "--workers=1"], 0),
-            (["data/tokenize_corpus.py", "--workers=0"], 2),
-            (["data/tokenize_corpus.py", "--help"], 0),
-            (["data/cached_fineweb10B.py", "0", f"--out={tmp_path / 'f'}"], 0),
-            (["data/cached_fineweb10B.py", "--bogus"], 2)):
-        r = subprocess.run([sys.executable, "-c", NO_TORCH, *args], cwd=HERE, env={**os.environ, **env},
-                           capture_output=True, text=True, timeout=300)
+        (["data/tokenize_corpus.py", "--check=data/sample"], 0),
+        (
+            [
+                "data/tokenize_corpus.py",
+                str(tmp_path / "a.txt"),
+                f"--out={tmp_path / 's'}",
+                "--workers=1",
+            ],
+            0,
+        ),
+        (["data/tokenize_corpus.py", "--workers=0"], 2),
+        (["data/tokenize_corpus.py", "--help"], 0),
+        (["data/cached_fineweb10B.py", "0", f"--out={tmp_path / 'f'}"], 0),
+        (["data/cached_fineweb10B.py", "--bogus"], 2),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-c", NO_TORCH, *args],
+            cwd=HERE,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == status and "torch was imported" not in r.stderr, (args, r.stderr)
     assert list(tg.read_shard(str(tmp_path / "f" / "fineweb_val_000000.bin"))) == list(range(100))
-    assert list(tg.read_shard(str(tmp_path / "s" / "corpus_val_000000.bin"))) == \
-        [50256] + gpt2().encode_ordinary("a few words")
+    assert list(tg.read_shard(str(tmp_path / "s" / "corpus_val_000000.bin"))) == [
+        50256
+    ] + gpt2().encode_ordinary("a few words")
 
 
 def test_training_refuses_a_malformed_shard_before_starting(tmp_path, capsys):
     write_shard(tmp_path / "s_000001.bin", range(5000))
     write_shard(tmp_path / "s_000002.bin", range(5000), count=6000)  # truncated
-    code, _, err = run_main(["--preset=smoke", f"--train_files={tmp_path}/s_*.bin",
-                             f"--run_dir={tmp_path / 'run'}"], capsys)
+    code, _, err = run_main(
+        ["--preset=smoke", f"--train_files={tmp_path}/s_*.bin", f"--run_dir={tmp_path / 'run'}"],
+        capsys,
+    )
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: {tmp_path}/s_000002.bin: header says 6000 tokens")
     assert not (tmp_path / "run").exists()
@@ -1214,10 +1555,20 @@ def test_training_refuses_a_malformed_shard_before_starting(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- long runs
 
-RESUME_RUN = TINY_RUN + ["--dim=32", "--max_seq_len=32", "--seq_len=32", "--batch_size=8",
-                         "--device_batch_size=4", "--train_tokens=2048", "--val_every=4",
-                         "--val_tokens=256", "--save_every=0", "--gamma=0.05",
-                         "--mu_start=0.5", "--untimed_steps=1"]  # 8 steps, an active controller
+RESUME_RUN = TINY_RUN + [
+    "--dim=32",
+    "--max_seq_len=32",
+    "--seq_len=32",
+    "--batch_size=8",
+    "--device_batch_size=4",
+    "--train_tokens=2048",
+    "--val_every=4",
+    "--val_tokens=256",
+    "--save_every=0",
+    "--gamma=0.05",
+    "--mu_start=0.5",
+    "--untimed_steps=1",
+]  # 8 steps, an active controller
 
 
 def timing(m):
@@ -1232,9 +1583,13 @@ def test_resume_is_bitwise_identical(tmp_path, capsys):
     assert code == 0, err
     assert f"resume with: python train_gpt.py --resume={part}" in out
     half = torch.load(part / "checkpoint.pt", weights_only=True)
-    assert half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0  # controller active
+    assert (
+        half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0
+    )  # controller active
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
-    r = run_script([f"--resume={part}", "--untimed_steps=1"])  # a new process goes on (a job setting: given again)
+    r = run_script(
+        [f"--resume={part}", "--untimed_steps=1"]
+    )  # a new process goes on (a job setting: given again)
     assert r.returncode == 0, r.stderr
     strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
     a, b = strip(read_metrics(full)), strip(read_metrics(part))
@@ -1268,8 +1623,9 @@ def test_a_resume_drops_only_our_records_past_its_checkpoint(tmp_path, capsys):
     code, _, err = run_main([f"--resume={tmp_path}", "--stop_step=3"], capsys)
     assert code == 0, err
     lines = (tmp_path / "metrics.jsonl").read_bytes().splitlines(keepends=True)
-    assert all(lines.count(line) == 1 for line in mine) and all(line.endswith(b"}\n") for line in
-                                                                 lines if line not in mine)
+    assert all(lines.count(line) == 1 for line in mine) and all(
+        line.endswith(b"}\n") for line in lines if line not in mine
+    )
     ours = [json.loads(line) for line in lines if line not in mine]
     assert [m["step"] for m in ours if m["kind"] == "train"] == [1, 2, 3]
     with open(tmp_path / "metrics.jsonl", "ab") as f:  # a note with no newline: not a cut record
@@ -1285,8 +1641,9 @@ def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
     before = (tmp_path / "metrics.jsonl").read_bytes()
     code, _, err = run_main([f"--resume={tmp_path}", "--dim=64", "--n_layers=4"], capsys)
     assert code == 2
-    assert err == ("error: cannot resume with a different model shape: n_layers 2 -> 4, "
-                   "dim 32 -> 64\n")
+    assert err == (
+        "error: cannot resume with a different model shape: n_layers 2 -> 4, dim 32 -> 64\n"
+    )
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
@@ -1294,10 +1651,10 @@ def test_each_job_appends_the_sources_it_ran(tmp_path, monkeypatch, capsys):
     # the sources a run records, read from a copy outside any git checkout that changes
     # between the two jobs
     src, run = tmp_path / "src", tmp_path / "run"
-    for name in ("train_gpt.py", "support.py", "data/shards.py"):
+    for name in runs.SOURCES:
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(HERE, name), src / name)
-    monkeypatch.setattr(support, "HERE", str(src))
+    monkeypatch.setattr(runs, "HERE", str(src))
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
     with open(src / "train_gpt.py", "a") as f:
@@ -1307,7 +1664,10 @@ def test_each_job_appends_the_sources_it_ran(tmp_path, monkeypatch, capsys):
     log = (run / "train.log").read_text()
     new = sha256((src / "train_gpt.py").read_bytes())
     assert log.count("\ngit: not a git checkout\n") == 2
-    assert log.count("\nsource: train_gpt.py sha256 ") == 2 and f"\nsource: train_gpt.py sha256 {new}\n" in log
+    assert (
+        log.count("\nsource: train_gpt.py sha256 ") == 2
+        and f"\nsource: train_gpt.py sha256 {new}\n" in log
+    )
     assert log.count("class GPT(nn.Module)") == 2 and log.count("# a local change") == 1
     assert log.count(f"\ncommand: python train_gpt.py --resume={run}\n") == 1
 
@@ -1352,9 +1712,14 @@ def test_ctrl_c_while_a_command_loads_torch_is_quiet(tmp_path):
     # The signal lands at several points of torch's import, found in /proc/PID/maps so that a
     # faster machine does not move them: as its libraries map, and once numpy's C extension is
     # in (CI once caught one inside numpy's, which left a half-loaded module behind)
-    commands = (["expand.py", str(tmp_path / "a"), str(tmp_path / "b")], ["sample.py", str(tmp_path)])
+    commands = (
+        ["expand.py", str(tmp_path / "a"), str(tmp_path / "b")],
+        ["sample.py", str(tmp_path)],
+    )
     for command, library in itertools.product(commands, ("libtorch", "_multiarray_umath")):
-        proc = subprocess.Popen([sys.executable, *command], cwd=HERE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, *command], cwd=HERE, stderr=subprocess.PIPE, text=True
+        )
         when_mapped(proc, library)
         assert proc.poll() is None, "the command ended before the signal: no torch import?"
         proc.send_signal(signal.SIGINT)
@@ -1364,15 +1729,15 @@ def test_ctrl_c_while_a_command_loads_torch_is_quiet(tmp_path):
 
 def test_default_run_dirs_are_unique_within_a_second(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(support.time, "strftime", lambda fmt: "2026-01-01_000000")
-    dirs = {support.new_run_dir("smoke") for _ in range(20)}
+    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "2026-01-01_000000")
+    dirs = {runs.new_run_dir("smoke") for _ in range(20)}
     assert len(dirs) == 20 and all(d.startswith("logs/2026-01-01_000000_smoke_") for d in dirs)
     assert all(os.path.isdir(d) for d in dirs)
     # an existing folder is never reused: mkdir fails and another name is drawn
     names = iter(["aaaaaa", "aaaaaa", "bbbbbb"])
-    monkeypatch.setattr(support.os, "urandom", lambda n: bytes.fromhex(next(names)))
-    assert support.new_run_dir("smoke").endswith("_aaaaaa")
-    assert support.new_run_dir("smoke").endswith("_bbbbbb")
+    monkeypatch.setattr(runs.os, "urandom", lambda n: bytes.fromhex(next(names)))
+    assert runs.new_run_dir("smoke").endswith("_aaaaaa")
+    assert runs.new_run_dir("smoke").endswith("_bbbbbb")
 
 
 def process_state(pid):
@@ -1386,15 +1751,32 @@ def test_workers_whose_torchrun_died_of_a_signal_save_and_stop(tmp_path):
     # SIGUSR1 ends torchrun at once without passing it on: each worker finds its launcher gone at
     # the next step, and the job stops there with a checkpoint, as on any signal (no orphans)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node=2", "train_gpt.py", *RESUME_RUN,
-                             "--train_tokens=10000000", f"--run_dir={tmp_path}"], cwd=HERE, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train_gpt.py",
+            *RESUME_RUN,
+            "--train_tokens=10000000",
+            f"--run_dir={tmp_path}",
+        ],
+        cwd=HERE,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     log, deadline = tmp_path / "train.log", time.time() + 120
     while time.time() < deadline and "step:3/" not in (log.read_text() if log.exists() else ""):
         time.sleep(0.2)
-    workers = [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat") if process_state(
-        p.parent.name) and int(p.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid]
+    workers = [
+        int(p.parent.name)
+        for p in Path("/proc").glob("[0-9]*/stat")
+        if process_state(p.parent.name)
+        and int(p.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
+    ]
     assert len(workers) == 2, workers
     proc.send_signal(signal.SIGUSR1)
     proc.wait(timeout=60)
@@ -1404,14 +1786,23 @@ def test_workers_whose_torchrun_died_of_a_signal_save_and_stop(tmp_path):
     for w in orphans:  # (a failing test leaves none behind)
         os.kill(w, signal.SIGKILL)
     assert not orphans, "the workers train on as orphans"
-    assert re.search(r"stopped by signal SIGHUP at step \d+[^;]*; checkpoint: \S+checkpoint.pt "
-                     r"\(step \d+\); resume with: torchrun", log.read_text()), log.read_text()[-2000:]
+    assert re.search(
+        r"stopped by signal SIGHUP at step \d+[^;]*; checkpoint: \S+checkpoint.pt "
+        r"\(step \d+\); resume with: torchrun",
+        log.read_text(),
+    ), log.read_text()[-2000:]
 
 
 def start_run(args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "train_gpt.py", *args], cwd=HERE, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train_gpt.py", *args],
+        cwd=HERE,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_line(proc, prefix, timeout=120):
@@ -1440,9 +1831,21 @@ def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path, capsys):
 
 def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
     # a model big enough (~20M parameters, ~230 MB with Adam) that a save takes a while
-    args = ["--preset=smoke", "--n_layers=2", "--dim=192", "--n_heads=4", "--n_kv_heads=4",
-            "--seq_len=16", "--batch_size=2", "--device_batch_size=2", "--train_tokens=160",
-            "--val_tokens=32", "--val_every=0", "--save_every=1", f"--run_dir={tmp_path}"]
+    args = [
+        "--preset=smoke",
+        "--n_layers=2",
+        "--dim=192",
+        "--n_heads=4",
+        "--n_kv_heads=4",
+        "--seq_len=16",
+        "--batch_size=2",
+        "--device_batch_size=2",
+        "--train_tokens=160",
+        "--val_tokens=32",
+        "--val_every=0",
+        "--save_every=1",
+        f"--run_dir={tmp_path}",
+    ]
     proc = start_run(args)
     ckpt = tmp_path / "checkpoint.pt"
     deadline = time.time() + 300
@@ -1480,6 +1883,7 @@ def nan_on_call(n):
             if calls[0] == n:
                 return loss * float("nan")
         return loss
+
     return fake
 
 
@@ -1489,10 +1893,18 @@ def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, mon
     with monkeypatch.context() as m:  # step 6 (2 micro-steps each): step 4's checkpoint trained
         m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(11))
         code, _, err = run_main(args, capsys)
-    assert code == 1 and err == (f"error: non-finite loss at step 6; no update was applied; last "
-                                 f"good checkpoint: {ckpt} (step 4)\n")
+    assert code == 1 and err == (
+        f"error: non-finite loss at step 6; no update was applied; last "
+        f"good checkpoint: {ckpt} (step 4)\n"
+    )
     assert torch.load(ckpt, weights_only=True)["step"] == 4
-    assert [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     # no step from the newest checkpoint (step 6's, as if its update had exploded) is finite: the
     # one before it comes back, and the run goes on from it as if it had never stopped
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'whole'}"], capsys)
@@ -1504,9 +1916,11 @@ def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, mon
         with monkeypatch.context() as m:
             m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(call))
             code, _, err = run_main([f"--resume={ckpt.parent}"], capsys)
-        assert code == 1 and err == (f"error: non-finite loss at step 7; no update was applied; last "
-                                     f"good checkpoint: {ckpt} (step 4, put back: no step from the "
-                                     f"newer {ckpt} (step 6) had a finite loss)\n"), err
+        assert code == 1 and err == (
+            f"error: non-finite loss at step 7; no update was applied; last "
+            f"good checkpoint: {ckpt} (step 4, put back: no step from the "
+            f"newer {ckpt} (step 6) had a finite loss)\n"
+        ), err
         assert torch.load(ckpt, weights_only=True)["step"] == 4
         assert sorted(p.name for p in ckpt.parent.glob("checkpoint*")) == ["checkpoint.pt"]
     # a save cut after its link leaves checkpoint.prev.pt the same file: nothing to put back
@@ -1520,16 +1934,23 @@ def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, mon
     prev.unlink()
     os.replace(ckpt, prev)
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={ckpt.parent}"], capsys)
-    assert code == 2 and err.endswith(f"(checkpoint.prev.pt); choose another directory, or continue "
-                                      f"it with train_gpt.py --resume={ckpt.parent} once "
-                                      f"checkpoint.prev.pt is renamed checkpoint.pt\n"), err
+    assert code == 2 and err.endswith(
+        f"(checkpoint.prev.pt); choose another directory, or continue "
+        f"it with train_gpt.py --resume={ckpt.parent} once "
+        f"checkpoint.prev.pt is renamed checkpoint.pt\n"
+    ), err
     os.replace(prev, ckpt)
     code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
     assert code == 0, err
-    train = lambda d: [(m["step"], m["train_loss"]) for m in read_metrics(d) if m["kind"] == "train"]  # noqa: E731
+
+    def train(d):
+        return [(m["step"], m["train_loss"]) for m in read_metrics(d) if m["kind"] == "train"]
+
     assert train(tmp_path / "run") == train(tmp_path / "whole")
     weights = lambda d: torch.load(d / "checkpoint.pt", weights_only=True)["model"]  # noqa: E731
-    assert all(torch.equal(v, weights(tmp_path / "whole")[k]) for k, v in weights(tmp_path / "run").items())
+    assert all(
+        torch.equal(v, weights(tmp_path / "whole")[k]) for k, v in weights(tmp_path / "run").items()
+    )
 
 
 def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path, capsys):
@@ -1539,13 +1960,18 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path,
     files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}  # noqa: E731
     before = files()
     code, out, err = run_main([f"--resume={tmp_path}"], capsys)
-    assert code == 2 and err.count("\n") == 1 and out == "" and "no checkpoint (checkpoint.pt)" in err
+    assert (
+        code == 2 and err.count("\n") == 1 and out == "" and "no checkpoint (checkpoint.pt)" in err
+    )
     (tmp_path / "checkpoint.pt").symlink_to(tmp_path / "moved.pt")  # a link whose file is gone
     for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
         code, _, err = run_main(args, capsys)
         assert code == 2 and err.count("\n") == 1, err
-        assert ("checkpoint.pt is a broken symbolic link" if "--resume" in args[0] else
-                "already holds a run that saved a checkpoint") in err, err
+        assert (
+            "checkpoint.pt is a broken symbolic link"
+            if "--resume" in args[0]
+            else "already holds a run that saved a checkpoint"
+        ) in err, err
     (tmp_path / "checkpoint.pt").unlink()
     assert files() == before  # a refusal writes nothing
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh: logs kept
@@ -1557,24 +1983,31 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
     code, _, err = run_main(RESUME_RUN + ["--stop_step=4", f"--run_dir={tmp_path}"], capsys)
     assert code == 0, err
     good = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    for key, value, message in (("step", -3, "step=-3 must lie in [0, inf)"),
-                                ("val_done", 9, "val_done=9 exceeds step=4"),
-                                ("train_ms", float("nan"), "train_ms=nan must lie in [0, inf)"),
-                                ("train_ms", float("inf"), "train_ms=inf must lie in [0, inf)"),
-                                ("bad_steps", 5, "bad_steps=5 exceeds step=4")):
+    for key, value, message in (
+        ("step", -3, "step=-3 must lie in [0, inf)"),
+        ("val_done", 9, "val_done=9 exceeds step=4"),
+        ("train_ms", float("nan"), "train_ms=nan must lie in [0, inf)"),
+        ("train_ms", float("inf"), "train_ms=inf must lie in [0, inf)"),
+        ("bad_steps", 5, "bad_steps=5 exceeds step=4"),
+    ):
         torch.save({**good, key: value}, tmp_path / "checkpoint.pt")
         before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
         code, _, err = run_main([f"--resume={tmp_path}"], capsys)
-        assert code == 2 and f"checkpoint.pt: {message} (an edited or damaged checkpoint)" in err, err
+        assert code == 2 and f"checkpoint.pt: {message} (an edited or damaged checkpoint)" in err, (
+            err
+        )
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     # settings that lack one (no default stands in for it), and non-finite state
     nan = float("nan")
     for edit, message in (
-            (lambda c: c["hp"].pop("lr"), "it lacks the setting 'lr'"),
-            (lambda c: c["model"]["embed.weight"].__setitem__((0, 0), nan), "non-finite weights"),
-            (lambda c: next(iter(c["optimizer"]["state"].values()))["exp_avg_sq"].fill_(nan),
-             "non-finite weights, optimiser"),
-            (lambda c: c["routing"]["controller"]["alpha"].fill_(nan), "controller state")):
+        (lambda c: c["hp"].pop("lr"), "it lacks the setting 'lr'"),
+        (lambda c: c["model"]["embed.weight"].__setitem__((0, 0), nan), "non-finite weights"),
+        (
+            lambda c: next(iter(c["optimizer"]["state"].values()))["exp_avg_sq"].fill_(nan),
+            "non-finite weights, optimiser",
+        ),
+        (lambda c: c["routing"]["controller"]["alpha"].fill_(nan), "controller state"),
+    ):
         edited = copy.deepcopy(good)
         edit(edited)
         torch.save(edited, tmp_path / "checkpoint.pt")
@@ -1586,16 +2019,23 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
 
 def after_exit(*signums):
     """python -c code that runs train_gpt.py as a script and sends itself signums at exit."""
-    return (f"import atexit, os, runpy, sys; sys.argv[0] = 'train_gpt.py'; "
-            f"atexit.register(lambda: [os.kill(os.getpid(), s) for s in {list(map(int, signums))}]); "
-            f"runpy.run_path('train_gpt.py', run_name='__main__')")
+    return (
+        f"import atexit, os, runpy, sys; sys.argv[0] = 'train_gpt.py'; "
+        f"atexit.register(lambda: [os.kill(os.getpid(), s) for s in {list(map(int, signums))}]); "
+        f"runpy.run_path('train_gpt.py', run_name='__main__')"
+    )
 
 
 def test_a_signal_after_the_final_save_leaves_status_0(tmp_path):
     signums = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # each one, one after another
-    r = subprocess.run([sys.executable, "-c", after_exit(*signums), *RESUME_RUN, f"--run_dir={tmp_path}"],
-                       cwd=HERE, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-c", after_exit(*signums), *RESUME_RUN, f"--run_dir={tmp_path}"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
 
@@ -1624,22 +2064,43 @@ def bad_inputs(tmp_path):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     (tmp_path / "pipe_run").mkdir()  # where a run's file belongs: a named pipe (open() would wait)
     os.mkfifo(tmp_path / "pipe_run" / "config.json")
-    unreadable = [(smoke + ["--train_files=/proc/self/mem"], "/proc/self/mem: Input/output error")
-                  ] if os.path.exists("/proc/self/mem") else []  # a read error (Linux)
-    flex_cpu = unreadable + ([] if torch.cuda.is_available() else [
-        (smoke + ["--attn_impl=flex"], "attn_impl=flex trains on CUDA only")])
+    unreadable = (
+        [(smoke + ["--train_files=/proc/self/mem"], "/proc/self/mem: Input/output error")]
+        if os.path.exists("/proc/self/mem")
+        else []
+    )  # a read error (Linux)
+    flex_cpu = unreadable + (
+        []
+        if torch.cuda.is_available()
+        else [(smoke + ["--attn_impl=flex"], "attn_impl=flex trains on CUDA only")]
+    )
     return flex_cpu + [
         (smoke + ["--attn_impl=flex", "--dim=32"], "at a head dimension of at least 16; here"),
-        (smoke + [f"--train_files={tmp_path}/dir_*.bin"], "dir_000001.bin, which is a folder, not a shard"),
-        (smoke + [f"--train_files={tmp_path}/loop"], "which is a symbolic link loop, not a shard file"),
+        (
+            smoke + [f"--train_files={tmp_path}/dir_*.bin"],
+            "dir_000001.bin, which is a folder, not a shard",
+        ),
+        (
+            smoke + [f"--train_files={tmp_path}/loop"],
+            "which is a symbolic link loop, not a shard file",
+        ),
         (smoke + ["--val_files=/dev/null"], "which is a character device, not a shard file"),
-        (smoke + ["--run_dir=/dev/null"], "cannot write to /dev/null: /dev/null is a character device"),
+        (
+            smoke + ["--run_dir=/dev/null"],
+            "cannot write to /dev/null: /dev/null is a character device",
+        ),
         ([f"--resume={tmp_path}/loop"], "loop is a symbolic link loop, not a folder"),
         ([f"--resume={tmp_path}/a_file"], "a_file is a file, not a folder"),
         (["--train_files="], "--train_files=: expected a value"),
         (smoke + ["--lr=1e-50"], "lr=1e-50 is not 0 and outside float32's range"),
-        (smoke + [f"--run_dir={tmp_path}/a_file"], f"cannot write to {tmp_path}/a_file: {tmp_path}/a_file is a file"),
-        (smoke + [f"--run_dir={tmp_path}/a_file/run"], f"{tmp_path}/a_file is a file, not a folder"),
+        (
+            smoke + [f"--run_dir={tmp_path}/a_file"],
+            f"cannot write to {tmp_path}/a_file: {tmp_path}/a_file is a file",
+        ),
+        (
+            smoke + [f"--run_dir={tmp_path}/a_file/run"],
+            f"{tmp_path}/a_file is a file, not a folder",
+        ),
         (smoke + ["--val_tokens=1e6"], "more than the validation shards hold"),
         (smoke + ["--lr=inf"], "lr=inf must lie in (0, inf)"),
         (smoke + ["--beta2=1"], "beta2=1.0 must lie in [0, 1)"),
@@ -1654,18 +2115,31 @@ def bad_inputs(tmp_path):
         (smoke + ["--mu_start=-0.1"], "must lie in [0, 1]"),
         (smoke + ["--device_batch_size=3"], "not divisible"),
         (smoke + ["--seq_len=256"], "seq_len=256 is beyond the RoPE table (max_seq_len=128)"),
-        (["--train_files=/nonexistent/x_*.bin"], "no shards match /nonexistent/x_*.bin: check the path"),
-        (["--train_files=/no/fineweb10B_bytes/f_*.bin", "--encoding=bytes", "--vocab_size=256"],
-         "python data/tokenize_corpus.py --from_shards='data/fineweb10B/*.bin' --encoding=bytes "
-         "--out=/no/fineweb10B_bytes"),  # a conversion's, not the download's advice
+        (
+            ["--train_files=/nonexistent/x_*.bin"],
+            "no shards match /nonexistent/x_*.bin: check the path",
+        ),
+        (
+            ["--train_files=/no/fineweb10B_bytes/f_*.bin", "--encoding=bytes", "--vocab_size=256"],
+            "python data/tokenize_corpus.py --from_shards='data/fineweb10B/*.bin' --encoding=bytes "
+            "--out=/no/fineweb10B_bytes",
+        ),  # a conversion's, not the download's advice
         (smoke + [f"--train_files={tmp_path}/trunc_*.bin"], "trunc_000001.bin: header says 9000"),
         (smoke + [f"--train_files={tmp_path}/magic_*.bin"], "magic_000001.bin: bad magic number 7"),
-        (smoke + [f"--train_files={tmp_path}/oov_*.bin"],
-         "oov_000001.bin: token id 60000 is outside the vocabulary (vocab_size=50257)"),
+        (
+            smoke + [f"--train_files={tmp_path}/oov_*.bin"],
+            "oov_000001.bin: token id 60000 is outside the vocabulary (vocab_size=50257)",
+        ),
         ([f"--resume={tmp_path}/empty_run"], "empty_run: no checkpoint (checkpoint.pt) in it"),
-        ([f"--resume={tmp_path}/corrupt_run"], "corrupt_run/checkpoint.pt: corrupt or incompatible"),
+        (
+            [f"--resume={tmp_path}/corrupt_run"],
+            "corrupt_run/checkpoint.pt: corrupt or incompatible",
+        ),
         (smoke + ["--val_tokens=100"], "val_tokens=100 is fewer than one validation batch"),
-        (smoke + [f"--run_dir={tmp_path}/pipe_run"], "pipe_run/config.json is a named pipe, not a file"),
+        (
+            smoke + [f"--run_dir={tmp_path}/pipe_run"],
+            "pipe_run/config.json is a named pipe, not a file",
+        ),
         ([f"--resume={tmp_path}/empty_run", "--preset=smoke"], "--preset starts a new run"),
     ]
 
@@ -1688,12 +2162,30 @@ def test_every_bad_input_gives_one_error_line_and_status_2(tmp_path, capsys):
 
 def test_every_field_has_a_checked_range(tmp_path):
     # generated from the dataclass: a new numeric field without a range check fails here
-    strings = {"train_files", "val_files", "encoding", "attn_impl", "router", "controller", "gate_init",
-               "gate_axis", "resume", "run_dir", "preset"}
-    bad_values = {"train_files": f"{tmp_path}/dir_*.bin", "val_files": "/nonexistent/v_*.bin",
-                  "attn_impl": "tpu", "router": "moe", "controller": "pid",
-                  "gate_init": "uniform", "gate_axis": "value", "encoding": "utf16",
-                  "preset": "huge"}  # the paths (resume, run_dir): bad_inputs
+    strings = {
+        "train_files",
+        "val_files",
+        "encoding",
+        "attn_impl",
+        "router",
+        "controller",
+        "gate_init",
+        "gate_axis",
+        "resume",
+        "run_dir",
+        "preset",
+    }
+    bad_values = {
+        "train_files": f"{tmp_path}/dir_*.bin",
+        "val_files": "/nonexistent/v_*.bin",
+        "attn_impl": "tpu",
+        "router": "moe",
+        "controller": "pid",
+        "gate_init": "uniform",
+        "gate_axis": "value",
+        "encoding": "utf16",
+        "preset": "huge",
+    }  # the paths (resume, run_dir): bad_inputs
     (tmp_path / "dir_000001.bin").mkdir()
     given = tg.parse_overrides(["--preset=smoke"])
     defaults = {**asdict(tg.Hyperparameters()), **asdict(tg.Job())}
@@ -1708,9 +2200,13 @@ def test_every_field_has_a_checked_range(tmp_path):
             assert f.name in strings, f"a new text field {f.name}: add its bad value here"
             candidates = [bad_values[f.name]] if f.name in bad_values else []
         never = ["", "nan", "inf"] + (["1e-50", "1e39"] if type(default) is float else [])
-        for value in never if isinstance(default, (int, float)) and not isinstance(default, bool) else []:
+        for value in (
+            never if isinstance(default, (int, float)) and not isinstance(default, bool) else []
+        ):
             with pytest.raises(tg.UserError):  # refused for every number, whatever its range
-                tg.validate(tg.resolve(tg.parse_overrides(["--preset=smoke", f"--{f.name}={value}"])), 1)
+                tg.validate(
+                    tg.resolve(tg.parse_overrides(["--preset=smoke", f"--{f.name}={value}"])), 1
+                )
         refused = 0
         for value in candidates:
             try:
@@ -1724,7 +2220,9 @@ def test_every_field_has_a_checked_range(tmp_path):
         # (validate); resume's valid values are runs: the resume tests
         value = smoke[f.name]
         others = [v for v in valid_candidates(f.name, value, tmp_path) if v != value]
-        assert f.name == "resume" or accepts(f.name, value) and any(accepts(f.name, v) for v in others), f.name
+        assert (
+            f.name == "resume" or accepts(f.name, value) and any(accepts(f.name, v) for v in others)
+        ), f.name
 
 
 def accepts(name, value) -> bool:
@@ -1732,11 +2230,17 @@ def accepts(name, value) -> bool:
     the field, passes every check before a run starts."""
     text = str(value).lower() if isinstance(value, bool) else str(value)
     owner = [f"--router={r}" for r in tg.ROUTERS if name in routers_fields(r)]
-    owner += ["--n_layers=8"] if owner == ["--router=mor"] else []  # the smoke's 4: too few for N_r = 3
-    owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][:1]
+    owner += (
+        ["--n_layers=8"] if owner == ["--router=mor"] else []
+    )  # the smoke's 4: too few for N_r = 3
+    owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][
+        :1
+    ]
     try:
         given = [f"--{name}={text}"] if text else []  # an empty default: the flag left out
-        given += ["--vocab_size=256"] if (name, text) == ("encoding", "bytes") else []  # its vocabulary
+        given += (
+            ["--vocab_size=256"] if (name, text) == ("encoding", "bytes") else []
+        )  # its vocabulary
         tg.validate(tg.resolve(tg.parse_overrides(["--preset=smoke", *owner, *given])), 1)
         return True
     except tg.UserError:
@@ -1744,14 +2248,17 @@ def accepts(name, value) -> bool:
 
 
 def routers_fields(router) -> list:
-    """The fields under "# router=NAME" in Hyperparameters: read by that router alone."""
-    return [f for f, (group, _, _) in support.field_facts(tg.Hyperparameters).items()
-            if group.startswith(f"router={router}:")]
+    """The fields of Hyperparameters marked router=NAME: read by that router alone."""
+    return [f.name for f in tg.fields(tg.Hyperparameters) if f.metadata["router"] == router]
+
+
+def field_of(name):
+    return {f.name: f for f in tg.fields(tg.Hyperparameters) + tg.fields(tg.Job)}[name]
 
 
 def choices(name) -> list:
-    spec = {**support.field_facts(tg.Hyperparameters), **support.field_facts(tg.Job)}[name][1]
-    return spec[1:-1].split("|") if spec.startswith("{") else []
+    spec = field_of(name).metadata["spec"]
+    return list(spec) if isinstance(spec, tuple) else []
 
 
 def valid_candidates(name, default, tmp_path) -> list:
@@ -1762,8 +2269,11 @@ def valid_candidates(name, default, tmp_path) -> list:
         return [default + 1, 2 * default, default - 1, default // 2]
     if isinstance(default, float):
         return [2 * default, default / 2, default + 0.1, default - 0.1, 0.5]
-    paths = {"train_files": tg.PRESETS["smoke"]["val_files"], "val_files": tg.PRESETS["smoke"]["train_files"],
-             "run_dir": str(tmp_path / "new_run")}
+    paths = {
+        "train_files": tg.PRESETS["smoke"]["val_files"],
+        "val_files": tg.PRESETS["smoke"]["train_files"],
+        "run_dir": str(tmp_path / "new_run"),
+    }
     return [paths[name]] if name in paths else [c for c in choices(name) if c != default]
 
 
@@ -1771,18 +2281,23 @@ def numeric_range_is_checked(name, default) -> list:
     """Checks that the default and the values at (or just inside) each end of the field's
     declared interval are accepted by the range check; -> values just outside it, as text."""
     cls = tg.Job if name in tg.JOB else tg.Hyperparameters
-    interval = support.field_facts(cls)[name][1]
-    assert interval[:1] in ("[", "("), f"a numeric field {name} without a range in its line"
-    low, high = (int(t) if t.strip().lstrip("-").isdigit() else float(t)  # (exact past 2^53)
-                 for t in interval[1:-1].split(","))
+    interval = field_of(name).metadata["spec"]
+    assert interval[:1] in ("[", "("), f"a numeric field {name} without a range"
+    low, high = (
+        int(t) if t.strip().lstrip("-").isdigit() else float(t)  # (exact past 2^53)
+        for t in interval[1:-1].split(",")
+    )
     step = 1 if type(default) is int else 1e-3
     inside = [default, low if interval[0] == "[" else low + step]
     inside += [high if interval[-1] == "]" else high - step] if math.isfinite(high) else [1e30]
     for value in inside:
         support.check_fields(replace(cls(), **{name: type(default)(value)}))  # raises if refused
     outside = [low - step if interval[0] == "[" else low]
-    return [str(type(default)(v)) for v in outside + ([high + step if interval[-1] == "]" else high]
-                                                      if math.isfinite(high) else [])]
+    return [
+        str(type(default)(v))
+        for v in outside
+        + ([high + step if interval[-1] == "]" else high] if math.isfinite(high) else [])
+    ]
 
 
 def load_command(path):
@@ -1795,8 +2310,15 @@ def load_command(path):
 def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
     # what the generated test above cannot know: files, runs, texts, the options' meaning
     sample, bench = load_command("sample.py"), load_command("bench.py")
-    sweep, skipview, expand_ = load_command("sweep.py"), load_command("skipview.py"), load_command("expand.py")
-    tokenize, fetch = load_command("data/tokenize_corpus.py"), load_command("data/cached_fineweb10B.py")
+    sweep, skipview, expand_ = (
+        load_command("sweep.py"),
+        load_command("skipview.py"),
+        load_command("expand.py"),
+    )
+    tokenize, fetch = (
+        load_command("data/tokenize_corpus.py"),
+        load_command("data/cached_fineweb10B.py"),
+    )
     run = tmp_path / "run"
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
@@ -1808,7 +2330,11 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
     torch.save({**ckpt, "hp": {**ckpt["hp"], "encoding": "bytes"}}, edited / "checkpoint.pt")
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
     cases = [
-        (sample.main, [str(run), "--prompt=" + "word " * 40], "context holds 32, so no token could follow"),
+        (
+            sample.main,
+            [str(run), "--prompt=" + "word " * 40],
+            "context holds 32, so no token could follow",
+        ),
         (sample.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
         (sample.main, [str(tmp_path / "none")], "none: no such folder"),
         (sample.main, [str(edited)], "vocab_size=50257 cannot use encoding=bytes (256 token ids)"),
@@ -1838,7 +2364,7 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
     ]
     runner = {tokenize.main: tokenize.run}
     for main, argv, message in cases:
-        code = runner.get(main, lambda argv: support.cli(main, argv))(argv)
+        code = runner.get(main, lambda argv, main=main: support.cli(main, argv))(argv)
         out = capsys.readouterr()
         assert code == 2 and out.err.startswith("error: "), (argv, out.err)
         assert out.err.count("\n") == 1 and message in out.err, (argv, out.err)
@@ -1846,15 +2372,26 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
     assert a_file.read_text() == "x"
     # standard output on a full disk: status 1, buffered or not, nothing more at exit
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    for cmd, unbuffered in ((["sample.py", str(run), "--tokens=3"], "1"),
-                            (["train_gpt.py", *RESUME_RUN, f"--run_dir={tmp_path / 'r2'}"], "")):
+    for cmd, unbuffered in (
+        (["sample.py", str(run), "--tokens=3"], "1"),
+        (["train_gpt.py", *RESUME_RUN, f"--run_dir={tmp_path / 'r2'}"], ""),
+    ):
         with open("/dev/full", "w") as full:
-            r = subprocess.run([sys.executable, *cmd], cwd=HERE, stdout=full, stderr=subprocess.PIPE,
-                               text=True, timeout=300, env={**env, "PYTHONUNBUFFERED": unbuffered})
+            r = subprocess.run(
+                [sys.executable, *cmd],
+                cwd=HERE,
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=300,
+                env={**env, "PYTHONUNBUFFERED": unbuffered},
+            )
         assert r.returncode == 1 and r.stderr.count("\n") == 1, (cmd, r.stderr)
         assert r.stderr.startswith("error: No space left on device"), (cmd, r.stderr)
     # one boolean spelling everywhere, as train_gpt.py's fields: 1/0, true/false, yes/no
-    assert [support.parse_bool(v) for v in ("1", "TRUE", "Yes", "0", "false", "NO")] == [True] * 3 + [False] * 3
+    assert [support.parse_bool(v) for v in ("1", "TRUE", "Yes", "0", "false", "NO")] == [
+        True
+    ] * 3 + [False] * 3
     # --help (and -h): status 0, the usage, and every option's default
     for module in (sample, bench, sweep, skipview, expand_, tokenize, fetch):
         for flag in ("--help", "-h"):
@@ -1870,6 +2407,7 @@ def disk_nearly_full(limit=256 << 10):
     """For a subprocess: files may not grow past limit bytes (RLIMIT_FSIZE, EFBIG), the way a
     disk with little space left refuses a write (ENOSPC); both are DISK_FULL."""
     import resource
+
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the write kills the process
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
@@ -1879,16 +2417,28 @@ def test_a_full_disk_is_found_before_the_work_and_leaves_nothing(tmp_path, capsy
     assert code == 0, err
     (tmp_path / "t.txt").write_text("some text " * 50)
     out = tmp_path / "out" / "deeper"
-    for cmd in (["train_gpt.py", *RESUME_RUN, f"--run_dir={out}"],
-                ["bench.py", f"--out={out}"], ["sweep.py", "--grid=cpu", f"--out={out}"],
-                ["skipview.py", str(tmp_path / "run"), f"--out={out}/page.html"],
-                ["data/tokenize_corpus.py", str(tmp_path / "t.txt"), f"--out={out}"],
-                [os.path.join("data", "cached_fineweb10B.py"), "1", f"--out={out}"]):
-        r = subprocess.run([sys.executable, *cmd], cwd=HERE, capture_output=True, text=True,
-                           timeout=300, preexec_fn=disk_nearly_full,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    for cmd in (
+        ["train_gpt.py", *RESUME_RUN, f"--run_dir={out}"],
+        ["bench.py", f"--out={out}"],
+        ["sweep.py", "--grid=cpu", f"--out={out}"],
+        ["skipview.py", str(tmp_path / "run"), f"--out={out}/page.html"],
+        ["data/tokenize_corpus.py", str(tmp_path / "t.txt"), f"--out={out}"],
+        [os.path.join("data", "cached_fineweb10B.py"), "1", f"--out={out}"],
+    ):
+        r = subprocess.run(
+            [sys.executable, *cmd],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=disk_nearly_full,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         assert r.returncode == 1 and r.stderr.count("\n") == 1, (cmd, r.stderr)
-        assert r.stderr.startswith(f"error: {out}") and "File too large" in r.stderr, (cmd, r.stderr)
+        assert r.stderr.startswith(f"error: {out}") and "File too large" in r.stderr, (
+            cmd,
+            r.stderr,
+        )
         assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "t.txt"], cmd  # nothing left
 
 
@@ -1897,39 +2447,84 @@ def test_an_output_name_taken_by_what_bench_did_not_write_is_refused_before_the_
     (tmp_path / "b" / "bench.json").write_text("{}")  # a user's, though .outputs.json says ours
     (tmp_path / "b" / ".outputs.json").write_text('{"bench.json": "%s"}' % sha256(b"{ }"))
     for taken, kind in (("bench.md", "a folder"), ("bench.json", "a file")):
-        r = subprocess.run([sys.executable, "bench.py", f"--out={tmp_path / 'b'}"], cwd=HERE,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and r.stdout == "" and r.stderr == (
-            f"error: {tmp_path / 'b' / taken} is there ({kind}) and this command did not write "
-            "it, or it changed since: move it or write elsewhere; nothing was written\n"), r.stderr
+        r = subprocess.run(
+            [sys.executable, "bench.py", f"--out={tmp_path / 'b'}"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (
+            r.returncode == 2
+            and r.stdout == ""
+            and r.stderr
+            == (
+                f"error: {tmp_path / 'b' / taken} is there ({kind}) and this command did not write "
+                "it, or it changed since: move it or write elsewhere; nothing was written\n"
+            )
+        ), r.stderr
         if taken == "bench.md":
             (tmp_path / "b" / "bench.md").rmdir()
     (tmp_path / "c").mkdir()  # a user's own file of the record's name is not replaced either
     (tmp_path / "c" / ".outputs.json").write_text("my notes")
-    r = subprocess.run([sys.executable, "bench.py", f"--out={tmp_path / 'c'}"], cwd=HERE,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not a record this project " \
-        "wrote: move it" in r.stderr and (tmp_path / "c" / ".outputs.json").read_text() == "my notes", r.stderr
+    r = subprocess.run(
+        [sys.executable, "bench.py", f"--out={tmp_path / 'c'}"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.count("\n") == 1
+        and "is not a record this project wrote: move it" in r.stderr
+        and (tmp_path / "c" / ".outputs.json").read_text() == "my notes"
+    ), r.stderr
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".outputs.json"]
 
 
 def test_a_disk_that_fills_mid_write_names_the_file_and_keeps_what_was_there(tmp_path):
     big = tmp_path / "big.txt"  # 1.2M tokens: shards of 1M tokens are 2 MB, over the limit
     big.write_text(" word" * 1_200_000)
-    r = run_data_script("tokenize_corpus.py", [str(big), f"--out={tmp_path / 's'}", "--workers=1",
-                                               "--shard_tokens=1000000"])
+    r = run_data_script(
+        "tokenize_corpus.py",
+        [str(big), f"--out={tmp_path / 's'}", "--workers=1", "--shard_tokens=1000000"],
+    )
     assert r.returncode == 0, r.stderr
     before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
-    r = subprocess.run([sys.executable, "data/tokenize_corpus.py", str(big), f"--out={tmp_path / 's'}",
-                        "--workers=1", "--shard_tokens=1000000"], cwd=HERE, capture_output=True,
-                       text=True, timeout=300, preexec_fn=lambda: disk_nearly_full(3 << 19))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "data/tokenize_corpus.py",
+            str(big),
+            f"--out={tmp_path / 's'}",
+            "--workers=1",
+            "--shard_tokens=1000000",
+        ],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: disk_nearly_full(3 << 19),
+    )
     assert r.returncode == 1, r.stderr
-    assert r.stderr.splitlines()[-1] == f"error: {tmp_path / 's' / 'corpus_val_000000.bin'}: File too large"
+    assert (
+        r.stderr.splitlines()[-1]
+        == f"error: {tmp_path / 's' / 'corpus_val_000000.bin'}: File too large"
+    )
     assert {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()} == before
 
 
-COMMANDS = ("sample.py", "bench.py", "sweep.py", "skipview.py", "expand.py",
-            "data/tokenize_corpus.py", "data/cached_fineweb10B.py", "data/debian_docs.py")
+COMMANDS = (
+    "sample.py",
+    "bench.py",
+    "sweep.py",
+    "skipview.py",
+    "expand.py",
+    "data/tokenize_corpus.py",
+    "data/cached_fineweb10B.py",
+    "data/debian_docs.py",
+)
 
 
 def bad_values(action, loop):
@@ -1938,8 +2533,11 @@ def bad_values(action, loop):
     non-finite values, values past each bound, and (floats) values float32 cannot hold."""
     kind = action.type
     if kind is support.path_arg:
-        return [("", "expected a non-empty value"), (str(loop), "symbolic link loop"),
-                ("/dev/null", "character device")]
+        return [
+            ("", "expected a non-empty value"),
+            (str(loop), "symbolic link loop"),
+            ("/dev/null", "character device"),
+        ]
     if hasattr(kind, "low"):
         past = [str(kind.low - 1)] + ([] if kind.high == math.inf else [str(kind.high + 1)])
         tiny = ["1e-50", "1e39", "-1e-50"] if kind.kind is float else ["1.5", "1e400"]
@@ -1960,7 +2558,9 @@ def bad_values(action, loop):
 def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path, capsys):
     # generated from each command's parser: a new option is covered, or this fails
     run = tmp_path / "run"  # dense: expand.py takes it
-    code, _, err = run_main(TINY_RUN + ["--router=none", f"--run_dir={run}", "--stop_step=1"], capsys)
+    code, _, err = run_main(
+        TINY_RUN + ["--router=none", f"--run_dir={run}", "--stop_step=1"], capsys
+    )
     assert code == 0, err
     (tmp_path / "t.txt").write_text("some text")
     loop = tmp_path / "loop"
@@ -1975,14 +2575,21 @@ def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path
         for action in actions:
             for value, message in bad_values(action, loop):
                 argv = [f"--out={tmp_path / 's'}"] if path.endswith("tokenize_corpus.py") else []
-                argv += [value if a is action else required[a.dest] for a in actions  # in order
-                         if not a.option_strings and (a is action or a.dest in required)]
+                argv += [
+                    value if a is action else required[a.dest]
+                    for a in actions  # in order
+                    if not a.option_strings and (a is action or a.dest in required)
+                ]
                 argv += [f"{action.option_strings[0]}={value}"] if action.option_strings else []
                 code = main(argv)
                 out = capsys.readouterr()
                 assert code == 2 and out.err.startswith("error: "), (path, argv, out.err)
                 dash = value.startswith("-") and not action.option_strings  # read as an option
-                assert out.err.count("\n") == 1 and (message in out.err or dash), (path, argv, out.err)
+                assert out.err.count("\n") == 1 and (message in out.err or dash), (
+                    path,
+                    argv,
+                    out.err,
+                )
                 checked += 1
     assert checked > 100 and not (tmp_path / "s").exists() and not (tmp_path / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "run", "t.txt"]
@@ -2009,13 +2616,26 @@ def test_a_signal_as_a_command_loads_numpy_or_after_it_ended_prints_no_traceback
     for path in ("train_gpt.py", *COMMANDS):
         for sig, at, status in (("SIGINT", "numpy", 130), ("SIGTERM", "exit", 0)):
             env = {**os.environ, "PYTHONPATH": str(tmp_path), "HOOK_SIGNAL": sig, "HOOK_AT": at}
-            r = subprocess.run([sys.executable, path, "--help"], cwd=HERE, env=env, timeout=120,
-                               capture_output=True, text=True)
-            assert r.returncode == status and r.stderr == "", (path, sig, at, r.returncode, r.stderr)
+            r = subprocess.run(
+                [sys.executable, path, "--help"],
+                cwd=HERE,
+                env=env,
+                timeout=120,
+                capture_output=True,
+                text=True,
+            )
+            assert r.returncode == status and r.stderr == "", (
+                path,
+                sig,
+                at,
+                r.returncode,
+                r.stderr,
+            )
             assert (r.stdout != "") == (at == "exit"), (path, at, r.stdout)
 
 
 # ---------------------------------------------------------------------------- runs that survive
+
 
 def run_main(args, capsys):
     """train_gpt.py's job in this process, as its __main__ runs it -> (exit status, stdout,
@@ -2031,15 +2651,23 @@ def val_steps(run_dir):
 
 def test_a_size_past_the_machine_is_one_line_before_any_model_is_built(tmp_path, capsys):
     for router in tg.ROUTERS:  # the bound: the built model's count less norms, gates, routers
-        hp = tg.Hyperparameters(router=router, dim=64, n_heads=4, n_kv_heads=2, n_layers=8,
-                                vocab_size=512)
+        hp = tg.Hyperparameters(
+            router=router, dim=64, n_heads=4, n_kv_heads=2, n_layers=8, vocab_size=512
+        )
         with torch.device("meta"):
             exact = sum(p.numel() for p in tg.GPT(hp).parameters())
         assert 0.99 * exact <= tg.n_weights(hp) <= exact, router
     for size in ("--dim=1e12", "--n_layers=2000000", "--vocab_size=65536"):
         t0 = time.time()
-        code, out, err = run_main(TINY_RUN + [size, "--dim=1000000" if "vocab" in size else "--seed=1",
-                                              f"--run_dir={tmp_path / 'r'}"], capsys)
+        code, out, err = run_main(
+            TINY_RUN
+            + [
+                size,
+                "--dim=1000000" if "vocab" in size else "--seed=1",
+                f"--run_dir={tmp_path / 'r'}",
+            ],
+            capsys,
+        )
         assert code == 2 and err.startswith("error: these sizes need at least") and out == "", err
         assert err.count("\n") == 1 and time.time() - t0 < 20 and not (tmp_path / "r").exists()
 
@@ -2058,19 +2686,19 @@ def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
 
 def test_a_run_directory_is_held_by_one_job(tmp_path):
     (tmp_path / "lock").write_text("a user's own file")
-    support.lock_run_dir(str(tmp_path))
+    runs.lock_run_dir(str(tmp_path))
     try:
         with pytest.raises(tg.UserError, match="is in use by another job"):
-            support.lock_run_dir(str(tmp_path))  # a second open file: flock refuses it too
+            runs.lock_run_dir(str(tmp_path))  # a second open file: flock refuses it too
         assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]  # the lock writes no file
         assert (tmp_path / "lock").read_text() == "a user's own file"
     finally:
-        support.release_locks()
-    support.lock_run_dir(str(tmp_path))  # released: free again
-    support.release_locks()
+        runs.release_locks()
+    runs.lock_run_dir(str(tmp_path))  # released: free again
+    runs.release_locks()
     gone = tmp_path / "moved_away"  # a resumed run's folder moved between its read and its lock
     with pytest.raises(tg.UserError, match="No such file"):
-        support.open_run_dir(str(gone), "", {"mtime": 0, "run_id": "ab"})
+        runs.open_run_dir(str(gone), "", {"mtime": 0, "run_id": "ab"})
     assert not gone.exists()  # not made again, empty
 
 
@@ -2089,21 +2717,29 @@ def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(t
         proc.kill()
         proc.wait()
     step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
-    code, _, err = run_main([f"--resume={tmp_path}", f"--stop_step={step + 1}"], capsys)  # the lock is gone
+    code, _, err = run_main(
+        [f"--resume={tmp_path}", f"--stop_step={step + 1}"], capsys
+    )  # the lock is gone
     assert code == 0, err
     train = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
     assert train == list(range(1, step + 2))  # each step once
 
 
 def test_a_bad_shard_met_mid_run_is_status_1_naming_the_last_checkpoint(tmp_path, capsys):
-    sample = shards.read_shard(sorted(glob.glob(os.path.join(HERE, "data/sample/sample_train_*")))[0])
+    sample = shards.read_shard(
+        sorted(glob.glob(os.path.join(HERE, "data/sample/sample_train_*")))[0]
+    )
     write_shard(tmp_path / "t_000001.bin", sample[:1300])  # 5 steps of 8 x 32 tokens
     write_shard(tmp_path / "t_000002.bin", [60000] * 1300)  # outside the vocabulary: found on load
-    code, _, err = run_main(RESUME_RUN + [f"--train_files={tmp_path}/t_*.bin", "--save_every=2",
-                                          f"--run_dir={tmp_path / 'run'}"], capsys)
+    code, _, err = run_main(
+        RESUME_RUN
+        + [f"--train_files={tmp_path}/t_*.bin", "--save_every=2", f"--run_dir={tmp_path / 'run'}"],
+        capsys,
+    )
     assert code == 1 and err.count("\n") == 1, err
-    assert err.startswith(f"error: {tmp_path}/t_000002.bin: token id 60000 is outside") and \
-        err.endswith(f"; last checkpoint: {tmp_path / 'run' / 'checkpoint.pt'} (step 4)\n"), err
+    assert err.startswith(
+        f"error: {tmp_path}/t_000002.bin: token id 60000 is outside"
+    ) and err.endswith(f"; last checkpoint: {tmp_path / 'run' / 'checkpoint.pt'} (step 4)\n"), err
 
 
 def test_a_non_finite_update_never_replaces_the_checkpoint(tmp_path, monkeypatch, capsys):
@@ -2116,12 +2752,15 @@ def test_a_non_finite_update_never_replaces_the_checkpoint(tmp_path, monkeypatch
         if calls[0] == 3:
             self.param_groups[1]["params"][0].data[0, 0] = float("inf")
         return out
+
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
     code, _, err = run_main(RESUME_RUN + ["--save_every=1", f"--run_dir={tmp_path}"], capsys)
     assert code == 1
     ckpt = tmp_path / "checkpoint.pt"
-    assert err == (f"error: non-finite weights after step 3; the checkpoint was not replaced; "
-                   f"last good checkpoint: {ckpt} (step 2)\n")
+    assert err == (
+        f"error: non-finite weights after step 3; the checkpoint was not replaced; "
+        f"last good checkpoint: {ckpt} (step 2)\n"
+    )
     state = torch.load(ckpt, weights_only=True)
     assert state["step"] == 2 and all(v.isfinite().all() for v in state["model"].values())
     monkeypatch.setattr(torch.optim.AdamW, "step", real)
@@ -2138,6 +2777,7 @@ def signal_during_step(monkeypatch, n):
         if args[-1] == n - 1:  # the 0-based step index is train_step's last argument
             tg.STOP.signum = signal.SIGTERM
         return real(*args)
+
     monkeypatch.setattr(tg, "train_step", step)
 
 
@@ -2150,7 +2790,7 @@ def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
         code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'run'}"], capsys)
     assert code == 0, err
     assert f"stopped by signal SIGTERM at step {n} (its validation is still owed)" in out
-    assert val_steps(tmp_path / "run") == [0, 4, 8][:n // 4]
+    assert val_steps(tmp_path / "run") == [0, 4, 8][: n // 4]
     code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
     assert code == 0, err
     ref, run = (read_metrics(tmp_path / r) for r in ("ref", "run"))
@@ -2168,6 +2808,7 @@ def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
 def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
     import builtins
     import errno
+
     saves = [0]
 
     class FullDisk:  # takes part of the data, then the disk is full
@@ -2175,7 +2816,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys
             self.f = f
 
         def write(self, data):
-            self.f.write(data[:len(data) // 2])
+            self.f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
 
         def __getattr__(self, name):
@@ -2194,12 +2835,15 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys
             if saves[0] == 2:
                 return FullDisk(f)
         return f
+
     monkeypatch.setattr(support, "open", fake_open, raising=False)
     code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 1
-    assert err == (f"error: cannot write the checkpoint of step 4 ({tmp_path / 'checkpoint.pt'}: "
-                   f"No space left on device); "
-                   f"last good checkpoint: {tmp_path / 'checkpoint.pt'} (step 2)\n")
+    assert err == (
+        f"error: cannot write the checkpoint of step 4 ({tmp_path / 'checkpoint.pt'}: "
+        f"No space left on device); "
+        f"last good checkpoint: {tmp_path / 'checkpoint.pt'} (step 2)\n"
+    )
     assert not glob.glob(str(tmp_path / "checkpoint.pt.*.tmp"))  # the partial file is gone
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
     monkeypatch.undo()  # space freed
@@ -2208,27 +2852,33 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys
     assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
 
 
-def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(tmp_path,
-                                                                              monkeypatch, capsys):
+def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
     import errno
-    real = support.RunLog.record
+
+    real = runs.RunLog.record
 
     def record(self, obj):
         if obj.get("kind") == "train" and obj["step"] == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, obj)
-    monkeypatch.setattr(support.RunLog, "record", record)
+
+    monkeypatch.setattr(runs.RunLog, "record", record)
     code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
-    assert (code, err) == (1, f"error: No space left on device; last checkpoint: "
-                              f"{tmp_path / 'checkpoint.pt'} (step 2)\n")
+    assert (code, err) == (
+        1,
+        f"error: No space left on device; last checkpoint: {tmp_path / 'checkpoint.pt'} (step 2)\n",
+    )
     monkeypatch.undo()
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # it goes on from step 2
     assert code == 0, err
     assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
 
 
-def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(tmp_path, monkeypatch,
-                                                                          capsys):
+def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(
+    tmp_path, monkeypatch, capsys
+):
     code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 0, err
     files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}  # noqa: E731
@@ -2240,19 +2890,25 @@ def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(tmp_pat
     (tmp_path / "metrics.jsonl").rmdir()
     (tmp_path / "m").rename(tmp_path / "metrics.jsonl")
     assert files() == before  # nothing written
+
     def full(self, run_dir, *args, **kwargs):  # the disk fills as the logs are opened
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(run_dir, "train.log"))
-    monkeypatch.setattr(support.RunLog, "__init__", full)
+
+    monkeypatch.setattr(runs.RunLog, "__init__", full)
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)
-    assert (code, err) == (1, f"error: cannot write the run's logs ({tmp_path / 'train.log'}: "
-                              f"No space left on device); last checkpoint: "
-                              f"{tmp_path / 'checkpoint.pt'} (step 2)\n")
+    assert (code, err) == (
+        1,
+        f"error: cannot write the run's logs ({tmp_path / 'train.log'}: "
+        f"No space left on device); last checkpoint: "
+        f"{tmp_path / 'checkpoint.pt'} (step 2)\n",
+    )
 
 
 def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, capsys):
     for name in ("a", "b"):
-        code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / name}", "--stop_step=2"],
-                                capsys)
+        code, _, err = run_main(
+            RESUME_RUN + [f"--run_dir={tmp_path / name}", "--stop_step=2"], capsys
+        )
         assert code == 0, err
     a, b = tmp_path / "a", tmp_path / "b"
     metrics = (b / "metrics.jsonl").read_bytes()
@@ -2262,18 +2918,24 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
     assert (b / "metrics.jsonl").read_bytes() == metrics
     (b / "config.json").unlink()  # no record of whose run this is, but a history to cut
     code, out, err = run_main([f"--resume={b}"], capsys)
-    assert code == 2 and out == "" and err.endswith("config.json says nothing); resume the run it "
-                                                    "came from\n") and err.count("\n") == 1, err
+    assert (
+        code == 2
+        and out == ""
+        and err.endswith("config.json says nothing); resume the run it came from\n")
+        and err.count("\n") == 1
+    ), err
     assert (b / "metrics.jsonl").read_bytes() == metrics and not (b / "config.json").exists()
     state = torch.load(a / "checkpoint.pt", weights_only=True)
-    for change, message in [(lambda s: s["hp"].update(dim=64), "weights do not fit"),
-                            (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),
-                            (lambda s: s.update(step="4"), "saved step='4' is not of type int"),
-                            (lambda s: s["hp"].update(lr="x"), "saved lr='x' is not of type float"),
-                            (lambda s: s.update(loader={"shard": 0}), "data position"),
-                            (lambda s: s.update(routing={}), "corrupt or incompatible"),
-                            (lambda s: s.update(rng={"cuda": []}), "corrupt or incompatible"),
-                            (lambda s: s.update(optimizer={"state": {}}), "corrupt or incompatible")]:
+    for change, message in [
+        (lambda s: s["hp"].update(dim=64), "weights do not fit"),
+        (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),
+        (lambda s: s.update(step="4"), "saved step='4' is not of type int"),
+        (lambda s: s["hp"].update(lr="x"), "saved lr='x' is not of type float"),
+        (lambda s: s.update(loader={"shard": 0}), "data position"),
+        (lambda s: s.update(routing={}), "corrupt or incompatible"),
+        (lambda s: s.update(rng={"cuda": []}), "corrupt or incompatible"),
+        (lambda s: s.update(optimizer={"state": {}}), "corrupt or incompatible"),
+    ]:
         bad = {**state, "hp": dict(state["hp"])}
         change(bad)
         torch.save(bad, a / "checkpoint.pt")
@@ -2287,8 +2949,14 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
 
 
 def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, capsys):
-    mod = RESUME_RUN + ["--router=mod", "--mod_every=1", "--gamma=1e-3", "--mu_start=1.0",
-                        "--stop_step=2", f"--run_dir={tmp_path}"]
+    mod = RESUME_RUN + [
+        "--router=mod",
+        "--mod_every=1",
+        "--gamma=1e-3",
+        "--mu_start=1.0",
+        "--stop_step=2",
+        f"--run_dir={tmp_path}",
+    ]
     code, _, err = run_main(mod, capsys)
     assert code == 0, err
     code, _, err = run_main([f"--resume={tmp_path}", "--mod_every=2"], capsys)
@@ -2296,8 +2964,8 @@ def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, caps
 
 
 def test_every_field_that_shapes_the_weights_is_fixed_on_resume(tmp_path):
-    # the resume rule reads "fixed;" in a field's line: a field that changes the weights'
-    # names or shapes without it would let a resume meet weights that do not fit
+    # the resume rule reads a field's fixed=True: a field that changes the weights' names or
+    # shapes without it would let a resume meet weights that do not fit
     def shapes(hp):  # on the meta device, its init skipped: shapes only (quick)
         with torch.device("meta"), mock.patch.object(torch.nn.init, "normal_", lambda t, **_: t):
             return {k: v.shape for k, v in tg.GPT(hp).state_dict().items()}
@@ -2308,6 +2976,7 @@ def test_every_field_that_shapes_the_weights_is_fixed_on_resume(tmp_path):
         except Exception:  # settings no model can have, which validation must refuse
             assert not accepts(name, value), (name, value)
             return False
+
     smoke = tg.resolve(tg.parse_overrides(["--preset=smoke"]))
     base_shapes = {r: shapes(replace(smoke, router=r)) for r in tg.ROUTERS}
     shaping = set()
@@ -2315,29 +2984,34 @@ def test_every_field_that_shapes_the_weights_is_fixed_on_resume(tmp_path):
         owner = [r for r in tg.ROUTERS if f.name in routers_fields(r)] or [smoke.router]
         base = replace(smoke, router=owner[0])
         for value in valid_candidates(f.name, getattr(base, f.name), tmp_path):
-            if value != getattr(base, f.name) and differ(base, f.name, value) \
-                    and accepts(f.name, value):
+            if (
+                value != getattr(base, f.name)
+                and differ(base, f.name, value)
+                and accepts(f.name, value)
+            ):
                 shaping.add(f.name)
     assert {"n_layers", "dim", "vocab_size", "router", "mod_every"} <= shaping  # it can see them
     assert shaping <= set(tg.FIXED), shaping - set(tg.FIXED)
 
 
-def test_a_signal_that_reached_another_rank_stops_this_one_with_its_name(tmp_path, monkeypatch,
-                                                                          capsys):
-    real = tg.all_reduce
+def test_a_signal_that_reached_another_rank_stops_this_one_with_its_name(
+    tmp_path, monkeypatch, capsys
+):
+    real = runs.all_reduce
 
     def other_rank_signalled(t, op="sum"):  # what the MAX all-reduce gives when rank 1 got SIGTERM
         return t.fill_(signal.SIGTERM) if op == "max" and t.numel() == 1 else real(t, op)
-    monkeypatch.setattr(tg, "all_reduce", other_rank_signalled)
+
+    monkeypatch.setattr(runs, "all_reduce", other_rank_signalled)
     code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
     assert code == 0 and err == "", err
     assert "stopped by signal SIGTERM at step 0" in out
 
 
-def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch,
-                                                                     capsys):
+def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch, capsys):
     def crash(*args):
         raise MemoryError("killed before its first checkpoint")
+
     with monkeypatch.context() as m:
         m.setattr(tg, "train_step", crash)
         with pytest.raises(MemoryError):
@@ -2349,37 +3023,44 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, m
     assert code == 2 and "no checkpoint (checkpoint.pt) in it" in err, err
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh, same folder
     assert code == 0, err
-    assert "its files are in" in err and (tmp_path / "aborted_1" / "train.log").read_text() == old_log
+    assert (
+        "its files are in" in err and (tmp_path / "aborted_1" / "train.log").read_text() == old_log
+    )
     assert val_steps(tmp_path) == [0, 4, 8]
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
 
 
 def test_a_first_signal_during_start_up_stops_cleanly(tmp_path, monkeypatch, capsys):
-    real_setup, real_log = tg.setup_distributed, tg.open_log
+    real_setup, real_log = runs.setup_distributed, runs.open_log
 
     def signalled():  # Ctrl-C while the job checks its settings: it stops at once, silently
         os.kill(os.getpid(), signal.SIGINT)
         return real_setup()
-    monkeypatch.setattr(tg, "setup_distributed", signalled)
+
+    monkeypatch.setattr(runs, "setup_distributed", signalled)
     code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'a'}"], capsys)
     assert (code, out, err) == (130, "", "") and not (tmp_path / "a").exists()
-    monkeypatch.setattr(tg, "setup_distributed", real_setup)
+    monkeypatch.setattr(runs, "setup_distributed", real_setup)
 
     def logged(*args, **kwargs):  # once the run directory is set up, a signal saves step 0
         os.kill(os.getpid(), signal.SIGINT)
         return real_log(*args, **kwargs)
-    monkeypatch.setattr(tg, "open_log", logged)
+
+    monkeypatch.setattr(runs, "open_log", logged)
     code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
     assert code == 0 and err == "", err
-    assert f"stopped by signal SIGINT at step 0 (its validation is still owed); checkpoint: " \
-        f"{tmp_path / 'checkpoint.pt'} (step 0); " \
-        f"resume with: python train_gpt.py --resume={tmp_path}" in out, out
-    monkeypatch.setattr(tg, "open_log", real_log)
+    assert (
+        f"stopped by signal SIGINT at step 0 (its validation is still owed); checkpoint: "
+        f"{tmp_path / 'checkpoint.pt'} (step 0); "
+        f"resume with: python train_gpt.py --resume={tmp_path}" in out
+    ), out
+    monkeypatch.setattr(runs, "open_log", real_log)
     code, out, err = run_main([f"--resume={tmp_path}"], capsys)  # and that command goes on
     assert code == 0 and val_steps(tmp_path) == [0, 4, 8] and "resumed_at:0" in out, err
 
     def second(*args):
         raise KeyboardInterrupt  # what the handler raises on a second signal
+
     monkeypatch.setattr(tg, "train_step", second)
     code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'b'}"], capsys)
     assert code == 130 and err == "error: interrupted by a second signal; last checkpoint: none\n"
@@ -2395,6 +3076,7 @@ def test_sigint_while_the_trainer_starts_exits_quietly(tmp_path):
 
 
 # ---------------------------------------------------------------------------- compacted path
+
 
 def mixed_gates(B, T, seed=0):
     """(B, T, 1) gates: about a third exactly 0, a third in (0, 1), a third exactly 1; row 1
@@ -2470,8 +3152,7 @@ def test_compact_model_matches_dense_logits_and_gradients():
 @pytest.mark.parametrize("axis", ["key", "query"])
 def test_incremental_decoding_matches_a_full_forward_pass(axis):
     torch.manual_seed(0)
-    hp = tiny(n_layers=4, dim=48, max_seq_len=24, seq_len=24, compact=axis == "key",
-              gate_axis=axis)
+    hp = tiny(n_layers=4, dim=48, max_seq_len=24, seq_len=24, compact=axis == "key", gate_axis=axis)
     model = tg.GPT(hp).eval()
     for gate in model.router.gates:
         torch.nn.init.normal_(gate.weight, std=0.15)
@@ -2485,7 +3166,7 @@ def test_incremental_decoding_matches_a_full_forward_pass(axis):
     cache = sample.KVCache(hp, "cpu")
     for pos in range(24):
         with torch.no_grad():
-            step = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
+            step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
         assert (step[0, -1] - full[0, pos]).abs().max().item() < 1e-4
         assert (step[0, -1] - masked[0, pos]).abs().max().item() < 1e-4
     assert (gates == 0).any()
@@ -2512,6 +3193,7 @@ def test_generate_samples_reproducibly_and_reports_the_cache():
 
 
 # ---------------------------------------------------------------------------- DLO
+
 
 def test_zero_router_scores_are_one_and_the_model_is_dense():
     torch.manual_seed(0)
@@ -2560,7 +3242,9 @@ def test_dlo_compact_evaluation_matches():
     idx = torch.randint(0, 97, (3, 16))
     a, b = models[0](idx), models[1](idx)
     assert 0.2 < (~a.route["mlp"]).float().mean() < 0.8
-    assert torch.equal(a.route["scale"], b.route["scale"]) and (a.logits - b.logits).abs().max() < 1e-5
+    assert (
+        torch.equal(a.route["scale"], b.route["scale"]) and (a.logits - b.logits).abs().max() < 1e-5
+    )
 
 
 def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
@@ -2573,8 +3257,17 @@ def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
     assert both.permute(1, 0, 2).tolist() == [[[0, 1, 0], [1, 0, 1]], [[1, 1, 0], [0, 1, 0]]]
     z = torch.tensor([[[0.0, 2.0, -1.0]], [[1.0, -2.0, 0.5]]])
     sig = lambda t: 1 / (1 + math.exp(-t))  # noqa: E731
-    expected = -(math.log(1 - sig(0.0)) + math.log(sig(2.0)) + math.log(1 - sig(-1.0)) +
-                 math.log(sig(1.0)) + math.log(1 - sig(-2.0)) + math.log(sig(0.5))) / 6
+    expected = (
+        -(
+            math.log(1 - sig(0.0))
+            + math.log(sig(2.0))
+            + math.log(1 - sig(-1.0))
+            + math.log(sig(1.0))
+            + math.log(1 - sig(-2.0))
+            + math.log(sig(0.5))
+        )
+        / 6
+    )
     dlo = tg.DLO(tiny(router="dlo", n_layers=2, dlo_rho=0.5, dlo_anneal_steps=0))
     loss, sums = dlo.loss({"similarity": sim, "logits": z}, step=0)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -2613,7 +3306,9 @@ def test_dlo_annealing_rates_and_layer_learning_rates():
     assert state.lr_scales(3) == pytest.approx([0.75 / 0.6, 0.25 / 0.6])  # eq. (10)
     model = tg.GPT(tiny(router="dlo", n_layers=2))
     groups = tg.param_groups(model)
-    assert len(groups) == 3 and any(p is model.router.routers[1].weight for p in groups[2]["params"])
+    assert len(groups) == 3 and any(
+        p is model.router.routers[1].weight for p in groups[2]["params"]
+    )
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
 
 
@@ -2628,10 +3323,15 @@ def test_a_dlo_expansion_moves_each_router_with_its_layer():
     src = tg.GPT(tiny(router="dlo", n_layers=4))
     for i, router in enumerate(src.router.routers):
         torch.nn.init.constant_(router.weight, float(i + 1))
-    state = expand.expand_state(src.state_dict(), 4, 2, 1, "identity", 2, 0, src.router.layer_modules)
+    state = expand.expand_state(
+        src.state_dict(), 4, 2, 1, "identity", 2, 0, src.router.layer_modules
+    )
     # groups (0, 1), (2, 3) -> (0, 1, new 2), (3, 4, new 5): new layers get no router weights
-    moved = {j: state[f"router.routers.{j}.weight"].flatten()[0].item()
-             for j in range(6) if f"router.routers.{j}.weight" in state}
+    moved = {
+        j: state[f"router.routers.{j}.weight"].flatten()[0].item()
+        for j in range(6)
+        if f"router.routers.{j}.weight" in state
+    }
     assert moved == {0: 1.0, 1: 2.0, 3: 3.0, 4: 4.0}
 
 
@@ -2644,19 +3344,27 @@ def test_identity_expansion_keeps_the_function():
         assert not unexpected and all(k.startswith("router.routers.") for k in missing)
         assert (big(idx).logits - src(idx).logits).abs().max().item() < 1e-5
     # groups of 2 become groups of 3: originals 0, 1 -> 0, 1; new 2; originals 2, 3 -> 3, 4
-    assert torch.equal(state["blocks.3.attn.wq.weight"], src.state_dict()["blocks.2.attn.wq.weight"])
-    assert torch.equal(state["blocks.2.attn.wq.weight"], src.state_dict()["blocks.1.attn.wq.weight"])
+    assert torch.equal(
+        state["blocks.3.attn.wq.weight"], src.state_dict()["blocks.2.attn.wq.weight"]
+    )
+    assert torch.equal(
+        state["blocks.2.attn.wq.weight"], src.state_dict()["blocks.1.attn.wq.weight"]
+    )
     assert not state["blocks.2.attn.wo.weight"].any() and not state["blocks.5.ffn.w2.weight"].any()
 
 
 def test_other_expansion_initialisations():
     src, copy = expanded("copy")
     old = src.state_dict()
-    assert all(torch.equal(copy[f"blocks.2.{k}"], old[f"blocks.1.{k}"])
-               for k in ("attn.wo.weight", "ffn.w2.weight", "attn_in.weight"))
+    assert all(
+        torch.equal(copy[f"blocks.2.{k}"], old[f"blocks.1.{k}"])
+        for k in ("attn.wo.weight", "ffn.w2.weight", "attn_in.weight")
+    )
     _, linear = expanded("linear")
     w = "attn.wq.weight"
-    assert torch.allclose(linear[f"blocks.2.{w}"], (old[f"blocks.0.{w}"] + old[f"blocks.1.{w}"]) / 2)
+    assert torch.allclose(
+        linear[f"blocks.2.{w}"], (old[f"blocks.0.{w}"] + old[f"blocks.1.{w}"]) / 2
+    )
     _, slerp = expanded("slerp")
     u, v = old[f"blocks.1.{w}"], old[f"blocks.0.{w}"]
     omega = math.acos((u.flatten() @ v.flatten() / (u.norm() * v.norm())).item())
@@ -2679,11 +3387,20 @@ def test_dlo_flops_count_only_executed_mlps():
 
 
 def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
-    base = ["--preset=smoke", "--max_seq_len=32", "--seq_len=32", "--batch_size=8",
-            "--device_batch_size=4", "--val_tokens=512", "--val_every=10"]
+    base = [
+        "--preset=smoke",
+        "--max_seq_len=32",
+        "--seq_len=32",
+        "--batch_size=8",
+        "--device_batch_size=4",
+        "--val_tokens=512",
+        "--val_every=10",
+    ]
     shape = ["--n_layers=2", "--dim=32", "--n_heads=4", "--n_kv_heads=2"]
-    code, _, err = run_main(base + shape + ["--router=none", "--train_tokens=5120",
-                                            f"--run_dir={tmp_path / 'dense'}"], capsys)
+    code, _, err = run_main(
+        base + shape + ["--router=none", "--train_tokens=5120", f"--run_dir={tmp_path / 'dense'}"],
+        capsys,
+    )
     assert code == 0, err
     expand_main = load_command("expand.py").main
 
@@ -2691,13 +3408,25 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         code = support.cli(expand_main, list(map(str, args)))
         out = capsys.readouterr()
         return code, out.out, out.err
+
     # the shape comes from the checkpoint: P = 1 group of 2 layers, q = 2 new ones
-    code, out, err = expand_cli(tmp_path / "dense", tmp_path / "dlo", "--per_group=2", "--router=dlo",
-                                "--dlo_rho=0.5", "--dlo_anneal_steps=10", "--train_tokens=7680")
+    code, out, err = expand_cli(
+        tmp_path / "dense",
+        tmp_path / "dlo",
+        "--per_group=2",
+        "--router=dlo",
+        "--dlo_rho=0.5",
+        "--dlo_anneal_steps=10",
+        "--train_tokens=7680",
+    )
     assert code == 0 and f"--resume={tmp_path / 'dlo'}" in out, err
     expanded = tg.load_checkpoint(str(tmp_path / "dlo"))
     assert expanded["step"] == 0  # it reads on where the source stopped: the tokens it has not seen
-    assert expanded["loader"] == tg.load_checkpoint(str(tmp_path / "dense"))["loader"] != {"shard": 0, "pos": 0}
+    assert (
+        expanded["loader"]
+        == tg.load_checkpoint(str(tmp_path / "dense"))["loader"]
+        != {"shard": 0, "pos": 0}
+    )
     code, _, err = run_main([f"--resume={tmp_path / 'dlo'}"], capsys)
     assert code == 0, err
     dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
@@ -2705,31 +3434,45 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     assert json.loads((tmp_path / "dlo" / "config.json").read_text())["n_layers"] == 4
     assert "def train(" in (tmp_path / "dlo" / "train.log").read_text()  # the source, once
     # identity expansion: the expanded model starts exactly where the dense one ended
-    assert dlo[0]["step"] == 0 and dlo[0]["val_loss"] == pytest.approx(dense[-1]["val_loss"], abs=1e-4)
+    assert dlo[0]["step"] == 0 and dlo[0]["val_loss"] == pytest.approx(
+        dense[-1]["val_loss"], abs=1e-4
+    )
     assert dlo[-1]["val_loss"] < dlo[0]["val_loss"]
     assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
     assert dlo[-1]["fwd_flops_per_token"] < dlo[-1]["fwd_flops_per_token_dense"]
     # refused, with one error line and nothing written: a DLO checkpoint's routers fit no other
     # router; a router tied to the layer count; a shape field; a checkpoint already there
     for args, message in (
-            ((tmp_path / "dlo", tmp_path / 'x', "--router=mod"),
-             "expands into a dlo model, not router=mod"),
-            ((tmp_path / "dense", tmp_path / 'x', "--router=skip_middle"),
-             "router=skip_middle is tied to the layer count"),
-            ((tmp_path / "dense", tmp_path / 'x', "--dim=64"), "keeps the checkpoint's shape"),
-            ((tmp_path / "dense", tmp_path / 'x', "--groups=3"), "cannot make 3 groups of 2"),
-            ((tmp_path / "dense", tmp_path / 'x', "--init=linear", "--tau=3"), "--tau=3"),
-            ((tmp_path / "dense", tmp_path / 'x', "--init=magic"), "--init: invalid choice"),
-            ((tmp_path / "dense", tmp_path / 'x', "--nope=1"), "unknown field 'nope'"),
-            ((tmp_path / "nowhere", tmp_path / 'x'), "nowhere: no such folder"),
-            ((tmp_path / "dense", tmp_path / 'x', "--val_tokens=1e8"), "more than the validation shards hold"),
-            ((tmp_path / "dense", tmp_path / "dlo"), "dlo already holds checkpoint.pt, expand.json, "
-             "train.log, checkpoint.prev.pt, metrics.jsonl, config.json: expand into a folder")):
+        (
+            (tmp_path / "dlo", tmp_path / "x", "--router=mod"),
+            "expands into a dlo model, not router=mod",
+        ),
+        (
+            (tmp_path / "dense", tmp_path / "x", "--router=skip_middle"),
+            "router=skip_middle is tied to the layer count",
+        ),
+        ((tmp_path / "dense", tmp_path / "x", "--dim=64"), "keeps the checkpoint's shape"),
+        ((tmp_path / "dense", tmp_path / "x", "--groups=3"), "cannot make 3 groups of 2"),
+        ((tmp_path / "dense", tmp_path / "x", "--init=linear", "--tau=3"), "--tau=3"),
+        ((tmp_path / "dense", tmp_path / "x", "--init=magic"), "--init: invalid choice"),
+        ((tmp_path / "dense", tmp_path / "x", "--nope=1"), "unknown field 'nope'"),
+        ((tmp_path / "nowhere", tmp_path / "x"), "nowhere: no such folder"),
+        (
+            (tmp_path / "dense", tmp_path / "x", "--val_tokens=1e8"),
+            "more than the validation shards hold",
+        ),
+        (
+            (tmp_path / "dense", tmp_path / "dlo"),
+            "dlo already holds checkpoint.pt, expand.json, "
+            "train.log, checkpoint.prev.pt, metrics.jsonl, config.json: expand into a folder",
+        ),
+    ):
         code, _, err = expand_cli(*args)
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, (args, err)
         assert not (tmp_path / "x").exists()
-    # nor onto an aborted run's logs, or a file of that name of the user's: neither moved nor replaced
+    # nor onto an aborted run's logs, or a file of that name of the user's: neither moved nor
+    # replaced
     for name in ("train.log", "expand.json"):
         (tmp_path / "mine").mkdir(exist_ok=True)
         (tmp_path / "mine" / name).write_text("mine")
@@ -2738,18 +3481,33 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         assert [p.name for p in (tmp_path / "mine").iterdir()] == [name]
         (tmp_path / "mine" / name).unlink()
     # a disk that fills while the new checkpoint is written: named, status 1, nothing left
-    r = subprocess.run([sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x" / "y"],
-                       cwd=HERE, capture_output=True, text=True, timeout=300,
-                       preexec_fn=lambda: disk_nearly_full(2 << 20))  # over the 1 MiB probe
-    assert r.returncode == 1 and r.stderr == f"error: {tmp_path / 'x' / 'y' / 'checkpoint.pt'}: File too large\n"
+    r = subprocess.run(
+        [sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x" / "y"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: disk_nearly_full(2 << 20),
+    )  # over the 1 MiB probe
+    assert (
+        r.returncode == 1
+        and r.stderr == f"error: {tmp_path / 'x' / 'y' / 'checkpoint.pt'}: File too large\n"
+    )
     assert not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------------------- Figure 2 harness
 
+
 def test_student_t_and_holm_against_tables_and_closed_forms():
     sweep = load_command("sweep.py")
-    for df, t975 in ((1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)):  # printed tables
+    for df, t975 in (
+        (1, 12.706),
+        (2, 4.303),
+        (4, 2.776),
+        (9, 2.262),
+        (30, 2.042),
+    ):  # printed tables
         assert sweep.t_critical(0.05, df) == pytest.approx(t975, abs=6e-4)
         assert sweep.t_tail(t975, df) == pytest.approx(0.05, abs=2e-4)
     assert sweep.t_critical(0.4, 4) == pytest.approx(0.941, abs=6e-4)  # one-sided 0.80, df 4
@@ -2757,7 +3515,9 @@ def test_student_t_and_holm_against_tables_and_closed_forms():
         assert sweep.t_tail(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-9)
         assert sweep.t_tail(-t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), abs=1e-9)
     # Holm by hand: sorted 0.005 0.01 0.03 0.04 times 4 3 2 1, then the running maximum
-    assert sweep.holm([0.01, 0.04, 0.03, None, 0.005]) == pytest.approx([0.03, 0.06, 0.06, None, 0.02])
+    assert sweep.holm([0.01, 0.04, 0.03, None, 0.005]) == pytest.approx(
+        [0.03, 0.06, 0.06, None, 0.02]
+    )
     assert sweep.holm([0.5, 0.9]) == [1.0, 1.0]
 
 
@@ -2773,26 +3533,47 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert env(8e6) == 3.0 and env(16e6) == 3.0 and env(2e6) == pytest.approx(3.5)
 
     def row(name, seed, flops, loss):
-        return dict(name=name, seed=seed, flops_per_token=flops, val_loss=loss, sparsity=0.5,
-                    val_se=0.01, ms_per_token_masked=flops / 1e9, ms_per_token_compact=flops / 2e9,
-                    params=1e6)
+        return dict(
+            name=name,
+            seed=seed,
+            flops_per_token=flops,
+            val_loss=loss,
+            sparsity=0.5,
+            val_se=0.01,
+            ms_per_token_masked=flops / 1e9,
+            ms_per_token_compact=flops / 2e9,
+            params=1e6,
+        )
+
     rows, a_losses = [], [3.40, 3.41, 3.39, 3.42, 3.38]
     for s in range(5):
         rows += [row("dense_2", s, 1e6, 4.0 + 0.1 * s), row("dense_4", s, 4e6, 3.0 + 0.1 * s)]
     rows += [row("gated_a", s, 2e6, loss + 0.1 * s) for s, loss in enumerate(a_losses)]
-    rows += [row("gated_b", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.1, -0.1, 0.05, -0.05, 0])]
+    rows += [
+        row("gated_b", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.1, -0.1, 0.05, -0.05, 0])
+    ]
     rows += [row("gated_c", s, 8e6, 2.0) for s in range(5)]  # beyond the dense FLOPs range
-    rows += [row("dlo_control", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.01, -0.01, 0.02, -0.02, 0])]
+    rows += [
+        row("dlo_control", s, 2e6, 3.5 + 0.1 * s + d)
+        for s, d in enumerate([0.01, -0.01, 0.02, -0.02, 0])
+    ]
     rows += [row("dlo_rho0.5", s, 2e6, 3.6 + 0.1 * s + 0.001 * s) for s in range(5)]
     e_deltas = [0.05, 0.01, 0.03, 0.045, 0.005]  # raw p 0.036, not after Holm's correction
     rows += [row("gated_e", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate(e_deltas)]
     rows += [row("gated_f", s, 2e6, 3.55 + 0.1 * s) for s in range(5)]  # the same in every seed
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
     e = lines[("gated_e", "dense frontier")]
-    assert e["p"] == pytest.approx(0.036167, abs=2e-6) and e["p_holm"] > 0.05  # (scipy's ttest_1samp)
+    assert (
+        e["p"] == pytest.approx(0.036167, abs=2e-6) and e["p_holm"] > 0.05
+    )  # (scipy's ttest_1samp)
     assert e["verdict"].startswith("no detectable difference (95% CI [+0.003, +0.053])")
-    assert e["detectable"] == pytest.approx((sweep.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3)
-    assert lines[("gated_f", "dense frontier")]["verdict"] == "above (the same difference in every seed: no test)"
+    assert e["detectable"] == pytest.approx(
+        (sweep.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3
+    )
+    assert (
+        lines[("gated_f", "dense frontier")]["verdict"]
+        == "above (the same difference in every seed: no test)"
+    )
     a = lines[("gated_a", "dense frontier")]
     deltas = [x - 3.5 for x in a_losses]  # each seed's frontier at 2e6 is 3.5 + 0.1 s
     mean, sd = sum(deltas) / 5, math.sqrt(sum((d - sum(deltas) / 5) ** 2 for d in deltas) / 4)
@@ -2813,33 +3594,61 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert lines[("dense_4", "")]["verdict"] == "frontier"
     assert a["dense_ms_at_equal_flops"] == pytest.approx(2.5e-3)  # (1e-3 + 4e-3) / 2, log midpoint
     text = sweep.verdict_text(list(lines.values()))
-    assert text.startswith("6 paired comparisons over 5 seeds, Holm-corrected: gated_a better than dense")
+    assert text.startswith(
+        "6 paired comparisons over 5 seeds, Holm-corrected: gated_a better than dense"
+    )
     one_seed = sweep.summarise([r for r in rows if r["seed"] == 0])
     assert "use --seeds=5" in sweep.verdict_text(one_seed)
 
 
-TINY_GRID = ["--preset=smoke", "--dim=32", "--n_heads=4", "--n_kv_heads=2", "--max_seq_len=32",
-             "--seq_len=32", "--batch_size=8", "--device_batch_size=8", "--train_tokens=1280",
-             "--val_every=0", "--val_tokens=512", "--untimed_steps=0", "--save_every=2"]
+TINY_GRID = [
+    "--preset=smoke",
+    "--dim=32",
+    "--n_heads=4",
+    "--n_kv_heads=2",
+    "--max_seq_len=32",
+    "--seq_len=32",
+    "--batch_size=8",
+    "--device_batch_size=8",
+    "--train_tokens=1280",
+    "--val_every=0",
+    "--val_tokens=512",
+    "--untimed_steps=0",
+    "--save_every=2",
+]
 
 
 def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypatch, capsys):
     sweep = load_command("sweep.py")
     # (its val_tokens overrides the base's, as dlo_source's train_tokens does in the real grids)
     gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5", "--val_tokens=256")
-    grid = dict(base=TINY_GRID, n_layers=4,
-                runs=[sweep.dense(2), sweep.dense(4), gated, sweep.dlo(0.5, "dense_2", 2, 2),
-                      sweep.dlo_control("dense_2", 2), sweep.mor(4)])
+    grid = dict(
+        base=TINY_GRID,
+        n_layers=4,
+        runs=[
+            sweep.dense(2),
+            sweep.dense(4),
+            gated,
+            sweep.dlo(0.5, "dense_2", 2, 2),
+            sweep.dlo_control("dense_2", 2),
+            sweep.mor(4),
+        ],
+    )
     monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
     runs, out = tmp_path / "runs", tmp_path / "out"
     # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
-    sweep.launch(TINY_GRID + gated[1] + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}",
-                                         "--stop_step=2"], 1)
+    sweep.launch(
+        TINY_GRID
+        + gated[1]
+        + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}", "--stop_step=2"],
+        1,
+    )
     assert sweep.run_state(str(runs / "gated_mu0.5_s0")) == "resume"
 
     def in_process(args, nproc, script="train_gpt.py", label=""):  # the rest: quicker here
         main = tg.main if script == "train_gpt.py" else load_command(script).main
         assert support.cli(main, args) == 0, capsys.readouterr().err
+
     monkeypatch.setattr(sweep, "launch", in_process)
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}"]
     assert support.cli(sweep.main, argv) == 0
@@ -2854,7 +3663,10 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     table = {r["name"]: r for r in sweep.read_runs(str(out / "runs.csv"))}
     assert list(table) == names
     for name in ("gated_mu0.5", "dlo_rho0.5", "dlo_control"):  # resumed, with the grid's job
-        assert json.loads((runs / f"{name}_s0" / "config.json").read_text())["job"]["untimed_steps"] == 0
+        assert (
+            json.loads((runs / f"{name}_s0" / "config.json").read_text())["job"]["untimed_steps"]
+            == 0
+        )
     control = json.loads((runs / "dlo_control_s0" / "config.json").read_text())
     assert (control["router"], control["n_layers"]) == ("none", 4)  # dense_2 expanded, no skipping
     # unique parameters: MoR's 4 applied blocks are 3 of their own, the dense 4-layer model's 4
@@ -2869,20 +3681,35 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     # the standard error over documents, by hand from the dense model's per-token losses
     model = tg.load_model(str(runs / "dense_4_s0")).eval()
     hp = model.hp
-    stream = torch.from_numpy(shards.read_shard(shards.find_shards(hp.val_files)[0], hp.vocab_size)[
-        :hp.val_tokens + 1].astype(np.int64))
+    stream = torch.from_numpy(
+        shards.read_shard(shards.find_shards(hp.val_files)[0], hp.vocab_size)[
+            : hp.val_tokens + 1
+        ].astype(np.int64)
+    )
     with torch.no_grad():
         logits = model(stream[:-1].view(-1, hp.seq_len)).logits.flatten(0, 1)
     docs, cur = [], []
-    for loss, target in zip(F.cross_entropy(logits, stream[1:], reduction="none").tolist(), stream[1:].tolist()):
+    for loss, target in zip(
+        F.cross_entropy(logits, stream[1:], reduction="none").tolist(),
+        stream[1:].tolist(),
+        strict=True,
+    ):
         if target == shards.EOT and cur:
             docs.append(cur)
             cur = []
         cur.append(loss)
     docs.append(cur)
     total, n = sum(map(sum, docs)), sum(map(len, docs))
-    se = math.sqrt(len(docs) / (len(docs) - 1) * sum((sum(d) - total / n * len(d)) ** 2 for d in docs)) / n
-    assert (table["dense_4"]["val_docs"], table["dense_4"]["val_se"]) == (len(docs), pytest.approx(se))
+    se = (
+        math.sqrt(
+            len(docs) / (len(docs) - 1) * sum((sum(d) - total / n * len(d)) ** 2 for d in docs)
+        )
+        / n
+    )
+    assert (table["dense_4"]["val_docs"], table["dense_4"]["val_se"]) == (
+        len(docs),
+        pytest.approx(se),
+    )
     # the table and figure again from runs.csv alone, by the record's own command
     before = (out / "table.md").read_text()
     (out / "table.md").unlink()
@@ -2896,7 +3723,9 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
         if x(d2) <= x(r) <= x(d4) and d4["val_loss"] < d2["val_loss"]:  # the frontier, by hand
             w = (x(r) - x(d2)) / (x(d4) - x(d2))
             front = d2["val_loss"] + w * (d4["val_loss"] - d2["val_loss"])
-            assert lines[(name, "dense frontier")]["mean"] == pytest.approx(r["val_loss"] - front, abs=1e-9)
+            assert lines[(name, "dense frontier")]["mean"] == pytest.approx(
+                r["val_loss"] - front, abs=1e-9
+            )
     # run again: nothing is trained, no run directory changes (a user's notes in a log included)
     with open(runs / "dense_2_s0" / "metrics.jsonl", "a") as f:
         f.write("my note\n[1, 2]\n")
@@ -2910,17 +3739,21 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     monkeypatch.setitem(grid, "base", [a.replace("=1280", "=2560") for a in TINY_GRID])
     capsys.readouterr()
     code, err = support.cli(sweep.main, argv), capsys.readouterr().err
-    assert code == 2 and "dense_2_s0 was trained with other settings (train_tokens=1280 there, " \
-        "2560 here)" in err, err
+    assert (
+        code == 2
+        and "dense_2_s0 was trained with other settings (train_tokens=1280 there, 2560 here)" in err
+    ), err
     assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
     # so is a grid with an override removed (dense_2's router=none: the default again), or a DLO
     # run's expansion made otherwise
     monkeypatch.setitem(grid, "base", TINY_GRID)
     runs_of = list(grid["runs"])
     dlo = runs_of[3]
-    for i, entry, said in ((0, ("dense_2", ["--n_layers=2"]), "router=none there, skip_middle here"),
-                           (3, (*dlo[:2], [*dlo[2][:-1], "--init=copy"]), "init=identity there, copy here")):
-        monkeypatch.setitem(grid, "runs", runs_of[:i] + [entry] + runs_of[i + 1:])
+    for i, entry, said in (
+        (0, ("dense_2", ["--n_layers=2"]), "router=none there, skip_middle here"),
+        (3, (*dlo[:2], [*dlo[2][:-1], "--init=copy"]), "init=identity there, copy here"),
+    ):
+        monkeypatch.setitem(grid, "runs", runs_of[:i] + [entry] + runs_of[i + 1 :])
         code, err = support.cli(sweep.main, argv), capsys.readouterr().err
         assert code == 2 and f"{entry[0]}_s0 was trained with other settings ({said})" in err, err
     monkeypatch.setitem(grid, "runs", runs_of)
@@ -2928,18 +3761,21 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     # a file the sweep did not write (or changed since) is never replaced: refused before any run
     (out / "README.md").write_text("my notes")
     code, err = support.cli(sweep.main, argv), capsys.readouterr().err
-    assert code == 2 and err.startswith(f"error: {out / 'README.md'} is there (a file) and this "
-                                        "command did not write it"), err
+    assert code == 2 and err.startswith(
+        f"error: {out / 'README.md'} is there (a file) and this command did not write it"
+    ), err
     (out / "table.md").unlink()
     (out / "table.md").mkdir()
     code, err = support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]), capsys.readouterr().err
     assert code == 2 and "table.md is there (a folder)" in err and err.count("\n") == 1, err
     assert (out / "README.md").read_text() == "my notes" and before == {
-        p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+        p: p.read_bytes() for p in runs.rglob("*") if p.is_file()
+    }
 
 
 class TokenSpans(__import__("html.parser").parser.HTMLParser):
     """Collects the text and title of each <span class="t"> (one per token)."""
+
     def __init__(self):
         super().__init__()
         self.spans, self.inside, self.external = [], False, []
@@ -2960,7 +3796,9 @@ class TokenSpans(__import__("html.parser").parser.HTMLParser):
             self.spans[-1][0] += data
 
 
-def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told(tmp_path, monkeypatch):
+def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told(
+    tmp_path, monkeypatch
+):
     sweep = load_command("sweep.py")  # (its trainers run in the repository: the paths must agree)
     monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, n_layers=2, runs=[sweep.dense(2)]))
     monkeypatch.chdir(tmp_path)
@@ -2977,14 +3815,20 @@ def test_ctrl_c_on_a_sweep_lets_the_run_in_flight_save_and_stop(tmp_path):
 
     def interrupt():
         deadline = time.time() + 120
-        while not (metrics.exists() and '"step": 2' in metrics.read_text()) and time.time() < deadline:
+        while (
+            not (metrics.exists() and '"step": 2' in metrics.read_text()) and time.time() < deadline
+        ):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
+
     threading.Thread(target=interrupt, daemon=True).start()
     with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* saved its checkpoint"):
         sweep.launch(RESUME_RUN + ["--train_tokens=1024000", f"--run_dir={tmp_path}"], 1)
     step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
-    assert step >= 2 and f"stopped by signal SIGINT at step {step}" in (tmp_path / "train.log").read_text()
+    assert (
+        step >= 2
+        and f"stopped by signal SIGINT at step {step}" in (tmp_path / "train.log").read_text()
+    )
 
 
 def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monkeypatch):
@@ -2994,8 +3838,11 @@ def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monk
         proc = real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGINT)
         return proc
+
     monkeypatch.setattr(sweep.subprocess, "Popen", interrupted_popen)
-    with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"):
+    with pytest.raises(
+        sweep.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"
+    ):
         sweep.launch(RESUME_RUN + [f"--run_dir={tmp_path}"], 1)
     assert not (tmp_path / "checkpoint.pt").exists()
 
@@ -3030,6 +3877,7 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
 
 
 # ---------------------------------------------------------------------------- Mixture-of-Depths
+
 
 def mod_model(compact=False, capacity=0.25, seed=0):
     torch.manual_seed(seed)
@@ -3067,8 +3915,9 @@ def test_a_routed_block_matches_the_block_run_on_the_chosen_tokens_alone():
         for b in range(2):
             pos = chosen[b].nonzero().squeeze(1)
             xs = x[b, pos][None]
-            y = block.attend(xs, r[b, pos][None, :, None], None, pos=pos[None],
-                             keys=torch.ones(1, len(pos), 1))
+            y = block.attend(
+                xs, r[b, pos][None, :, None], None, pos=pos[None], keys=torch.ones(1, len(pos), 1)
+            )
             y = y + r[b, pos][None, :, None] * block.mlp(y)
             assert (out[b, pos] - y[0]).abs().max().item() < 1e-4
             assert torch.equal(out[b, ~chosen[b]], x[b, ~chosen[b]])
@@ -3119,16 +3968,27 @@ def test_mod_compact_matches_masked_logits_and_gradients():
 
 
 def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
-    hp = tiny(router="mod", vocab_size=1000, dim=128, n_layers=4, max_seq_len=64, seq_len=64,
-              mod_capacity=0.25, compact=True)
+    hp = tiny(
+        router="mod",
+        vocab_size=1000,
+        dim=128,
+        n_layers=4,
+        max_seq_len=64,
+        seq_len=64,
+        mod_capacity=0.25,
+        compact=True,
+    )
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: exactly 16 of 64 tokens
     assert tg.forward_flops(hp, [1, 0.25, 1, 0.25]) == pytest.approx(reference, rel=0.02)
-    assert tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False)) \
-        == 2 * 64 * 2 * 128  # the two routers' linears, every token
+    assert (
+        tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False))
+        == 2 * 64 * 2 * 128
+    )  # the two routers' linears, every token
 
 
 # ---------------------------------------------------------------------------- Mixture-of-Recursions
+
 
 def mor_model(seed=0, **kw):
     """8 applied blocks: 0 and 3 once, the stack 1-2 three times (N_r = 3, M = 2)."""
@@ -3180,7 +4040,7 @@ def test_mor_matches_a_loop_over_each_sequences_kept_tokens(n_layers, mode):
                     pos = (active[b] & (z[b] > 0)).nonzero().squeeze(1)
                 if len(pos):  # (in evaluation a sequence may keep none)
                     y = x[b, pos][None]
-                    for block in model.blocks[1:1 + M]:
+                    for block in model.blocks[1 : 1 + M]:
                         y = block(y, None, None, pos=pos[None])
                     new[b, pos] = x[b, pos] + torch.sigmoid(z[b, pos])[:, None] * (y[0] - x[b, pos])
                     kept[b, pos] = True
@@ -3192,7 +4052,11 @@ def test_mor_matches_a_loop_over_each_sequences_kept_tokens(n_layers, mode):
 
 
 def test_mor_active_sets_are_nested_and_each_recursion_keeps_its_share():
-    route = mor_model().train()(torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(6))).route
+    route = (
+        mor_model()
+        .train()(torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(6)))
+        .route
+    )
     z, active, top = route["logits"], route["active"], route["topk"]  # (2, B, T): recursions 1, 2
     assert active[0].all() and top.sum(dim=2).tolist() == [[10] * 3, [5] * 3]
     for r in range(2):
@@ -3246,29 +4110,34 @@ def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():
     cache = sample.KVCache(model.hp, "cpu")
     for pos in range(16):
         with torch.no_grad():
-            step = model(idx[:, pos:pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
+            step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
         assert (step[0, -1] - full.logits[0, pos]).abs().max().item() < 1e-4
     assert cache.n == full.route["block"][:, 0].sum(dim=1).tolist()
     assert cache.n[:3] == [16] * 3 and cache.n[7] == 16 and cache.n[5] < cache.n[3] < 16
 
 
 def test_mor_flops_match_flop_counter_at_its_shares(monkeypatch):
-    hp = tiny(router="mor", vocab_size=1000, dim=128, n_layers=5, max_seq_len=64, seq_len=64,
-              compact=True)
+    hp = tiny(
+        router="mor", vocab_size=1000, dim=128, n_layers=5, max_seq_len=64, seq_len=64, compact=True
+    )
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: 64, 42 and 21 of 64 tokens
     assert tg.forward_flops(hp, [1, 1, 42 / 64, 21 / 64, 1]) == pytest.approx(reference, rel=0.02)
-    assert tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False)) \
-        == 3 * 64 * 2 * 128  # the three routers' linears, every token
+    assert (
+        tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False))
+        == 3 * 64 * 2 * 128
+    )  # the three routers' linears, every token
 
 
 def test_mor_settings_that_make_no_sense_are_refused():
-    for kw, message in ((dict(n_layers=7), r"multiple of it \(n_layers=5 or 8\)"),
-                        (dict(n_layers=4), r"multiple of it \(n_layers=5\)"),
-                        (dict(mor_routed=False, compact=True), "every token runs everywhere"),
-                        (dict(n_layers=3, mor_recursions=1, compact=True), "every token runs"),
-                        (dict(mor_routed=False, mor_aux_coef=0.5), "has no effect"),
-                        (dict(n_layers=3, mor_recursions=1, mor_aux_coef=0.5), "has no effect")):
+    for kw, message in (
+        (dict(n_layers=7), r"multiple of it \(n_layers=5 or 8\)"),
+        (dict(n_layers=4), r"multiple of it \(n_layers=5\)"),
+        (dict(mor_routed=False, compact=True), "every token runs everywhere"),
+        (dict(n_layers=3, mor_recursions=1, compact=True), "every token runs"),
+        (dict(mor_routed=False, mor_aux_coef=0.5), "has no effect"),
+        (dict(n_layers=3, mor_recursions=1, mor_aux_coef=0.5), "has no effect"),
+    ):
         with pytest.raises(tg.UserError, match=message):
             tg.validate(tiny(router="mor", **{"n_layers": 8, **kw}), 1)
     tg.validate(tiny(router="mor", n_layers=3, mor_recursions=1), 1)  # one block, applied once
@@ -3280,13 +4149,20 @@ def test_skipview_counts_the_recursions_each_token_ran():
     counts, per_recursion, units = skipview.token_depths(model, list(range(16)), "cpu")
     with torch.no_grad():
         blocks = model(torch.tensor([list(range(16))])).route["block"][:, 0].sum(0).tolist()
-    assert units == 3 and [2 + 2 * c for c in counts] == blocks  # blocks 0 and 7, then 2 per recursion
+    assert (
+        units == 3 and [2 + 2 * c for c in counts] == blocks
+    )  # blocks 0 and 7, then 2 per recursion
     assert per_recursion == sorted(per_recursion, reverse=True) and 0 < per_recursion[2] < 16
 
 
 def test_a_mor_run_resumes_exactly(tmp_path, capsys):
-    args = TINY_RUN + ["--router=mor", "--n_layers=5", "--train_tokens=2048", "--val_every=2",
-                       "--val_tokens=512"]
+    args = TINY_RUN + [
+        "--router=mor",
+        "--n_layers=5",
+        "--train_tokens=2048",
+        "--val_every=2",
+        "--val_tokens=512",
+    ]
     code, _, err = run_main(args + [f"--run_dir={tmp_path / 'full'}"], capsys)
     assert code == 0, err[-2000:]
     code, _, err = run_main(args + [f"--run_dir={tmp_path / 'part'}", "--stop_step=2"], capsys)
@@ -3302,8 +4178,18 @@ def test_a_mor_run_resumes_exactly(tmp_path, capsys):
 @pytest.mark.parametrize("router", ["none", "dlo", "mod"])
 def test_a_smoke_run_per_router(tmp_path, router, capsys):
     extra = ["--dlo_anneal_steps=4"] if router == "dlo" else []
-    code, _, err = run_main(TINY_RUN + [f"--router={router}", "--train_tokens=5120", "--val_every=5",
-                                        "--val_tokens=1024", f"--run_dir={tmp_path}"] + extra, capsys)
+    code, _, err = run_main(
+        TINY_RUN
+        + [
+            f"--router={router}",
+            "--train_tokens=5120",
+            "--val_every=5",
+            "--val_tokens=1024",
+            f"--run_dir={tmp_path}",
+        ]
+        + extra,
+        capsys,
+    )
     assert code == 0, err[-2000:]
     val = [m for m in read_metrics(tmp_path) if m["kind"] == "val"]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.5  # 10 steps of 512 tokens
@@ -3312,40 +4198,56 @@ def test_a_smoke_run_per_router(tmp_path, router, capsys):
     assert val[-1]["sparsity"] == skipped if skipped is not None else val[-1]["sparsity"] > 0
 
 
-def test_help_lists_every_field_with_its_default_and_comment(capsys):
+def test_help_lists_every_field_with_its_default_and_facts(capsys):
     code, out, err = run_main(["--help"], capsys)
     assert code == 0 and err == ""
+    lines = {
+        line.split()[0].split("=")[0]: line for line in out.splitlines() if line.startswith("  --")
+    }
     for f in tg.fields(tg.Hyperparameters) + tg.fields(tg.Job):
         default = getattr((tg.Job if f.name in tg.JOB else tg.Hyperparameters)(), f.name)
         shown = str(default).lower() if isinstance(default, bool) else str(default)
-        assert f"--{f.name}={shown} " in out or out.count(f"--{f.name}={shown}\n") == 1, f.name
-    assert "global batch, sequences" in out and "\nrouter=mod: Mixture-of-Depths" in out
+        line = lines[f"--{f.name}"]
+        assert line.split()[0] == f"--{f.name}={shown}", line
+        spec, router = f.metadata["spec"], f.metadata["router"]
+        spec = "{" + "|".join(spec) + "}" if isinstance(spec, tuple) else spec
+        assert spec in line and f.metadata["help"] in line, line
+        assert (f"(router={router})" in line) == bool(router), line
+    assert "{none|skip_middle|dlo|mod|mor}" in lines["--router"]  # the registry's names
 
 
 def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
     ok = dict(batch_size=32, device_batch_size=32, train_tokens=32 * 16, val_tokens=32 * 16)
-    for kw, message in [(dict(router="dlo", gamma=0.5), "gamma sets the skip_middle router"),
-                        (dict(router="none", mod_capacity=0.5), "mod_capacity sets the mod router"),
-                        (dict(router="mod", dlo_rho=0.5), "dlo_rho sets the dlo router"),
-                        (dict(router="none", compact=True), "router=none runs every token"),
-                        (dict(controller="none", mu_end=0.25), "mu_end=0.25 has no effect"),
-                        (dict(controller="sparsity", gamma=0.5), "gamma=0.5 has no effect"),
-                        (dict(controller="adaptive", delta=0.5), "delta=0.5 has no effect"),
-                        (dict(fixed_coef=0.5), "fixed_coef=0.5 has no effect"),
-                        (dict(router="mod", mod_every=5), "mod_every=5 routes no block"),
-                        (dict(controller="sparsity", mu_end=0.25), "mu_end=0.25 has no effect"),
-                        (dict(router="mod", mod_aux_coef=0.0), "mod_aux_coef=0.0 must lie in (0")]:
+    for kw, message in [
+        (dict(router="dlo", gamma=0.5), "gamma sets the skip_middle router"),
+        (dict(router="none", mod_capacity=0.5), "mod_capacity sets the mod router"),
+        (dict(router="mod", dlo_rho=0.5), "dlo_rho sets the dlo router"),
+        (dict(router="none", compact=True), "router=none runs every token"),
+        (dict(controller="none", mu_end=0.25), "mu_end=0.25 has no effect"),
+        (dict(controller="sparsity", gamma=0.5), "gamma=0.5 has no effect"),
+        (dict(controller="adaptive", delta=0.5), "delta=0.5 has no effect"),
+        (dict(fixed_coef=0.5), "fixed_coef=0.5 has no effect"),
+        (dict(router="mod", mod_every=5), "mod_every=5 routes no block"),
+        (dict(controller="sparsity", mu_end=0.25), "mu_end=0.25 has no effect"),
+        (dict(router="mod", mod_aux_coef=0.0), "mod_aux_coef=0.0 must lie in (0"),
+    ]:
         with pytest.raises(tg.UserError, match=re.escape(message)):
             tg.validate(tiny(**ok, **kw), 1)
-    for kw in (dict(router="mod", compact=True), dict(router="dlo", compact=True),
-               dict(controller="sparsity", fixed_coef=0.5), dict(controller="proportional", gamma=0.5)):
+    for kw in (
+        dict(router="mod", compact=True),
+        dict(router="dlo", compact=True),
+        dict(controller="sparsity", fixed_coef=0.5),
+        dict(controller="proportional", gamma=0.5),
+    ):
         tg.validate(tiny(**ok, **kw), 1)
 
 
 # ---------------------------------------------------------------------------- the loss in chunks
 
-@pytest.mark.parametrize("rows,compiled", [(1, False), (7, False), (16, False), (1000, False),
-                                           (7, True)])
+
+@pytest.mark.parametrize(
+    "rows,compiled", [(1, False), (7, False), (16, False), (1000, False), (7, True)]
+)
 def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, compiled):
     # compiled: torch 2.11's torch.compile (any backend) gave all-zero gradients when the
     # loss's forward wrote its gradients into buffers made beforehand (seen on an H100)
@@ -3358,7 +4260,9 @@ def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, comp
     reference.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    loss = (torch.compile(model, backend="aot_eager") if compiled else model)(idx, targets=targets).loss
+    loss = (torch.compile(model, backend="aot_eager") if compiled else model)(
+        idx, targets=targets
+    ).loss
     loss.backward()
     assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -3369,24 +4273,43 @@ def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, comp
         assert model(idx, targets=targets).loss.item() == pytest.approx(reference.item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("router,compact", [("none", False), ("skip_middle", False),
-                                            ("skip_middle", True), ("dlo", False), ("dlo", True),
-                                            ("mod", False), ("mod", True), ("mor", False),
-                                            ("mor", True)])
+@pytest.mark.parametrize(
+    "router,compact",
+    [
+        ("none", False),
+        ("skip_middle", False),
+        ("skip_middle", True),
+        ("dlo", False),
+        ("dlo", True),
+        ("mod", False),
+        ("mod", True),
+        ("mor", False),
+        ("mor", True),
+    ],
+)
 def test_a_compiled_training_step_equals_the_eager_one(router, compact, monkeypatch, request):
     # what compile_model compiles (the whole model, or the blocks and the head under compact),
     # through AOTAutograd (aot_eager: the layer where torch 2.11 lost the loss's gradients; the
     # CI's torch 2.11 leg runs this): the loss, the router's loss and every parameter's gradient
     # within 1e-5 of the largest, and no gradient all-zero that eager makes non-zero
     import torch._dynamo
+
     real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"})
+    )
     torch._dynamo.reset()  # a fresh cache, and no silent fall-back to eager at the limit
     patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
     patch.__enter__()  # (not monkeypatch: see the bench test below)
     request.addfinalizer(lambda: patch.__exit__(None, None, None))
-    hp = tiny(router=router, compact=compact, n_layers=5 if router == "mor" else 4, mod_every=2,
-              dlo_rho=0.5, loss_rows=7)
+    hp = tiny(
+        router=router,
+        compact=compact,
+        n_layers=5 if router == "mor" else 4,
+        mod_every=2,
+        dlo_rho=0.5,
+        loss_rows=7,
+    )
     torch.manual_seed(0)
     eager, raw = tg.GPT(hp), tg.GPT(hp)
     if router == "skip_middle":
@@ -3408,7 +4331,7 @@ def test_a_compiled_training_step_equals_the_eager_one(router, compact, monkeypa
         assert got[name].any() or not g.any(), name
 
 
-# ---------------------------------------------------------------------------- CUDA (skipped without)
+# ------------------------------------------------------------------------ CUDA (skipped without)
 # Run on a GPU machine with `python -m pytest -q test_train.py -k cuda`; gpu_check.sh runs
 # them with the GPU benchmarks and writes a record.
 
@@ -3450,7 +4373,9 @@ def test_cuda_flex_score_mod_matches_sdpa_with_gate_gradients():
 def test_cuda_compiled_model_matches_eager():
     # dim 256: at dim 64 Triton 3.6 failed to compile a fused fp32 RMSNorm kernel (H100, torch
     # 2.11); the gradients are what this guards (torch 2.11's compile once zeroed them all)
-    hp = tiny(n_layers=4, dim=256, n_heads=4, n_kv_heads=4, max_seq_len=128, seq_len=128, attn_impl="flex")
+    hp = tiny(
+        n_layers=4, dim=256, n_heads=4, n_kv_heads=4, max_seq_len=128, seq_len=128, attn_impl="flex"
+    )
     eager = tg.GPT(hp).cuda()
     spread_gates(eager)
     compiled_raw = tg.GPT(hp).cuda()
@@ -3480,6 +4405,7 @@ def test_cuda_bf16_autocast_loss_is_close_to_fp32():
 @cuda
 def test_cuda_compact_path_compiles_with_few_recompilations():
     import torch._dynamo
+
     torch._dynamo.reset()
     hp = tiny(n_layers=4, dim=64, max_seq_len=256, seq_len=256, compact=True, attn_impl="flex")
     raw = tg.GPT(hp).cuda()
@@ -3489,14 +4415,16 @@ def test_cuda_compact_path_compiles_with_few_recompilations():
     counts.clear()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # giving up fails
         for seed in range(6):  # different data: different active lengths per block
-            idx = torch.randint(0, 97, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            idx = torch.randint(
+                0, 97, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(seed)
+            )
             cuda_step(model, idx)
     # lengths are padded to multiples of PACK: a graph per packed length, training only here,
     # and one for the head and loss (GPT.readout)
     assert counts["stats"]["unique_graphs"] <= 256 // tg.PACK + 1, dict(counts["stats"])
 
 
-DDP_COMPACT = r'''
+DDP_COMPACT = r"""
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import train_gpt as tg
@@ -3508,14 +4436,15 @@ hp = replace(tg.Hyperparameters(), vocab_size=97, n_layers=4, dim=32, n_heads=4,
 model = tg.GPT(hp)
 model.load_state_dict(torch.load(sys.argv[2]))
 ddp = torch.nn.parallel.DistributedDataParallel(model)
-idx = torch.load(sys.argv[3])[rank]  # rank 0: tokens that skip the middle, rank 1: tokens that run it
+# rank 0: tokens that skip the middle, rank 1: tokens that run it
+idx = torch.load(sys.argv[3])[rank]
 out = ddp(idx, targets=torch.roll(idx, -1, 1))
 out.loss.backward()
 torch.save({"grads": {n: p.grad for n, p in model.named_parameters()},
             "block": out.route["block"]}, os.path.join(sys.argv[4], f"rank{rank}.pt"))
 torch.distributed.barrier()  # both ranks have saved: what is tested ends here
 os._exit(0)  # gloo's teardown (destroy, interpreter exit) can abort ("terminate called ...")
-'''
+"""
 
 
 def test_ddp_with_compact_blocks_empty_on_one_rank(tmp_path):
@@ -3537,11 +4466,24 @@ def test_ddp_with_compact_blocks_empty_on_one_rank(tmp_path):
     torch.save(model.state_dict(), tmp_path / "model.pt")
     torch.save(idx, tmp_path / "idx.pt")
     (tmp_path / "ddp.py").write_text(DDP_COMPACT)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=2", str(tmp_path / "ddp.py"), HERE,
-                        str(tmp_path / "model.pt"), str(tmp_path / "idx.pt"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(tmp_path / "ddp.py"),
+            HERE,
+            str(tmp_path / "model.pt"),
+            str(tmp_path / "idx.pt"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
     assert not ranks[0]["block"][1].any() and ranks[1]["block"][1].all()  # block 1: empty on rank 0
@@ -3562,9 +4504,13 @@ def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypa
     # bench.py flips model.hp between the masked and the compacted path on one compiled
     # model, at four sparsities: each path compiles once per padded length, not per call
     import torch._dynamo
+
     bench = load_command("bench.py")
-    monkeypatch.setitem(bench.SIZES, "tiny", (dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4,
-                                                   max_seq_len=256, seq_len=256), 4))
+    monkeypatch.setitem(
+        bench.SIZES,
+        "tiny",
+        (dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4, max_seq_len=256, seq_len=256), 4),
+    )
     patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)  # not monkeypatch: pytest
     patch.__enter__()  # 9.2 undoes a config attribute by deleting it, and the option is gone
     request.addfinalizer(lambda: patch.__exit__(None, None, None))
@@ -3580,9 +4526,20 @@ def test_cuda_bench_switching_paths_compiles_a_bounded_number_of_graphs(monkeypa
     assert after_one <= 2 + 2 * (256 // tg.PACK + 2), dict(counts["stats"])
 
 
-@pytest.mark.parametrize("router,compact", [("none", False), ("skip_middle", False), ("dlo", False),
-                                            ("mod", False), ("mor", False), ("skip_middle", True),
-                                            ("dlo", True), ("mod", True), ("mor", True)])
+@pytest.mark.parametrize(
+    "router,compact",
+    [
+        ("none", False),
+        ("skip_middle", False),
+        ("dlo", False),
+        ("mod", False),
+        ("mor", False),
+        ("skip_middle", True),
+        ("dlo", True),
+        ("mod", True),
+        ("mor", True),
+    ],
+)
 def test_a_training_step_and_its_router_update_read_the_device_once(router, compact, monkeypatch):
     # on a GPU every value read back to the host waits for the queued work: count the reads
     # made by train_gpt.py's own code (item, tolist, bool, float, int) in a step, the router's
@@ -3591,42 +4548,73 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         real = getattr(torch.Tensor, name)
+
         def counted(t, *a, real=real, name=name):
-            if sys._getframe(1).f_code.co_filename == tg.__file__:
+            if sys._getframe(1).f_code.co_filename in (
+                tg.__file__,
+                routers.__file__,
+                runs.__file__,
+            ):
                 reads.append(f"{name} at line {sys._getframe(1).f_lineno}")
             return real(t, *a)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
-    hp = tiny(router=router, vocab_size=50257, batch_size=4, device_batch_size=2, dlo_rho=0.5,
-              compact=compact, n_layers=5 if router == "mor" else 4)
+    hp = tiny(
+        router=router,
+        vocab_size=50257,
+        batch_size=4,
+        device_batch_size=2,
+        dlo_rho=0.5,
+        compact=compact,
+        n_layers=5 if router == "mor" else 4,
+    )
     model = tg.GPT(hp)
     opt = torch.optim.AdamW(tg.param_groups(model), lr=1e-3)
-    loader = tg.DistributedLoader(f"{HERE}/data/sample/sample_train_*.bin", 4, hp.seq_len, 0, 1, hp.vocab_size)
+    loader = tg.DistributedLoader(
+        f"{HERE}/data/sample/sample_train_*.bin", 4, hp.seq_len, 0, 1, hp.vocab_size
+    )
     lrs = [1e-3] * len(opt.param_groups)
-    stats = tg.train_step(model, model.router, hp, opt, loader, support.Dist(), contextlib.nullcontext(),
-                          2, lrs, 0)
+    stats = tg.train_step(
+        model, model.router, hp, opt, loader, runs.Dist(), contextlib.nullcontext(), 2, lrs, 0
+    )
     model.router.update(stats.get("router"), stats["tokens"][0], 0)
     model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
     # compacted blocks whose active count is data-dependent: the gated ones and MoD's routed
     # ones (DLO's training top-k has a known size)
-    compacted = {"skip_middle": hp.n_layers, "dlo": 0, "mod": hp.n_layers // hp.mod_every,
-                 "mor": (hp.n_layers - 2) * 2 // 3}[router] if compact else 0  # recursion 0: all
+    compacted = (
+        {
+            "skip_middle": hp.n_layers,
+            "dlo": 0,
+            "mod": hp.n_layers // hp.mod_every,
+            "mor": (hp.n_layers - 2) * 2 // 3,
+        }[router]
+        if compact
+        else 0
+    )  # recursion 0: all
     assert len(reads) == 1 + (router == "dlo") + 2 * compacted, reads  # 2 micro-batches
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 
 
-def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(tmp_path, monkeypatch):
+def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
+    tmp_path, monkeypatch
+):
     # train() wraps the compiled model in DDP; dynamo then compiles inside DDP's forward and
     # splits the graph at each gradient bucket (DDPOptimizer), so each bucket's all-reduce can
     # start while the backward of the blocks before it runs: communication overlaps the backward
     import torch.distributed as dist
+
     graphs, real = [], torch.compile
+
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
+
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=backend, **kw))
     hp = tiny(dim=256, max_seq_len=32, seq_len=32)  # about 1M parameters a block: 4 MB
     x = torch.randint(0, 97, (2, 32))
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     counts = {}
     try:
         for ddp in (False, True):
@@ -3642,17 +4630,34 @@ def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
     assert counts[False] == 1 and counts[True] > hp.n_layers, counts  # a graph per bucket
 
 
-@pytest.mark.parametrize("attn,router,compact", [
-    *[("sdpa", r, c) for r, c in [("none", False), ("skip_middle", False), ("skip_middle", True),
-                                  ("dlo", False), ("dlo", True), ("mod", False), ("mod", True),
-                                  ("mor", False), ("mor", True)]],
-    ("flex", "skip_middle", False), ("flex", "mod", False)])  # Flex: a score_mod, and key masks
+@pytest.mark.parametrize(
+    "attn,router,compact",
+    [
+        *[
+            ("sdpa", r, c)
+            for r, c in [
+                ("none", False),
+                ("skip_middle", False),
+                ("skip_middle", True),
+                ("dlo", False),
+                ("dlo", True),
+                ("mod", False),
+                ("mod", True),
+                ("mor", False),
+                ("mor", True),
+            ]
+        ],
+        ("flex", "skip_middle", False),
+        ("flex", "mod", False),
+    ],
+)  # Flex: a score_mod, and key masks
 def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, request):
     # at the paper's depth (12 layers): graph breaks and recompiles are dynamo's decisions, the
     # same on CPU and CUDA: traced here with the eager backend, dynamo told to fail where it
     # would give up (its recompile limit). Flex, CUDA's attention, has no backward on CPU: its
     # training steps run forward only, at 4 layers (what differs from SDPA is inside a block)
     import torch._dynamo
+
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{"backend": "eager", **kw}))
     patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8)
@@ -3661,9 +4666,17 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, req
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
-    hp = tiny(router=router, compact=compact, dim=64,
-              n_layers=(11 if router == "mor" else 12) if attn == "sdpa" else 4,
-              max_seq_len=256, seq_len=256, mod_every=2, dlo_rho=0.5, attn_impl=attn)
+    hp = tiny(
+        router=router,
+        compact=compact,
+        dim=64,
+        n_layers=(11 if router == "mor" else 12) if attn == "sdpa" else 4,
+        max_seq_len=256,
+        seq_len=256,
+        mod_every=2,
+        dlo_rho=0.5,
+        attn_impl=attn,
+    )
     torch.manual_seed(0)
     raw = tg.GPT(hp)
     if router == "skip_middle":
@@ -3683,7 +4696,9 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, req
     raw.eval()
     with torch.no_grad():
         for seed in range(3):  # evaluation (inference routing), on the raw model as evaluate()
-            idx = torch.randint(0, 97, (2, 256), generator=torch.Generator().manual_seed(100 + seed))
+            idx = torch.randint(
+                0, 97, (2, 256), generator=torch.Generator().manual_seed(100 + seed)
+            )
             raw(idx, targets=torch.roll(idx, -1, 1))
     # per mode (training, evaluation): a graph per packed length (the sequence length only,
     # without compact) and one for the blocks a router leaves ungated (MoD's); compact: one for

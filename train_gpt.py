@@ -6,11 +6,13 @@ Mixture-of-Recursions (Bae et al. 2025).
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
 
 Every field of Hyperparameters (the run's) and Job (one job's) is also --field=value (--help).
-Banners in dependency order: components; gated attention and the block; depth routers (a new
-one is a Router subclass and a line in ROUTERS); model; data; FLOPs; settings; checkpoints;
-training loop; main(). Importing it has no side effects. support.py: command lines, files, run
-directories, logs, signals, ranks; data/shards.py: the shard format; expand.py: DLO's depth
-expansion; sample.py: the KV-cached decoder.
+This file is the paper's path, read top to bottom; banners in dependency order: components;
+gated attention and the block; the skip-middle router and its controller; the model; data;
+FLOPs; settings; the training loop; main(). Importing it has no side effects. Beside it:
+routers.py (the Router base and the other routers: DLO, Mixture-of-Depths, Mixture-of-Recursions,
+with their deviations), runs.py (checkpoints, run directories, the log, the clock, ranks),
+support.py (command lines, files, signals), data/shards.py (the shard format), expand.py (DLO's
+depth expansion), sample.py (the KV-cached decoder).
 
 Deviations from Llama 3 (the paper's base model, Section 3.1): sandwich norm x +
 Norm(Module(Norm(x))) (Section 2.3; `sandwich_norm=False`: pre-norm); an RMSNorm after the
@@ -33,47 +35,23 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
   - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (docs/flops.md
     relates this to the authors' estimator, ~1.9x ours at the paper's size).
   - compact=True and the KV-cached decoder weight a key with g = 0 by exactly 0, not 1e-6.
-DLO (Tan et al. 2024), `router=dlo`:
-  - Pre-training or continuing our own FineWeb checkpoints (the paper fine-tunes Llama 2 on
-    instructions); expand.py starts a new run (fresh AdamW, step 0) from expanded weights.
-  - The router reads the block's input h_i; r scales only the MLP branch.
-  - Eq. 8 is used as a skip rate (the share labelled 0): as written it counts labels 1, which
-    contradicts its use as rho_i in top-k and eq. 10. rho_{i,1} is step 1's annealed rate.
-  - Labels (eq. 5) rank the L x S similarities within each sequence; eqs. 6 and 8 average over
-    the global batch. Training runs every MLP (labels need every similarity) and drops the
-    skipped outputs; only evaluation and decoding skip the work.
-Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
-  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (block 0 always runs), at the
-    paper's best capacity, 12.5% of each sequence.
-  - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our block
-    (the MLP reads x + r Attn, not the block output scaled once). Tokens not chosen are neither
-    queries nor keys there (weight gate_eps masked, 0 when compacted).
-  - Causal inference: the paper's first method, BCE (mod_aux_coef, our 0.01) teaching
-    sigmoid(r) the top-k; evaluation and decoding run r > 0 (validation reports that share).
-Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
-  - n_layers counts applied blocks, as for the dense model it is set against: blocks 0 and
-    L-1 are unique, a stack of (L - 2) / N_r shared blocks runs N_r = mor_recursions times
-    (Middle-Cycle): 2 + (L - 2) / N_r unique blocks; L - 2 must be a multiple of N_r.
-  - Expert-choice, hierarchical filtering: recursion r keeps floor((N_r - r) / N_r T) tokens
-    of each sequence (all, 2/3, 1/3 for N_r = 3). Recursion 0 (share 1) keeps every token in
-    inference too and has no BCE term.
-  - A kept token moves by g = sigmoid(z) times the recursion's update, h + g (f(h) - h) (no
-    extra scale; the authors' code adds alpha sigmoid(z) times the stack's output, residual
-    included). In the stack the kept tokens run ungated; the others are neither queries nor
-    keys (weight gate_eps masked, 0 when compacted or decoding).
-  - Causal inference: BCE (mor_aux_coef, our 0.1: at 0.01 the CPU smoke run kept almost no
-    token past recursion 0) of z over the active tokens; inference keeps those with z > 0.
-    Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.
 """
 
-import collections, contextlib, math, os, re, shlex, signal, sys, time
+import collections
+import contextlib
+import math
+import os
+import shlex
+import signal
+import sys
+import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import NamedTuple
 
 import support  # (no torch: quick)
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a signal while torch loads: exit at once, quietly
     support.exit_quietly_on_signals()
 
 import numpy as np  # noqa: E402
@@ -81,19 +59,27 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from data.shards import BYTES_EOT, EOT, find_shards, read_shard, shard_encoding, shard_tokens  # noqa: E402
-from support import (CHECKPOINT, STOP, Dist, RunLog, RunStopped, UserError, add_sums,  # noqa: E402
-                     all_finite, all_reduce, all_reduce_sums, check_fields, cli, clock, field_facts,
-                     field_help, fmt_list, last_good, machine_memory, open_log, open_run_dir,
-                     parse_fields, provenance, read_checkpoint, release_locks, save_run_checkpoint,
-                     saved_fields, setup_distributed)
+import runs  # noqa: E402
+from data.shards import (  # noqa: E402
+    BYTES_EOT,
+    EOT,
+    find_shards,
+    read_shard,
+    shard_encoding,
+    shard_tokens,  # noqa: E402
+)
+from routers import DLO, Dense, MixtureOfDepths, MixtureOfRecursions, Router, ran  # noqa: E402
+from runs import CHECKPOINT, Dist, RunLog, RunState, add_sums, all_reduce_sums  # noqa: E402
+from support import STOP, RunStopped, UserError, check_fields, cli, setting  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Components: RMSNorm, rotary embeddings, SwiGLU
 
+
 class RMSNorm(nn.RMSNorm):
     def forward(self, x):  # in fp32 under autocast, as Llama does
         return super().forward(x.float()).type_as(x)
+
 
 class Rotary(nn.Module):
     """RoPE (Su et al. 2024) with Llama's interleaved pairs, table precomputed up to max_seq_len."""
@@ -107,10 +93,14 @@ class Rotary(nn.Module):
 
     def forward(self, x, pos=None):
         """x: (B, H, T, hd); pos: (B, T) positions (packed or cached tokens), None: 0..T-1."""
-        cos, sin = ((self.cos[:x.size(2)], self.sin[:x.size(2)]) if pos is None  # (T, hd/2)
-                    else (self.cos[pos][:, None], self.sin[pos][:, None]))  # (B, 1, T, hd/2)
+        cos, sin = (
+            (self.cos[: x.size(2)], self.sin[: x.size(2)])
+            if pos is None  # (T, hd/2)
+            else (self.cos[pos][:, None], self.sin[pos][:, None])
+        )  # (B, 1, T, hd/2)
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # even / odd features
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).type_as(x)
+
 
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
@@ -122,19 +112,25 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+
 # -----------------------------------------------------------------------------
 # Gated attention (eq. 3) and the gated block (Section 2)
+
 
 @lru_cache(maxsize=64)
 def causal_block_mask(T: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
+
     return create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device=device)
+
 
 @lru_cache(maxsize=2)
 def flex_attention_fn(compiled: bool):
     """Flex fuses (and has a backward) only compiled; on CPU it runs eagerly, forward only."""
     from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
 
 @torch.library.custom_op("depth_routing::stored", mutates_args=())
 def stored(x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +138,10 @@ def stored(x: torch.Tensor) -> torch.Tensor:
     the Flex kernel and failed ("convert FlexibleLayout to FixedLayout first", on an H100)."""
     return x.clone()
 
+
 stored.register_fake(torch.empty_like)
 stored.register_autograd(lambda ctx, grad: grad)
+
 
 def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
     """Causal attention with ln g added to the logits. q: (B, H, T, hd); k, v: (B, H_kv, T, hd);
@@ -153,26 +151,33 @@ def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
     gqa = q.size(1) != k.size(1)
     if mask is not None:
         log_g = None if log_g is None else stored(log_g)
+
         def mod(score, b, h, q_idx, kv_idx):  # the score_mod
             return score + log_g[b, kv_idx if axis == "key" else q_idx]
+
         return flex_attention_fn(compiled=q.is_cuda)(
-            q, k, v, score_mod=None if log_g is None else mod, block_mask=mask, enable_gqa=gqa)
+            q, k, v, score_mod=None if log_g is None else mod, block_mask=mask, enable_gqa=gqa
+        )
     if log_g is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     T = q.size(2)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     per = log_g.float()[:, None, None, :] if axis == "key" else log_g.float()[:, None, :, None]
     bias = torch.zeros(T, T, device=q.device).masked_fill(future, -math.inf) + per  # (B, 1, Tq, Tk)
-    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
-                                          enable_gqa=gqa).type_as(q)
+    return F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=bias, enable_gqa=gqa
+    ).type_as(q)
+
 
 FLEX_MIN_HEAD_DIM = 16  # Inductor's Flex kernels refuse smaller head dimensions
+
 
 def attention_impl(hp: "Hyperparameters", cuda: bool) -> str:
     """attn_impl; auto: Flex on CUDA (its backward needs it) at head dim >= 16, else SDPA."""
     if hp.attn_impl != "auto":
         return hp.attn_impl
     return "flex" if cuda and hp.dim // hp.n_heads >= FLEX_MIN_HEAD_DIM else "sdpa"
+
 
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE and optional gating of keys."""
@@ -201,9 +206,11 @@ class Attention(nn.Module):
             y = cache[0].attend(cache[1], q, k, v, log_g if self.gate_axis == "key" else None)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
+
 class Block(nn.Module):
     """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2, 2.3). g: (B, T, 1)
     or None (dense); keys: each token's weight as a key (eq. 3), by default g."""
+
     pack = 1  # packed lengths are multiples of this (compile_model sets PACK: few shapes)
 
     def __init__(self, hp: "Hyperparameters"):
@@ -255,97 +262,27 @@ class Block(nn.Module):
         mask = None if mask is None else causal_block_mask(Tc, str(x.device))  # cached per length
         return x.scatter(1, index, self.every_token(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
+
 # -----------------------------------------------------------------------------
-# Depth routers: which tokens run which blocks, and how that is trained and counted
-#
-# The model hands its router the blocks (Router.forward runs the depth loop); the loop,
-# evaluation, FLOPs, logs and tools call only Router's hooks, never test its name. A new router:
-# a subclass here, a ROUTERS entry and a choice of the router field, its fields under
-# "# router=NAME" in Hyperparameters, tests. A forward pass fills a trace (per-layer lists):
-# every router records "block" and "mlp", (B, T) bool, the tokens that ran the block and its MLP.
+# The skip-middle router (Sections 2.1-2.4); the Router base and the others: routers.py
+
 
 def clamp_keep_grad(x: torch.Tensor, low: float, high: float = math.inf) -> torch.Tensor:
     """clamp(x, low, high) with gradient 1 on [low, high], bounds included, on every torch
     (2.15 made clamp's gradient 0 at a bound): eq. 1's ReLU and eq. 2 at exactly 0."""
     return torch.where((x >= low) & (x <= high), x, x.detach().clamp(low, high))
 
+
 def mirror(layer: int, n_layers: int) -> int:
     """Index of the gate used by block `layer`: its own in the first half, block L-1-l's after."""
     return layer if layer < n_layers // 2 else n_layers - 1 - layer
 
-def ran(trace: dict, block, mlp=None):
-    """Record the tokens ((B, T) bool) that ran this block and its MLP (default: the same)."""
-    trace["block"].append(block)
-    trace["mlp"].append(block if mlp is None else mlp)
-
-class Router(nn.Module):
-    """The hooks every router has, each defaulting to the dense model's behaviour. Sums are
-    float64 (k, L), summed over micro-batches and ranks before a hook reads them."""
-    means = {}  # metric -> trace key: per-layer means over tokens in train and val records
-    expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
-    layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
-    skips = "block"  # trace key of what a token skips (skipview.py); "mlp": DLO, "recursion": MoR
-    packs_in_training = True  # compact packs tokens in training too (compile_model); DLO: no
-
-    def __init__(self, hp: "Hyperparameters"):
-        super().__init__()
-        self.hp = hp
-
-    def forward(self, blocks, x, trace: dict, mask, pos=None, cache=None):
-        """The depth loop: x (B, T, d) through each block once, in order, by run(). A router that
-        re-applies a block or stops tokens early overrides it, recording "block" and "mlp" and
-        calling resid() per applied block (n_layers in all)."""
-        for layer, block in enumerate(blocks):
-            x = self.resid(trace, self.run(layer, block, x, trace, mask, pos,
-                                           None if cache is None else (cache, layer)))
-        return x
-
-    def resid(self, trace: dict, x):  # x; its mean norm recorded in evaluation
-        if not self.training:
-            trace["resid"].append(x.detach().float().norm(dim=-1).mean())
-        return x
-
-    def run(self, layer: int, block: "Block", x, trace: dict, mask, pos=None, cache=None):
-        """Block `layer` on x (B, T, d), routed and recorded in trace."""
-        x = block(x, None, mask, pos=pos, cache=cache)
-        ran(trace, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device))
-        return x
-
-    def loss(self, route: dict, step: int):
-        """route: the trace stacked, (L, B, T) per key -> (regularising loss, sums for update)."""
-        return route["block"].new_zeros((), dtype=torch.float32), None
-
-    def lr_scales(self, step: int) -> list:
-        return [1.0] * self.n_blocks(self.hp)  # per block, a factor on its (and layer_params') rate
-
-    # the other hooks: what they return or do for the dense model
-    def reset_parameters(self): pass  # its own init, after GPT's N(0, init_std) of every linear
-    def layer_params(self, layer: int) -> list: return []  # its parameters at block `layer`'s rate
-    def update(self, sums, count: int, step: int): pass  # after a step: loss()'s sums, count tokens
-    def log_lines(self, v: dict, step: int) -> list: return []  # its lines of the validation log
-    def zero_targets(self): return None  # per layer, the share of zero gates aimed at (sweep.py)
-    def routing_state(self) -> dict: return {}  # state outside the parameters: checkpointed
-    def load_routing_state(self, state: dict): pass
-    @staticmethod
-    def n_blocks(hp) -> int: return hp.n_layers  # blocks built; n_layers is how many are applied
-    @staticmethod
-    def check(hp) -> str: return ""  # what makes these settings wrong for it (an error line)
-    @staticmethod
-    def extra_flops(hp, T: int) -> float: return 0.0  # its own forward FLOPs, a sequence of T
-    @staticmethod
-    def skipped_tokens_are_keys(hp) -> bool: return False  # a skipped token still a key there?
-
-class Dense(Router):
-    """router=none: the dense model, all hooks at their defaults."""
-
-    @staticmethod
-    def check(hp):
-        return "compact=true: router=none runs every token everywhere" if hp.compact else ""
 
 def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
     """(L,) per layer: linspace(mu_start, mu_end) over the first half, mirrored (Section 2.4)."""
     half = torch.linspace(hp.mu_start, hp.mu_end, hp.n_layers // 2, dtype=torch.float64)
     return torch.cat([half, half.flip(0)])
+
 
 class GateController(nn.Module):
     """The loss on the per-layer gate mean and variance and its coefficients' update (Table 1):
@@ -359,10 +296,12 @@ class GateController(nn.Module):
         mu = mean_targets(hp)
         adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
         init = 0.0 if adaptive else hp.fixed_coef
-        for name, v in (("mu", mu),                  # (L,) mean targets
-                        ("var", mu * (1 - mu)),      # (L,) Bernoulli variance targets
-                        ("alpha", torch.full_like(mu, init)),
-                        ("beta", torch.full_like(mu, init if self.kind != "sparsity" else 0.0))):
+        for name, v in (
+            ("mu", mu),  # (L,) mean targets
+            ("var", mu * (1 - mu)),  # (L,) Bernoulli variance targets
+            ("alpha", torch.full_like(mu, init)),
+            ("beta", torch.full_like(mu, init if self.kind != "sparsity" else 0.0)),
+        ):
             self.register_buffer(name, v, persistent=False)
 
     def loss(self, gates):
@@ -385,10 +324,12 @@ class GateController(nn.Module):
             elif self.kind == "adaptive":
                 c += self.gamma * torch.sign(dev)
 
+
 class SkipMiddle(Router):
     """The paper's router (Sections 2.1-2.4): block l < L/2 reads s_l = ReLU(w.h + b) (eq. 1);
     g_l = 1 - clamp(sum_{k<=l} s_k, 0, 1) (eq. 2) scales both residual branches and weights the
     token as a key by ln g (eq. 3); block L-1-l reuses g_l. Trace: "gates" (L, B, T), "S" sums."""
+
     expandable = False  # the gates and their mirror are tied to the layer count
     means = {"gate_mean": "gates"}
 
@@ -429,8 +370,10 @@ class SkipMiddle(Router):
         if hp.n_layers % 2:
             return f"n_layers={hp.n_layers}: a gated model needs an even number of layers"
         if hp.compact and hp.gate_axis == "query":
-            return ("compact=true needs gate_axis=key: with the gate on the query axis later "
-                    "tokens still attend to a skipped token, so it cannot be dropped")
+            return (
+                "compact=true needs gate_axis=key: with the gate on the query axis later "
+                "tokens still attend to a skipped token, so it cannot be dropped"
+            )
         return ""
 
     def loss(self, route, step):
@@ -443,8 +386,10 @@ class SkipMiddle(Router):
 
     def log_lines(self, v, step):
         c = self.ctrl
-        return [f"  gate_mean:{fmt_list(v['gate_mean'])}",
-                f"  alpha:{fmt_list(c.alpha.tolist())} beta:{fmt_list(c.beta.tolist())}"]
+        return [
+            f"  gate_mean:{runs.fmt_list(v['gate_mean'])}",
+            f"  alpha:{runs.fmt_list(c.alpha.tolist())} beta:{runs.fmt_list(c.beta.tolist())}",
+        ]
 
     @staticmethod
     def extra_flops(hp, T):
@@ -465,252 +410,34 @@ class SkipMiddle(Router):
         for k in ("alpha", "beta"):
             getattr(self.ctrl, k).copy_(state["controller"][k])
 
-class DLO(Router):
-    """DLO (Tan et al. 2024, Section 3): attention always runs; the MLP runs for the tokens
-    picked, scaled by r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eqs. 1-2): in training the top
-    (1 - rho_i) of each sequence by r, rho_i from similarity labels (eqs. 5-8) and an annealed
-    rate (eq. 9); in inference r >= beta / 2. Trace: "logits" hW, "scale" r (0: skipped),
-    "similarity" (training) eq. 4's cosine of the MLP's input and output."""
-    skips, packs_in_training = "mlp", False
-    layer_modules = "routers"
 
-    def __init__(self, hp):
-        super().__init__(hp)
-        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in range(hp.n_layers))
-        # rho_{i,1}: step 1's annealed rate (paper's rho would skip most when meant to skip least)
-        self.register_buffer("rates", torch.full((hp.n_layers,), self.overall(0),
-                                                 dtype=torch.float64), persistent=False)
-
-    def reset_parameters(self):
-        for router in self.routers:  # zero: every r is exactly beta / 2 = 1 (Section 3.2)
-            nn.init.zeros_(router.weight)
-
-    def layer_params(self, layer):
-        return list(self.routers[layer].parameters())
-
-    def overall(self, step: int) -> float:
-        """eq. (9) with rho_bar = 0, at training step t = step + 1."""
-        t, hp = step + 1, self.hp
-        return hp.dlo_rho if hp.dlo_anneal_steps == 0 or t > hp.dlo_anneal_steps else \
-            hp.dlo_rho * t / hp.dlo_anneal_steps
-
-    def run(self, layer, block, x, trace, mask, pos=None, cache=None):
-        hp = self.hp
-        z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
-        r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
-        a = block.attend(x, None, mask, pos, cache)
-        if self.training:  # the top floor((1 - rho_i) S) of each sequence by r
-            k = torch.floor((1 - self.rates[layer]) * x.size(1))  # a tensor: no host read
-            order = r[..., 0].argsort(dim=1, descending=True, stable=True)  # (B, T) by rank
-            first = torch.arange(x.size(1), device=x.device) < k  # (T,) per rank: in the top k
-            run = torch.empty_like(order, dtype=torch.bool).scatter(
-                1, order, first.expand_as(order))[..., None]
-        else:  # inference rule
-            run = r >= hp.dlo_beta / 2
-        if hp.compact and not self.training:  # the MLP on the running tokens only
-            flat = a.reshape(-1, a.size(-1))
-            rows = run.reshape(-1).nonzero().squeeze(1)
-            f = torch.zeros_like(flat).index_copy(0, rows, block.mlp(flat[rows])).view_as(a)
-        else:
-            f = block.mlp(a)
-            trace["similarity"].append(F.cosine_similarity(a.detach().float(),
-                                                           (a + f).detach().float(), dim=-1))
-        trace["logits"].append(z[..., 0])
-        trace["scale"].append((r * run)[..., 0])  # the factor on the MLP branch, 0: skipped
-        ran(trace, torch.ones_like(run[..., 0]), run[..., 0])
-        return a + (r * run).type_as(f) * f
-
-    @staticmethod
-    def labels(similarity, rho_t: float):
-        """eq. (5): in each sequence, the floor((1 - rho_t) R' S) (layer, token) positions with
-        the least similar MLP input and output are labelled 1 (run). (L, B, T) -> (L, B, T)."""
-        L, B, T = similarity.shape
-        k = math.floor((1 - rho_t) * L * T)
-        flat = similarity.permute(1, 0, 2).reshape(B, L * T)
-        labels = torch.zeros_like(flat)
-        if k:
-            labels.scatter_(1, flat.topk(k, dim=1, largest=False).indices, 1.0)
-        return labels.view(B, L, T).permute(1, 0, 2)
-
-    def loss(self, route, step):
-        """eqs. (5)-(7): similarity labels, BCE of sigmoid(h W) against them."""
-        labels = self.labels(route["similarity"], self.overall(step))
-        return (F.binary_cross_entropy_with_logits(route["logits"], labels),
-                labels.double().sum(dim=(1, 2))[None])
-
-    def update(self, sums, count, step):
-        """eq. (8) as a skip rate (module docstring): each layer's share of tokens labelled 0."""
-        self.rates.copy_(1 - sums[0].double() / count)  # on the device
-
-    def lr_scales(self, step):
-        """eq. (10): zeta_i / zeta_bar = (1 - rho_i,t) / (1 - rho^t)."""
-        return ((1 - self.rates) / (1 - self.overall(step))).tolist()  # (a host read per step)
-
-    def log_lines(self, v, step):
-        return [f"  train_skip_rates:{fmt_list(self.rates.tolist())} rho_t:{self.overall(step):.3f}"]
-
-    @staticmethod
-    def extra_flops(hp, T):
-        return hp.n_layers * T * 2 * hp.dim  # routers, all tokens
-
-    def routing_state(self):
-        return {"rates": self.rates.cpu().clone()}
-
-    def load_routing_state(self, state):
-        self.rates.copy_(state["rates"])
-
-class MixtureOfDepths(Router):
-    """Mixture-of-Depths (Raposo et al. 2024): every mod_every-th block scores each token, r =
-    w.h; in training the top mod_capacity of each sequence runs it, both branches scaled by r,
-    the rest pass by (neither query nor key, no MLP). BCE (mod_aux_coef) teaches r > 0 to the
-    top k, which evaluation and decoding run (causal). Trace: "logits" r, "topk" (training)."""
-    expandable = False  # which blocks are routed depends on the layer count
-
-    def __init__(self, hp):
-        super().__init__(hp)
-        self.routed = [i for i in range(hp.n_layers) if i % hp.mod_every == hp.mod_every - 1]
-        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False) for _ in self.routed)
-
-    def layer_params(self, layer):
-        return [p for i, r in zip(self.routed, self.routers) if i == layer for p in r.parameters()]
-
-    def run(self, layer, block, x, trace, mask, pos=None, cache=None):
-        if layer not in self.routed:
-            return super().run(layer, block, x, trace, mask, pos, cache)
-        r = self.routers[self.routed.index(layer)](x).float()[..., 0]  # (B, T)
-        trace["logits"].append(r)
-        if self.training:
-            k = max(1, math.floor(self.hp.mod_capacity * x.size(1)))
-            top = r.topk(k, dim=1).indices  # (B, k)
-            chosen = torch.zeros_like(r, dtype=torch.bool).scatter(1, top, True)
-            trace["topk"].append(chosen)
-        else:
-            chosen = r > 0  # causal: one token's own score
-        ran(trace, chosen)
-        if cache is not None and not bool(chosen.any()):
-            return x  # a token that passes the block keeps no K/V there
-        keys = chosen[..., None].to(x.dtype)  # (B, T, 1): the chosen tokens are the only keys
-        return block(x, (r[..., None] * keys).type_as(x), mask, self.hp.compact and cache is None,
-                     pos, cache, keys=keys)
-
-    def loss(self, route, step):
-        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float())
-        return self.hp.mod_aux_coef * bce, None
-
-    @staticmethod
-    def check(hp):
-        if hp.mod_every > hp.n_layers:
-            return f"mod_every={hp.mod_every} routes no block of {hp.n_layers}"
-        return ""
-
-    @staticmethod
-    def extra_flops(hp, T):
-        return len(range(hp.mod_every - 1, hp.n_layers, hp.mod_every)) * T * 2 * hp.dim
-
-class MixtureOfRecursions(Router):
-    """Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle: blocks[0] and blocks[-1] run once,
-    the stack between them N_r = mor_recursions times. Before recursion r, z = w_r.h; of the
-    active tokens training keeps the top floor((N_r - r) / N_r T) per sequence (r = 0: all),
-    which run the stack (the rest neither queries nor keys) and move by g = sigmoid(z) times its
-    update, h + g (f(h) - h). As for MoD, BCE (mor_aux_coef) teaches z > 0 to the top k, which
-    inference keeps. mor_routed=false: every token every recursion, g = 1 (the recursive
-    baseline). Trace: "recursion" (N_r, B, T) who ran r; for r >= 1, "logits" z, "active"
-    (eligible), "topk" (training)."""
-    expandable = False  # its shared blocks are not a stack of layers
-    skips = "recursion"
-
-    def __init__(self, hp):
-        super().__init__(hp)
-        self.routers = nn.ModuleList(nn.Linear(hp.dim, 1, bias=False)
-                                     for _ in range(hp.mor_recursions if hp.mor_routed else 0))
-
-    @staticmethod
-    def n_blocks(hp):
-        return 2 + (hp.n_layers - 2) // hp.mor_recursions
-
-    def forward(self, blocks, x, trace, mask, pos=None, cache=None):
-        first, *stack, last = blocks
-        at = lambda i: None if cache is None else (cache, i)  # noqa: E731 (K/V per applied block)
-        x = self.resid(trace, self.run(0, first, x, trace, mask, pos, at(0)))
-        active = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T)
-        for r in range(self.hp.mor_recursions):
-            active, g = self.choose(r, x, active, trace)
-            trace["recursion"].append(active)
-            every = r == 0 or not self.hp.mor_routed  # every token: the block ungated, as dense
-            keys, h = None if every else active[..., None].to(x.dtype), x  # (B, T, 1): its tokens
-            for i, block in enumerate(stack):
-                if cache is None or bool(active.any()):  # decoding: a token not kept stores no K/V
-                    h = block(h, keys, mask, self.hp.compact and cache is None, pos,
-                              at(1 + r * len(stack) + i), keys=keys)
-                ran(trace, active)
-                if i < len(stack) - 1:
-                    self.resid(trace, h)
-            x = self.resid(trace, x + g * (h - x))  # a token not kept: h = x
-        return self.resid(trace, self.run(self.hp.n_layers - 1, last, x, trace, mask, pos,
-                                          at(self.hp.n_layers - 1)))
-
-    def choose(self, r: int, x, active, trace):
-        """-> the tokens ((B, T) bool, within active) that run recursion r, and their weight g.
-        Recursion 0's share is 1: every token runs it, in training and inference alike (its
-        router only weights the update), so it has no choice to learn."""
-        if not self.hp.mor_routed:
-            return active, 1.0
-        z = self.routers[r](x).float()[..., 0]  # (B, T)
-        if r == 0:
-            return active, torch.sigmoid(z)[..., None].type_as(x)
-        trace["logits"].append(z)
-        trace["active"].append(active)
-        if self.training:  # k_r <= k_(r-1): the top k are all active
-            N, T = self.hp.mor_recursions, x.size(1)
-            top = z.masked_fill(~active, -math.inf).topk(max(1, (N - r) * T // N), dim=1).indices
-            chosen = torch.zeros_like(active).scatter(1, top, True)  # (B, T)
-            trace["topk"].append(chosen)
-        else:
-            chosen = active & (z > 0)  # causal: the token's own score
-        return chosen, torch.sigmoid(z)[..., None].type_as(x)
-
-    def loss(self, route, step):
-        """BCE of each active token's z against its top-k membership, mean over active tokens."""
-        if "topk" not in route:  # the recursive baseline, or N_r = 1: nothing is chosen
-            return super().loss(route, step)
-        bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float(), reduction="none")
-        return self.hp.mor_aux_coef * (bce * route["active"]).sum() / route["active"].sum(), None
-
-    @staticmethod
-    def check(hp):
-        N, L = hp.mor_recursions, hp.n_layers
-        if L < 2 + N or (L - 2) % N:
-            near = [n for n in (L - (L - 2) % N, L - (L - 2) % N + N) if n >= 2 + N]
-            return (f"n_layers={L}: MoR applies blocks 0 and L-1 once and a stack of (L - 2) / "
-                    f"mor_recursions blocks mor_recursions={N} times; need L - 2 a positive "
-                    f"multiple of it (n_layers={' or '.join(map(str, near))})")
-        unchosen = "mor_routed=false" if not hp.mor_routed else "mor_recursions=1" if N == 1 else ""
-        if unchosen and hp.compact:  # (recursion 0 runs every token)
-            return f"compact=true: with {unchosen} every token runs everywhere"
-        if unchosen and hp.mor_aux_coef != Hyperparameters.mor_aux_coef:
-            return (f"mor_aux_coef={hp.mor_aux_coef} has no effect with {unchosen}: no router chooses")
-        return ""
-
-    @staticmethod
-    def extra_flops(hp, T):
-        return (hp.mor_recursions if hp.mor_routed else 0) * T * 2 * hp.dim  # routers, all tokens
-
-ROUTERS = {"none": Dense, "skip_middle": SkipMiddle, "dlo": DLO, "mod": MixtureOfDepths,
-           "mor": MixtureOfRecursions}
+ROUTERS = {
+    "none": Dense,
+    "skip_middle": SkipMiddle,
+    "dlo": DLO,
+    "mod": MixtureOfDepths,
+    "mor": MixtureOfRecursions,
+}
 CONTROLLERS = {  # Table 1's controllers (GateController), and the fields each one reads
-    "proportional_tol": "mu_start mu_end gamma delta", "proportional": "mu_start mu_end gamma",
-    "adaptive": "mu_start mu_end gamma", "sparsity": "fixed_coef",
-    "sparsity_variance": "fixed_coef", "sparsity_variance_l2": "mu_start mu_end fixed_coef",
-    "none": ""}
+    "proportional_tol": "mu_start mu_end gamma delta",
+    "proportional": "mu_start mu_end gamma",
+    "adaptive": "mu_start mu_end gamma",
+    "sparsity": "fixed_coef",
+    "sparsity_variance": "fixed_coef",
+    "sparsity_variance_l2": "mu_start mu_end fixed_coef",
+    "none": "",
+}
 
 # -----------------------------------------------------------------------------
 # The model
 
+
 class Output(NamedTuple):
     logits: torch.Tensor  # (B, T, V) fp32; None when the loss was asked for instead
-    loss: torch.Tensor    # mean cross-entropy against the targets, when given
-    route: dict           # the trace stacked: "block", "mlp" (L, B, T) bool and the router's own
-    resid: torch.Tensor   # (L,) mean L2 norm of the residual after each block (eval only)
+    loss: torch.Tensor  # mean cross-entropy against the targets, when given
+    route: dict  # the trace stacked: "block", "mlp" (L, B, T) bool and the router's own
+    resid: torch.Tensor  # (L,) mean L2 norm of the residual after each block (eval only)
+
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of h W^T against targets, `rows` rows at a time: the (N, V) logits and
@@ -724,7 +451,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         """h: (N, d); weight: (V, d); targets: (N,) -> scalar fp32 sum over the N rows."""
         w, total, grad_h, grad_w = weight.to(h.dtype), torch.zeros((), device=h.device), [], 0.0
         for i in range(0, h.size(0), rows):
-            hc, tc = h[i:i + rows], targets[i:i + rows]
+            hc, tc = h[i : i + rows], targets[i : i + rows]
             logits = (hc @ w.t()).float()  # (n, V), the only logits alive
             picked = logits.gather(1, tc[:, None])[:, 0]
             top = logits.amax(dim=-1)
@@ -745,6 +472,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         dh, dw = ctx.saved_tensors  # forward's gradients of h and the weight, for grad = 1
         return dh * grad.to(dh.dtype), (dw * grad).to(ctx.weight_dtype), None, None, None
 
+
 class GPT(nn.Module):
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
@@ -763,7 +491,8 @@ class GPT(nn.Module):
     def forward(self, idx, pos=None, cache=None, targets=None, per_token=False) -> Output:
         """idx: (B, T) token ids; with a KVCache one token (1, 1) at position pos (1, 1), kept as
         K/V only in the blocks it runs. Routing follows model.train() / model.eval(). With targets
-        (B, T): the mean cross-entropy (chunked, loss_rows), no logits; per_token: each one's (B, T)."""
+        (B, T): the mean cross-entropy (chunked, loss_rows), no logits; per_token: each token's,
+        (B, T)."""
         # Flex: one causal block mask per forward (eagerly: lru_cache per length), none decoding
         flex = cache is None and attention_impl(self.hp, idx.is_cuda) == "flex"
         mask = causal_block_mask(idx.size(1), str(idx.device)) if flex else None
@@ -780,14 +509,20 @@ class GPT(nn.Module):
         h, weight = h.flatten(0, 1), self.head.weight
         if per_token:  # loss_rows rows of logits at a time, as LinearCrossEntropy computes them
             w, rows = weight.to(h.dtype), self.hp.loss_rows
-            return None, torch.cat([F.cross_entropy((hc @ w.t()).float(), tc, reduction="none") for hc, tc
-                                    in zip(h.split(rows), targets.flatten().split(rows))]).view_as(targets)
+            return None, torch.cat(
+                [
+                    F.cross_entropy((hc @ w.t()).float(), tc, reduction="none")
+                    for hc, tc in zip(h.split(rows), targets.flatten().split(rows), strict=True)
+                ]
+            ).view_as(targets)
         grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
         total = LinearCrossEntropy.apply(h, weight, targets.flatten(), self.hp.loss_rows, grads)
         return None, total / targets.numel()
 
+
 # -----------------------------------------------------------------------------
 # Data: modded-nanogpt shards, in order, one global batch per step (format: data/shards.py)
+
 
 class DistributedLoader:
     """Walks the shards in order, cycling. Each step takes one contiguous global batch of
@@ -795,13 +530,23 @@ class DistributedLoader:
     batch at every world size. Every header (and encoding) is checked up front, so a bad shard
     stops the run before it starts; token ids are checked as each shard is loaded."""
 
-    def __init__(self, pattern: str, B_local: int, T: int, rank: int, world: int,
-                 vocab_size: int = 2**16, encoding: str = None):
+    def __init__(
+        self,
+        pattern: str,
+        B_local: int,
+        T: int,
+        rank: int,
+        world: int,
+        vocab_size: int = 2**16,
+        encoding: str = None,
+    ):
         self.files = find_shards(pattern)
         for path in self.files:
             if encoding not in (None, found := shard_encoding(path)):
-                raise UserError(f"{path} holds {found} tokens, but encoding={encoding}: train a "
-                                f"{found} model on it (--encoding={found}), or give {encoding} shards")
+                raise UserError(
+                    f"{path} holds {found} tokens, but encoding={encoding}: train a "
+                    f"{found} model on it (--encoding={found}), or give {encoding} shards"
+                )
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard = None
         self.reset()
@@ -820,11 +565,16 @@ class DistributedLoader:
     def check_position(self, state: dict):
         """A checkpoint's data position (state()) must lie in these shards (changed or edited?)."""
         shard, pos = map((state if isinstance(state, dict) else {}).get, ("shard", "pos"))
-        if not (type(shard) is type(pos) is int and 0 <= shard < len(self.files) and
-                0 <= pos <= shard_tokens(self.files[shard]) - self.B * self.T * self.world - 1):
-            raise UserError(f"the checkpoint's data position (shard {shard}, token {pos}) is "
-                            f"not in the training shards now matched ({len(self.files)} files); "
-                            f"resume with the run's own train_files and batch size")
+        if not (
+            type(shard) is type(pos) is int
+            and 0 <= shard < len(self.files)
+            and 0 <= pos <= shard_tokens(self.files[shard]) - self.B * self.T * self.world - 1
+        ):
+            raise UserError(
+                f"the checkpoint's data position (shard {shard}, token {pos}) is "
+                f"not in the training shards now matched ({len(self.files)} files); "
+                f"resume with the run's own train_files and batch size"
+            )
 
     def capacity(self) -> int:
         """Global batches in one pass over all shards, as next_batch walks them."""
@@ -837,22 +587,28 @@ class DistributedLoader:
         self.shard, self.pos = shard, 0
         need = self.B * self.T * self.world + 1
         if len(self.tokens) < need:
-            raise UserError(f"{self.files[shard]}: {len(self.tokens)} tokens, fewer than "
-                            f"one global batch ({need})")
+            raise UserError(
+                f"{self.files[shard]}: {len(self.tokens)} tokens, fewer than "
+                f"one global batch ({need})"
+            )
 
     def next_batch(self):
         """-> x, y: (B_local, T) int64, inputs and next-token targets."""
         start = self.pos + self.rank * self.B * self.T
-        buf = torch.from_numpy(self.tokens[start:start + self.B * self.T + 1].astype(np.int64))
+        buf = torch.from_numpy(self.tokens[start : start + self.B * self.T + 1].astype(np.int64))
         self.pos += self.B * self.T * self.world
         if self.pos + self.B * self.T * self.world + 1 > len(self.tokens):
             self._load((self.shard + 1) % len(self.files))
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 
+
 # -----------------------------------------------------------------------------
 # FLOPs: forward pass of one sequence of seq_len tokens, 2 per multiply-add
 
-def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = None, pairs=None) -> float:
+
+def forward_flops(
+    hp: "Hyperparameters", active=None, mlp_active=None, T: int = None, pairs=None
+) -> float:
     """Forward FLOPs of one sequence of T tokens (default seq_len). active / mlp_active: per layer,
     the share of tokens that run the block / its MLP (None: all / as active). A skipped token
     costs nothing there (the paper's Figure 2): projections and FFN scale with the share a,
@@ -873,129 +629,207 @@ def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, T: int = 
         total += a * T * proj_qo + k * T * proj_kv + 2 * 2 * hp.n_heads * hd * p + m * T * ffn
     return total + ROUTERS[hp.router].extra_flops(hp, T)  # (attention: scores q.k, sum of v)
 
+
 def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
     """Forward FLOPs per token at seq_len; training (forward + backward) is 3x this."""
     return forward_flops(hp, active, mlp_active, pairs=pairs) / hp.seq_len
 
-def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None, pairs=None) -> float:
+
+def mfu(
+    hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None, pairs=None
+) -> float:
     """Model FLOPs utilisation of one step: 3x the forward FLOPs of the work executed on its
     batch_size x seq_len tokens over all devices' peak. active: the blocks' shares (compact)."""
     tokens = hp.batch_size * hp.seq_len
     return 3 * flops_per_token(hp, active, pairs=pairs) * tokens / step_s / (peak * world)
 
+
 # -----------------------------------------------------------------------------
 # Settings: the run's (Hyperparameters) and the job's (Job)
 
-@dataclass
-class Hyperparameters:
-    """What defines a run: a checkpoint stores it, a resume restores it. A field's facts are on its
-    line (support.field_facts): the interval or {choices} opening its comment is checked, "fixed;"
-    marks what a resume may not change (shapes, which blocks are routed, the gate's axis), and
-    a group headed "router=NAME" is read by that router only."""
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"  # glob of training shards
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"      # glob of validation shards
-    encoding: str = "gpt2"  # {gpt2|bytes} fixed; shards: GPT-2 BPE | UTF-8 bytes (vocab_size=256)
-    # model (paper Table 2)
-    vocab_size: int = 50257      # [2, 65536] fixed; GPT-2 BPE
-    n_layers: int = 12           # [1, inf) fixed; L, must be even when gated
-    dim: int = 768               # [1, inf) fixed; model width d
-    n_heads: int = 12            # [1, inf) fixed; query heads
-    n_kv_heads: int = 12         # [1, inf) fixed; key/value heads (GQA when < n_heads)
-    ffn_mult: int = 4            # [1, inf) fixed; SwiGLU hidden = ffn_mult * dim (3072 at 768)
-    norm_eps: float = 1e-5       # (0, 1) RMSNorm epsilon
-    rope_theta: float = 10000.0  # (0, inf) RoPE base
-    max_seq_len: int = 1024      # [1, inf) RoPE table size (longest context for sampling)
-    init_std: float = 0.02       # (0, inf) normal init of every weight matrix
-    sandwich_norm: bool = True   # fixed; x + Norm(Module(Norm(x))); False: pre-norm ablation
-    attn_impl: str = "auto"      # {auto|flex|sdpa} auto: flex on CUDA at head dim >= 16, else sdpa
-    router: str = "skip_middle"  # {ROUTERS} fixed; depth router
-    compact: bool = False        # run routed blocks on the tokens that run them only (exact)
-    gate_eps: float = 1e-6       # (0, 1) floor on a gate inside ln g (Section 2.2)
-    # router=skip_middle: gates and sparsity control (Section 2.4)
-    gate_init: str = "normal"    # {normal|zero} weights N(0, init_std), bias 0 (Section 3.1) | zero
-    gate_axis: str = "key"  # {key|query} fixed; ln g per key (eq. 3) | per query (authors' code)
-    controller: str = "proportional_tol"  # {CONTROLLERS} Table 1
-    mu_start: float = 1.0        # [0, 1] mean-gate target at block 0
-    mu_end: float = 0.5          # [0, 1] mean-gate target at block L/2 - 1, linear in between
-    gamma: float = 1e-3          # [0, inf) coefficient update multiplier (eq. 6)
-    delta: float = 1e-2          # [0, inf) tolerance on |deviation| (eq. 6)
-    fixed_coef: float = 0.1      # [0, inf) alpha = beta for the fixed-coefficient controllers
-    # router=dlo: DLO (Tan et al. 2024, Section 3)
-    dlo_rho: float = 0.25        # [0, 1) target share of MLP calls skipped, rho
-    dlo_anneal_steps: int = 500  # [0, inf) T': the skip rate rises linearly from 0 to rho (eq. 9)
-    dlo_beta: float = 2.0        # (0, inf) score r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)
-    dlo_gamma: float = 0.05      # [0, inf) gamma of eq. 1
-    # router=mod: Mixture-of-Depths (Raposo et al. 2024)
-    mod_capacity: float = 0.125  # (0, 1] share of a sequence run by a routed block (paper's best)
-    mod_every: int = 2           # [1, inf) fixed; route every mod_every-th block (the paper: 2)
-    mod_aux_coef: float = 0.01   # (0, inf) BCE weight teaching r > 0 the top-k (for inference)
-    # router=mor: Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing
-    mor_recursions: int = 3  # [1, inf) fixed; N_r runs of a stack of (L - 2) / N_r shared blocks
-    mor_routed: bool = True      # fixed; false: the recursive baseline, every token every recursion
-    mor_aux_coef: float = 0.1    # (0, inf) BCE weight teaching z > 0 the top-k (for inference)
-    # optimisation (Table 2)
-    lr: float = 1e-3             # (0, inf) AdamW peak learning rate, one for all parameters
-    beta1: float = 0.8           # [0, 1) AdamW betas
-    beta2: float = 0.95          # [0, 1)
-    adam_eps: float = 1e-10      # (0, inf)
-    weight_decay: float = 0.0    # [0, inf)
-    warmup_frac: float = 0.1     # [0, 1] linear warm-up over this fraction of steps ...
-    warmup_start: float = 0.1    # [0, 1] ... from this fraction of lr, then cosine decay to 0
-    batch_size: int = 512        # [1, inf) global batch, sequences (512 x 1024 = 524,288 tokens)
-    device_batch_size: int = 32  # [1, inf) sequences per forward; grad accumulation is derived
-    seq_len: int = 1024          # [1, inf) training and validation sequence length, <= max_seq_len
-    loss_rows: int = 4096        # [1, inf) tokens whose logits exist at once in the loss (memory)
-    train_tokens: int = 10_000_000_000  # [1, inf) token budget; steps = budget / global batch
-    seed: int = 0                # [0, 9223372036854775808)
-    # evaluation and checkpoints
-    val_every: int = 250         # [0, inf) steps between validations (0: only at the end)
-    val_tokens: int = 10_485_760  # [1, inf) validation tokens per evaluation, split over ranks
-    save_every: int = 250        # [0, inf) steps between checkpoints (0: only at the end)
 
 @dataclass
-class Job:
-    """What one job is told: never saved as the run's settings (config.json shows them)."""
-    # this job
-    run_dir: str = ""            # default: a new logs/<date_time>_<preset or run>_<hex>/
-    resume: str = ""             # RUN_DIR: continue that run from its checkpoint, in place
-    preset: str = ""             # {|smoke} smoke: small gated model on the embedded sample, CPU
-    stop_step: int = 0           # [0, inf) end this job after this step, checkpointed (0: run on)
-    max_bad_steps: int = 0       # [0, inf) non-finite losses to skip (no update) before stopping
-    compile: bool = True         # torch.compile the model (CUDA only)
-    peak_flops: float = 0.0      # [0, inf) per-GPU dense bf16 peak for MFU; 0: the device's
-    untimed_steps: int = 10      # [0, inf) first steps of each job, off the clock (compile warm-up)
+class Hyperparameters:
+    """What defines a run: a checkpoint stores it, a resume restores it. Each field is a
+    support.setting: its range or choices (checked), its help (--help); fixed=True where a resume
+    may not change it (shapes, which blocks are routed, the gate's axis); router=NAME where that
+    router alone reads it (setting it under another router is an error)."""
+
+    # data
+    train_files: str = setting("data/fineweb10B/fineweb_train_*.bin", help="training shards (glob)")
+    val_files: str = setting("data/fineweb10B/fineweb_val_*.bin", help="validation shards (glob)")
+    encoding: str = setting(
+        "gpt2", ("gpt2", "bytes"), "shards: GPT-2 BPE | UTF-8 bytes (vocab_size=256)", fixed=True
+    )
+    # model (paper Table 2)
+    vocab_size: int = setting(50257, "[2, 65536]", "GPT-2 BPE", fixed=True)
+    n_layers: int = setting(12, "[1, inf)", "L, must be even when gated", fixed=True)
+    dim: int = setting(768, "[1, inf)", "model width d", fixed=True)
+    n_heads: int = setting(12, "[1, inf)", "query heads", fixed=True)
+    n_kv_heads: int = setting(12, "[1, inf)", "key/value heads (GQA when < n_heads)", fixed=True)
+    ffn_mult: int = setting(4, "[1, inf)", "SwiGLU hidden = ffn_mult * dim", fixed=True)
+    norm_eps: float = setting(1e-5, "(0, 1)", "RMSNorm epsilon")
+    rope_theta: float = setting(10000.0, "(0, inf)", "RoPE base")
+    max_seq_len: int = setting(1024, "[1, inf)", "RoPE table size (longest context to sample)")
+    init_std: float = setting(0.02, "(0, inf)", "normal init of every weight matrix")
+    sandwich_norm: bool = setting(
+        True, help="x + Norm(Module(Norm(x))); false: pre-norm (ablation)", fixed=True
+    )
+    attn_impl: str = setting(
+        "auto", ("auto", "flex", "sdpa"), "auto: flex on CUDA at head dim >= 16, else sdpa"
+    )
+    router: str = setting("skip_middle", tuple(ROUTERS), "depth router", fixed=True)
+    compact: bool = setting(False, help="run routed blocks on the tokens that run them only")
+    gate_eps: float = setting(1e-6, "(0, 1)", "floor on a gate inside ln g (Section 2.2)")
+    # router=skip_middle: gates and sparsity control (Section 2.4)
+    gate_init: str = setting(
+        "normal",
+        ("normal", "zero"),
+        "weights N(0, init_std), bias 0 (Section 3.1) | zero: every g = 1",
+        router="skip_middle",
+    )
+    gate_axis: str = setting(
+        "key",
+        ("key", "query"),
+        "ln g per key (eq. 3) | per query (the authors' code)",
+        fixed=True,
+        router="skip_middle",
+    )
+    controller: str = setting(
+        "proportional_tol", tuple(CONTROLLERS), "Table 1", router="skip_middle"
+    )
+    mu_start: float = setting(1.0, "[0, 1]", "mean-gate target at block 0", router="skip_middle")
+    mu_end: float = setting(
+        0.5, "[0, 1]", "mean-gate target at block L/2 - 1, linear between", router="skip_middle"
+    )
+    gamma: float = setting(1e-3, "[0, inf)", "coefficient update (eq. 6)", router="skip_middle")
+    delta: float = setting(
+        1e-2, "[0, inf)", "tolerance on |deviation| (eq. 6)", router="skip_middle"
+    )
+    fixed_coef: float = setting(
+        0.1, "[0, inf)", "alpha = beta of the fixed-coefficient controllers", router="skip_middle"
+    )
+    # router=dlo: DLO (Tan et al. 2024, Section 3)
+    dlo_rho: float = setting(0.25, "[0, 1)", "target share of MLP calls skipped", router="dlo")
+    dlo_anneal_steps: int = setting(
+        500, "[0, inf)", "T': the skip rate rises linearly from 0 to rho (eq. 9)", router="dlo"
+    )
+    dlo_beta: float = setting(
+        2.0, "(0, inf)", "r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)", router="dlo"
+    )
+    dlo_gamma: float = setting(0.05, "[0, inf)", "gamma of eq. 1", router="dlo")
+    # router=mod: Mixture-of-Depths (Raposo et al. 2024)
+    mod_capacity: float = setting(
+        0.125, "(0, 1]", "share of a sequence run by a routed block (the best)", router="mod"
+    )
+    mod_every: int = setting(
+        2, "[1, inf)", "route every mod_every-th block (the paper: 2)", fixed=True, router="mod"
+    )
+    mod_aux_coef: float = setting(
+        0.01, "(0, inf)", "BCE weight teaching r > 0 the top-k (for inference)", router="mod"
+    )
+    # router=mor: Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing
+    mor_recursions: int = setting(
+        3,
+        "[1, inf)",
+        "N_r runs of a stack of (L - 2) / N_r shared blocks",
+        fixed=True,
+        router="mor",
+    )
+    mor_routed: bool = setting(
+        True, help="false: the recursive baseline, every token every time", fixed=True, router="mor"
+    )
+    mor_aux_coef: float = setting(
+        0.1, "(0, inf)", "BCE weight teaching z > 0 the top-k (for inference)", router="mor"
+    )
+    # optimisation (Table 2)
+    lr: float = setting(1e-3, "(0, inf)", "AdamW peak learning rate, one for all parameters")
+    beta1: float = setting(0.8, "[0, 1)", "AdamW betas")
+    beta2: float = setting(0.95, "[0, 1)")
+    adam_eps: float = setting(1e-10, "(0, inf)")
+    weight_decay: float = setting(0.0, "[0, inf)")
+    warmup_frac: float = setting(0.1, "[0, 1]", "linear warm-up over this fraction of steps ...")
+    warmup_start: float = setting(0.1, "[0, 1]", "... from this fraction of lr, then cosine to 0")
+    batch_size: int = setting(512, "[1, inf)", "global batch, sequences (512 x 1024 tokens)")
+    device_batch_size: int = setting(32, "[1, inf)", "sequences per forward (accumulation derived)")
+    seq_len: int = setting(1024, "[1, inf)", "training and validation length, <= max_seq_len")
+    loss_rows: int = setting(4096, "[1, inf)", "tokens whose logits exist at once in the loss")
+    train_tokens: int = setting(10_000_000_000, "[1, inf)", "steps = budget / global batch")
+    seed: int = setting(0, "[0, 9223372036854775808)")
+    # evaluation and checkpoints
+    val_every: int = setting(250, "[0, inf)", "steps between validations (0: only at the end)")
+    val_tokens: int = setting(10_485_760, "[1, inf)", "validation tokens, split over ranks")
+    save_every: int = setting(250, "[0, inf)", "steps between checkpoints (0: only at the end)")
+
 
 PRESETS = {
     "": {},
     # ~3 minutes on 2 CPU cores; 4 layers so that both halves and the mirror are exercised
-    "smoke": dict(train_files="data/sample/sample_train_*.bin",
-                  val_files="data/sample/sample_val_*.bin",
-                  n_layers=4, dim=128, n_heads=4, n_kv_heads=2, max_seq_len=128,
-                  seq_len=128, batch_size=8, device_batch_size=4, train_tokens=8 * 128 * 120,
-                  val_every=20, val_tokens=4 * 128 * 8, save_every=60, compile=False,
-                  lr=3e-3),  # 3x the paper's lr so the fall is plain within 120 steps
+    "smoke": dict(
+        train_files="data/sample/sample_train_*.bin",
+        val_files="data/sample/sample_val_*.bin",
+        n_layers=4,
+        dim=128,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=128,
+        seq_len=128,
+        batch_size=8,
+        device_batch_size=4,
+        train_tokens=8 * 128 * 120,
+        val_every=20,
+        val_tokens=4 * 128 * 8,
+        save_every=60,
+        compile=False,
+        lr=3e-3,  # 3x the paper's lr so the fall is plain within 120 steps
+    ),
 }
-FIXED = [f for f, (_, _, help) in field_facts(Hyperparameters).items() if help.startswith("fixed;")]
+
+
+@dataclass
+class Job:
+    """What one job is told: never saved as the run's settings (config.json shows them)."""
+
+    run_dir: str = setting("", help="default: a new logs/<date_time>_<preset or run>_<hex>/")
+    resume: str = setting("", help="RUN_DIR: continue that run from its checkpoint, in place")
+    preset: str = setting("", tuple(PRESETS), "smoke: a small gated model on the sample, CPU")
+    stop_step: int = setting(0, "[0, inf)", "end this job after this step, saved (0: run on)")
+    max_bad_steps: int = setting(0, "[0, inf)", "non-finite losses skipped (no update), then stop")
+    compile: bool = setting(True, help="torch.compile the model (CUDA only)")
+    peak_flops: float = setting(0.0, "[0, inf)", "per-GPU bf16 peak for MFU; 0: the device's")
+    untimed_steps: int = setting(10, "[0, inf)", "first steps of each job off the clock (warm-up)")
+
+
+FIXED = [f.name for f in fields(Hyperparameters) if f.metadata["fixed"]]
+
 
 def usage() -> str:
-    """--help: every field with its default and comment, grouped as in the dataclasses."""
-    return "\n".join([
-        "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
-        "Every field of Hyperparameters and Job, with its default; booleans take true/false (1/0).",
-        *field_help(Hyperparameters), *field_help(Job), "",
-        f"presets: {', '.join(p for p in PRESETS if p)}"])
+    """--help: every field with its default, range or choices and help."""
+    return "\n".join(
+        [
+            "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
+            "Every field of Hyperparameters and Job, with its default; booleans take true/false "
+            "(1/0).",
+            *support.field_help(Hyperparameters),
+            *support.field_help(Job),
+            "",
+            f"presets: {', '.join(p for p in PRESETS if p)}",
+        ]
+    )
+
 
 def parse_overrides(argv) -> dict:
     """--field=value pairs of Hyperparameters and Job, typed as the defaults (Job's checked)."""
-    given = parse_fields((Hyperparameters, Job), argv)
+    given = support.parse_fields((Hyperparameters, Job), argv)
     check_fields(Job(**{k: v for k, v in given.items() if k in JOB}))
     return given
+
 
 def job_settings(given: dict) -> Job:
     """This job's settings: the defaults, then the preset's, then the given ones."""
     merged = {**PRESETS[given.get("preset", "")], **given}
     return Job(**{k: v for k, v in merged.items() if k in JOB})
+
 
 def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
     """base (the defaults, or a resumed run's), then the preset, then the given fields. Data paths
@@ -1007,44 +841,63 @@ def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
         hp = replace(hp, **{f: os.path.abspath(os.path.join(root, getattr(hp, f)))})
     return hp
 
+
 JOB = {f.name for f in fields(Job)}
+
 
 def validate(hp: Hyperparameters, world: int):
     """Every field in range and the settings consistent; UserError naming the first that is not."""
     check_fields(hp)
     if hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
-        raise UserError(f"need dim ({hp.dim}) divisible by n_heads ({hp.n_heads}) and n_heads "
-                        f"by n_kv_heads ({hp.n_kv_heads})")
+        raise UserError(
+            f"need dim ({hp.dim}) divisible by n_heads ({hp.n_heads}) and n_heads "
+            f"by n_kv_heads ({hp.n_kv_heads})"
+        )
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
     if hp.encoding == "bytes" and hp.vocab_size != 256:
-        raise UserError(f"encoding=bytes has 256 token ids: give vocab_size=256 (not {hp.vocab_size})")
-    defaults = Hyperparameters()
-    for f, (group, _, _) in field_facts(Hyperparameters).items():  # other routers' knobs do nothing
-        owner = re.match(r"router=(\w+)", group)
-        if owner and owner[1] != hp.router and getattr(hp, f) != getattr(defaults, f):
-            raise UserError(f"{f} sets the {owner[1]} router's behaviour; router={hp.router} has none")
+        raise UserError(
+            f"encoding=bytes has 256 token ids: give vocab_size=256 (not {hp.vocab_size})"
+        )
+    for f in fields(Hyperparameters):  # another router's knob does nothing here
+        owner = f.metadata["router"]
+        if owner not in ("", hp.router) and getattr(hp, f.name) != f.default:
+            raise UserError(
+                f"{f.name} sets the {owner} router's behaviour; router={hp.router} has none"
+            )
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
     if hp.batch_size % (hp.device_batch_size * world):
-        raise UserError(f"batch_size={hp.batch_size} is not divisible by device_batch_size "
-                        f"({hp.device_batch_size}) x world size ({world})")
+        raise UserError(
+            f"batch_size={hp.batch_size} is not divisible by device_batch_size "
+            f"({hp.device_batch_size}) x world size ({world})"
+        )
     if hp.seq_len > hp.max_seq_len:
-        raise UserError(f"seq_len={hp.seq_len} is beyond the RoPE table (max_seq_len={hp.max_seq_len})")
+        raise UserError(
+            f"seq_len={hp.seq_len} is beyond the RoPE table (max_seq_len={hp.max_seq_len})"
+        )
     if num_steps(hp) < 1:
         raise UserError("train_tokens is less than one global batch")
     if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
-        raise UserError(f"val_tokens={hp.val_tokens} is fewer than one validation batch "
-                        f"({hp.device_batch_size * hp.seq_len * world} tokens)")
+        raise UserError(
+            f"val_tokens={hp.val_tokens} is fewer than one validation batch "
+            f"({hp.device_batch_size * hp.seq_len * world} tokens)"
+        )
     # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments, RoPE
     # tables, one loss chunk's logits (validation's per_token: bf16, fp32, log-softmax)
     blocks = ROUTERS[hp.router].n_blocks(hp)  # built (MoR's fewer than n_layers), each a RoPE table
-    need = (16 * n_weights(hp) + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
-            + 10 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size)
-    if need > machine_memory():
-        raise UserError(f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
-                        f"{machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
-                        f"max_seq_len or device_batch_size)")
+    need = (
+        16 * n_weights(hp)
+        + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
+        + 10 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size
+    )
+    if need > runs.machine_memory():
+        raise UserError(
+            f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
+            f"{runs.machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
+            f"max_seq_len or device_batch_size)"
+        )
+
 
 def n_weights(hp: Hyperparameters) -> int:
     """A lower bound on the parameter count by arithmetic, no model built (so no size overflows
@@ -1053,8 +906,10 @@ def n_weights(hp: Hyperparameters) -> int:
     block = 2 * d * (d + kv) + 3 * d * hp.ffn_mult * d  # q, o, k, v; SwiGLU's three matrices
     return 2 * hp.vocab_size * d + ROUTERS[hp.router].n_blocks(hp) * block
 
+
 def num_steps(hp: Hyperparameters) -> int:
     return hp.train_tokens // (hp.batch_size * hp.seq_len)
+
 
 def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
     """Linear warm-up from warmup_start * lr over warmup_frac of the steps, then cosine to 0."""
@@ -1064,68 +919,37 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
     progress = (step - warmup) / max(1, total - warmup)
     return hp.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
-# -----------------------------------------------------------------------------
-# Checkpoints and resuming (the files themselves: support.py)
-
-@dataclass
-class RunState:
-    """What a run carries from step to step and from job to job; all of it is checkpointed.
-    A checkpoint's values are checked against each line's interval, like the settings'."""
-    run_id: str = ""      # names the run in config.json and its checkpoints
-    step: int = 0         # [0, inf) optimiser steps done: the lr schedule is a function of it
-    tokens: int = 0       # [0, inf) training tokens seen
-    train_ms: float = 0.0  # [0, inf) wall time of the timed steps of every job (see StepClock)
-    timed_steps: int = 0  # [0, inf) at most step, as bad_steps and val_done
-    bad_steps: int = 0    # [0, inf) non-finite losses skipped
-    val_done: int = -1    # [-1, inf) the last step whose validation is recorded
-
-# a checkpoint: the RunState's fields, then what a job needs to go on exactly where one stopped
-CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
-    "hp", "world_size", "model", "optimizer", "routing", "loader", "rng")
-
-def checkpoint_state(run: RunState, hp: Hyperparameters, world: int, raw: "GPT", opt, loader: dict) -> dict:
-    """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
-    return {**asdict(run), "hp": asdict(hp), "world_size": world, "model": raw.state_dict(),
-            "optimizer": opt.state_dict(), "routing": raw.router.routing_state(), "loader": loader,
-            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()
-                    if next(raw.parameters()).is_cuda else []}}
 
 def load_checkpoint(run_dir: str) -> dict:
-    """RUN_DIR's checkpoint, its counters and settings checked (its weights: load_weights)."""
-    return read_checkpoint(run_dir, CHECKPOINT_KEYS, lambda state: (
-        check_run_state(RunState(**saved_fields(RunState, state))), saved_settings(state["hp"])))
+    """RUN_DIR's checkpoint, its counters and settings checked (its weights: runs.load_weights)."""
+    return runs.read_checkpoint(
+        run_dir,
+        runs.CHECKPOINT_KEYS,
+        lambda state: (
+            runs.check_run_state(RunState(**support.saved_fields(RunState, state))),
+            saved_settings(state["hp"]),
+        ),
+    )
 
-def check_run_state(run: RunState):
-    """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
-    check_fields(run)
-    for name in ("timed_steps", "bad_steps", "val_done"):
-        if getattr(run, name) > run.step:
-            raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
-
-def load_weights(model: "GPT", ckpt: dict, path: str):
-    """The one shape check: strict load_state_dict, against the model the settings make."""
-    try:
-        model.load_state_dict(ckpt["model"])
-    except (RuntimeError, TypeError, AttributeError) as e:
-        raise UserError(f"{path}: the weights do not fit the checkpoint's own settings "
-                        f"({str(e).splitlines()[-1].strip()[:120]})") from None
 
 def saved_settings(saved: dict) -> Hyperparameters:
     """A checkpoint's settings: every field, its type and range checked. Keys that are no longer
     fields are dropped (older versions' expand_* fields and Job's); older versions knew only
     GPT-2 shards (no encoding: gpt2)."""
     saved = {"encoding": "gpt2", **saved} if isinstance(saved, dict) else saved
-    hp = Hyperparameters(**saved_fields(Hyperparameters, saved))
+    hp = Hyperparameters(**support.saved_fields(Hyperparameters, saved))
     check_fields(hp)
     return hp
+
 
 def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
     """The model of a run's checkpoint, with its weights; model.hp holds its settings, with
     changes that keep the weights' shapes (compact=True, say)."""
     ckpt = load_checkpoint(run_dir)
     model = GPT(replace(saved_settings(ckpt["hp"]), **changes))
-    load_weights(model, ckpt, os.path.join(run_dir, CHECKPOINT))
+    runs.load_weights(model, ckpt, os.path.join(run_dir, CHECKPOINT))
     return model.to(device)
+
 
 def resume_settings(given: dict) -> tuple:
     """-> (hp, checkpoint): the checkpoint's settings with the given ones on top, none "fixed;"."""
@@ -1137,18 +961,24 @@ def resume_settings(given: dict) -> tuple:
     ckpt = load_checkpoint(run_dir)
     base = saved_settings(ckpt["hp"])
     hp = resolve(given, base)
-    changed = [f"{k} {getattr(base, k)} -> {getattr(hp, k)}" for k in FIXED
-               if getattr(base, k) != getattr(hp, k)]
+    changed = [
+        f"{k} {getattr(base, k)} -> {getattr(hp, k)}"
+        for k in FIXED
+        if getattr(base, k) != getattr(hp, k)
+    ]
     if changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
     return hp, ckpt
 
+
 # -----------------------------------------------------------------------------
 # Training loop
+
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
     """A CPU batch on device; to a GPU from pinned memory, not blocking (ordered on its stream)."""
     return batch if device == "cpu" else batch.pin_memory().to(device, non_blocking=True)
+
 
 def route_sums(route: dict, router: Router) -> dict:
     """Per-layer sums over the tokens of a forward pass, float64 (L,) per key, detached: the
@@ -1157,6 +987,7 @@ def route_sums(route: dict, router: Router) -> dict:
     sums = {name: route[key].detach().double().sum(dim=(1, 2)) for name, key in keys.items()}
     n = route["block"].detach().double().sum(2)  # (L, B) tokens that ran each block, per sequence
     return {**sums, "attn_pairs": (n * (n + 1) / 2).sum(dim=1)}  # their causal query-key pairs
+
 
 @torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
@@ -1175,7 +1006,9 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
         with autocast:
             _, loss, route, resid = model(x, targets=y, per_token=True)
         each[0, i, d.rank], each[1, i, d.rank] = loss.flatten(), (y == sep).flatten()
-        sums = add_sums(sums, {"resid_norm": resid.double() * y.numel(), **route_sums(route, model.router)})
+        sums = add_sums(
+            sums, {"resid_norm": resid.double() * y.numel(), **route_sums(route, model.router)}
+        )
     sums = all_reduce_sums({**sums, "each": each})
     model.train()
     loss, starts = sums.pop("each").cpu().flatten(1)  # (on the CPU: index_add_ in a fixed order)
@@ -1183,17 +1016,32 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     count = torch.bincount(doc).double()
     total, count = torch.zeros_like(count).index_add_(0, doc, loss)[count > 0], count[count > 0]
     docs, tokens, mean = len(count), loss.numel(), (total.sum() / count.sum()).item()
-    se = (math.sqrt(docs / (docs - 1) * (total - mean * count).square().sum().item()) / count.sum().item()
-          if docs > 1 else None)
+    se = (
+        math.sqrt(docs / (docs - 1) * (total - mean * count).square().sum().item())
+        / count.sum().item()
+        if docs > 1
+        else None
+    )
     pairs = (sums.pop("attn_pairs") * hp.seq_len / tokens).tolist()  # per layer, per sequence
     v = {k: (t / tokens).tolist() for k, t in sums.items()}  # per-layer means
     fwd = flops_per_token(hp, v["block_active"], v["mlp_active"], pairs)
     dense = flops_per_token(replace(hp, router="none", compact=False))
-    return dict(val_loss=mean, val_se=se, val_docs=docs, sparsity=1 - sum(v["mlp_active"]) / hp.n_layers,
-                **v, attn_pairs=pairs, fwd_flops_per_token=fwd, train_flops_per_token=3 * fwd,
-                fwd_flops_per_token_dense=dense, fwd_flops_per_seq=fwd * hp.seq_len)
+    return dict(
+        val_loss=mean,
+        val_se=se,
+        val_docs=docs,
+        sparsity=1 - sum(v["mlp_active"]) / hp.n_layers,
+        **v,
+        attn_pairs=pairs,
+        fwd_flops_per_token=fwd,
+        train_flops_per_token=3 * fwd,
+        fwd_flops_per_token_dense=dense,
+        fwd_flops_per_seq=fwd * hp.seq_len,
+    )
+
 
 PACK = 128  # compiled compact blocks: packed lengths are multiples of this
+
 
 def compile_model(raw: GPT) -> nn.Module:
     """torch.compile where it stays compiled: without compact, the whole model, one graph. With
@@ -1210,9 +1058,17 @@ def compile_model(raw: GPT) -> nn.Module:
     raw.readout = torch.compile(raw.readout)
     return raw if raw.hp.compact and raw.router.packs_in_training else torch.compile(raw)
 
+
 def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(raw), lr=hp.lr, betas=(hp.beta1, hp.beta2),
-                             eps=hp.adam_eps, weight_decay=hp.weight_decay, fused=True)
+    return torch.optim.AdamW(
+        param_groups(raw),
+        lr=hp.lr,
+        betas=(hp.beta1, hp.beta2),
+        eps=hp.adam_eps,
+        weight_decay=hp.weight_decay,
+        fused=True,
+    )
+
 
 def param_groups(raw: GPT) -> list:
     """AdamW groups: everything outside the blocks, then one group per block with the router's
@@ -1222,42 +1078,61 @@ def param_groups(raw: GPT) -> list:
     rest = [p for p in raw.parameters() if id(p) not in inside]
     return [{"params": params} for params in [rest] + groups]
 
+
 def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
     """Refuse settings that cannot train here, before anything is written."""
     validate(hp, d.world)
     hd = hp.dim // hp.n_heads
     if hp.attn_impl == "flex" and not (d.device.startswith("cuda") and hd >= FLEX_MIN_HEAD_DIM):
-        raise UserError(f"attn_impl=flex trains on CUDA only (FlexAttention has no CPU backward), "
-                        f"at a head dimension of at least {FLEX_MIN_HEAD_DIM}; here {d.device} and "
-                        f"dim / n_heads = {hd}: use auto or sdpa")
+        raise UserError(
+            f"attn_impl=flex trains on CUDA only (FlexAttention has no CPU backward), "
+            f"at a head dimension of at least {FLEX_MIN_HEAD_DIM}; here {d.device} and "
+            f"dim / n_heads = {hd}: use auto or sdpa"
+        )
     steps = num_steps(hp)
     if ckpt is not None and ckpt["step"] > steps:
-        raise UserError(f"the checkpoint is at step {ckpt['step']} but these settings make "
-                        f"{steps} steps in all (train_tokens / (batch_size x seq_len)); give a "
-                        f"train_tokens of at least {ckpt['step'] * hp.batch_size * hp.seq_len}")
+        raise UserError(
+            f"the checkpoint is at step {ckpt['step']} but these settings make "
+            f"{steps} steps in all (train_tokens / (batch_size x seq_len)); give a "
+            f"train_tokens of at least {ckpt['step'] * hp.batch_size * hp.seq_len}"
+        )
     if ckpt is not None and 0 < job.stop_step <= ckpt["step"]:
-        raise UserError(f"stop_step={job.stop_step} is not after the checkpoint's step {ckpt['step']}")
+        raise UserError(
+            f"stop_step={job.stop_step} is not after the checkpoint's step {ckpt['step']}"
+        )
+
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
     validation tokens, and the checkpoint's data position (if any) in these shards."""
-    train_loader = DistributedLoader(hp.train_files, hp.batch_size // d.world, hp.seq_len,
-                                     d.rank, d.world, hp.vocab_size, hp.encoding)  # all micro-steps
-    val_loader = DistributedLoader(hp.val_files, hp.device_batch_size, hp.seq_len,
-                                   d.rank, d.world, hp.vocab_size, hp.encoding)
+    train_loader = DistributedLoader(
+        hp.train_files,
+        hp.batch_size // d.world,
+        hp.seq_len,
+        d.rank,
+        d.world,
+        hp.vocab_size,
+        hp.encoding,
+    )  # all micro-steps
+    val_loader = DistributedLoader(
+        hp.val_files, hp.device_batch_size, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
+    )
     if hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world) > val_loader.capacity():
-        raise UserError(f"val_tokens={hp.val_tokens} is more than the validation shards hold "
-                        f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
-                        f"({val_loader.capacity()} batches); validation would repeat tokens")
+        raise UserError(
+            f"val_tokens={hp.val_tokens} is more than the validation shards hold "
+            f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
+            f"({val_loader.capacity()} batches); validation would repeat tokens"
+        )
     if ckpt is not None:
         train_loader.check_position(ckpt["loader"])
     return train_loader, val_loader
+
 
 def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = ()) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
     argv: the command-line arguments, for the record."""
     # setup: check everything, build the model and restore the checkpoint; then write anything
-    launcher = os.getppid()  # torchrun, for a worker: agreed_signal watches it (read first)
+    launcher = os.getppid()  # torchrun, for a worker: runs.agreed_signal watches it (read first)
     check_run(hp, job, d, ckpt)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
@@ -1265,35 +1140,55 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
     train_loader, val_loader = loaders(hp, d, ckpt)
     raw = GPT(hp).to(d.device)
     opt = optimizer(raw, hp)
-    run = (restore(ckpt, hp, job, raw, opt, train_loader, cuda) if ckpt is not None
-           else RunState(run_id=os.urandom(8).hex()))
+    run = (
+        runs.restore(ckpt, hp, job, raw, opt, train_loader, cuda)
+        if ckpt is not None
+        else RunState(run_id=os.urandom(8).hex())
+    )
     start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
         print(f"the run is complete at step {start}")
         return job.run_dir
     d.barrier()  # every rank has checked before rank 0 creates anything
-    run_dir = d.on_master(lambda: open_run_dir(job.run_dir, job.preset or "run", ckpt))
+    run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if cuda else None)
-    config = {**asdict(hp), "job": asdict(job), "world_size": d.world, "grad_accum": accum,
-              "num_steps": steps, "run_dir": run_dir, "device": d.device, "run_id": run.run_id,
-              **provenance(), "command": " ".join([d.launcher, *map(shlex.quote, argv)])}
-    log = open_log(d, run_dir, config, resumed_at=start if ckpt else None, val_done=run.val_done)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[d.local_rank] if cuda else None
+        )
+    config = {
+        **asdict(hp),
+        "job": asdict(job),
+        "world_size": d.world,
+        "grad_accum": accum,
+        "num_steps": steps,
+        "run_dir": run_dir,
+        "device": d.device,
+        "run_id": run.run_id,
+        **runs.provenance(),
+        "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
+    }
+    log = runs.open_log(
+        d, run_dir, config, resumed_at=start if ckpt else None, val_done=run.val_done
+    )
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
-    log.print(f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} grad_accum:{accum} "
-              f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
-              f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else ""))
-    log.print(f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
-              f"train_time and step_avg count the other steps of all jobs")
-    clock = StepClock(log, start, job.untimed_steps, job.compile and cuda)
+    log.print(
+        f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} grad_accum:{accum} "
+        f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
+        f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else "")
+    )
+    log.print(
+        f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
+        f"train_time and step_avg count the other steps of all jobs"
+    )
+    clock = runs.StepClock(log, start, job.untimed_steps, job.compile and cuda)
     try:
         with STOP as stop:
             for step in range(start, steps + 1):  # at each step boundary, then the step
-                signum = agreed_signal(stop, d, launcher)
+                signum = runs.agreed_signal(stop, d, launcher)
                 ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
                 # validate if due: every val_every steps and at the last. A signal skips it (to stop
                 # soon); the checkpoint marks it owed (val_done < step), so a resume runs it first
@@ -1306,8 +1201,16 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                 # save if due: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
                 if (step > start or run.val_done != saved_val or not ckpt) and (ending or periodic):
-                    save_run_checkpoint(d, run_dir, step, raw, opt, lambda: checkpoint_state(
-                        run, hp, d.world, raw, opt, train_loader.state()))  # position: global
+                    runs.save_run_checkpoint(
+                        d,
+                        run_dir,
+                        step,
+                        raw,
+                        opt,
+                        lambda: runs.checkpoint_state(
+                            run, hp, d.world, raw, opt, train_loader.state()
+                        ),
+                    )  # position: global
                     log.saved(step)
                     saved_val = run.val_done
                 if ending:  # stop if asked, or at the end
@@ -1315,10 +1218,14 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                 d.sync()
                 t0 = time.perf_counter()
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
-                stats = train_step(model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step)
+                stats = train_step(
+                    model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step
+                )
                 run.step += 1
                 if not math.isfinite(stats["total_loss"][0]):  # no update was applied
-                    skip_bad_step(log, run, job.max_bad_steps, steps, lambda: last_good(d, run_dir))
+                    runs.skip_bad_step(
+                        log, run, job.max_bad_steps, steps, lambda: runs.last_good(d, run_dir)
+                    )
                     continue
                 run.tokens += hp.batch_size * hp.seq_len
                 STOP.untried = False  # a step from the newest checkpoint trained: it is good
@@ -1331,8 +1238,10 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
         if run.step < steps or run.val_done < run.step:
             why = f"signal {signal.Signals(signum).name}" if signum else "stop_step"
             owed = " (its validation is still owed)" if val_due and run.val_done != run.step else ""
-            log.print(f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
-                      f"resume with: {d.launcher} --resume={shlex.quote(run_dir)}")
+            log.print(
+                f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
+                f"resume with: {d.launcher} --resume={shlex.quote(run_dir)}"
+            )
         elif run.step == start:
             log.print(f"the run is complete at step {run.step}")
         if cuda:
@@ -1344,93 +1253,55 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
         log.close()
     return run_dir
 
-def restore(ckpt: dict, hp: Hyperparameters, job: Job, raw: GPT, opt, loader: DistributedLoader,
-            cuda: bool) -> RunState:
-    """Weights, optimiser, routing, data position, random state and clock from a checkpoint;
-    an edited or damaged one is a UserError."""
-    where = os.path.join(job.run_dir, CHECKPOINT)
-    load_weights(raw, ckpt, where)
-    try:
-        opt.load_state_dict(ckpt["optimizer"])
-        raw.router.load_routing_state(ckpt["routing"])
-        torch.set_rng_state(ckpt["rng"]["cpu"])
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"] if cuda else [])  # ([]: none is set)
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise UserError(f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})") from None
-    routing = [t for v in raw.router.routing_state().values()  # tensors, or dicts of them
-               for t in (v.values() if isinstance(v, dict) else [v])]
-    if not (all_finite(raw, opt) and all(t.isfinite().all() for t in routing)):  # never saved so
-        raise UserError(f"{where}: non-finite weights, optimiser or controller state (an edited "
-                        f"or damaged checkpoint)")
-    for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
-        group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
-    loader.restore(ckpt["loader"])
-    return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
 
-def agreed_signal(stop, d: Dist, launcher: int) -> int:
-    """The highest signal number any rank got (0: none): every rank stops at the same step, or
-    the others would hang (a scheduler may signal some ranks only). A worker whose launcher
-    (pid) is gone, as torchrun is on a SIGUSR1 it does not pass on, counts that as SIGHUP."""
-    signum = stop.signum or (d.world > 1 and os.getppid() != launcher) * signal.SIGHUP
-    return int(all_reduce(torch.tensor(  # (one process: no collective, no copy)
-        float(signum), device=d.device if d.world > 1 else "cpu"), "max"))
-
-class StepClock:
-    """The clock: a job's first `untimed` steps are warm-up (compilation), logged once as such;
-    train_time and step_avg count the other steps of all jobs."""
-
-    def __init__(self, log: RunLog, start: int, untimed: int, compiled: bool):
-        self.log, self.start, self.untimed, self.compiled = log, start, untimed, compiled
-        self.ms = 0.0  # this job's warm-up time
-
-    def add(self, run: RunState, step_ms: float):
-        if run.step - self.start > self.untimed:
-            run.train_ms, run.timed_steps = run.train_ms + step_ms, run.timed_steps + 1
-        else:
-            self.ms += step_ms
-            if run.step - self.start == self.untimed:
-                self.report(run)
-
-    def end(self, run: RunState):
-        if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
-            self.report(run)
-
-    def report(self, run: RunState):
-        self.log.print(f"warm-up: steps {self.start + 1}-{run.step} of this job untimed, "
-                       f"{self.ms:.0f}ms" + (" (compilation included)" if self.compiled else ""))
-        self.log.record({"kind": "warmup", "step": run.step, "steps": run.step - self.start,
-                         "warmup_ms": self.ms})
-
-def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int, last_good):
-    """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
-    run.bad_steps += 1
-    if run.bad_steps > max_bad_steps:
-        raise RunStopped(f"non-finite loss at step {run.step}; no update was applied; last good "
-                         f"checkpoint: {last_good()}")
-    log.print(f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
-              f"max_bad_steps={max_bad_steps})")
-
-def log_step(log: RunLog, router: Router, hp: Hyperparameters, run: RunState, steps: int,
-             stats: dict, lrs: list, step_ms: float, peak: float, world: int):
+def log_step(
+    log: RunLog,
+    router: Router,
+    hp: Hyperparameters,
+    run: RunState,
+    steps: int,
+    stats: dict,
+    lrs: list,
+    step_ms: float,
+    peak: float,
+    world: int,
+):
     """The step's line of train.log and its record in metrics.jsonl (per-layer means)."""
     n = stats["tokens"][0]
     means = {k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
-    line = (f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
-            f"{clock(run.train_ms, run.timed_steps)} tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}")
+    line = (
+        f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
+        f"{runs.clock(run.train_ms, run.timed_steps)} "
+        f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}"
+    )
     if peak:  # executed work: all tokens, except what compact really skips
-        active, pairs = (means["block_active"], [p * hp.seq_len / n for p in stats["attn_pairs"]]) \
-            if hp.compact else (None, None)
+        active, pairs = (
+            (means["block_active"], [p * hp.seq_len / n for p in stats["attn_pairs"]])
+            if hp.compact
+            else (None, None)
+        )
         line += f" mfu:{100 * mfu(hp, step_ms / 1000, world, peak, active, pairs):.1f}%"
     log.print(line)
-    log.record({"kind": "train", "step": run.step, "tokens": run.tokens,
-                "train_loss": stats["lm_loss"][0], "total_loss": stats["total_loss"][0],
-                "lr": lrs[0], "layer_lr": lrs[1:], "step_ms": step_ms, **means})
+    log.record(
+        {
+            "kind": "train",
+            "step": run.step,
+            "tokens": run.tokens,
+            "train_loss": stats["lm_loss"][0],
+            "total_loss": stats["total_loss"][0],
+            "lr": lrs[0],
+            "layer_lr": lrs[1:],
+            "step_ms": step_ms,
+            **means,
+        }
+    )
+
 
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
     """One optimiser step over the global batch, applied only if the loss is finite. -> sums over
     micro-steps and ranks as lists of floats ("lm_loss", "total_loss": means; "tokens";
     route_sums) and "router", loss()'s sums for its update, float64 left on the device."""
-    for group, lr in zip(opt.param_groups, lrs):
+    for group, lr in zip(opt.param_groups, lrs, strict=True):
         group["lr"] = lr
     xs, ys = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
     sums = {}
@@ -1445,10 +1316,12 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
                 reg, router_sums = router.loss(out.route, step)
             ((out.loss + reg) / accum).backward()
         parts = accum * d.world  # micro-batches in the global batch: the losses sum to means
-        more = {"lm_loss": out.loss.detach().double() / parts,
-                "total_loss": (out.loss + reg).detach().double() / parts,
-                "tokens": y.new_full((), y.numel(), dtype=torch.float64),  # made there: no copy
-                **route_sums(out.route, router)}
+        more = {
+            "lm_loss": out.loss.detach().double() / parts,
+            "total_loss": (out.loss + reg).detach().double() / parts,
+            "tokens": y.new_full((), y.numel(), dtype=torch.float64),  # made there: no copy
+            **route_sums(out.route, router),
+        }
         if router_sums is not None:
             more["router"] = router_sums.detach().double()
         sums = add_sums(sums, more)
@@ -1457,24 +1330,29 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
     flat = torch.cat([t.reshape(-1) for k, t in sums.items() if k != "router"]).tolist()
     for k, t in sums.items():
         if k != "router":
-            sums[k], flat = flat[:t.numel()], flat[t.numel():]  # lists of floats
+            sums[k], flat = flat[: t.numel()], flat[t.numel() :]  # lists of floats
     if math.isfinite(sums["total_loss"][0]):
         opt.step()
     opt.zero_grad(set_to_none=True)
     return sums
 
+
 def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: int):
-    log.print(f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} "
-              f"over {v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
-              f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g} "
-              f"{clock(run.train_ms, run.timed_steps)}")
-    log.print("  " + " ".join(f"{k}:{fmt_list(v[k])}" for k in ("block_active", "mlp_active")))
-    for line in router.log_lines(v, run.step) + [f"  resid_norm:{fmt_list(v['resid_norm'])}"]:
+    log.print(
+        f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} "
+        f"over {v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
+        f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g} "
+        f"{runs.clock(run.train_ms, run.timed_steps)}"
+    )
+    log.print("  " + " ".join(f"{k}:{runs.fmt_list(v[k])}" for k in ("block_active", "mlp_active")))
+    for line in router.log_lines(v, run.step) + [f"  resid_norm:{runs.fmt_list(v['resid_norm'])}"]:
         log.print(line)
     log.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
 
+
 # -----------------------------------------------------------------------------
 # main
+
 
 def main(argv):
     """One training job. Its exit status (support.cli, as every command here): 0 done, or
@@ -1488,13 +1366,14 @@ def main(argv):
         job = job_settings(given)
         hp, ckpt = resume_settings(given) if job.resume else (resolve(given), None)
         job = replace(job, run_dir=job.resume or job.run_dir)
-        d = setup_distributed()
+        d = runs.setup_distributed()
         try:
             train(hp, job, d, ckpt, argv)
             STOP.finish()  # saved: a late signal changes nothing
         finally:
-            release_locks()  # the job is over (in a test, the process goes on)
+            runs.release_locks()  # the job is over (in a test, the process goes on)
             d.close()
+
 
 if __name__ == "__main__":
     sys.exit(cli(main, sys.argv[1:]))

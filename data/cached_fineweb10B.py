@@ -27,8 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import (ArgParser, UserError, cli, exit_quietly_on_signals, in_range,  # noqa: E402
-                     path_arg, writable_dir)
+from support import (  # noqa: E402
+    ArgParser,
+    UserError,
+    cli,
+    exit_quietly_on_signals,
+    in_range,
+    path_arg,
+    writable_dir,
+)
 
 if __name__ == "__main__":
     exit_quietly_on_signals()
@@ -64,6 +71,7 @@ def place(src: str, dest: str) -> None:
 def fetch(name: str, out: str, counter: str) -> str:
     """Returns None on success, or a short reason for the failure."""
     from huggingface_hub import hf_hub_download
+
     dest = os.path.join(out, name)
     if os.path.exists(dest) and valid(dest):
         print(f"{counter} {name}: present, skipped", flush=True)
@@ -78,21 +86,40 @@ def fetch(name: str, out: str, counter: str) -> str:
                 place(cached, dest)
             except OSError as e:
                 return f"cannot write {dest}: {e.strerror}"
-            print(f"{counter} {name}: {shard_tokens(dest):,} tokens, "
-                  f"{os.path.getsize(dest) / 2**20:,.0f} MiB", flush=True)
+            print(
+                f"{counter} {name}: {shard_tokens(dest):,} tokens, "
+                f"{os.path.getsize(dest) / 2**20:,.0f} MiB",
+                flush=True,
+            )
             return None
     return "malformed after a fresh download"
 
 
 def parser() -> ArgParser:
     p = ArgParser("python data/cached_fineweb10B.py", __doc__)
-    p.add_argument("count", nargs="?", type=in_range(int, 0, N_TRAIN), default=N_TRAIN,
-                   metavar="N", help="training shards to fetch after the validation shard, "
-                   f"0..{N_TRAIN} (default: all %(default)s)")
-    p.add_argument("--out", type=path_arg, default=os.path.join(HERE, "fineweb10B"),
-                   metavar="DIR", help="data folder (default: %(default)s)")
-    p.add_argument("--workers", type=in_range(int, 1), default=8, metavar="K",
-                   help="files downloaded at once (default: %(default)s)")
+    p.add_argument(
+        "count",
+        nargs="?",
+        type=in_range(int, 0, N_TRAIN),
+        default=N_TRAIN,
+        metavar="N",
+        help="training shards to fetch after the validation shard, "
+        f"0..{N_TRAIN} (default: all %(default)s)",
+    )
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        default=os.path.join(HERE, "fineweb10B"),
+        metavar="DIR",
+        help="data folder (default: %(default)s)",
+    )
+    p.add_argument(
+        "--workers",
+        type=in_range(int, 1),
+        default=8,
+        metavar="K",
+        help="files downloaded at once (default: %(default)s)",
+    )
     return p
 
 
@@ -102,20 +129,29 @@ def main(argv) -> None:
     names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
     writable_dir(out)  # before any download starts
     first = fetch(names[0], out, f"[1/{len(names)}]")  # alone: offline, each of the others
-    failed = [(names[0], first)] if first else []      # would wait through the same retries
+    failed = [(names[0], first)] if first else []  # would wait through the same retries
     if not first:
         with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]")
-                       for i, n in enumerate(names) if i]
-            failed = [(n, f.result()) for n, f in zip(names[1:], futures) if f.result() is not None]
+            futures = [
+                pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]")
+                for i, n in enumerate(names)
+                if i
+            ]
+            failed = [
+                (n, f.result())
+                for n, f in zip(names[1:], futures, strict=True)
+                if f.result() is not None
+            ]
     if failed:
         listed = ", ".join(n for n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
         untried = "; the others were not tried" if first and len(names) > 1 else ""
-        raise UserError(f"{len(failed)} of {len(names)} files missing ({listed}; "
-                        f"{failed[0][1]}{untried}): no network and not in the Hugging Face "
-                        f"cache, or a full disk? "
-                        f"Rerun `python data/cached_fineweb10B.py {count}` when online; "
-                        f"files already fetched are kept")
+        raise UserError(
+            f"{len(failed)} of {len(names)} files missing ({listed}; "
+            f"{failed[0][1]}{untried}): no network and not in the Hugging Face "
+            f"cache, or a full disk? "
+            f"Rerun `python data/cached_fineweb10B.py {count}` when online; "
+            f"files already fetched are kept"
+        )
     print(f"{len(names)} files in {out}")
 
 

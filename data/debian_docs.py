@@ -39,8 +39,17 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/, no torch
-from support import (ArgParser, UserError, cli, exit_quietly_on_signals, first_missing,  # noqa: E402
-                     need, path_arg, remove_made, writable_dir)
+from support import (  # noqa: E402
+    ArgParser,
+    UserError,
+    cli,
+    exit_quietly_on_signals,
+    first_missing,
+    need,
+    path_arg,
+    remove_made,
+    writable_dir,
+)
 
 if __name__ == "__main__":
     exit_quietly_on_signals()
@@ -48,15 +57,15 @@ if __name__ == "__main__":
 from data import tokenize_corpus  # noqa: E402
 
 PACKAGES = {  # name=version: the .deb's sha256 (Debian 12, bookworm)
-    "python3.11-doc=3.11.2-6+deb12u8": "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b",
-    "postgresql-doc-15=15.18-0+deb12u1": "3c598277a463c44d672daa2c335deb8d8252e1852fb025fd4578ea2d9a1b90f0",
-    "git-doc=1:2.39.5-0+deb12u3": "3c89668a11053a6bafade3de1f611f4613db31e082af63f43d8c5b69ad8795ec",
+    "python3.11-doc=3.11.2-6+deb12u8": "50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b",  # noqa: E501
+    "postgresql-doc-15=15.18-0+deb12u1": "3c598277a463c44d672daa2c335deb8d8252e1852fb025fd4578ea2d9a1b90f0",  # noqa: E501
+    "git-doc=1:2.39.5-0+deb12u3": "3c89668a11053a6bafade3de1f611f4613db31e082af63f43d8c5b69ad8795ec",  # noqa: E501
     "linux-doc-6.1=6.1.176-1": "0d843674607703b9ef8c1db5e715c38ed52ff23574feabfe0d961d552126859f",
-    "apache2-doc=2.4.68-1~deb12u1": "cee8fe80ffb5de2744cd690c3d795b489e43a1c44c4e3a634c521642f22d7835",
-    "sqlite3-doc=3.40.1-2+deb12u2": "466e30d7066e2641fa13e56bc662a2ad521b8cc9c17dde9c9dac3d4f105e32f2",
-    "python-django-doc=3:3.2.25-0+deb12u3": "33319c8e45b95693603213442ccf9bcee933ef338488115203ad25a0e01c696f",
+    "apache2-doc=2.4.68-1~deb12u1": "cee8fe80ffb5de2744cd690c3d795b489e43a1c44c4e3a634c521642f22d7835",  # noqa: E501
+    "sqlite3-doc=3.40.1-2+deb12u2": "466e30d7066e2641fa13e56bc662a2ad521b8cc9c17dde9c9dac3d4f105e32f2",  # noqa: E501
+    "python-django-doc=3:3.2.25-0+deb12u3": "33319c8e45b95693603213442ccf9bcee933ef338488115203ad25a0e01c696f",  # noqa: E501
     "maxima-doc=5.46.0-11": "01a726b693a7e465a62040ac5ade4762194d7553524231d77cd1fcd4a69a75b9",
-    "python-sqlalchemy-doc=1.4.46+ds1-1": "8805c3167ef75278ac6fd58ed9856321c2b2e3a7e441edba84b2eb955216d0fd",
+    "python-sqlalchemy-doc=1.4.46+ds1-1": "8805c3167ef75278ac6fd58ed9856321c2b2e3a7e441edba84b2eb955216d0fd",  # noqa: E501
     "sphinx-doc=5.3.0-4": "1da3d08bb3a0bc82a4b8b8109410e223054bf5fb13904557ec8ea869046f65b4",
     "octave-doc=7.3.0-2": "b27897cc7e3d688daa5cb8f8d1ea47077f3fbd205ce32e22522200ff0c1eadd5",
     "debian-reference-en=2.100": "9f31d3a17df505de09689ca255512ea58c1fc47c59bb1b0c7bf1c23362e9743f",
@@ -64,7 +73,8 @@ PACKAGES = {  # name=version: the .deb's sha256 (Debian 12, bookworm)
 NOT_PAGES = re.compile(  # paths whose HTML is not an English page of its own: hidden files, the
     r"/\.[^./]|/translations/|/apache2-doc/manual/(?!en/)"  # translations (linux's, apache2's),
     r"|/_modules/|/(genindex[^/]*|py-modindex|search)\.html$"  # Sphinx's source listings, indexes,
-    r"|/maxima_singlepage\.html$")  # and maxima's manual again as one page
+    r"|/maxima_singlepage\.html$"
+)  # and maxima's manual again as one page
 MIN_TEXT = 100  # characters: a shorter page is a redirect ("The node you are looking for is at
 #                 XREFfft.": octave's 2,324 Texinfo stubs and its figure and table ones; sqlite's
 #                 sqlite.html); the shortest page kept has 149 (training) or 102 (an excerpt)
@@ -74,14 +84,32 @@ SHA256 = {  # the shards these packages give (Python 3.11.7's html.parser)
 }
 SHUFFLE_SEED = 0  # random.Random(SHUFFLE_SEED): the pages' order, then the excerpts' starts
 TRAIN_EVERY = 10  # pages 0, 10, 20, ... of the shuffled order train; the others are held out
-EXCERPT = 768     # for validation, each as one excerpt of at most EXCERPT characters at a random
+EXCERPT = 768  # for validation, each as one excerpt of at most EXCERPT characters at a random
 #                   start: 6,730 documents, for a validation SE below 0.005 nats (docs/data.md)
-BLOCKS = {"p", "div", "br", "li", "tr", "pre", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6",
-          "table", "blockquote", "section"}
+BLOCKS = {
+    "p",
+    "div",
+    "br",
+    "li",
+    "tr",
+    "pre",
+    "dt",
+    "dd",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "table",
+    "blockquote",
+    "section",
+}
 
 
 class PageText(html.parser.HTMLParser):
     """The text of an HTML page: scripts, styles and the head dropped, blocks on new lines."""
+
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.parts, self.hidden = [], 0
@@ -116,8 +144,11 @@ def package_pages(deb: str) -> list:
     with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE) as p:
         try:
             with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
-                pages = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()
-                         and m.name.endswith(".html") and not NOT_PAGES.search(m.name)}
+                pages = {
+                    m.name: tar.extractfile(m).read()
+                    for m in tar
+                    if m.isfile() and m.name.endswith(".html") and not NOT_PAGES.search(m.name)
+                }
         except tarfile.TarError as e:  # a cut or empty stream: dpkg-deb failed, or a bad .deb
             raise UserError(f"dpkg-deb --fsys-tarfile {deb}: {e} (a damaged .deb?)") from None
     if p.wait():
@@ -133,20 +164,28 @@ def download(spec: str, sha: str, folder: str, debs: str = None, unpinned: bool 
             if tokenize_corpus.sha256_of(path) == sha:
                 return path, sha
         raise UserError(f"--debs={debs}: no .deb there has {spec}'s pinned sha256 {sha}")
-    r = subprocess.run(["apt-get", "download", spec.split("=")[0] if unpinned else spec], cwd=folder,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["apt-get", "download", spec.split("=")[0] if unpinned else spec],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+    )
     found = glob.glob(os.path.join(folder, spec.split("=")[0] + "_*.deb"))
     if r.returncode or len(found) != 1:
         tail = (r.stderr.strip().splitlines() or ["no .deb"])[-1]
-        raise UserError(f"apt-get download {spec} failed ({tail}): the pinned version is not offered "
-                        f"here (superseded, or not Debian 12?); download the .deb files PACKAGES pins "
-                        f"(snapshot.debian.org keeps every version) into a folder and give "
-                        f"--debs=DIR, or build from the versions offered now with --unpinned (not "
-                        f"the pinned corpus; their sha256 go into the manifest)")
+        raise UserError(
+            f"apt-get download {spec} failed ({tail}): the pinned version is not offered "
+            f"here (superseded, or not Debian 12?); download the .deb files PACKAGES pins "
+            f"(snapshot.debian.org keeps every version) into a folder and give "
+            f"--debs=DIR, or build from the versions offered now with --unpinned (not "
+            f"the pinned corpus; their sha256 go into the manifest)"
+        )
     got = tokenize_corpus.sha256_of(found[0])
     if got != sha and not unpinned:
-        raise UserError(f"{found[0]}: sha256 {got} differs from the pinned {sha}: not the same "
-                        f"text; give the pinned file with --debs=DIR, or build with --unpinned")
+        raise UserError(
+            f"{found[0]}: sha256 {got} differs from the pinned {sha}: not the same "
+            f"text; give the pinned file with --debs=DIR, or build with --unpinned"
+        )
     return found[0], got
 
 
@@ -161,8 +200,10 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
     except (OSError, ValueError, AttributeError):
         pinned = False
     if unpinned and pinned:
-        raise UserError(f"{out} holds the pinned corpus, which --unpinned would replace; give "
-                        f"another --out (and train on it with --train_files/--val_files)")
+        raise UserError(
+            f"{out} holds the pinned corpus, which --unpinned would replace; give "
+            f"another --out (and train on it with --train_files/--val_files)"
+        )
     tokenize_corpus.Corpus(out, "docs", "bytes", check_only=True)  # now, not after the downloads
     made = first_missing(out)
     os.makedirs(out, exist_ok=True)
@@ -179,10 +220,11 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
             for i, text in enumerate(t for t in map(page_text, pages) if len(t) >= MIN_TEXT):
                 if held_out(i):  # tokenize's validation documents: an excerpt of each
                     start = rng.randrange(max(1, len(text) - EXCERPT + 1))
-                    text = text[start:start + EXCERPT]
+                    text = text[start : start + EXCERPT]
                 f.write(json.dumps({"text": text}) + "\n")
-        return tokenize_corpus.tokenize([docs], out, "docs", 100_000_000, workers, "bytes",
-                                        is_val=held_out, inputs=inputs)
+        return tokenize_corpus.tokenize(
+            [docs], out, "docs", 100_000_000, workers, "bytes", is_val=held_out, inputs=inputs
+        )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         remove_made(out, made)
@@ -193,13 +235,25 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
 
 def parser() -> ArgParser:
     p = ArgParser("python data/debian_docs.py", __doc__)
-    p.add_argument("--out", type=path_arg, default=os.path.join(HERE, "debian_docs"), metavar="DIR",
-                   help="folder for the shards (default: data/debian_docs)")
-    p.add_argument("--debs", type=path_arg, metavar="DIR",
-                   help="take the pinned .deb files from this folder (found by sha256), not apt-get")
-    p.add_argument("--unpinned", action="store_true",
-                   help="build from the versions apt-get offers now: not the pinned corpus; the "
-                        ".deb files' sha256 go into the corpus's manifest")
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        default=os.path.join(HERE, "debian_docs"),
+        metavar="DIR",
+        help="folder for the shards (default: data/debian_docs)",
+    )
+    p.add_argument(
+        "--debs",
+        type=path_arg,
+        metavar="DIR",
+        help="take the pinned .deb files from this folder (found by sha256), not apt-get",
+    )
+    p.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="build from the versions apt-get offers now: not the pinned corpus; the "
+        ".deb files' sha256 go into the corpus's manifest",
+    )
     return p
 
 
@@ -210,10 +264,21 @@ def main(argv):
     for path in build(args.out, 1, args.debs and need(args.debs, "a folder"), args.unpinned):
         with open(path, "rb") as f:
             sha, name = hashlib.sha256(f.read()).hexdigest(), os.path.basename(path)
-        print(f"{name} sha256 {sha}: " + ("the pinned corpus" if SHA256.get(name) == sha else
-                                          "NOT the pinned corpus (other inputs, or another "
-                                          "Python's html.parser)"))
+        print(
+            f"{name} sha256 {sha}: "
+            + (
+                "the pinned corpus"
+                if SHA256.get(name) == sha
+                else "NOT the pinned corpus (other inputs, or another Python's html.parser)"
+            )
+        )
 
 
 if __name__ == "__main__":
-    sys.exit(cli(main, sys.argv[1:], lambda: tokenize_corpus.Progress.open_line and print(file=sys.stderr)))
+    sys.exit(
+        cli(
+            main,
+            sys.argv[1:],
+            lambda: tokenize_corpus.Progress.open_line and print(file=sys.stderr),
+        )
+    )

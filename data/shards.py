@@ -47,8 +47,9 @@ def shard_header(path: str) -> tuple:
         size = os.fstat(f.fileno()).st_size
         head = f.read(HEADER_BYTES)
     if len(head) < HEADER_BYTES:
-        raise UserError(f"{path}: truncated shard ({size} bytes, shorter than the "
-                        f"{HEADER_BYTES}-byte header)")
+        raise UserError(
+            f"{path}: truncated shard ({size} bytes, shorter than the {HEADER_BYTES}-byte header)"
+        )
     magic, version, count, encoding = (int(v) for v in np.frombuffer(head, dtype=np.int32, count=4))
     expected_size = HEADER_BYTES + 2 * count
     if magic != SHARD_MAGIC:
@@ -58,8 +59,10 @@ def shard_header(path: str) -> tuple:
     elif not 0 <= encoding < len(ENCODINGS):
         problem = f"unknown encoding {encoding} in its header (0: gpt2, 1: bytes)"
     elif count < 0 or size != expected_size:
-        problem = (f"header says {count} tokens ({expected_size} bytes) but the file has "
-                   f"{size} bytes (truncated or corrupt)")
+        problem = (
+            f"header says {count} tokens ({expected_size} bytes) but the file has "
+            f"{size} bytes (truncated or corrupt)"
+        )
     else:
         return count, ENCODINGS[encoding]
     raise UserError(f"{path}: {problem}")
@@ -72,8 +75,9 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
         tokens = np.fromfile(path, dtype=np.uint16, count=count, offset=HEADER_BYTES)
     biggest = int(tokens.max()) if count else -1
     if biggest >= vocab_size:
-        raise UserError(f"{path}: token id {biggest} is outside the vocabulary "
-                        f"(vocab_size={vocab_size})")
+        raise UserError(
+            f"{path}: token id {biggest} is outside the vocabulary (vocab_size={vocab_size})"
+        )
     return tokens
 
 
@@ -85,14 +89,18 @@ def find_shards(pattern: str) -> list:
             raise UserError(f"{pattern} matches {path}, which is {kind_of(path)}, not a shard file")
     if not files:  # the advice by the folder's own name (data/fineweb10B_bytes, say)
         folder = os.path.basename(os.path.dirname(pattern)).lower()
-        hint = ("make them from FineWeb's with `python data/tokenize_corpus.py --from_shards="
-                f"'data/fineweb10B/*.bin' --encoding=bytes --out={os.path.dirname(pattern) or '.'} "
-                f"--name=fineweb`" if
-                "fineweb" in folder and "bytes" in folder else
-                "fetch FineWeb with `python data/cached_fineweb10B.py`, or train on the "
-                "embedded sample with --preset=smoke" if "fineweb" in folder else
-                "build it with `python data/debian_docs.py`" if folder == "debian_docs" else
-                "check the path")
+        hint = (
+            "make them from FineWeb's with `python data/tokenize_corpus.py --from_shards="
+            f"'data/fineweb10B/*.bin' --encoding=bytes --out={os.path.dirname(pattern) or '.'} "
+            f"--name=fineweb`"
+            if "fineweb" in folder and "bytes" in folder
+            else "fetch FineWeb with `python data/cached_fineweb10B.py`, or train on the "
+            "embedded sample with --preset=smoke"
+            if "fineweb" in folder
+            else "build it with `python data/debian_docs.py`"
+            if folder == "debian_docs"
+            else "check the path"
+        )
         raise UserError(f"no shards match {pattern}: {hint}")
     return files
 
@@ -100,6 +108,7 @@ def find_shards(pattern: str) -> list:
 class ByteEncoding:
     """UTF-8 bytes as tokens, in tiktoken's terms: encode_ordinary (text -> ids), decode (ids
     -> text; bytes that are not UTF-8 show as U+FFFD), decode_bytes (ids -> the bytes, exact)."""
+
     name, eot_token, n_vocab = "bytes", BYTES_EOT, 256
 
     def encode_ordinary(self, text: str) -> list:
@@ -108,8 +117,9 @@ class ByteEncoding:
 
     def decode(self, ids) -> str:
         """The separator as <|endoftext|>, as GPT-2's decoding shows it."""
-        return "<|endoftext|>".join(part.decode("utf-8", errors="replace")
-                                    for part in bytes(ids).split(bytes([BYTES_EOT])))
+        return "<|endoftext|>".join(
+            part.decode("utf-8", errors="replace") for part in bytes(ids).split(bytes([BYTES_EOT]))
+        )
 
     def decode_bytes(self, ids) -> bytes:
         return bytes(ids)
@@ -123,8 +133,10 @@ def encoding(name: str, vocab_size: int = None):
     enc = ByteEncoding() if name == "bytes" else gpt2_encoding()
     too_big = name == "bytes" and vocab_size is not None and vocab_size > enc.n_vocab
     if vocab_size is not None and vocab_size < enc.n_vocab or too_big:
-        raise UserError(f"a model with vocab_size={vocab_size} cannot use encoding={name} "
-                        f"({enc.n_vocab} token ids): is its checkpoint edited?")
+        raise UserError(
+            f"a model with vocab_size={vocab_size} cannot use encoding={name} "
+            f"({enc.n_vocab} token ids): is its checkpoint edited?"
+        )
     return enc
 
 
@@ -133,12 +145,15 @@ def gpt2_encoding():
     found offline in TIKTOKEN_CACHE_DIR; then gpt2 (online, tiktoken downloads and caches it
     once); if neither loads, a UserError says how to get it."""
     import tiktoken
+
     failures = []
     for name in ("r50k_base", "gpt2"):
         try:
             return tiktoken.get_encoding(name)
         except Exception as e:  # offline without a cached file, most often
             failures.append(f"{name}: {type(e).__name__}")
-    raise UserError(f"cannot load the GPT-2 BPE from tiktoken ({'; '.join(failures)}); connect "
-                    "to the internet once, or set TIKTOKEN_CACHE_DIR to a folder holding the "
-                    "cached r50k_base file")
+    raise UserError(
+        f"cannot load the GPT-2 BPE from tiktoken ({'; '.join(failures)}); connect "
+        "to the internet once, or set TIKTOKEN_CACHE_DIR to a folder holding the "
+        "cached r50k_base file"
+    )

@@ -48,16 +48,30 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
-from support import (ArgParser, UserError, cli, exit_quietly_on_signals, first_missing,  # noqa: E402
-                     in_range, named, need, nonempty, path_arg, remove_made, sha256_of,
-                     writable_dir, write_atomically)
+from support import (  # noqa: E402
+    ArgParser,
+    UserError,
+    cli,
+    exit_quietly_on_signals,
+    first_missing,
+    in_range,
+    named,
+    need,
+    nonempty,
+    path_arg,
+    remove_made,
+    sha256_of,
+    writable_dir,
+    write_atomically,
+)
 
 if __name__ == "__main__":
     exit_quietly_on_signals()
 
 import numpy as np  # noqa: E402
-from data.shards import (EOT, encoding, find_shards, header, read_shard,  # noqa: E402
-                         shard_encoding)
+
+from data.shards import EOT, encoding, find_shards, header, read_shard, shard_encoding  # noqa: E402
+
 GPT2_VOCAB = 50257
 
 
@@ -72,8 +86,11 @@ def shard_bytes(tokens, enc: str = "gpt2") -> bytes:
 
 
 def corpus_sha256(shards: dict) -> str:
-    """One sha256 for a corpus, {shard name: its sha256}: of the names and sha256s, in name order."""
-    return hashlib.sha256("".join(f"{n} {shards[n]}\n" for n in sorted(shards)).encode()).hexdigest()
+    """One sha256 for a corpus, {shard name: its sha256}: of the names and sha256s, in name
+    order."""
+    return hashlib.sha256(
+        "".join(f"{n} {shards[n]}\n" for n in sorted(shards)).encode()
+    ).hexdigest()
 
 
 class Corpus:
@@ -86,6 +103,7 @@ class Corpus:
     another tool's, one edited since; a link or a FIFO, unread) is refused before any work, and
     one that appears or changes while this runs stops the commit. On any failure the temporary
     folder, and the folders this created for OUT, are removed; nothing else is touched."""
+
     WRITER = "data/tokenize_corpus.py"
 
     def __init__(self, out: str, name: str, enc: str = "gpt2", check_only: bool = False):
@@ -100,8 +118,10 @@ class Corpus:
         self.found = self.present()
         foreign = [n for n, (sha, _) in self.found.items() if sha not in ours.get(n, ())]
         if foreign:
-            self.refuse(os.path.join(out, foreign[0]) + f" (and {len(foreign) - 1} more) is named "
-                        f"like a shard of corpus {name!r}")
+            self.refuse(
+                os.path.join(out, foreign[0]) + f" (and {len(foreign) - 1} more) is named "
+                f"like a shard of corpus {name!r}"
+            )
         if check_only:
             return
         self.made = first_missing(out)
@@ -119,13 +139,17 @@ class Corpus:
             if self.pattern.fullmatch(n):
                 path, st = os.path.join(self.out, n), os.lstat(os.path.join(self.out, n))
                 regular = stat.S_ISREG(st.st_mode)  # a FIFO or a link is never read, nor ours
-                found[n] = (sha256_of(path) if regular else None, (st.st_ino, st.st_size,
-                                                                   st.st_mtime_ns))
+                found[n] = (
+                    sha256_of(path) if regular else None,
+                    (st.st_ino, st.st_size, st.st_mtime_ns),
+                )
         return found
 
     def refuse(self, what: str):
-        raise UserError(f"{what} but was not written by this script, or changed since: choose "
-                        f"another --name or --out; nothing was written")
+        raise UserError(
+            f"{what} but was not written by this script, or changed since: choose "
+            f"another --name or --out; nothing was written"
+        )
 
     def read_manifest(self) -> dict:
         """{shard: [sha256, ...]} from NAME.manifest.json; {} when there is none."""
@@ -147,7 +171,8 @@ class Corpus:
             self.refuse(f"{self.manifest} is the manifest of corpus {self.name!r}")
 
     def add(self, tokens, val: bool = None) -> str:
-        """Write the next shard into the temporary folder: validation if val (default: the first)."""
+        """Write the next shard into the temporary folder: validation if val (default: the
+        first)."""
         n = len(self.shards)
         shard = f"{self.name}_{'val' if (n == 0 if val is None else val) else 'train'}_{n:06d}.bin"
         data = shard_bytes(tokens, self.enc)
@@ -157,8 +182,11 @@ class Corpus:
         return shard
 
     def write_manifest(self, previous: dict):
-        m = {"written_by": self.WRITER, "shards": self.shards, **(
-            {"inputs": self.inputs} if getattr(self, "inputs", None) else {})}
+        m = {
+            "written_by": self.WRITER,
+            "shards": self.shards,
+            **({"inputs": self.inputs} if getattr(self, "inputs", None) else {}),
+        }
         if previous:  # the files of the version being replaced, while any may remain
             m["previous"] = previous
         write_atomically(self.manifest, json.dumps(m, indent=1).encode())
@@ -169,8 +197,10 @@ class Corpus:
             raise UserError("the input holds no documents (no non-empty text); nothing was written")
         now = {n: st for n, (_, st) in self.present().items()}
         if now != {n: st for n, (_, st) in self.found.items()}:
-            raise UserError(f"the shards of corpus {self.name!r} in {self.out} changed while this "
-                            f"ran (another job?); nothing was written")
+            raise UserError(
+                f"the shards of corpus {self.name!r} in {self.out} changed while this "
+                f"ran (another job?); nothing was written"
+            )
         self.write_manifest({n: sha for n, (sha, _) in self.found.items()})  # first: a failure
         # after it leaves only files it lists
         for shard in self.shards:
@@ -179,8 +209,10 @@ class Corpus:
         for n in stale:
             os.remove(os.path.join(self.out, n))
         if stale:
-            print(f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in "
-                  f"{self.out}", file=sys.stderr)
+            print(
+                f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in {self.out}",
+                file=sys.stderr,
+            )
         self.write_manifest({})
         return [os.path.join(self.out, n) for n in self.shards]
 
@@ -198,6 +230,7 @@ class Corpus:
 
 # ---------------------------------------------------------------------------- reading documents
 
+
 def documents(paths, raw: bool = False):
     """Yield (name, text) for every document; a malformed one is an error naming it. raw: a
     .txt file's bytes as they are, not decoded (byte encoding: any bytes round-trip)."""
@@ -209,16 +242,17 @@ def documents(paths, raw: bool = False):
                     try:
                         line = line_bytes.decode("utf-8", errors="strict")
                     except UnicodeDecodeError as e:
-                        raise UserError(f"{name}: not valid UTF-8 ({e.reason} at byte "
-                                        f"{e.start} of the line)") from None
+                        raise UserError(
+                            f"{name}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)"
+                        ) from None
                     if not line.strip():
                         continue
                     try:
                         text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError):
-                        raise UserError(f"{name}: not a JSON object with a \"text\" field") from None
+                        raise UserError(f'{name}: not a JSON object with a "text" field') from None
                     if not isinstance(text, str):
-                        raise UserError(f"{name}: \"text\" is not a string")
+                        raise UserError(f'{name}: "text" is not a string')
                     yield name, text
         elif raw:
             with open(path, "rb") as f:
@@ -264,6 +298,7 @@ def _encode(item):
 
 class Progress:
     """One status line on stderr, redrawn at most every half second."""
+
     open_line = False  # a redrawn line is pending: an error message must start on a new one
 
     def __init__(self):
@@ -274,8 +309,12 @@ class Progress:
         if final or now - self.last > 0.5:
             self.last = now
             rate = tokens / max(now - self.t0, 1e-9)
-            print(f"\r{docs:,} docs  {tokens:,} tokens  {shards} shards  {rate:,.0f} tok/s",
-                  end="\n" if final else "", file=sys.stderr, flush=True)
+            print(
+                f"\r{docs:,} docs  {tokens:,} tokens  {shards} shards  {rate:,.0f} tok/s",
+                end="\n" if final else "",
+                file=sys.stderr,
+                flush=True,
+            )
             Progress.open_line = not final
 
 
@@ -292,11 +331,15 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
     encoding(enc)  # fail early, with the clear message, before any worker starts
     n_docs, n_tokens = 0, 0
     try:  # 2 bytes a token, not a list; the training and the validation shard being filled
-        buffers = {False: np.empty(shard_tokens, dtype=np.uint16), True: np.empty(
-            shard_tokens if is_val else 0, dtype=np.uint16)}
+        buffers = {
+            False: np.empty(shard_tokens, dtype=np.uint16),
+            True: np.empty(shard_tokens if is_val else 0, dtype=np.uint16),
+        }
     except MemoryError:
-        raise UserError(f"--shard_tokens={shard_tokens}: the {2 * shard_tokens / 2**30:.1f} GiB "
-                        f"a shard takes in memory are not available") from None
+        raise UserError(
+            f"--shard_tokens={shard_tokens}: the {2 * shard_tokens / 2**30:.1f} GiB "
+            f"a shard takes in memory are not available"
+        ) from None
     fill, split = {False: 0, True: 0}, is_val or (lambda i: False)
     progress = Progress()
     pool = mp.Pool(workers, quiet_worker) if workers > 1 else None
@@ -315,17 +358,23 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
                 shard = buffers[val]
                 while len(ids):  # a long document may span several shards
                     take = min(len(ids), shard_tokens - fill[val])
-                    shard[fill[val]:fill[val] + take], fill[val], ids = ids[:take], fill[val] + take, ids[take:]
+                    shard[fill[val] : fill[val] + take], fill[val], ids = (
+                        ids[:take],
+                        fill[val] + take,
+                        ids[take:],
+                    )
                     if fill[val] == shard_tokens:
                         corpus.add(shard, val if is_val else None)
                         fill[val] = 0
                 progress.update(n_docs, n_tokens, len(corpus.shards))
             for val in (True, False):
                 if fill[val]:
-                    corpus.add(buffers[val][:fill[val]], val if is_val else None)
+                    corpus.add(buffers[val][: fill[val]], val if is_val else None)
             if is_val and not any("_train_" in n for n in corpus.shards) and corpus.shards:
-                raise UserError(f"all {n_docs} documents went to validation: "
-                                f"no training shard; nothing was written")
+                raise UserError(
+                    f"all {n_docs} documents went to validation: "
+                    f"no training shard; nothing was written"
+                )
             written = corpus.commit()
     finally:
         if pool:
@@ -337,6 +386,7 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
 def make_sample(out):
     """The embedded sample: pydoc_data.topics, every 10th topic (sorted) to validation."""
     from pydoc_data.topics import topics
+
     writable_dir(out)
     enc = encoding("gpt2")
     train, val = [], []
@@ -346,8 +396,10 @@ def make_sample(out):
         corpus.add(val)
         corpus.add(train)
         corpus.commit()
-    print(f"python {sys.version.split()[0]}: {len(train):,} train and {len(val):,} val tokens "
-          f"written to {out}")
+    print(
+        f"python {sys.version.split()[0]}: {len(train):,} train and {len(val):,} val tokens "
+        f"written to {out}"
+    )
 
 
 def convert(pattern, out, name):
@@ -357,26 +409,41 @@ def convert(pattern, out, name):
     same bytes. Returns the shard paths."""
     files = sorted(find_shards(pattern), key=lambda p: ("_val_" not in os.path.basename(p), p))
     ours = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")  # what the new corpus replaces
-    for path in files:  # validation first: FineWeb's val_000000, train_000001, ... keep their numbers
+    for (
+        path
+    ) in files:  # validation first: FineWeb's val_000000, train_000001, ... keep their numbers
         if shard_encoding(path) != "gpt2":
             raise UserError(f"{path}: a byte shard already; --from_shards converts GPT-2 shards")
-        if os.path.dirname(os.path.realpath(path)) == os.path.realpath(out) and \
-                ours.fullmatch(os.path.basename(path)):
-            raise UserError(f"{path} is an input, and corpus {name!r} in {out} would replace it: "
-                            f"give another --name or --out; nothing was written")
+        if os.path.dirname(os.path.realpath(path)) == os.path.realpath(out) and ours.fullmatch(
+            os.path.basename(path)
+        ):
+            raise UserError(
+                f"{path} is an input, and corpus {name!r} in {out} would replace it: "
+                f"give another --name or --out; nothing was written"
+            )
     writable_dir(out)
     gpt2, sep = encoding("gpt2"), bytes([encoding("bytes").eot_token])
     with Corpus(out, name, "bytes") as corpus:
         for path in files:
             tokens, pieces = read_shard(path, GPT2_VOCAB), []
             for part in np.split(tokens, np.flatnonzero(tokens == EOT)):  # each from an EOT on
-                data = gpt2.decode_bytes(part[1:].tolist() if len(part) and part[0] == EOT else part.tolist())
+                data = gpt2.decode_bytes(
+                    part[1:].tolist() if len(part) and part[0] == EOT else part.tolist()
+                )
                 if sep in data:
-                    raise UserError(f"{path}: a document holds a NUL byte, the document separator "
-                                    f"of byte shards; nothing was written")
+                    raise UserError(
+                        f"{path}: a document holds a NUL byte, the document separator "
+                        f"of byte shards; nothing was written"
+                    )
                 pieces += [sep, data] if len(part) and part[0] == EOT else [data]
-            corpus.add(np.frombuffer(b"".join(pieces), dtype=np.uint8), val="_val_" in os.path.basename(path))
-            print(f"{path}: {len(tokens):,} tokens -> {sum(map(len, pieces)):,} bytes", file=sys.stderr)
+            corpus.add(
+                np.frombuffer(b"".join(pieces), dtype=np.uint8),
+                val="_val_" in os.path.basename(path),
+            )
+            print(
+                f"{path}: {len(tokens):,} tokens -> {sum(map(len, pieces)):,} bytes",
+                file=sys.stderr,
+            )
         return corpus.commit()
 
 
@@ -397,63 +464,129 @@ def check(folder):
 
 def parser() -> ArgParser:
     p = ArgParser("python data/tokenize_corpus.py", __doc__)
-    p.add_argument("files", nargs="*", type=path_arg, metavar="FILE",
-                   help=".txt or .jsonl files to encode (none: regenerate the embedded sample)")
-    p.add_argument("--out", type=path_arg, metavar="DIR",
-                   help="folder for the shards, required with FILEs (default: data/sample)")
-    p.add_argument("--name", type=nonempty, default="corpus",
-                   help="shard names start with it (default: %(default)s)")
-    p.add_argument("--shard_tokens", type=in_range(int, 1, 2**31 - 1), default=100_000_000, metavar="N",
-                   help="tokens per shard, the last one shorter (default: %(default)s)")
-    p.add_argument("--workers", type=in_range(int, 1), default=max(1, (os.cpu_count() or 1) - 1),
-                   metavar="K", help="encoding processes (default: CPUs - 1, here %(default)s)")
-    p.add_argument("--encoding", choices=("gpt2", "bytes"), default="gpt2",
-                   help="GPT-2 BPE ids, or UTF-8 bytes (vocabulary 256; a .txt file's bytes as "
-                        "they are, valid UTF-8 or not) (default: %(default)s)")
-    p.add_argument("--val_every", type=in_range(int, 0), default=0, metavar="K",
-                   help="documents 0, K, 2K, ... to validation shards (default: 0, the first "
-                        "shard is validation)")
-    p.add_argument("--from_shards", type=path_arg, metavar="PATTERN",
-                   help="convert the GPT-2 shards PATTERN matches (FineWeb's) to byte shards, "
-                        "one for one, instead of FILEs (default: none; needs --encoding=bytes)")
-    p.add_argument("--check", type=path_arg, metavar="DIR",
-                   help="only verify every *.bin shard in DIR (default: off)")
+    p.add_argument(
+        "files",
+        nargs="*",
+        type=path_arg,
+        metavar="FILE",
+        help=".txt or .jsonl files to encode (none: regenerate the embedded sample)",
+    )
+    p.add_argument(
+        "--out",
+        type=path_arg,
+        metavar="DIR",
+        help="folder for the shards, required with FILEs (default: data/sample)",
+    )
+    p.add_argument(
+        "--name",
+        type=nonempty,
+        default="corpus",
+        help="shard names start with it (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shard_tokens",
+        type=in_range(int, 1, 2**31 - 1),
+        default=100_000_000,
+        metavar="N",
+        help="tokens per shard, the last one shorter (default: %(default)s)",
+    )
+    p.add_argument(
+        "--workers",
+        type=in_range(int, 1),
+        default=max(1, (os.cpu_count() or 1) - 1),
+        metavar="K",
+        help="encoding processes (default: CPUs - 1, here %(default)s)",
+    )
+    p.add_argument(
+        "--encoding",
+        choices=("gpt2", "bytes"),
+        default="gpt2",
+        help="GPT-2 BPE ids, or UTF-8 bytes (vocabulary 256; a .txt file's bytes as "
+        "they are, valid UTF-8 or not) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--val_every",
+        type=in_range(int, 0),
+        default=0,
+        metavar="K",
+        help="documents 0, K, 2K, ... to validation shards (default: 0, the first "
+        "shard is validation)",
+    )
+    p.add_argument(
+        "--from_shards",
+        type=path_arg,
+        metavar="PATTERN",
+        help="convert the GPT-2 shards PATTERN matches (FineWeb's) to byte shards, "
+        "one for one, instead of FILEs (default: none; needs --encoding=bytes)",
+    )
+    p.add_argument(
+        "--check",
+        type=path_arg,
+        metavar="DIR",
+        help="only verify every *.bin shard in DIR (default: off)",
+    )
     return p
 
 
 MODES = {  # the options each use takes (besides its own)
-    "check": {"check"}, "from_shards": {"from_shards", "encoding", "out", "name"},
-    "sample": {"out"}, "files": {"files", "out", "name", "shard_tokens", "workers", "encoding", "val_every"}}
+    "check": {"check"},
+    "from_shards": {"from_shards", "encoding", "out", "name"},
+    "sample": {"out"},
+    "files": {"files", "out", "name", "shard_tokens", "workers", "encoding", "val_every"},
+}
 
 
 def main(argv):
     p = parser()
     args = p.parse_intermixed_args(argv)
-    mode = ("check" if args.check else "from_shards" if args.from_shards is not None else
-            "files" if args.files else "sample")
+    mode = (
+        "check"
+        if args.check
+        else "from_shards"
+        if args.from_shards is not None
+        else "files"
+        if args.files
+        else "sample"
+    )
     if args.check:  # what the mode's own path is, checked first
         need(args.check, "a folder")
     elif args.from_shards is not None:
         find_shards(args.from_shards)
     given = [k for k, v in vars(args).items() if v != p.get_default(k) and v != []]
     if extra := [k for k in given if k not in MODES[mode]]:
-        raise UserError(("FILEs do" if extra[0] == "files" else f"--{extra[0]} does") + " not apply to " + {
-            "check": "--check", "from_shards": "--from_shards", "files": "encoding FILEs",
-            "sample": "the embedded sample (no FILEs)"}[mode])
+        raise UserError(
+            ("FILEs do" if extra[0] == "files" else f"--{extra[0]} does")
+            + " not apply to "
+            + {
+                "check": "--check",
+                "from_shards": "--from_shards",
+                "files": "encoding FILEs",
+                "sample": "the embedded sample (no FILEs)",
+            }[mode]
+        )
     if args.check:
         check(args.check)
     elif args.from_shards is not None:
         if args.encoding != "bytes" or not args.out:
-            raise UserError("--from_shards=PATTERN converts to byte shards: give --encoding=bytes "
-                            "and --out=DIR, and no FILEs")
+            raise UserError(
+                "--from_shards=PATTERN converts to byte shards: give --encoding=bytes "
+                "and --out=DIR, and no FILEs"
+            )
         convert(args.from_shards, args.out, args.name)
     elif not args.files:
         make_sample(args.out or os.path.join(HERE, "sample"))
     else:
         if not args.out:
             raise UserError("give --out=DIR for the shards")
-        tokenize(args.files, args.out, args.name, args.shard_tokens, args.workers,
-                 args.encoding, args.val_every and (lambda i: i % args.val_every == 0))
+        tokenize(
+            args.files,
+            args.out,
+            args.name,
+            args.shard_tokens,
+            args.workers,
+            args.encoding,
+            args.val_every and (lambda i: i % args.val_every == 0),
+        )
 
 
 def run(argv) -> int:

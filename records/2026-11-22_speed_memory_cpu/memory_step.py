@@ -32,5 +32,7 @@ else:  # full logits, then F.cross_entropy
     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 loss.backward()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-print(f"device_batch={B} x {hp.seq_len} n_layers={L}: peak RSS {peak / 2**20:.2f} GiB "
-      f"(after building the model {before / 2**20:.2f} GiB), step {time.time() - t0:.1f} s")
+print(
+    f"device_batch={B} x {hp.seq_len} n_layers={L}: peak RSS {peak / 2**20:.2f} GiB "
+    f"(after building the model {before / 2**20:.2f} GiB), step {time.time() - t0:.1f} s"
+)

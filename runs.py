@@ -1,0 +1,667 @@
+"""Run management for train_gpt.py: checkpoints (what a run carries from job to job, saved and
+read back checked), run directories (chosen, locked), the log (train.log, metrics.jsonl,
+config.json, with the provenance of every source a run executes), the clock, and what the ranks
+of a torchrun job agree on (the device, sums, when to stop, whether a save happened).
+
+Guarantees: a checkpoint is written whole (a temporary file renamed over the old one) and only
+when every weight and optimiser moment is finite; the one before it is kept as PREVIOUS while no
+step from the new one has trained, so a run stopped by a non-finite loss goes back to a good one
+(last_good); a resume reads a checkpoint checked field by field and refuses another run's or
+one that changed under it; one job at a time holds a run directory (an flock the kernel drops
+however the process ends); a resume keeps the metrics its checkpoint saw, each step once; every
+rank stops at the same step, so none waits in a collective for another."""
+
+import contextlib
+import errno
+import fcntl
+import glob
+import io
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from support import (
+    HERE,
+    STOP,
+    RunStopped,
+    UserError,
+    check_fields,
+    kind_of,
+    named,
+    need,
+    os_error_text,
+    refuse,
+    setting,
+    sha256_of,
+    writable_dir,
+    write_atomically,
+)
+
+# -----------------------------------------------------------------------------
+# Checkpoints: what a run carries from job to job, saved whole and read back checked
+
+CHECKPOINT = "checkpoint.pt"  # the run directory's newest, replaced atomically at each save
+
+PREVIOUS = "checkpoint.prev.pt"  # the one before it, if a step from it had a finite loss
+
+LOGS = ("train.log", "metrics.jsonl", "config.json")
+
+
+@dataclass
+class RunState:
+    """What a run carries from step to step and from job to job; all of it is checkpointed.
+    A checkpoint's values are checked against each field's range, like the settings'."""
+
+    run_id: str = setting("", help="names the run in config.json and its checkpoints")
+    step: int = setting(0, "[0, inf)", "optimiser steps done: the lr schedule is a function of it")
+    tokens: int = setting(0, "[0, inf)", "training tokens seen")
+    train_ms: float = setting(0.0, "[0, inf)", "wall time of the timed steps of every job")
+    timed_steps: int = setting(0, "[0, inf)", "at most step, as bad_steps and val_done")
+    bad_steps: int = setting(0, "[0, inf)", "non-finite losses skipped")
+    val_done: int = setting(-1, "[-1, inf)", "the last step whose validation is recorded")
+
+
+# a checkpoint: the RunState's fields, then what a job needs to go on exactly where one stopped
+CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
+    "hp",
+    "world_size",
+    "model",
+    "optimizer",
+    "routing",
+    "loader",
+    "rng",
+)
+
+
+def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
+    """torch.save to RUN_DIR/checkpoint.pt (write_atomically), keep: the old one as PREVIOUS too."""
+    path, prev = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    if keep:
+        with contextlib.suppress(OSError):  # a first save has none to keep
+            if os.path.lexists(prev):
+                os.remove(prev)
+            os.link(path, prev)  # the old file stays under both names until the rename below
+    write_atomically(path, buf.getvalue())
+    return path
+
+
+def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
+    """RUN_DIR/checkpoint.pt if it loads, holds keys and passes check(state) (a UserError for
+    malformed records); state["mtime"] is the file's."""
+    path = os.path.join(need(run_dir, "a folder"), CHECKPOINT)
+    if not os.path.isfile(path):
+        raise UserError(
+            f"{run_dir}: no checkpoint ({CHECKPOINT}) in it"
+            + (f" ({path} is {kind_of(path)})" if os.path.lexists(path) else "")
+        )
+    try:
+        mtime = os.stat(path).st_mtime_ns
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = [k for k in keys if k not in state]
+        if not missing:
+            check(state)
+    except UserError as e:
+        raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
+    except Exception as e:  # truncated, overwritten, or from an incompatible version
+        raise UserError(
+            f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})"
+        ) from None
+    if missing:
+        raise UserError(
+            f"{path}: checkpoint lacks {', '.join(missing)} (written by an older "
+            f"version of train_gpt.py?)"
+        )
+    return {**state, "mtime": mtime}
+
+
+def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> dict:
+    """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
+    return {
+        **asdict(run),
+        "hp": asdict(hp),
+        "world_size": world,
+        "model": raw.state_dict(),
+        "optimizer": opt.state_dict(),
+        "routing": raw.router.routing_state(),
+        "loader": loader,
+        "rng": {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if next(raw.parameters()).is_cuda else [],
+        },
+    }
+
+
+def check_run_state(run: RunState):
+    """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
+    check_fields(run)
+    for name in ("timed_steps", "bad_steps", "val_done"):
+        if getattr(run, name) > run.step:
+            raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
+
+
+def load_weights(model, ckpt: dict, path: str):
+    """The one shape check: strict load_state_dict, against the model the settings make."""
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, TypeError, AttributeError) as e:
+        raise UserError(
+            f"{path}: the weights do not fit the checkpoint's own settings "
+            f"({str(e).splitlines()[-1].strip()[:120]})"
+        ) from None
+
+
+def restore(ckpt: dict, hp, job, raw, opt, loader, cuda: bool) -> RunState:
+    """Weights, optimiser, routing, data position, random state and clock from a checkpoint;
+    an edited or damaged one is a UserError."""
+    where = os.path.join(job.run_dir, CHECKPOINT)
+    load_weights(raw, ckpt, where)
+    try:
+        opt.load_state_dict(ckpt["optimizer"])
+        raw.router.load_routing_state(ckpt["routing"])
+        torch.set_rng_state(ckpt["rng"]["cpu"])
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"] if cuda else [])  # ([]: none is set)
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise UserError(
+            f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})"
+        ) from None
+    routing = [
+        t
+        for v in raw.router.routing_state().values()  # tensors, or dicts of them
+        for t in (v.values() if isinstance(v, dict) else [v])
+    ]
+    if not (all_finite(raw, opt) and all(t.isfinite().all() for t in routing)):  # never saved so
+        raise UserError(
+            f"{where}: non-finite weights, optimiser or controller state (an edited "
+            f"or damaged checkpoint)"
+        )
+    for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
+        group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
+    loader.restore(ckpt["loader"])
+    return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
+
+
+# -----------------------------------------------------------------------------
+# Run directories: chosen, locked, and a run that never saved moved aside
+
+
+def new_run_dir(name: str) -> str:
+    """A fresh logs/<date_time>_<name>_<6 hex>/ (never shared: mkdir refuses an existing one)."""
+    while True:  # a taken name (the same second, the same 6 hex digits) draws another
+        stamp = time.strftime("%Y-%m-%d_%H%M%S")
+        path = os.path.join("logs", f"{stamp}_{name}_{os.urandom(3).hex()}")
+        try:
+            os.makedirs(path)
+        except OSError as e:
+            if e.errno != errno.EEXIST:
+                refuse(e, path, "create")
+            continue
+        return path
+
+
+held_locks = []  # this process's run directories, open: closing one (or exiting) releases it
+
+
+def lock_run_dir(run_dir: str, make: bool = True):
+    """An exclusive flock on the folder RUN_DIR itself (made first if make; no file is written):
+    the kernel drops it however the process ends (some network file systems ignore flock)."""
+    try:
+        if make:
+            os.makedirs(run_dir, exist_ok=True)
+        folder = os.open(run_dir, os.O_RDONLY)
+    except OSError as e:
+        refuse(e, run_dir, "use run_dir")
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(folder)
+        raise UserError(
+            f"{run_dir} is in use by another job (it holds the folder's lock); "
+            f"wait for that job to end"
+        ) from None
+    held_locks.append(folder)
+
+
+def release_locks():
+    while held_locks:  # the job is over (in a test, the process goes on)
+        os.close(held_locks.pop())
+
+
+def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
+    """Choose (default: a new one) and lock the run directory. Resuming (ckpt: read_checkpoint's),
+    the checkpoint must be the one read and of this folder's run; a run that never saved
+    starts afresh, its files kept in aborted_<k>/."""
+    writable_dir(run_dir or "logs")  # before anything is written, folders included
+    run_dir = run_dir or new_run_dir(name)
+    for path in (os.path.join(run_dir, n) for n in LOGS):
+        if os.path.lexists(path):  # a folder or a named pipe there is bad input
+            need(path, "a file")
+    path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
+    lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
+    held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
+    if not resuming and held:
+        raise UserError(
+            f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
+            f"choose another directory, or continue it with train_gpt.py --resume="
+            f"{run_dir}"
+            + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if held == [PREVIOUS] else "")
+        )
+    if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
+        raise UserError(
+            f"{path} changed while this job started (another job was using the run); resume again"
+        )
+    logged = logged_run_id(run_dir) if resuming else None  # another run's: its logs would be cut
+    if (
+        resuming
+        and logged != ckpt["run_id"]
+        and (logged or os.path.lexists(os.path.join(run_dir, "metrics.jsonl")))
+    ):  # (no config.json and no metrics: expand.py's new run)
+        raise UserError(
+            f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
+            f"says {logged or 'nothing'}); resume the run it came from"
+        )
+    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
+        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
+            os.remove(stale)
+    old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
+    if old:
+        k = 1
+        while os.path.exists(aside := os.path.join(run_dir, f"aborted_{k}")):
+            k += 1
+        try:
+            os.makedirs(aside)
+            for n in old:
+                os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
+        except OSError as e:
+            raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
+        print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
+    return run_dir
+
+
+def logged_run_id(run_dir: str):
+    """The run_id that RUN_DIR/config.json records, or None (no such file, or unreadable)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if os.path.isfile(path := os.path.join(run_dir, "config.json")):  # (a pipe would hang)
+            with open(path) as f:
+                return json.load(f).get("run_id")
+
+
+# -----------------------------------------------------------------------------
+# The log: provenance, the machine, the clock
+
+# what a run executes: each one's sha256 in config.json and train.log, and its text in train.log
+SOURCES = ("train_gpt.py", "routers.py", "runs.py", "support.py", os.path.join("data", "shards.py"))
+
+
+def provenance() -> dict:
+    """The git commit, whether the tree differs, and the sha256 of each source a run executes."""
+
+    def git(*args):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=20)
+            return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain")) if commit else None
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        **{f"sha256 {name}": sha256_of(os.path.join(HERE, name)) for name in SOURCES},
+    }
+
+
+def describe_system() -> str:
+    lines = [
+        f"python {sys.version.split()[0]}  torch {torch.__version__}  "
+        f"cuda {torch.version.cuda}  numpy {np.__version__}",
+        f"platform {platform.platform()}  cpus {os.cpu_count()}",
+    ]
+    if torch.cuda.is_available():
+        lines.append(f"gpu {torch.cuda.get_device_name()} x {torch.cuda.device_count()}")
+        with contextlib.suppress(Exception):
+            lines.append(
+                subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+            )
+    return "\n".join(lines)
+
+
+def machine_memory() -> int:
+    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2**62
+
+
+def fmt_list(xs) -> str:
+    """Per-layer figures in a log line: [0.123 0.456 ...]."""
+    return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
+
+
+def clock(train_ms: float, timed_steps: int) -> str:
+    """The timing fields of the trainer's train and validation lines: the same in both."""
+    avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
+    return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
+
+
+def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
+    """metrics.jsonl as a job resumed at step resumed_at rewrites it: our records past what the
+    checkpoint saw are dropped, and one that a crash cut short (no newline); a line of the
+    user's stays, ended by a newline; then one checkpoint record of the step, unless there is."""
+    kept = []
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        for line in f:
+            try:
+                m = json.loads(line)
+                seen = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
+                gone = m["step"] > seen
+            except (ValueError, KeyError, TypeError):
+                gone = line.startswith(b'{"kind": ') and not line.endswith(b"\n")
+            if not gone:
+                kept.append(line.rstrip(b"\n") + b"\n")
+    record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
+    if record not in kept:
+        kept.append(record)
+    return b"".join(kept)
+
+
+class RunLog:
+    """train.log, config.json and metrics.jsonl (rank 0 only). Each job appends to train.log the
+    sources it runs, in full; a resume keeps the metrics its checkpoint saw, each step once."""
+
+    def __init__(
+        self, run_dir: str, config: dict, active: bool, resumed_at: int = None, val_done: int = -1
+    ):
+        self.active, self.resumed_at = active, resumed_at
+        if not active:
+            return
+        log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
+        write_atomically(config_path, json.dumps(config, indent=2).encode())
+        with named(log):  # a write error carries no file name
+            self.log = open(log, "w" if resumed_at is None else "a")
+            if resumed_at is not None:
+                self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
+                write_atomically(metrics, kept_metrics(metrics, resumed_at, val_done))
+            for name in SOURCES:  # in full, as they ran: the trainer's first, unmarked
+                with open(os.path.join(HERE, name)) as f:
+                    rule = "" if name == SOURCES[0] else f"{'-' * 40} {name}\n"
+                    self.log.write(rule + f.read())
+            self.metrics = open(metrics, "a")
+            dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
+            sources = "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
+            self.log.write(
+                f"{'=' * 100}\ncommand: {config['command']}\n"
+                f"git: {config['git_commit'] or 'not a git checkout'}"
+                f"{dirty[config['git_dirty']]}\n{sources}{describe_system()}\n"
+                f"hyperparameters: {json.dumps(config)}\n{'=' * 100}\n"
+            )
+            self.log.flush()
+
+    def print(self, line: str):
+        if self.active:
+            print(line, flush=True)
+            with named(self.log.name):
+                self.log.write(line + "\n")
+                self.log.flush()
+
+    def saved(self, step: int):
+        """A checkpoint of step is on disk: said in both logs (metrics.jsonl: once per step)."""
+        self.print(f"checkpoint saved at step {step}")
+        if step != self.resumed_at:  # (a resumed job's step saved again, its validation done)
+            self.record({"kind": "checkpoint", "step": step})
+
+    def record(self, obj: dict):
+        if self.active:
+            with named(self.metrics.name):
+                self.metrics.write(json.dumps(obj) + "\n")
+                self.metrics.flush()
+
+    def close(self):
+        if self.active:  # every write was flushed: a failure here would only hide the first
+            for f in (self.log, self.metrics):
+                with contextlib.suppress(OSError):
+                    f.close()
+
+
+class StepClock:
+    """The clock: a job's first `untimed` steps are warm-up (compilation), logged once as such;
+    train_time and step_avg count the other steps of all jobs."""
+
+    def __init__(self, log: RunLog, start: int, untimed: int, compiled: bool):
+        self.log, self.start, self.untimed, self.compiled = log, start, untimed, compiled
+        self.ms = 0.0  # this job's warm-up time
+
+    def add(self, run: RunState, step_ms: float):
+        if run.step - self.start > self.untimed:
+            run.train_ms, run.timed_steps = run.train_ms + step_ms, run.timed_steps + 1
+        else:
+            self.ms += step_ms
+            if run.step - self.start == self.untimed:
+                self.report(run)
+
+    def end(self, run: RunState):
+        if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
+            self.report(run)
+
+    def report(self, run: RunState):
+        self.log.print(
+            f"warm-up: steps {self.start + 1}-{run.step} of this job untimed, "
+            f"{self.ms:.0f}ms" + (" (compilation included)" if self.compiled else "")
+        )
+        self.log.record(
+            {
+                "kind": "warmup",
+                "step": run.step,
+                "steps": run.step - self.start,
+                "warmup_ms": self.ms,
+            }
+        )
+
+
+# -----------------------------------------------------------------------------
+# Ranks: the processes of a torchrun job and what they agree on
+
+
+@dataclass
+class Dist:
+    """This process's place in the job: its rank, its device, and how many ranks there are."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    device: str = "cpu"
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def launcher(self) -> str:
+        """The trainer's command line as this job's, for "resume with:"."""
+        if self.world > 1:
+            return f"torchrun --nproc_per_node={self.world} train_gpt.py"
+        return "python train_gpt.py"
+
+    def sync(self):
+        """Wait for the device's queued work (CUDA runs asynchronously): before timing."""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def barrier(self):
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def on_master(self, fn, share: bool = True):
+        """fn() on rank 0; its failure is raised on every rank, so none waits in a collective for
+        it: the same UserError or OSError, else RunStopped. share: all get the result."""
+        result, error = None, None
+        if self.master:
+            try:
+                result = fn()
+            except Exception as e:
+                error = e
+        if dist.is_initialized():
+            sent = error
+            if not (error is None or isinstance(error, (UserError, OSError))):
+                sent = RunStopped(
+                    f"rank 0 failed ({type(error).__name__}: {error})"
+                    + (f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else "")
+                )
+            box = [sent, result if share else None]
+            dist.broadcast_object_list(box, src=0)
+            if not self.master:
+                error, result = box
+        if error is not None:
+            raise error
+        return result
+
+
+def setup_distributed() -> Dist:
+    """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        return Dist(device="cuda" if cuda else "cpu")
+    d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(d.device)
+    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return d
+
+
+def all_reduce(t, op: str = "sum"):
+    """A tensor summed ("sum") or maximised ("max") over the ranks, in place; returns it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:  # (one rank: no collective)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t
+
+
+def add_sums(total: dict, more: dict) -> dict:
+    """Per-key sums of tensors: total plus more, a key missing from either counting as 0."""
+    return {k: total.get(k, 0) + more.get(k, 0) for k in {**total, **more}}
+
+
+def all_reduce_sums(sums: dict) -> dict:
+    """Each float64 tensor of a dict summed over the ranks, in one collective call."""
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in sums.values()]))
+    parts = flat.split([t.numel() for t in sums.values()])
+    return {k: part.view_as(t) for (k, t), part in zip(sums.items(), parts, strict=True)}
+
+
+def all_finite(model, opt) -> bool:
+    """Whether every weight and every optimiser moment is finite (one host sync)."""
+    tensors = [p.detach() for p in model.parameters()] + [
+        v
+        for state in opt.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.is_floating_point()
+    ]
+    return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
+
+
+def agreed_signal(stop, d: Dist, launcher: int) -> int:
+    """The highest signal number any rank got (0: none): every rank stops at the same step, or
+    the others would hang (a scheduler may signal some ranks only). A worker whose launcher
+    (pid) is gone, as torchrun is on a SIGUSR1 it does not pass on, counts that as SIGHUP."""
+    signum = stop.signum or (d.world > 1 and os.getppid() != launcher) * signal.SIGHUP
+    return int(
+        all_reduce(
+            torch.tensor(  # (one process: no collective, no copy)
+                float(signum), device=d.device if d.world > 1 else "cpu"
+            ),
+            "max",
+        )
+    )
+
+
+# -----------------------------------------------------------------------------
+# A job's saves and stops, agreed by every rank
+
+
+def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
+    """state() as RUN_DIR/checkpoint.pt (rank 0) if all is finite; else, or failing, RunStopped.
+    The old one stays as PREVIOUS if a step from it was finite (not STOP.untried): last_good."""
+    if not all_finite(model, opt):
+        raise RunStopped(
+            f"non-finite weights after step {step}; the checkpoint was not "
+            f"replaced; last good checkpoint: {STOP.last_ckpt}"
+        )
+    try:
+        path = d.on_master(lambda: save_checkpoint(run_dir, state(), keep=not STOP.untried))
+    except (UserError, OSError) as e:  # a full disk, or a folder made read-only
+        raise RunStopped(
+            f"cannot write the checkpoint of step {step} ({os_error_text(e)}); "
+            f"last good checkpoint: {STOP.last_ckpt}"
+        ) from None
+    STOP.last_ckpt, STOP.untried = f"{path} (step {step})", True
+
+
+def last_good(d: Dist, run_dir: str) -> str:
+    """For a stop on a non-finite loss: the newest checkpoint, or if no step from it was finite
+    (an update that exploded but stayed finite, saved at its step), PREVIOUS put back."""
+    path, prev = os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, PREVIOUS)
+
+    def put_back():
+        """PREVIOUS renamed over the newest -> its step; None, and nothing moved, when there is
+        none, when it is the same file (a save cut after its link) or when it does not load."""
+        try:
+            step = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)["step"]
+            if os.path.samefile(prev, path):
+                return None
+            os.replace(prev, path)
+        except Exception:
+            return None
+        return step
+
+    if not STOP.untried:
+        return STOP.last_ckpt
+    step = d.on_master(put_back)
+    if step is not None:
+        STOP.untried = False
+        STOP.last_ckpt = (
+            f"{path} (step {step}, put back: no step from the newer {STOP.last_ckpt} had a "
+            f"finite loss)"
+        )
+    return STOP.last_ckpt
+
+
+def open_log(
+    d: Dist, run_dir: str, config: dict, resumed_at: int = None, val_done: int = -1
+) -> RunLog:
+    """The job's RunLog (inactive off rank 0); failing, RunStopped: the run directory exists."""
+    try:
+        log = d.on_master(lambda: RunLog(run_dir, config, True, resumed_at, val_done), share=False)
+    except (UserError, OSError) as e:
+        raise RunStopped(
+            f"cannot write the run's logs ({os_error_text(e)}); last checkpoint: {STOP.last_ckpt}"
+        ) from None
+    return log if d.master else RunLog(run_dir, config, active=False)
+
+
+def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int, last_good):
+    """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
+    run.bad_steps += 1
+    if run.bad_steps > max_bad_steps:
+        raise RunStopped(
+            f"non-finite loss at step {run.step}; no update was applied; last good "
+            f"checkpoint: {last_good()}"
+        )
+    log.print(
+        f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
+        f"max_bad_steps={max_bad_steps})"
+    )
