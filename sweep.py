@@ -3,7 +3,7 @@ estimated forward FLOPs per token, with the verdict as a number.
 
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
-    python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, about a day
+    python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, ~18 h
     python sweep.py --grid=bytes_core --seeds=5     # byte-level study, 2 cores, ~3 h in 3 jobs
                                                     # (python data/debian_docs.py first)
     python sweep.py --report=RECORD/runs.csv        # a record's table and figure again

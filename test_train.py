@@ -2075,7 +2075,6 @@ def bad_inputs(tmp_path):
         else [(smoke + ["--attn_impl=flex"], "attn_impl=flex trains on CUDA only")]
     )
     return flex_cpu + [
-        (smoke + ["--attn_impl=flex", "--dim=32"], "at a head dimension of at least 16; here"),
         (
             smoke + [f"--train_files={tmp_path}/dir_*.bin"],
             "dir_000001.bin, which is a folder, not a shard",
@@ -4198,6 +4197,36 @@ def test_a_smoke_run_per_router(tmp_path, router, capsys):
     assert val[-1]["sparsity"] == skipped if skipped is not None else val[-1]["sparsity"] > 0
 
 
+def test_flex_is_refused_for_the_reason_that_applies():
+    # each rule named alone: the device (CUDA only), then the head dimension (Inductor's kernels)
+    hp = tg.resolve(tg.parse_overrides(["--preset=smoke", "--attn_impl=flex"]))  # head dim 32
+    small = replace(hp, dim=32)  # head dim 8
+    for settings, device, message in [
+        (
+            hp,
+            "cpu",
+            "attn_impl=flex trains on CUDA only (FlexAttention has no CPU backward); "
+            "here cpu: use auto or sdpa",
+        ),
+        (
+            small,
+            "cpu",
+            "attn_impl=flex trains on CUDA only (FlexAttention has no CPU backward); "
+            "here cpu: use auto or sdpa",
+        ),
+        (
+            small,
+            "cuda",
+            "attn_impl=flex needs a head dimension of at least 16; here dim / "
+            "n_heads = 8: use auto or sdpa",
+        ),
+    ]:
+        with pytest.raises(tg.UserError) as e:
+            tg.check_run(settings, tg.Job(), runs.Dist(device=device), None)
+        assert str(e.value) == message
+    tg.check_run(replace(hp, attn_impl="sdpa"), tg.Job(), runs.Dist(), None)  # the rest is fine
+
+
 def test_help_lists_every_field_with_its_default_and_facts(capsys):
     code, out, err = run_main(["--help"], capsys)
     assert code == 0 and err == ""
@@ -4710,3 +4739,89 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, req
     if router == "skip_middle" and compact:
         assert len(active) > 1  # the packed length did vary
     assert not counts["graph_break"] or compact, dict(counts["graph_break"])
+
+
+# ------------------------------------------------------------------------ layout and settings
+
+
+def test_sha256_of_streams_a_large_file_in_bounded_memory(tmp_path):
+    # a 3 GiB file, sparse (no disk used), with bytes at both ends: hashed in another process,
+    # whose peak memory must stay far below the file's size
+    path = tmp_path / "big.bin"
+    size = 3 << 30
+    with open(path, "wb") as f:
+        f.write(b"head")
+        f.truncate(size - 4)
+        f.seek(size - 4)
+        f.write(b"tail")
+    code = (
+        "import resource, sys, support; "
+        "print(support.sha256_of(sys.argv[1]), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(path)], cwd=HERE, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    digest, peak_kib = r.stdout.split()
+    reference, zeros = hashlib.sha256(b"head"), bytes(1 << 20)
+    left = size - 8
+    while left:
+        reference.update(zeros[: min(left, len(zeros))])
+        left -= min(left, len(zeros))
+    reference.update(b"tail")
+    assert digest == reference.hexdigest()
+    assert int(peak_kib) < 256 * 1024, peak_kib  # KiB on Linux: under 256 MiB for 3 GiB
+
+
+def test_one_router_registry_however_train_gpt_is_loaded(tmp_path):
+    # by path, with no sys.modules entry (as a tool or notebook may load it): the settings'
+    # choices are the registry's names and each one builds its own router; and no module
+    # beside it imports train_gpt, which would build a second registry beside __main__'s
+    code = """
+import importlib.util, sys
+from dataclasses import fields, replace
+spec = importlib.util.spec_from_file_location("loaded_by_path", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+assert "loaded_by_path" not in sys.modules and "train_gpt" not in sys.modules
+router = {f.name: f for f in fields(m.Hyperparameters)}["router"]
+assert router.metadata["spec"] == tuple(m.ROUTERS), router.metadata
+smoke = m.resolve(m.parse_overrides(["--preset=smoke", "--n_layers=5", "--compact=false"]))
+for name, cls in m.ROUTERS.items():
+    hp = replace(smoke, router=name, n_layers=4 if name == "skip_middle" else 5)
+    m.validate(hp, 1)
+    assert type(m.GPT(hp).router) is cls, name
+print(" ".join(m.ROUTERS))
+"""
+    r = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(HERE, "train_gpt.py")],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["none", "skip_middle", "dlo", "mod", "mor"]
+    siblings = "import routers, runs, support, sys; print('train_gpt' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", siblings], cwd=HERE, capture_output=True, text=True)
+    assert r.stdout == "False\n", r.stderr
+
+
+def test_every_fields_facts_are_well_formed():
+    # the facts are code (support.setting): each default lies in its own range or choices,
+    # every number has a range, and a router named as a field's owner is one that exists
+    for cls in (tg.Hyperparameters, tg.Job, runs.RunState):
+        for f in tg.fields(cls):
+            facts = f.metadata
+            assert set(facts) == {"spec", "help", "fixed", "router"}, f.name
+            spec, default = facts["spec"], f.default
+            if isinstance(spec, tuple):
+                assert default in spec and all(type(c) is str for c in spec), f.name
+            elif isinstance(default, (int, float)) and not isinstance(default, bool):
+                low, high, closed_low, closed_high = support.interval(spec)
+                assert low <= default <= high, f.name
+                assert (low, high) == tuple(map(float, spec[1:-1].split(","))), f.name
+            else:
+                assert spec == "", f.name  # a text or a boolean: checked where it is used
+            assert facts["router"] in ("", *tg.ROUTERS), f.name
+            assert not facts["fixed"] or cls is tg.Hyperparameters, f.name
+            support.check_fields(cls())  # the defaults pass their own checks

@@ -952,7 +952,7 @@ def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
 
 
 def resume_settings(given: dict) -> tuple:
-    """-> (hp, checkpoint): the checkpoint's settings with the given ones on top, none "fixed;"."""
+    """-> (hp, checkpoint): the checkpoint's settings with the given ones on top; none fixed."""
     run_dir = given["resume"]
     if given.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
@@ -1083,10 +1083,14 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
     """Refuse settings that cannot train here, before anything is written."""
     validate(hp, d.world)
     hd = hp.dim // hp.n_heads
-    if hp.attn_impl == "flex" and not (d.device.startswith("cuda") and hd >= FLEX_MIN_HEAD_DIM):
+    if hp.attn_impl == "flex" and not d.device.startswith("cuda"):
         raise UserError(
-            f"attn_impl=flex trains on CUDA only (FlexAttention has no CPU backward), "
-            f"at a head dimension of at least {FLEX_MIN_HEAD_DIM}; here {d.device} and "
+            f"attn_impl=flex trains on CUDA only (FlexAttention has no CPU backward); here "
+            f"{d.device}: use auto or sdpa"
+        )
+    if hp.attn_impl == "flex" and hd < FLEX_MIN_HEAD_DIM:
+        raise UserError(
+            f"attn_impl=flex needs a head dimension of at least {FLEX_MIN_HEAD_DIM}; here "
             f"dim / n_heads = {hd}: use auto or sdpa"
         )
     steps = num_steps(hp)
