@@ -360,7 +360,10 @@ class MixtureOfRecursions(Router):
 
     def forward(self, blocks, x, trace, mask, pos=None, cache=None):
         first, *stack, last = blocks
-        at = lambda i: None if cache is None else (cache, i)  # noqa: E731 (K/V per applied block)
+
+        def at(i):  # K/V per applied block
+            return None if cache is None else (cache, i)
+
         x = self.resid(trace, self.run(0, first, x, trace, mask, pos, at(0)))
         active = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T)
         for r in range(self.hp.mor_recursions):

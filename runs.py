@@ -4,16 +4,18 @@ config.json, with the provenance of every source a run executes), the clock, and
 of a torchrun job agree on (the device, sums, when to stop, whether a save happened).
 
 Guarantees: a checkpoint is written whole (a temporary file renamed over the old one) and only
-when every weight and optimiser moment is finite; the one before it is kept as PREVIOUS while no
-step from the new one has trained, so a run stopped by a non-finite loss goes back to a good one
-(last_good); a resume reads a checkpoint checked field by field and refuses another run's or
-one that changed under it; one job at a time holds a run directory (an flock the kernel drops
-however the process ends); a resume keeps the metrics its checkpoint saw, each step once; every
-rank stops at the same step, so none waits in a collective for another."""
+when every weight and optimiser moment is finite; the one before it is kept as PREVIOUS when a
+step from it trained with a finite loss, so a run stopped by a non-finite loss before any step
+from the newest trained goes back to that one (last_good); a resume reads a checkpoint checked
+field by field and refuses another run's or one that changed under it; one job at a time holds a
+run directory (an flock the kernel drops however the process ends); a resume keeps the metrics
+its checkpoint saw, each step once; every rank stops at the same step, so none waits in a
+collective for another."""
 
 import contextlib
 import errno
 import fcntl
+import gc
 import glob
 import io
 import json
@@ -260,12 +262,11 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         raise UserError(
             f"{path} changed while this job started (another job was using the run); resume again"
         )
-    logged = logged_run_id(run_dir) if resuming else None  # another run's: its logs would be cut
-    if (
-        resuming
-        and logged != ckpt["run_id"]
-        and (logged or os.path.lexists(os.path.join(run_dir, "metrics.jsonl")))
-    ):  # (no config.json and no metrics: expand.py's new run)
+    # another run's logs would be cut by this resume; no config.json and no metrics: expand.py's
+    # new run, whose first job this is
+    logged = logged_run_id(run_dir) if resuming else None
+    logs = logged or os.path.lexists(os.path.join(run_dir, "metrics.jsonl"))
+    if resuming and logged != ckpt["run_id"] and logs:
         raise UserError(
             f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
             f"says {logged or 'nothing'}); resume the run it came from"
@@ -503,7 +504,12 @@ class Dist:
             dist.barrier()
 
     def close(self):
+        """End the job's process group, first collecting what still refers to it (DDP's reducer
+        sits in reference cycles): left to the interpreter's exit, torch 2.11's gloo aborted a
+        finished two-rank CPU job ("terminate called without an active exception") in 6 of 36
+        runs here; collected first, in none of 60."""
         if dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
     def on_master(self, fn, share: bool = True):

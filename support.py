@@ -241,16 +241,21 @@ def interval(spec: str) -> tuple:
 
 
 def field_help(cls) -> list:
-    """The --help lines for dataclass cls: each field's default, spec and help, a router's own
-    fields marked with it."""
+    """The --help lines for dataclass cls: each field's default, spec and help; a router's own
+    fields are marked with it, and the fixed ones (a resume may not change them)."""
     lines = []
     for f in fields(cls):
         spec, text, router = (f.metadata[k] for k in ("spec", "help", "router"))
         if isinstance(spec, tuple):
             spec = "{" + "|".join(spec) + "}"
         flag = f"--{f.name}={str(f.default).lower() if isinstance(f.default, bool) else f.default}"
-        owner = f"(router={router})" if router else ""
-        lines.append(f"  {flag:<36} {' '.join(t for t in (spec, owner, text) if t)}".rstrip())
+        marks = []
+        if router:
+            marks.append(f"router={router}")
+        if f.metadata["fixed"]:
+            marks.append("fixed")
+        marks = f"({', '.join(marks)})" if marks else ""
+        lines.append(f"  {flag:<36} {' '.join(t for t in (spec, marks, text) if t)}".rstrip())
     return lines
 
 

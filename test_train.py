@@ -42,7 +42,12 @@ import train_gpt as tg
 from data import shards
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sha256 = lambda data: hashlib.sha256(data).hexdigest()  # noqa: E731
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
 # the GPT-2 BPE offline, as .ci/run sets it; online, tiktoken downloads it instead
 _BPE_CACHE = os.path.join(HERE, "..", "shared", "tiktoken")
 if os.path.isdir(_BPE_CACHE):
@@ -1450,7 +1455,10 @@ def test_a_corpus_cut_short_at_either_manifest_write_stays_its_own(tmp_path, mon
     (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
     (tmp_path / "short.txt").write_text("few words")
     out, real = tmp_path / "s", tokenize.write_atomically
-    corpus = lambda: {p.name: p.read_bytes() for p in out.iterdir()}  # noqa: E731
+
+    def corpus():
+        return {p.name: p.read_bytes() for p in out.iterdir()}
+
     for fail_at in (1, 2):  # the manifest written before the shards move, the one after
         tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
         before, calls = corpus(), []
@@ -1597,7 +1605,10 @@ def test_resume_is_bitwise_identical(tmp_path, capsys):
         [f"--resume={part}", "--untimed_steps=1"]
     )  # a new process goes on (a job setting: given again)
     assert r.returncode == 0, r.stderr
-    strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
+
+    def strip(ms):
+        return [timing(m) for m in ms if m["kind"] in ("train", "val")]
+
     a, b = strip(read_metrics(full)), strip(read_metrics(part))
     assert len(a) == 8 + 3 and a == b  # same floats, bit for bit (json keeps every bit)
     # the clock spans both jobs: each left its first step untimed, so 6 of 8 steps are timed
@@ -1957,7 +1968,10 @@ def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, mon
         return [(m["step"], m["train_loss"]) for m in read_metrics(d) if m["kind"] == "train"]
 
     assert train(tmp_path / "run") == train(tmp_path / "whole")
-    weights = lambda d: torch.load(d / "checkpoint.pt", weights_only=True)["model"]  # noqa: E731
+
+    def weights(d):
+        return torch.load(d / "checkpoint.pt", weights_only=True)["model"]
+
     assert all(
         torch.equal(v, weights(tmp_path / "whole")[k]) for k, v in weights(tmp_path / "run").items()
     )
@@ -1967,7 +1981,10 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path,
     code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 0, err
     (tmp_path / "checkpoint.pt").unlink()
-    files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}  # noqa: E731
+
+    def files():
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+
     before = files()
     code, out, err = run_main([f"--resume={tmp_path}"], capsys)
     assert (
@@ -2807,11 +2824,17 @@ def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
     code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
     assert code == 0, err
     ref, run = (read_metrics(tmp_path / r) for r in ("ref", "run"))
-    strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
+
+    def strip(ms):
+        return [timing(m) for m in ms if m["kind"] in ("train", "val")]
+
     assert val_steps(tmp_path / "run") == [0, 4, 8] and strip(ref) == strip(run)
     # each save's step once, though the resumed job saved step n again with its validation
     assert [m["step"] for m in run if m["kind"] == "checkpoint"] == sorted({n, 8})
-    files = lambda: {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}  # noqa: E731
+
+    def files():
+        return {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+
     before = files()
     code, out, _ = run_main([f"--resume={tmp_path / 'run'}", "--lr=0.5"], capsys)  # nothing to do
     assert code == 0 and "the run is complete at step 8" in out
@@ -2894,7 +2917,10 @@ def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(
 ):
     code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 0, err
-    files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}  # noqa: E731
+
+    def files():
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+
     before = files()
     (tmp_path / "metrics.jsonl").rename(tmp_path / "m")
     (tmp_path / "metrics.jsonl").mkdir()  # a folder where a log belongs: bad input, refused
@@ -3269,7 +3295,10 @@ def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
     both = tg.DLO.labels(torch.cat([sim, other], dim=1), 0.5)  # each sequence ranked alone
     assert both.permute(1, 0, 2).tolist() == [[[0, 1, 0], [1, 0, 1]], [[1, 1, 0], [0, 1, 0]]]
     z = torch.tensor([[[0.0, 2.0, -1.0]], [[1.0, -2.0, 0.5]]])
-    sig = lambda t: 1 / (1 + math.exp(-t))  # noqa: E731
+
+    def sig(t):
+        return 1 / (1 + math.exp(-t))
+
     expected = (
         -(
             math.log(1 - sig(0.0))
@@ -3731,7 +3760,10 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     assert support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]) == 0
     assert (out / "table.md").read_text() == before and "| dlo_rho0.5 | dlo_control | 1 |" in before
     d2, d4 = (table[n] for n in ("dense_2", "dense_4"))
-    x = lambda r: math.log(r["flops_per_token"])  # noqa: E731
+
+    def x(r):
+        return math.log(r["flops_per_token"])
+
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(list(table.values()))}
     for name in ("gated_mu0.5", "dlo_rho0.5"):
         r = table[name]
@@ -4185,7 +4217,10 @@ def test_a_mor_run_resumes_exactly(tmp_path, capsys):
     assert code == 0, err[-2000:]
     code, _, err = run_main([f"--resume={tmp_path / 'part'}"], capsys)
     assert code == 0, err[-2000:]
-    strip = lambda ms: [timing(m) for m in ms if m["kind"] in ("train", "val")]  # noqa: E731
+
+    def strip(ms):
+        return [timing(m) for m in ms if m["kind"] in ("train", "val")]
+
     a, b = (strip(read_metrics(tmp_path / r)) for r in ("full", "part"))
     assert len(a) == 4 + 3 and a == b
     assert len(a[-1]["block_active"]) == 5 and a[-1]["block_active"][2] < 1  # inference shares
@@ -4259,7 +4294,8 @@ def test_help_lists_every_field_with_its_default_and_facts(capsys):
         spec, router = f.metadata["spec"], f.metadata["router"]
         spec = "{" + "|".join(spec) + "}" if isinstance(spec, tuple) else spec
         assert spec in line and f.metadata["help"] in line, line
-        assert (f"(router={router})" in line) == bool(router), line
+        assert (f"router={router}" in line) == bool(router), line
+        assert ("fixed)" in line) == f.metadata["fixed"], line  # what a resume may not change
     assert "{none|skip_middle|dlo|mod|mor}" in lines["--router"]  # the registry's names
 
 

@@ -93,11 +93,10 @@ class Rotary(nn.Module):
 
     def forward(self, x, pos=None):
         """x: (B, H, T, hd); pos: (B, T) positions (packed or cached tokens), None: 0..T-1."""
-        cos, sin = (
-            (self.cos[: x.size(2)], self.sin[: x.size(2)])
-            if pos is None  # (T, hd/2)
-            else (self.cos[pos][:, None], self.sin[pos][:, None])
-        )  # (B, 1, T, hd/2)
+        if pos is None:
+            cos, sin = self.cos[: x.size(2)], self.sin[: x.size(2)]  # (T, hd/2)
+        else:
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, T, hd/2)
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # even / odd features
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).type_as(x)
 
@@ -667,7 +666,9 @@ class Hyperparameters:
     dim: int = setting(768, "[1, inf)", "model width d", fixed=True)
     n_heads: int = setting(12, "[1, inf)", "query heads", fixed=True)
     n_kv_heads: int = setting(12, "[1, inf)", "key/value heads (GQA when < n_heads)", fixed=True)
-    ffn_mult: int = setting(4, "[1, inf)", "SwiGLU hidden = ffn_mult * dim", fixed=True)
+    ffn_mult: int = setting(
+        4, "[1, inf)", "SwiGLU hidden = ffn_mult * dim (3072 at 768)", fixed=True
+    )
     norm_eps: float = setting(1e-5, "(0, 1)", "RMSNorm epsilon")
     rope_theta: float = setting(10000.0, "(0, inf)", "RoPE base")
     max_seq_len: int = setting(1024, "[1, inf)", "RoPE table size (longest context to sample)")
@@ -679,7 +680,7 @@ class Hyperparameters:
         "auto", ("auto", "flex", "sdpa"), "auto: flex on CUDA at head dim >= 16, else sdpa"
     )
     router: str = setting("skip_middle", tuple(ROUTERS), "depth router", fixed=True)
-    compact: bool = setting(False, help="run routed blocks on the tokens that run them only")
+    compact: bool = setting(False, help="run routed blocks on their tokens only (exact)")
     gate_eps: float = setting(1e-6, "(0, 1)", "floor on a gate inside ln g (Section 2.2)")
     # router=skip_middle: gates and sparsity control (Section 2.4)
     gate_init: str = setting(
@@ -710,7 +711,7 @@ class Hyperparameters:
         0.1, "[0, inf)", "alpha = beta of the fixed-coefficient controllers", router="skip_middle"
     )
     # router=dlo: DLO (Tan et al. 2024, Section 3)
-    dlo_rho: float = setting(0.25, "[0, 1)", "target share of MLP calls skipped", router="dlo")
+    dlo_rho: float = setting(0.25, "[0, 1)", "rho, the share of MLP calls skipped", router="dlo")
     dlo_anneal_steps: int = setting(
         500, "[0, inf)", "T': the skip rate rises linearly from 0 to rho (eq. 9)", router="dlo"
     )
@@ -720,7 +721,7 @@ class Hyperparameters:
     dlo_gamma: float = setting(0.05, "[0, inf)", "gamma of eq. 1", router="dlo")
     # router=mod: Mixture-of-Depths (Raposo et al. 2024)
     mod_capacity: float = setting(
-        0.125, "(0, 1]", "share of a sequence run by a routed block (the best)", router="mod"
+        0.125, "(0, 1]", "share of a sequence a routed block runs (paper's best)", router="mod"
     )
     mod_every: int = setting(
         2, "[1, inf)", "route every mod_every-th block (the paper: 2)", fixed=True, router="mod"
@@ -750,11 +751,13 @@ class Hyperparameters:
     weight_decay: float = setting(0.0, "[0, inf)")
     warmup_frac: float = setting(0.1, "[0, 1]", "linear warm-up over this fraction of steps ...")
     warmup_start: float = setting(0.1, "[0, 1]", "... from this fraction of lr, then cosine to 0")
-    batch_size: int = setting(512, "[1, inf)", "global batch, sequences (512 x 1024 tokens)")
+    batch_size: int = setting(
+        512, "[1, inf)", "global batch in sequences (x 1024 = 524,288 tokens)"
+    )
     device_batch_size: int = setting(32, "[1, inf)", "sequences per forward (accumulation derived)")
     seq_len: int = setting(1024, "[1, inf)", "training and validation length, <= max_seq_len")
     loss_rows: int = setting(4096, "[1, inf)", "tokens whose logits exist at once in the loss")
-    train_tokens: int = setting(10_000_000_000, "[1, inf)", "steps = budget / global batch")
+    train_tokens: int = setting(10_000_000_000, "[1, inf)", "budget; steps = it / global batch")
     seed: int = setting(0, "[0, 9223372036854775808)")
     # evaluation and checkpoints
     val_every: int = setting(250, "[0, inf)", "steps between validations (0: only at the end)")
@@ -1109,17 +1112,13 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
     validation tokens, and the checkpoint's data position (if any) in these shards."""
+    rank, world = d.rank, d.world
+    B = hp.batch_size // world  # the rank's sequences of a step, all its micro-steps
     train_loader = DistributedLoader(
-        hp.train_files,
-        hp.batch_size // d.world,
-        hp.seq_len,
-        d.rank,
-        d.world,
-        hp.vocab_size,
-        hp.encoding,
-    )  # all micro-steps
+        hp.train_files, B, hp.seq_len, rank, world, hp.vocab_size, hp.encoding
+    )
     val_loader = DistributedLoader(
-        hp.val_files, hp.device_batch_size, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
+        hp.val_files, hp.device_batch_size, hp.seq_len, rank, world, hp.vocab_size, hp.encoding
     )
     if hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world) > val_loader.capacity():
         raise UserError(
@@ -1205,16 +1204,13 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                 # save if due: every save_every steps and when the job ends, if anything is new
                 periodic = step > start and hp.save_every and step % hp.save_every == 0
                 if (step > start or run.val_done != saved_val or not ckpt) and (ending or periodic):
-                    runs.save_run_checkpoint(
-                        d,
-                        run_dir,
-                        step,
-                        raw,
-                        opt,
-                        lambda: runs.checkpoint_state(
+
+                    def state():  # the loader's position is the global batch's
+                        return runs.checkpoint_state(
                             run, hp, d.world, raw, opt, train_loader.state()
-                        ),
-                    )  # position: global
+                        )
+
+                    runs.save_run_checkpoint(d, run_dir, step, raw, opt, state)
                     log.saved(step)
                     saved_val = run.val_done
                 if ending:  # stop if asked, or at the end
