@@ -652,7 +652,8 @@ class Hyperparameters:
     """What defines a run: a checkpoint stores it, a resume restores it. Each field is a
     support.setting: its range or choices (checked), its help (--help); fixed=True where a resume
     may not change it (shapes, which blocks are routed, the gate's axis); router=NAME where that
-    router alone reads it (setting it under another router is an error)."""
+    router alone reads it (setting it under another router is an error). The comments in it are
+    for readers: no code reads them."""
 
     # data
     train_files: str = setting("data/fineweb10B/fineweb_train_*.bin", help="training shards (glob)")
