@@ -4294,7 +4294,7 @@ def test_help_lists_every_field_with_its_default_and_facts(capsys):
         spec, router = f.metadata["spec"], f.metadata["router"]
         spec = "{" + "|".join(spec) + "}" if isinstance(spec, tuple) else spec
         assert spec in line and f.metadata["help"] in line, line
-        assert (f"router={router}" in line) == bool(router), line
+        assert (f"(router={router}" in line) == bool(router), line
         assert ("fixed)" in line) == f.metadata["fixed"], line  # what a resume may not change
     assert "{none|skip_middle|dlo|mod|mor}" in lines["--router"]  # the registry's names
 
