@@ -306,11 +306,12 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
             signal.signal(sig, handler)
     label = label or " ".join(args[-1:])
     if got and proc.returncode in {0} | {128 + s for s in got} | {-s for s in got}:  # obeyed
+        # a second signal, or one while the run was starting, leaves no new checkpoint
         done = (
             "saved its checkpoint"
             if proc.returncode == 0 and "checkpoint: none;" not in out
             else "stopped, keeping its last checkpoint if it had one"
-        )  # (starting, or twice)
+        )
         raise Stopped(
             f"sweep stopped by {signal.Signals(got[0]).name}; {label} {done}; run "
             f"the same command again to go on"
@@ -408,9 +409,10 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
             for script, argv in {"fresh": plan, "resume": [resume], "done": []}[state]:
                 launch(argv, 1 if script == "expand.py" else nproc, script, label=run_dir)
             print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
+            # as run from the repository
             command = " && ".join(
                 f"python {script} {shlex.join(argv)}" for script, argv in plan
-            ).replace(support.HERE + os.sep, "")  # as run from the repository
+            ).replace(support.HERE + os.sep, "")
             done.append((name, seed, run_dir, command))
     return done
 
@@ -481,11 +483,10 @@ def measure(run_dir: str, device: str) -> dict:
         corpus_sha256=corpus_sha256(hp.train_files, hp.val_files),
         router=hp.router,
         n_layers=hp.n_layers,
+        # unique parameters, outside the embedding and head
         params=sum(
-            p.numel()
-            for n, p in model.named_parameters()  # unique, outside
-            if not n.startswith(("embed.", "head."))
-        ),  # the embedding and head
+            p.numel() for n, p in model.named_parameters() if not n.startswith(("embed.", "head."))
+        ),
         ms_per_token_masked=eval_ms_per_token(model, idx),
     )
     row["ms_per_token_compact"] = (
@@ -671,8 +672,9 @@ def summarise(rows: list) -> list:
                 base,
                 name=name,
                 vs=vs,
+                # fewer where a seed's point is out of the frontier's range or has no control
                 seeds=len(deltas) if len(deltas) == len(mine) else f"{len(deltas)} of {len(mine)}",
-            )  # seeds out of range or without control
+            )
             line.update(
                 paired(deltas)
                 if deltas

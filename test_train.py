@@ -312,6 +312,7 @@ def test_the_defaults_are_the_papers_table_2_and_section_3_1():
         warmup_frac=0.1,
         warmup_start=0.1,
     )
+    # Section 2.4
     section = dict(
         seq_len=1024,
         train_tokens=10_000_000_000,
@@ -323,7 +324,7 @@ def test_the_defaults_are_the_papers_table_2_and_section_3_1():
         delta=1e-2,
         mu_start=1.0,
         controller="proportional_tol",
-    )  # 2.4
+    )
     assert {k: getattr(hp, k) for k in {**table2, **section}} == {**table2, **section}
     assert hp.batch_size * hp.seq_len == 524_288  # Section 3.1's tokens per global batch
     opt = tg.optimizer(tg.GPT(tiny()), tiny())  # AdamW, one learning rate for every parameter
@@ -443,6 +444,7 @@ def test_controller_state_follows_the_model_and_is_used_where_it_lives():
 
 
 def test_controller_losses_match_hand_computed_values():
+    # (L=4, B=2, T=2)
     gates = torch.tensor(
         [
             [[1.0, 1.0], [1.0, 1.0]],
@@ -450,7 +452,7 @@ def test_controller_losses_match_hand_computed_values():
             [[0.0, 1.0], [0.5, 0.5]],
             [[1.0, 1.0], [1.0, 1.0]],
         ]
-    )  # (L=4, B=2, T=2)
+    )
     # per layer mean 1, .5, .5, 1; population variance 0, .125, .125, 0
     c = controller("sparsity")
     assert c.loss(gates).item() == pytest.approx(0.3 * (1 + 0.5 + 0.5 + 1) / 4)
@@ -1597,13 +1599,11 @@ def test_resume_is_bitwise_identical(tmp_path, capsys):
     assert code == 0, err
     assert f"resume with: python train_gpt.py --resume={part}" in out
     half = torch.load(part / "checkpoint.pt", weights_only=True)
-    assert (
-        half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0
-    )  # controller active
+    # controller active
+    assert half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
-    r = run_script(
-        [f"--resume={part}", "--untimed_steps=1"]
-    )  # a new process goes on (a job setting: given again)
+    # a new process goes on (a job setting: given again)
+    r = run_script([f"--resume={part}", "--untimed_steps=1"])
     assert r.returncode == 0, r.stderr
 
     def strip(ms):
@@ -2091,11 +2091,12 @@ def bad_inputs(tmp_path):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     (tmp_path / "pipe_run").mkdir()  # where a run's file belongs: a named pipe (open() would wait)
     os.mkfifo(tmp_path / "pipe_run" / "config.json")
+    # a read error (Linux)
     unreadable = (
         [(smoke + ["--train_files=/proc/self/mem"], "/proc/self/mem: Input/output error")]
         if os.path.exists("/proc/self/mem")
         else []
-    )  # a read error (Linux)
+    )
     flex_cpu = unreadable + (
         []
         if torch.cuda.is_available()
@@ -2256,17 +2257,15 @@ def accepts(name, value) -> bool:
     the field, passes every check before a run starts."""
     text = str(value).lower() if isinstance(value, bool) else str(value)
     owner = [f"--router={r}" for r in tg.ROUTERS if name in routers_fields(r)]
-    owner += (
-        ["--n_layers=8"] if owner == ["--router=mor"] else []
-    )  # the smoke's 4: too few for N_r = 3
+    # the smoke's 4: too few for N_r = 3
+    owner += ["--n_layers=8"] if owner == ["--router=mor"] else []
     owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][
         :1
     ]
     try:
         given = [f"--{name}={text}"] if text else []  # an empty default: the flag left out
-        given += (
-            ["--vocab_size=256"] if (name, text) == ("encoding", "bytes") else []
-        )  # its vocabulary
+        # its vocabulary
+        given += ["--vocab_size=256"] if (name, text) == ("encoding", "bytes") else []
         tg.validate(tg.resolve(tg.parse_overrides(["--preset=smoke", *owner, *given])), 1)
         return True
     except tg.UserError:
@@ -2747,9 +2746,8 @@ def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(t
         proc.kill()
         proc.wait()
     step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
-    code, _, err = run_main(
-        [f"--resume={tmp_path}", f"--stop_step={step + 1}"], capsys
-    )  # the lock is gone
+    # the lock is gone
+    code, _, err = run_main([f"--resume={tmp_path}", f"--stop_step={step + 1}"], capsys)
     assert code == 0, err
     train = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
     assert train == list(range(1, step + 2))  # each step once
@@ -3524,6 +3522,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         assert [p.name for p in (tmp_path / "mine").iterdir()] == [name]
         (tmp_path / "mine" / name).unlink()
     # a disk that fills while the new checkpoint is written: named, status 1, nothing left
+    # over the 1 MiB probe
     r = subprocess.run(
         [sys.executable, "expand.py", tmp_path / "dense", tmp_path / "x" / "y"],
         cwd=HERE,
@@ -3531,7 +3530,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         text=True,
         timeout=300,
         preexec_fn=lambda: disk_nearly_full(2 << 20),
-    )  # over the 1 MiB probe
+    )
     assert (
         r.returncode == 1
         and r.stderr == f"error: {tmp_path / 'x' / 'y' / 'checkpoint.pt'}: File too large\n"
@@ -3606,9 +3605,8 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     rows += [row("gated_f", s, 2e6, 3.55 + 0.1 * s) for s in range(5)]  # the same in every seed
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
     e = lines[("gated_e", "dense frontier")]
-    assert (
-        e["p"] == pytest.approx(0.036167, abs=2e-6) and e["p_holm"] > 0.05
-    )  # (scipy's ttest_1samp)
+    # (scipy's ttest_1samp)
+    assert e["p"] == pytest.approx(0.036167, abs=2e-6) and e["p_holm"] > 0.05
     assert e["verdict"].startswith("no detectable difference (95% CI [+0.003, +0.053])")
     assert e["detectable"] == pytest.approx(
         (sweep.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3
@@ -4029,10 +4027,11 @@ def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: exactly 16 of 64 tokens
     assert tg.forward_flops(hp, [1, 0.25, 1, 0.25]) == pytest.approx(reference, rel=0.02)
+    # the two routers' linears, every token
     assert (
         tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False))
         == 2 * 64 * 2 * 128
-    )  # the two routers' linears, every token
+    )
 
 
 # ---------------------------------------------------------------------------- Mixture-of-Recursions
@@ -4171,10 +4170,11 @@ def test_mor_flops_match_flop_counter_at_its_shares(monkeypatch):
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: 64, 42 and 21 of 64 tokens
     assert tg.forward_flops(hp, [1, 1, 42 / 64, 21 / 64, 1]) == pytest.approx(reference, rel=0.02)
+    # the three routers' linears, every token
     assert (
         tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False))
         == 3 * 64 * 2 * 128
-    )  # the three routers' linears, every token
+    )
 
 
 def test_mor_settings_that_make_no_sense_are_refused():
@@ -4197,9 +4197,8 @@ def test_skipview_counts_the_recursions_each_token_ran():
     counts, per_recursion, units = skipview.token_depths(model, list(range(16)), "cpu")
     with torch.no_grad():
         blocks = model(torch.tensor([list(range(16))])).route["block"][:, 0].sum(0).tolist()
-    assert (
-        units == 3 and [2 + 2 * c for c in counts] == blocks
-    )  # blocks 0 and 7, then 2 per recursion
+    # blocks 0 and 7, then 2 per recursion
+    assert units == 3 and [2 + 2 * c for c in counts] == blocks
     assert per_recursion == sorted(per_recursion, reverse=True) and 0 < per_recursion[2] < 16
 
 
@@ -4666,6 +4665,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
     # compacted blocks whose active count is data-dependent: the gated ones and MoD's routed
     # ones (DLO's training top-k has a known size)
+    # recursion 0: all
     compacted = (
         {
             "skip_middle": hp.n_layers,
@@ -4675,7 +4675,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
         }[router]
         if compact
         else 0
-    )  # recursion 0: all
+    )
     assert len(reads) == 1 + (router == "dlo") + 2 * compacted, reads  # 2 micro-batches
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 

@@ -73,8 +73,8 @@ PACKAGES = {  # name=version: the .deb's sha256 (Debian 12, bookworm)
 NOT_PAGES = re.compile(  # paths whose HTML is not an English page of its own: hidden files, the
     r"/\.[^./]|/translations/|/apache2-doc/manual/(?!en/)"  # translations (linux's, apache2's),
     r"|/_modules/|/(genindex[^/]*|py-modindex|search)\.html$"  # Sphinx's source listings, indexes,
-    r"|/maxima_singlepage\.html$"
-)  # and maxima's manual again as one page
+    r"|/maxima_singlepage\.html$"  # and maxima's manual again as one page
+)
 MIN_TEXT = 100  # characters: a shorter page is a redirect ("The node you are looking for is at
 #                 XREFfft.": octave's 2,324 Texinfo stubs and its figure and table ones; sqlite's
 #                 sqlite.html); the shortest page kept has 149 (training) or 102 (an excerpt)

@@ -409,9 +409,8 @@ def convert(pattern, out, name):
     same bytes. Returns the shard paths."""
     files = sorted(find_shards(pattern), key=lambda p: ("_val_" not in os.path.basename(p), p))
     ours = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")  # what the new corpus replaces
-    for (
-        path
-    ) in files:  # validation first: FineWeb's val_000000, train_000001, ... keep their numbers
+    # validation first: FineWeb's val_000000, train_000001, ... keep their numbers
+    for path in files:
         if shard_encoding(path) != "gpt2":
             raise UserError(f"{path}: a byte shard already; --from_shards converts GPT-2 shards")
         if os.path.dirname(os.path.realpath(path)) == os.path.realpath(out) and ours.fullmatch(
