@@ -66,7 +66,7 @@ from data.shards import (  # noqa: E402
     find_shards,
     read_shard,
     shard_encoding,
-    shard_tokens,  # noqa: E402
+    shard_tokens,
 )
 from routers import DLO, Dense, MixtureOfDepths, MixtureOfRecursions, Router, ran  # noqa: E402
 from runs import CHECKPOINT, Dist, RunLog, RunState, add_sums, all_reduce_sums  # noqa: E402
@@ -625,8 +625,9 @@ def forward_flops(
         m = a if mlp_active is None else float(mlp_active[layer])
         k = 1.0 if keys_stay else a  # the share of tokens that are keys
         p = a * k * T * (T + 1) / 2 if pairs is None or keys_stay else float(pairs[layer])
+        # attention: 2 x 2 per head dim and query-key pair (the scores q.k, the sum of v)
         total += a * T * proj_qo + k * T * proj_kv + 2 * 2 * hp.n_heads * hd * p + m * T * ffn
-    return total + ROUTERS[hp.router].extra_flops(hp, T)  # (attention: scores q.k, sum of v)
+    return total + ROUTERS[hp.router].extra_flops(hp, T)
 
 
 def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
@@ -814,7 +815,12 @@ def usage() -> str:
             "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
             "Every field of Hyperparameters and Job, with its default; booleans take true/false "
             "(1/0).",
+            "(fixed): a resume may not change it; (router=NAME): read by that router only.",
+            "",
+            "the run's settings (Hyperparameters: saved in its checkpoint):",
             *support.field_help(Hyperparameters),
+            "",
+            "this job's (Job: given on each job's command line, never saved as the run's):",
             *support.field_help(Job),
             "",
             f"presets: {', '.join(p for p in PRESETS if p)}",
@@ -926,14 +932,12 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 
 def load_checkpoint(run_dir: str) -> dict:
     """RUN_DIR's checkpoint, its counters and settings checked (its weights: runs.load_weights)."""
-    return runs.read_checkpoint(
-        run_dir,
-        runs.CHECKPOINT_KEYS,
-        lambda state: (
-            runs.check_run_state(RunState(**support.saved_fields(RunState, state))),
-            saved_settings(state["hp"]),
-        ),
-    )
+
+    def check(state):  # a UserError if the counters or the settings are not a run's
+        runs.check_run_state(RunState(**support.saved_fields(RunState, state)))
+        saved_settings(state["hp"])
+
+    return runs.read_checkpoint(run_dir, runs.CHECKPOINT_KEYS, check)
 
 
 def saved_settings(saved: dict) -> Hyperparameters:
@@ -1211,6 +1215,8 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                             run, hp, d.world, raw, opt, train_loader.state()
                         )
 
+                    # rank 0 builds state() once every weight is known finite, and saves it;
+                    # non-finite weights or a failed write stop the run (RunStopped)
                     runs.save_run_checkpoint(d, run_dir, step, raw, opt, state)
                     log.saved(step)
                     saved_val = run.val_done
@@ -1224,6 +1230,8 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
                 )
                 run.step += 1
                 if not math.isfinite(stats["total_loss"][0]):  # no update was applied
+                    # past max_bad_steps: RunStopped, naming the last good checkpoint (put back
+                    # if no step from the newest was finite)
                     runs.skip_bad_step(
                         log, run, job.max_bad_steps, steps, lambda: runs.last_good(d, run_dir)
                     )
