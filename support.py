@@ -254,8 +254,8 @@ def field_help(cls) -> list:
             marks.append(f"router={router}")
         if f.metadata["fixed"]:
             marks.append("fixed")
-        marks = f"({', '.join(marks)})" if marks else ""
-        lines.append(f"  {flag:<36} {' '.join(t for t in (spec, marks, text) if t)}".rstrip())
+        shown = [spec, f"({', '.join(marks)})" if marks else "", text]
+        lines.append(f"  {flag:<36} {' '.join(t for t in shown if t)}".rstrip())
     return lines
 
 
