@@ -2,6 +2,7 @@
 
     python bench.py --size=smoke --size=mid            # CPU tables
     python bench.py --size=paper --device=cuda --compile=1
+    python bench.py --init_from=SOURCE            # a model's own settings and weights
     options: --repeats=3 --out=DIR (default: a new dated folder under logs/; copy what you
     keep to records/)
 
@@ -70,10 +71,21 @@ def timed(fn, repeats, sync):
 
 
 def bench_size(name, device, repeats, compile_):
-    overrides, batch = SIZES[name]
-    hp = replace(tg.Hyperparameters(), **overrides)
-    torch.manual_seed(0)
-    model = tg.GPT(hp).to(device)
+    """name: a size of SIZES (random weights, seed 0), or a model source (its weights, and its
+    device_batch_size as the batch)."""
+    if name in SIZES:
+        overrides, batch = SIZES[name]
+        hp = replace(tg.Hyperparameters(), **overrides)
+        torch.manual_seed(0)
+        model = tg.GPT(hp).to(device)
+    else:
+        model = tg.load_model(name, device)
+        hp, batch = model.hp, model.hp.device_batch_size
+    if hp.router != "skip_middle":
+        raise support.UserError(
+            f"{name}: bench.py forces skip_middle's gates; its router is {hp.router}"
+        )
+    tg.check_model(replace(hp, compact=True))  # (the gate on the query axis has no compact path)
     twin = tg.GPT(replace(hp, compact=True)).to(device)  # the same weights, compacted
     cuda = device.startswith("cuda")
     autocast = (
@@ -146,6 +158,13 @@ def parser() -> support.ArgParser:
         help="model size to time; repeat the option for several (default: smoke)",
     )
     p.add_argument(
+        "--init_from",
+        type=support.path_arg,
+        metavar="SOURCE",
+        help="also time this model: a run folder, a folder in Hugging Face layout, "
+        "hf:OWNER/NAME[@REVISION] (default: none)",
+    )
+    p.add_argument(
         "--device",
         type=support.check_device,
         default="cpu",
@@ -188,7 +207,8 @@ def main(argv):
     print(runs.describe_system())
     print(HEADER)
     results = []
-    for name in sizes or ["smoke"]:
+    names = sizes + [args.init_from] if args.init_from else sizes or ["smoke"]
+    for name in names:
         hp, batch, rows = bench_size(name, device, repeats, compile_)
         results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)

@@ -152,14 +152,28 @@ def check_run_state(run: RunState):
             raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
 
 
-def load_weights(model, ckpt: dict, path: str):
-    """The one shape check: strict load_state_dict, against the model the settings make."""
+def load_weights(model, weights: dict, path: str):
+    """The one fit check, before any copy: the tensors the model's settings make, by name and
+    shape, none more (the first misfit named); then a strict load_state_dict (dtypes convert)."""
+    own = model.state_dict()
     try:
-        model.load_state_dict(ckpt["model"])
-    except (RuntimeError, TypeError, AttributeError) as e:
+        misfits = (
+            [f"{k} is missing" for k in own if k not in weights]
+            + [f"{k} has no place in this model" for k in weights if k not in own]
+            + [
+                f"{k} is {tuple(weights[k].shape)}, the settings make {tuple(own[k].shape)}"
+                for k in own
+                if isinstance(weights.get(k), torch.Tensor) and weights[k].shape != own[k].shape
+            ]
+        )
+        if misfits:
+            raise ValueError(
+                misfits[0] + (f" (and {len(misfits) - 1} more)" if misfits[1:] else "")
+            )
+        model.load_state_dict(weights)
+    except (RuntimeError, TypeError, AttributeError, ValueError) as e:
         raise UserError(
-            f"{path}: the weights do not fit the checkpoint's own settings "
-            f"({str(e).splitlines()[-1].strip()[:120]})"
+            f"{path}: the weights do not fit the settings ({str(e).splitlines()[-1].strip()[:160]})"
         ) from None
 
 
@@ -167,7 +181,7 @@ def restore(ckpt: dict, hp, job, raw, opt, loader, cuda: bool) -> RunState:
     """Weights, optimiser, routing, data position, random state and clock from a checkpoint;
     an edited or damaged one is a UserError."""
     where = os.path.join(job.run_dir, CHECKPOINT)
-    load_weights(raw, ckpt, where)
+    load_weights(raw, ckpt["model"], where)
     try:
         opt.load_state_dict(ckpt["optimizer"])
         raw.router.load_routing_state(ckpt["routing"])
@@ -301,7 +315,14 @@ def logged_run_id(run_dir: str):
 # The log: provenance, the machine, the clock
 
 # what a run executes: each one's sha256 in config.json and train.log, and its text in train.log
-SOURCES = ("train_gpt.py", "routers.py", "runs.py", "support.py", os.path.join("data", "shards.py"))
+SOURCES = (
+    "train_gpt.py",
+    "routers.py",
+    "runs.py",
+    "support.py",
+    "hub.py",
+    os.path.join("data", "shards.py"),
+)
 
 
 def provenance() -> dict:

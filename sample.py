@@ -1,7 +1,8 @@
-"""Sample text from a run's checkpoint, one token at a time with a KV cache.
+"""Sample text from a model, one token at a time with a KV cache.
 
     python sample.py RUN_DIR [--prompt=TEXT] [--tokens=100] [--temperature=0.8] [--top_k=200]
                              [--seed=0] [--device=cpu]
+    python sample.py --init_from=SOURCE ...   # a folder in Hugging Face layout, hf:OWNER/NAME
 
 Prints the text, then how many K/V entries the cache holds against a dense cache: a token
 whose gate is 0 at a block skips it and stores nothing there. --temperature=0 is greedy;
@@ -90,12 +91,7 @@ def generate(
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python sample.py", __doc__)
-    p.add_argument(
-        "run_dir",
-        type=support.path_arg,
-        metavar="RUN_DIR",
-        help="a run directory with a checkpoint",
-    )
+    p.add_model_source()
     p.add_argument(
         "--prompt",
         default="\n",
@@ -139,10 +135,12 @@ def parser() -> support.ArgParser:
 
 
 def main(argv):
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    source = p.model_source(args)
     n, temperature, top_k, seed = args.tokens, args.temperature, args.top_k, args.seed
     device = args.device
-    model = tg.load_model(args.run_dir, device)
+    model = tg.load_model(source, device)
     hp = model.hp
     enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]

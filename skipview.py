@@ -1,9 +1,10 @@
 """Which tokens skip: colour each token of a text by how many blocks it ran (skip_middle: the
 blocks whose gate is non-zero for it; mod: the routed blocks that chose it), how many MLPs
 it ran (DLO) or how many recursions (Mixture-of-Recursions: its depth), from a run's
-checkpoint.
+checkpoint or another model source.
 
     python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] [--out=page.html] [--device=cpu]
+    python skipview.py --init_from=SOURCE ...   # a folder in Hugging Face layout, hf:OWNER/NAME
 
 Writes a self-contained HTML page (inline style, no scripts or fonts from elsewhere) with a
 legend and the tokens that ran each unit (block, MLP or recursion), and prints the same as a
@@ -98,12 +99,7 @@ def terminal_view(pieces: list, counts: list) -> str:
 
 def parser() -> support.ArgParser:
     p = support.ArgParser("python skipview.py", __doc__)
-    p.add_argument(
-        "run_dir",
-        type=support.path_arg,
-        metavar="RUN_DIR",
-        help="a run directory with a checkpoint",
-    )
+    p.add_model_source()
     p.add_argument(
         "--text",
         help="the text to show (default: the first --val_tokens tokens of "
@@ -132,9 +128,11 @@ def parser() -> support.ArgParser:
 
 
 def main(argv):
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    source = p.model_source(args)
     device = args.device
-    model = tg.load_model(args.run_dir, device)
+    model = tg.load_model(source, device)
     hp = model.hp
     enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     if args.text is not None:
@@ -159,9 +157,7 @@ def main(argv):
         f"{units}; per {unit[:-1]}: {per_layer}"
     )
     if args.out:
-        page = html_page(
-            pieces, counts, per_layer, units, f"{args.run_dir}: {unit} run per token", unit
-        )
+        page = html_page(pieces, counts, per_layer, units, f"{source}: {unit} run per token", unit)
         support.write_atomically(args.out, page.encode())
         print(f"written to {args.out}")
 

@@ -177,6 +177,25 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
+    def add_model_source(self):
+        """A model to read: RUN_DIR (positional, as before) or --init_from=SOURCE (a run folder, a
+        folder in Hugging Face layout, hf:OWNER/NAME[@REVISION]); model_source() picks it."""
+        self.add_argument(
+            "run_dir", nargs="?", type=path_arg, metavar="RUN_DIR", help="a run folder"
+        )
+        self.add_argument(
+            "--init_from",
+            type=path_arg,
+            metavar="SOURCE",
+            help="a run folder, a folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION] "
+            "(default: none; give RUN_DIR or this)",
+        )
+
+    def model_source(self, args) -> str:
+        if (args.run_dir is None) == (args.init_from is None):
+            self.error("give the model once: RUN_DIR or --init_from=SOURCE")
+        return args.run_dir or args.init_from
+
 
 def parse_fields(classes, argv) -> dict:
     """--field=value pairs for the fields of the dataclasses, each typed against its default

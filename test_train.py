@@ -2198,7 +2198,9 @@ def test_every_field_has_a_checked_range(tmp_path):
         "controller",
         "gate_init",
         "gate_axis",
+        "embed_dtype",
         "resume",
+        "init_from",
         "run_dir",
         "preset",
     }
@@ -2211,8 +2213,9 @@ def test_every_field_has_a_checked_range(tmp_path):
         "gate_init": "uniform",
         "gate_axis": "value",
         "encoding": "utf16",
+        "embed_dtype": "float16",
         "preset": "huge",
-    }  # the paths (resume, run_dir): bad_inputs
+    }  # the paths (resume, init_from, run_dir): bad_inputs and the source tests
     (tmp_path / "dir_000001.bin").mkdir()
     given = tg.parse_overrides(["--preset=smoke"])
     defaults = {**asdict(tg.Hyperparameters()), **asdict(tg.Job())}
@@ -2244,11 +2247,11 @@ def test_every_field_has_a_checked_range(tmp_path):
                 refused += 1  # any other exception fails the test: a traceback for the user
         assert refused == len(candidates), f"--{f.name}: an out-of-range value is accepted"
         # and its value (the smoke preset's) and some other valid value are accepted, whole
-        # (validate); resume's valid values are runs: the resume tests
+        # (validate); the valid values of resume and init_from are models: their own tests
         value = smoke[f.name]
         others = [v for v in valid_candidates(f.name, value, tmp_path) if v != value]
-        assert (
-            f.name == "resume" or accepts(f.name, value) and any(accepts(f.name, v) for v in others)
+        assert f.name in ("resume", "init_from") or (
+            accepts(f.name, value) and any(accepts(f.name, v) for v in others)
         ), f.name
 
 
@@ -2363,9 +2366,10 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         ),
         (sample.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
         (sample.main, [str(tmp_path / "none")], "none: no such folder"),
-        (sample.main, [str(edited)], "vocab_size=50257 cannot use encoding=bytes (256 token ids)"),
-        (skipview.main, [str(edited), f"--out={tmp_path}/e.html"], "cannot use encoding=bytes"),
-        (sample.main, [], "the following arguments are required: RUN_DIR"),
+        (sample.main, [str(edited)], "encoding=bytes has 256 token ids: give vocab_size=256"),
+        (skipview.main, [str(edited), f"--out={tmp_path}/e.html"], "encoding=bytes has 256"),
+        (sample.main, [], "give the model once: RUN_DIR or --init_from=SOURCE"),
+        (sample.main, [str(run), f"--init_from={run}"], "give the model once"),
         (bench.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
         (sweep.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
         (sweep.main, [f"--runs={a_file}", f"--out={tmp_path}/record"], f"cannot write to {a_file}"),
@@ -2376,7 +2380,7 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         (skipview.main, [str(run), "--text="], "--text is empty"),
         (skipview.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
         (skipview.main, [str(tmp_path / "none")], "none: no such folder"),
-        (skipview.main, [], "the following arguments are required: RUN_DIR"),
+        (skipview.main, [], "give the model once: RUN_DIR or --init_from=SOURCE"),
         (expand_.main, [str(run)], "the following arguments are required: NEW_RUN_DIR"),
         (tokenize.main, [str(text), f"--out={a_file}"], f"cannot write to {a_file}"),
         (tokenize.main, [str(tmp_path / "none.txt"), f"--out={tmp_path}/s"], "no such file"),
@@ -2419,14 +2423,16 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         True
     ] * 3 + [False] * 3
     # --help (and -h): status 0, the usage, and every option's default
-    for module in (sample, bench, sweep, skipview, expand_, tokenize, fetch):
+    export = load_command("export.py")  # (its one option: --push_to)
+    for module in (sample, bench, sweep, skipview, expand_, export, tokenize, fetch):
         for flag in ("--help", "-h"):
             with pytest.raises(SystemExit) as exited:
                 module.main([flag])
             out = capsys.readouterr().out
             assert exited.value.code == 0 and out.startswith("usage: python "), (module, out)
             options = re.findall(r"^  (--\w+)", out, re.M)
-            assert len(options) >= 2 and out.count("(default") >= len(options), (module, out)
+            assert len(options) >= 2 - (module is export), (module, out)
+            assert out.count("(default") >= len(options), (module, out)
 
 
 def disk_nearly_full(limit=256 << 10):
@@ -2549,6 +2555,7 @@ COMMANDS = (
     "sweep.py",
     "skipview.py",
     "expand.py",
+    "export.py",
     "data/tokenize_corpus.py",
     "data/cached_fineweb10B.py",
     "data/debian_docs.py",
@@ -2578,6 +2585,8 @@ def bad_values(action, loop):
         return [("", "invalid choice"), ("nope", "invalid choice")]
     if kind is support.nonempty:
         return [("", "expected a non-empty value")]
+    if getattr(kind, "__name__", "") == "repo_id":  # export.py --push_to
+        return [("", "expected OWNER/NAME"), ("a/b/c", "expected OWNER/NAME")]
     if action.nargs == 0:  # a flag
         return [("", "ignored explicit argument"), ("x", "ignored explicit argument")]
     return []  # free text (a prompt)
@@ -2593,7 +2602,12 @@ def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path
     (tmp_path / "t.txt").write_text("some text")
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
-    required = {"run_dir": str(run), "out": str(tmp_path / "new"), "files": str(tmp_path / "t.txt")}
+    required = {
+        "run_dir": str(run),
+        "out": str(tmp_path / "new"),
+        "out_dir": str(tmp_path / "new"),
+        "files": str(tmp_path / "t.txt"),
+    }
     checked = 0
     for path in COMMANDS:
         module = load_command(path)
@@ -2607,6 +2621,7 @@ def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path
                     value if a is action else required[a.dest]
                     for a in actions  # in order
                     if not a.option_strings and (a is action or a.dest in required)
+                    if action.dest != "init_from" or a.dest != "run_dir"  # (one or the other)
                 ]
                 argv += [f"{action.option_strings[0]}={value}"] if action.option_strings else []
                 code = main(argv)
@@ -4880,3 +4895,237 @@ def test_every_fields_facts_are_well_formed():
             assert facts["router"] in ("", *tg.ROUTERS), f.name
             assert not facts["fixed"] or cls is tg.Hyperparameters, f.name
             support.check_fields(cls())  # the defaults pass their own checks
+
+
+# -----------------------------------------------------------------------------
+# Models as files: the authors' released format, --init_from, --eval_only, export.py
+
+AUTHORS_TINY = Path(HERE) / "data" / "fixtures" / "authors_hf_tiny"  # its README: what it is
+EVAL_ON_SAMPLE = [
+    "--eval_only=true",
+    "--val_files=data/sample/sample_val_*.bin",
+    "--val_tokens=2048",
+    "--seq_len=64",
+    "--batch_size=8",
+    "--device_batch_size=8",
+]
+TRAIN_ON_SAMPLE = [  # a new run of the source's settings, on the sample
+    "--train_files=data/sample/sample_train_*.bin",
+    *EVAL_ON_SAMPLE[1:],
+    "--train_tokens=5120",
+]
+
+
+def test_the_authors_released_model_reproduces_their_logits():
+    expected = torch.load(AUTHORS_TINY / "expected.pt", weights_only=True)
+    ids = expected["input_ids"]
+    model = tg.load_model(str(AUTHORS_TINY)).eval()
+    config = json.loads((AUTHORS_TINY / "config.json").read_text())
+    hp = model.hp  # sizes, RoPE base and eps from their config; their code's gate axis
+    assert (hp.dim, hp.n_layers, hp.n_heads, hp.n_kv_heads) == (32, 4, 4, 2)
+    assert (hp.rope_theta, hp.norm_eps) == (config["rope_theta"], config["norm_eps"])
+    assert (hp.router, hp.gate_axis, hp.embed_dtype) == ("skip_middle", "query", "bfloat16")
+    with torch.no_grad():
+        out = model(ids)
+        nll = model(ids[:, :-1], targets=ids[:, 1:], per_token=True).loss
+    assert (out.logits[..., :1024] - expected["logits_first_1024"]).abs().max() < 1e-4
+    assert (nll - expected["next_token_nll"]).abs().max() < 1e-4
+    assert (out.route["gates"] - expected["gates"]).abs().max() < 1e-4
+    # the one rounding decides it (their README): without it the logits are 0.1 away
+    unrounded = tg.load_model(str(AUTHORS_TINY), embed_dtype="float32").eval()
+    with torch.no_grad():
+        assert (
+            unrounded(ids).logits[..., :1024] - expected["logits_first_1024"]
+        ).abs().max() > 1e-2
+
+
+def test_rmsnorm_rounds_to_its_input_dtype_before_its_weight():
+    # Llama's (and the authors') order, written out: normalise in fp32, cast back, then scale
+    norm = tg.RMSNorm(16, eps=1e-3)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    x = torch.randn(3, 16).bfloat16()
+    xf = x.float()
+    expect = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-3)).bfloat16() * norm.weight
+    assert torch.equal(norm(x), expect) and norm(x).dtype == torch.float32
+    assert torch.allclose(norm(xf), expect.float(), atol=1e-2)  # fp32 in: no rounding at all
+    assert not torch.equal(norm(xf), expect)
+
+
+def authors_copy(tmp_path, name, config=None, weights=None, raw=None) -> str:
+    """A copy of the authors' tiny folder with its config or weights changed."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / name
+    folder.mkdir()
+    cfg = json.loads((AUTHORS_TINY / "config.json").read_text())
+    text = raw if raw is not None else json.dumps(config(cfg) if config else cfg)
+    (folder / "config.json").write_text(text)
+    tensors = load_file(AUTHORS_TINY / "model.safetensors")
+    if weights is None:
+        shutil.copy(AUTHORS_TINY / "model.safetensors", folder)
+    elif isinstance(weights, bytes):
+        (folder / "model.safetensors").write_bytes(weights)
+    else:
+        save_file(weights(tensors), folder / "model.safetensors")
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, capsys):
+    good = (AUTHORS_TINY / "model.safetensors").read_bytes()
+
+    def drop(name):
+        return lambda t: {k: v for k, v in t.items() if k != name}
+
+    cases = [
+        (dict(config=lambda c: {**c, "use_scaled_rope": True}), "use_scaled_rope=True"),
+        (dict(config=lambda c: {**c, "architectures": ["LlamaForCausalLM"]}), "LlamaForCausalLM"),
+        (dict(config=lambda c: {k: v for k, v in c.items() if k != "rope_theta"}), "'rope_theta'"),
+        (dict(config=lambda c: {**c, "ffn_dim_multiplier": 1.5}), "ffn_dim_multiplier=1.5"),
+        (dict(config=lambda c: {**c, "n_kv_heads": 4}), "blocks.0.attn.wk.weight is (16, 32)"),
+        (dict(config=lambda c: {**c, "dim": "32"}), "dim='32'"),
+        (dict(raw="{not json"), "config.json is not readable JSON"),
+        (dict(raw="[1, 2]"), "not a JSON object"),
+        (
+            dict(weights=lambda t: {**t, "model.extra.weight": torch.zeros(2)}),
+            "model.extra.weight has no place",
+        ),
+        (
+            dict(weights=drop("model.layers.3.feed_forward.w2.weight")),
+            "blocks.3.ffn.w2.weight is missing",
+        ),
+        (dict(weights=good[: len(good) // 2]), "not a complete safetensors file"),
+        (dict(weights=b"\xff" * 64), "not a complete safetensors file"),
+    ]
+    for i, (change, message) in enumerate(cases):
+        source = authors_copy(tmp_path, f"src{i}", **change)
+        for args in (EVAL_ON_SAMPLE, [f"--run_dir={tmp_path / 'run'}", *TRAIN_ON_SAMPLE]):
+            code, out, err = run_main([f"--init_from={source}", *args], capsys)
+            assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+            assert message in err, (message, err)
+            assert not (tmp_path / "run").exists() and out == ""
+    for argv, message in (
+        ([f"--init_from={tmp_path}/nothing_here"], "nothing_here"),
+        ([f"--init_from={AUTHORS_TINY}", "--resume=x"], "give one"),
+        (["--eval_only=true", "--preset=smoke"], "--eval_only validates the model of --init_from"),
+        ([f"--init_from={AUTHORS_TINY}", "--n_layers=6"], "blocks.4.attn.wq.weight is missing"),
+    ):
+        code, out, err = run_main(
+            argv + [f"--run_dir={tmp_path / 'run'}", *TRAIN_ON_SAMPLE], capsys
+        )
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+    bench = load_command("bench.py")  # the gate on the query axis has no compact path
+    assert support.cli(bench.main, [f"--init_from={AUTHORS_TINY}", f"--out={tmp_path}/b"]) == 2
+    err = capsys.readouterr().err
+    assert "compact=true needs gate_axis=key" in err and err.count("\n") == 1
+    assert not (tmp_path / "b").exists()
+
+
+def fake_model_repo(root, folder, repo="someone/tiny", commit="89abcdef" * 5) -> str:
+    """A Hugging Face cache holding `folder`'s config and weights as repo's main revision."""
+    cached = root / f"models--{repo.replace('/', '--')}"
+    (cached / "refs").mkdir(parents=True)
+    (cached / "refs" / "main").write_text(commit)
+    snap = cached / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(folder) / name, snap / name)
+    return commit
+
+
+@pytest.mark.slow
+def test_a_hub_source_is_read_from_the_cache_offline_with_one_line_errors(tmp_path, capsys):
+    commit = fake_model_repo(tmp_path / "hub", AUTHORS_TINY)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code, local, err = run_main([f"--init_from={AUTHORS_TINY}", *EVAL_ON_SAMPLE], capsys)
+    assert code == 0 and local.startswith(f"eval_only {AUTHORS_TINY} val_loss:"), err
+
+    def evaluate(source):
+        return subprocess.run(
+            [sys.executable, os.path.join(HERE, "train_gpt.py"), f"--init_from={source}"]
+            + EVAL_ON_SAMPLE,
+            cwd=tmp_path,  # (nothing written: none of the folder's files change)
+            env={**env, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    shutil.copytree(Path(HERE) / "data" / "sample", tmp_path / "data" / "sample")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    r = evaluate("hf:someone/tiny")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == local.replace(str(AUTHORS_TINY), f"hf:someone/tiny@{commit}")
+    for source, message in (
+        ("hf:someone/absent", "not in the local cache"),
+        ("hf:someone/tiny@v2", "not in the local cache"),
+        ("hf:not a repo", "give hf:OWNER/NAME"),
+    ):
+        r = evaluate(source)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.slow
+def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, capsys):
+    run, out = tmp_path / "run", tmp_path / "out"
+    base = TINY_RUN + ["--train_tokens=10240", "--val_every=0", "--val_tokens=1024"]
+    code, _, err = run_main(base + [f"--run_dir={run}"], capsys)
+    assert code == 0, err[-2000:]
+    export = load_command("export.py")
+    assert support.cli(export.main, [str(run), str(out)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # bit for bit, the settings as well
+        exported, trained = tg.load_model(str(out)).eval(), tg.load_model(str(run)).eval()
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    assert exported.hp == trained.hp
+    config = json.loads((out / "config.json").read_text())
+    logged = json.loads((run / "config.json").read_text())
+    val = [m for m in read_metrics(run) if m["kind"] == "val"][-1]
+    assert config["settings"] == asdict(trained.hp)
+    assert config["trained"]["git_commit"] == logged["git_commit"]
+    card = (out / "README.md").read_text()
+    assert logged["command"] in card and f"loss {val['val_loss']:.4f}" in card
+    assert f"sparsity {val['sparsity']:.4f}" in card
+    # again into its own folder: accepted; a folder with a user's file: refused, untouched
+    assert support.cli(export.main, [str(run), str(out)]) == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    assert support.cli(export.main, [str(run), str(tmp_path / "mine")]) == 2
+    err = capsys.readouterr().err
+    assert "holds files export did not write (notes.txt)" in err and err.count("\n") == 1
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+    # the tools read the exported folder as they read the run
+    sampler, texts = load_command("sample.py"), []
+    for source in ([str(run)], [f"--init_from={out}"]):
+        assert support.cli(sampler.main, [*source, "--tokens=8", "--seed=3"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 8  # the same text sampled
+    # a new run from the weights: at step 0 it validates as --eval_only does the source
+    sample_val = ["--val_files=data/sample/sample_val_*.bin", "--val_tokens=1024"]
+    code, evaluated, err = run_main([f"--init_from={out}", "--eval_only=true", *sample_val], capsys)
+    assert code == 0, err
+    new = tmp_path / "new"
+    code, _, err = run_main(
+        [f"--init_from={out}", f"--run_dir={new}", "--train_tokens=5120", "--val_every=5"]
+        + sample_val,
+        capsys,
+    )
+    assert code == 0, err[-2000:]
+    first = [m for m in read_metrics(new) if m["kind"] == "val"][0]
+    assert first["step"] == 0
+    assert f"val_loss:{first['val_loss']:.4f}" in evaluated.splitlines()[0]
+    assert json.loads((new / "config.json").read_text())["init_from"] == str(out)
+    # a push without a network: one line, after the files are written
+    r = subprocess.run(
+        [sys.executable, "export.py", str(run), str(tmp_path / "pushed"), "--push_to=me/tiny"],
+        cwd=HERE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_none"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not pushed" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path / "pushed")) == [".outputs.json", *sorted(export.FILES)]

@@ -11,8 +11,9 @@ gated attention and the block; the skip-middle router and its controller; the mo
 FLOPs; settings; the training loop; main(). Importing it has no side effects. Beside it:
 routers.py (the Router base and the other routers: DLO, Mixture-of-Depths, Mixture-of-Recursions,
 with their deviations), runs.py (checkpoints, run directories, the log, the clock, ranks),
-support.py (command lines, files, signals), data/shards.py (the shard format), expand.py (DLO's
-depth expansion), sample.py (the KV-cached decoder).
+support.py (command lines, files, signals), hub.py (models as Hugging Face folders: ours, the
+authors' released ones), data/shards.py (the shard format), expand.py (DLO's depth expansion),
+export.py, sample.py (the KV-cached decoder).
 
 Deviations from Llama 3 (the paper's base model, Section 3.1): sandwich norm x +
 Norm(Module(Norm(x))) (Section 2.3; `sandwich_norm=False`: pre-norm); an RMSNorm after the
@@ -59,6 +60,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import hub  # noqa: E402
 import runs  # noqa: E402
 from data.shards import (  # noqa: E402
     BYTES_EOT,
@@ -77,8 +79,9 @@ from support import STOP, RunStopped, UserError, check_fields, cli, setting  # n
 
 
 class RMSNorm(nn.RMSNorm):
-    def forward(self, x):  # in fp32 under autocast, as Llama does
-        return super().forward(x.float()).type_as(x)
+    def forward(self, x):  # as Llama (and the authors' code): normalised in fp32, cast back to
+        # x's dtype, then scaled (a bf16 x is rounded before the weight, not after)
+        return F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).type_as(x) * self.weight
 
 
 class Rotary(nn.Module):
@@ -496,7 +499,8 @@ class GPT(nn.Module):
         flex = cache is None and attention_impl(self.hp, idx.is_cuda) == "flex"
         mask = causal_block_mask(idx.size(1), str(idx.device)) if flex else None
         trace = collections.defaultdict(list)
-        x = self.router(self.blocks, self.embed_norm(self.embed(idx)), trace, mask, pos, cache)
+        x = self.embed(idx).to(getattr(torch, self.hp.embed_dtype))  # (B, T, d)
+        x = self.router(self.blocks, self.embed_norm(x), trace, mask, pos, cache)
         route = {k: torch.stack(v) for k, v in trace.items()}
         resid = route.pop("resid", None)
         return Output(*self.readout(x, targets, per_token), route, resid)
@@ -675,6 +679,11 @@ class Hyperparameters:
     rope_theta: float = setting(10000.0, "(0, inf)", "RoPE base")
     max_seq_len: int = setting(1024, "[1, inf)", "RoPE table size (longest context to sample)")
     init_std: float = setting(0.02, "(0, inf)", "normal init of every weight matrix")
+    embed_dtype: str = setting(
+        "float32",
+        ("float32", "bfloat16"),
+        "the embedding's output; bfloat16: rounded, as in the authors' models (stored so)",
+    )
     sandwich_norm: bool = setting(
         True, help="x + Norm(Module(Norm(x))); false: pre-norm (ablation)", fixed=True
     )
@@ -797,6 +806,12 @@ class Job:
 
     run_dir: str = setting("", help="default: a new logs/<date_time>_<preset or run>_<hex>/")
     resume: str = setting("", help="RUN_DIR: continue that run from its checkpoint, in place")
+    init_from: str = setting(
+        "",
+        help="SOURCE (a run folder, a folder in Hugging Face layout, hf:OWNER/NAME[@REVISION]): "
+        "a new run from its weights; its settings are the defaults",
+    )
+    eval_only: bool = setting(False, help="with init_from: validate once, print it, write nothing")
     preset: str = setting("", tuple(PRESETS), "smoke: a small gated model on the sample, CPU")
     stop_step: int = setting(0, "[0, inf)", "end this job after this step, saved (0: run on)")
     max_bad_steps: int = setting(0, "[0, inf)", "non-finite losses skipped (no update), then stop")
@@ -855,8 +870,9 @@ def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
 JOB = {f.name for f in fields(Job)}
 
 
-def validate(hp: Hyperparameters, world: int):
-    """Every field in range and the settings consistent; UserError naming the first that is not."""
+def check_model(hp: Hyperparameters):
+    """The model's settings in range and consistent (a model can be built); UserError naming the
+    first that is not."""
     check_fields(hp)
     if hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
         raise UserError(
@@ -877,6 +893,11 @@ def validate(hp: Hyperparameters, world: int):
             )
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
+
+
+def validate(hp: Hyperparameters, world: int):
+    """check_model, and the run's settings consistent with the world and the machine."""
+    check_model(hp)
     if hp.batch_size % (hp.device_batch_size * world):
         raise UserError(
             f"batch_size={hp.batch_size} is not divisible by device_batch_size "
@@ -950,12 +971,30 @@ def saved_settings(saved: dict) -> Hyperparameters:
     return hp
 
 
-def load_model(run_dir: str, device: str = "cpu", **changes) -> GPT:
-    """The model of a run's checkpoint, with its weights; model.hp holds its settings, with
+def read_source(source: str) -> tuple:
+    """-> (settings, weights, where) of a model: a run folder's checkpoint, or hub.read's (a
+    folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION]); `where` names it for messages
+    and the record."""
+    if source.startswith("hf:") or os.path.isfile(os.path.join(source, hub.WEIGHTS)):
+        settings, weights, where = hub.read(source, asdict(Hyperparameters()))
+        try:
+            hp = saved_settings(settings)
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+    else:
+        ckpt, where = load_checkpoint(source), os.path.join(source, CHECKPOINT)
+        hp, weights = saved_settings(ckpt["hp"]), ckpt["model"]
+    return hp, weights, where
+
+
+def load_model(source: str, device: str = "cpu", **changes) -> GPT:
+    """The model of SOURCE (read_source) with its weights; model.hp holds its settings, with
     changes that keep the weights' shapes (compact=True, say)."""
-    ckpt = load_checkpoint(run_dir)
-    model = GPT(replace(saved_settings(ckpt["hp"]), **changes))
-    runs.load_weights(model, ckpt, os.path.join(run_dir, CHECKPOINT))
+    hp, weights, where = read_source(source)
+    hp = replace(hp, **changes)
+    check_model(hp)
+    model = GPT(hp)
+    runs.load_weights(model, weights, where)
     return model.to(device)
 
 
@@ -1117,13 +1156,19 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
     validation tokens, and the checkpoint's data position (if any) in these shards."""
-    rank, world = d.rank, d.world
-    B = hp.batch_size // world  # the rank's sequences of a step, all its micro-steps
+    B = hp.batch_size // d.world  # the rank's sequences of a step, all its micro-steps
     train_loader = DistributedLoader(
-        hp.train_files, B, hp.seq_len, rank, world, hp.vocab_size, hp.encoding
+        hp.train_files, B, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
     )
+    if ckpt is not None:
+        train_loader.check_position(ckpt["loader"])
+    return train_loader, validation_loader(hp, d)
+
+
+def validation_loader(hp: Hyperparameters, d: Dist) -> DistributedLoader:
+    """This rank's validation loader, checked: enough tokens that none repeats."""
     val_loader = DistributedLoader(
-        hp.val_files, hp.device_batch_size, hp.seq_len, rank, world, hp.vocab_size, hp.encoding
+        hp.val_files, hp.device_batch_size, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
     )
     if hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world) > val_loader.capacity():
         raise UserError(
@@ -1131,14 +1176,14 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
             f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
             f"({val_loader.capacity()} batches); validation would repeat tokens"
         )
-    if ckpt is not None:
-        train_loader.check_position(ckpt["loader"])
-    return train_loader, val_loader
+    return val_loader
 
 
-def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = ()) -> str:
+def train(
+    hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = (), init=None
+) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
-    argv: the command-line arguments, for the record."""
+    argv: the command-line arguments, for the record; init: (weights, where) to start from."""
     # setup: check everything, build the model and restore the checkpoint; then write anything
     launcher = os.getppid()  # torchrun, for a worker: runs.agreed_signal watches it (read first)
     check_run(hp, job, d, ckpt)
@@ -1147,6 +1192,8 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
     accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
     train_loader, val_loader = loaders(hp, d, ckpt)
     raw = GPT(hp).to(d.device)
+    if init:  # --init_from: the source's weights, a fresh optimiser, router state and step 0
+        runs.load_weights(raw, *init)
     opt = optimizer(raw, hp)
     run = (
         runs.restore(ckpt, hp, job, raw, opt, train_loader, cuda)
@@ -1175,6 +1222,7 @@ def train(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list 
         "run_dir": run_dir,
         "device": d.device,
         "run_id": run.run_id,
+        "init_from": init[1] if init else None,
         **runs.provenance(),
         "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
     }
@@ -1347,16 +1395,37 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
 
 
 def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: int):
-    log.print(
-        f"step:{run.step}/{steps} val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} "
-        f"over {v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
-        f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g} "
-        f"{runs.clock(run.train_ms, run.timed_steps)}"
-    )
-    log.print("  " + " ".join(f"{k}:{runs.fmt_list(v[k])}" for k in ("block_active", "mlp_active")))
-    for line in router.log_lines(v, run.step) + [f"  resid_norm:{runs.fmt_list(v['resid_norm'])}"]:
+    clock = runs.clock(run.train_ms, run.timed_steps)
+    for line in validation_lines(router, v, f"step:{run.step}/{steps} ", f" {clock}", run.step):
         log.print(line)
     log.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
+
+
+def validation_lines(router: Router, v: dict, head: str, tail: str, step: int) -> list:
+    """evaluate's result as the log shows it: head + the line + tail, then per-layer lines."""
+    return [
+        f"{head}val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} over "
+        f"{v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
+        f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g}{tail}",
+        "  " + " ".join(f"{k}:{runs.fmt_list(v[k])}" for k in ("block_active", "mlp_active")),
+        *router.log_lines(v, step),
+        f"  resid_norm:{runs.fmt_list(v['resid_norm'])}",
+    ]
+
+
+def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
+    """--eval_only: the model of init (weights, where) validated once, its lines printed (rank
+    0); nothing is written."""
+    validate(hp, d.world)
+    loader = validation_loader(hp, d)
+    raw = GPT(hp).to(d.device)
+    runs.load_weights(raw, *init)
+    cuda = d.device.startswith("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+    v = evaluate(raw, hp, loader, d, autocast)
+    if d.master:
+        print("\n".join(validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
+    return v
 
 
 # -----------------------------------------------------------------------------
@@ -1373,11 +1442,22 @@ def main(argv):
     with STOP:  # from the start: a signal during start-up stops at once (train() arms STOP)
         given = parse_overrides(argv)
         job = job_settings(given)
-        hp, ckpt = resume_settings(given) if job.resume else (resolve(given), None)
+        if job.init_from and job.resume:
+            raise UserError("--init_from starts a new run and --resume goes on with one: give one")
+        if job.eval_only and not job.init_from:
+            raise UserError("--eval_only validates the model of --init_from=SOURCE: give it")
+        source = read_source(job.init_from) if job.init_from else None
+        if job.resume:
+            hp, ckpt = resume_settings(given)
+        else:  # a new run, on the source's settings if any
+            hp, ckpt = resolve(given, source and source[0]), None
         job = replace(job, run_dir=job.resume or job.run_dir)
         d = runs.setup_distributed()
         try:
-            train(hp, job, d, ckpt, argv)
+            if job.eval_only:
+                evaluate_only(hp, d, source[1:])
+            else:
+                train(hp, job, d, ckpt, argv, source and source[1:])
             STOP.finish()  # saved: a late signal changes nothing
         finally:
             runs.release_locks()  # the job is over (in a test, the process goes on)

@@ -1,0 +1,178 @@
+"""Export a run's model as a folder in Hugging Face layout, to share it or push it to the Hub.
+
+    python export.py RUN_DIR OUT_DIR                        # model.safetensors, config.json,
+    python export.py RUN_DIR OUT_DIR --push_to=OWNER/NAME   # README.md; then uploaded there
+    python train_gpt.py --init_from=OUT_DIR --eval_only=true   # (or hf:OWNER/NAME) loads it
+
+config.json holds every setting of the run in our names (hub.FORMAT), and what trained it;
+README.md is the model card: the model, the command and commit that trained it, its last
+validation (loss, sparsity, FLOPs per token) and how to load it here. OUT_DIR may hold only
+files export wrote. A push needs the network and a token (huggingface_hub's login); without
+them it is one error line, after the local files are written.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import asdict
+
+import support
+
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()
+
+import torch  # noqa: E402
+
+import hub  # noqa: E402
+import runs  # noqa: E402
+import train_gpt as tg  # noqa: E402
+
+CARD = "README.md"
+FILES = (hub.WEIGHTS, hub.CONFIG, CARD)
+
+
+def parser() -> support.ArgParser:
+    p = support.ArgParser("python export.py", __doc__)
+    p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="a run's folder")
+    p.add_argument(
+        "out_dir", type=support.path_arg, metavar="OUT_DIR", help="the folder to write (new)"
+    )
+    p.add_argument(
+        "--push_to",
+        type=repo_id,
+        metavar="OWNER/NAME",
+        help="then upload the folder to this Hub repository, made if absent (default: no push)",
+    )
+    return p
+
+
+def repo_id(text: str) -> str:
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", text):
+        raise argparse.ArgumentTypeError(f"expected OWNER/NAME, got {text!r}")
+    return text
+
+
+def check_out_dir(out: str):
+    """OUT_DIR holds nothing export did not write (support.writable_dir checks its own files)."""
+    if os.path.isdir(out):
+        foreign = sorted(set(os.listdir(out)) - {*FILES, support.OUTPUTS})
+        if foreign:
+            raise support.UserError(
+                f"{out} holds files export did not write ({', '.join(foreign[:3])}): "
+                "give a new or empty folder; nothing was written"
+            )
+    support.writable_dir(out, FILES)
+
+
+def last_validation(run_dir: str) -> dict:
+    """The run's last validation record in metrics.jsonl ({} if none can be read)."""
+    found = {}
+    try:
+        with open(os.path.join(run_dir, runs.LOGS[1])) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("kind") == "val":
+                    found = record
+    except OSError:
+        pass
+    return found
+
+
+def run_config(run_dir: str) -> dict:
+    """The run's config.json (its command and commit), {} if it cannot be read."""
+    try:
+        with open(os.path.join(run_dir, runs.LOGS[2])) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def model_card(hp, trained: dict, params: int) -> str:
+    v = trained.get("validation") or {}
+    figures = (
+        f"- validation at step {v['step']}: loss {v['val_loss']:.4f} (SE {v.get('val_se') or 0:.4f}"
+        f" over {v.get('val_docs')} documents), sparsity {v['sparsity']:.4f}, forward FLOPs per "
+        f"token {v['fwd_flops_per_token']:.4g} (dense {v['fwd_flops_per_token_dense']:.4g})"
+        if {"step", "val_loss", "sparsity", "fwd_flops_per_token"} <= v.keys()
+        else "- no validation recorded"
+    )
+    return f"""# {hp.router} model, {hp.n_layers} layers, dim {hp.dim}
+
+A model trained by this project's `train_gpt.py` (token-conditional depth in Transformers:
+the skip-middle router of Lawson & Aitchison 2025 and further depth routers). Every setting
+is in `config.json` (`settings`, in `train_gpt.py`'s names); the weights are `model.safetensors`.
+
+- router {hp.router}, {hp.n_layers} layers, dim {hp.dim}, {hp.n_heads} heads ({hp.n_kv_heads}
+  key/value), vocabulary {hp.vocab_size} ({hp.encoding}), context {hp.max_seq_len},
+  {params:,} parameters
+- trained {trained.get("step")} steps, {trained.get("tokens")} tokens (run {trained.get("run_id")})
+{figures}
+- command: `{trained.get("command")}`
+- commit: {trained.get("git_commit")}
+
+## Use it with this project
+
+    python train_gpt.py --init_from=SOURCE --eval_only=true --val_files=... --val_tokens=...
+    python sample.py --init_from=SOURCE --prompt="..."
+    python skipview.py --init_from=SOURCE --text="..."
+    python train_gpt.py --init_from=SOURCE ...   # a new run from these weights
+
+SOURCE is this folder, or `hf:OWNER/NAME` once it is on the Hugging Face Hub.
+"""
+
+
+def main(argv):
+    args = parser().parse_args(argv)
+    out = args.out_dir
+    ckpt = tg.load_checkpoint(args.run_dir)
+    model = tg.load_model(args.run_dir)  # the fit checked: what is written loads back
+    check_out_dir(out)
+    os.makedirs(out, exist_ok=True)
+    logged = run_config(args.run_dir)
+    trained = {
+        "run_id": ckpt["run_id"],
+        "step": ckpt["step"],
+        "tokens": ckpt["tokens"],
+        "command": logged.get("command"),
+        "git_commit": logged.get("git_commit"),
+        "validation": last_validation(args.run_dir),
+    }
+    from safetensors.torch import save
+
+    weights = {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
+    config = {"format": hub.FORMAT, "settings": asdict(model.hp), "trained": trained}
+    params = sum(p.numel() for p in model.parameters())
+    support.write_output(out, hub.WEIGHTS, save(weights))
+    support.write_output(out, hub.CONFIG, json.dumps(config, indent=1).encode())
+    support.write_output(out, CARD, model_card(model.hp, trained, params).encode())
+    print(f"written to {out}: {', '.join(FILES)}")
+    if args.push_to:
+        push(out, args.push_to)
+
+
+def push(out: str, repo: str):
+    """Upload the three files to the Hub repository repo (made if absent, with the account's
+    default visibility)."""
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=out, allow_patterns=list(FILES))
+    except Exception as e:  # no network, no token, no right to the repository
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise support.UserError(
+            f"--push_to={repo}: not pushed ({first}); the files are written in {out}"
+        ) from None
+    print(f"pushed to https://huggingface.co/{repo}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    sys.exit(support.cli(main, sys.argv[1:]))
