@@ -70,22 +70,27 @@ def timed(fn, repeats, sync):
     return statistics.median(times)
 
 
-def bench_size(name, device, repeats, compile_):
-    """name: a size of SIZES (random weights, seed 0), or a model source (its weights, and its
-    device_batch_size as the batch)."""
-    if name in SIZES:
+def source_model(source, device):
+    """--init_from's model, refused before any timing unless it has a compact path to time."""
+    model = tg.load_model(source, device)
+    if (model.hp.router, model.hp.gate_axis) != ("skip_middle", "key"):
+        raise support.UserError(
+            f"{source}: bench.py times skip_middle's compact path, which needs the gate on the "
+            f"key axis; this model has router={model.hp.router}, gate_axis={model.hp.gate_axis}"
+        )
+    return model
+
+
+def bench_size(name, device, repeats, compile_, model=None):
+    """name: a size of SIZES (random weights, seed 0), or a source's model (its weights; its
+    device_batch_size the batch)."""
+    if model is None:
         overrides, batch = SIZES[name]
         hp = replace(tg.Hyperparameters(), **overrides)
         torch.manual_seed(0)
         model = tg.GPT(hp).to(device)
     else:
-        model = tg.load_model(name, device)
         hp, batch = model.hp, model.hp.device_batch_size
-    if hp.router != "skip_middle":
-        raise support.UserError(
-            f"{name}: bench.py forces skip_middle's gates; its router is {hp.router}"
-        )
-    tg.check_model(replace(hp, compact=True))  # (the gate on the query axis has no compact path)
     twin = tg.GPT(replace(hp, compact=True)).to(device)  # the same weights, compacted
     cuda = device.startswith("cuda")
     autocast = (
@@ -204,13 +209,16 @@ def main(argv):
         ),
         ("bench.md", "bench.json"),
     )
+    source = source_model(args.init_from, device) if args.init_from else None
     print(runs.describe_system())
     print(HEADER)
     results = []
-    names = sizes + [args.init_from] if args.init_from else sizes or ["smoke"]
-    for name in names:
+    for name in sizes or ([] if source else ["smoke"]):
         hp, batch, rows = bench_size(name, device, repeats, compile_)
         results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
+    if source:
+        hp, batch, rows = bench_size(args.init_from, device, repeats, compile_, source)
+        results.append(dict(size=args.init_from, batch=batch, hp=asdict(hp), rows=rows))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
     support.write_output(

@@ -49,7 +49,9 @@ def parser() -> support.ArgParser:
 
 
 def repo_id(text: str) -> str:
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", text):
+    """OWNER/NAME as the Hub allows it: letters, digits, - _ . (no -- or .., none at an end)."""
+    part = r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?"
+    if not re.fullmatch(f"{part}/{part}", text) or "--" in text or ".." in text:
         raise argparse.ArgumentTypeError(f"expected OWNER/NAME, got {text!r}")
     return text
 
@@ -93,13 +95,21 @@ def run_config(run_dir: str) -> dict:
     return config if isinstance(config, dict) else {}
 
 
+def figure(v: dict, key: str, form: str) -> str:
+    """A validation record's number as the log shows it; n/a where it has none."""
+    value = v.get(key)
+    return format(value, form) if type(value) in (int, float) else "n/a"
+
+
 def model_card(hp, trained: dict, params: int) -> str:
-    v = trained.get("validation") or {}
+    v = trained["validation"]
     figures = (
-        f"- validation at step {v['step']}: loss {v['val_loss']:.4f} (SE {v.get('val_se') or 0:.4f}"
-        f" over {v.get('val_docs')} documents), sparsity {v['sparsity']:.4f}, forward FLOPs per "
-        f"token {v['fwd_flops_per_token']:.4g} (dense {v['fwd_flops_per_token_dense']:.4g})"
-        if {"step", "val_loss", "sparsity", "fwd_flops_per_token"} <= v.keys()
+        f"- validation at step {v.get('step')}: loss {figure(v, 'val_loss', '.4f')} (SE "
+        f"{figure(v, 'val_se', '.4f')} over {v.get('val_docs')} documents), sparsity "
+        f"{figure(v, 'sparsity', '.4f')}, forward FLOPs per token "
+        f"{figure(v, 'fwd_flops_per_token', '.4g')} (dense "
+        f"{figure(v, 'fwd_flops_per_token_dense', '.4g')})"
+        if v
         else "- no validation recorded"
     )
     return f"""# {hp.router} model, {hp.n_layers} layers, dim {hp.dim}
@@ -127,13 +137,22 @@ SOURCE is this folder, or `hf:OWNER/NAME` once it is on the Hugging Face Hub.
 """
 
 
+def shared_settings(hp) -> dict:
+    """The settings to write: data paths inside this repository made relative to it (as the
+    defaults are, so that they hold on another machine), others as they are."""
+    settings = asdict(hp)
+    for name in ("train_files", "val_files"):
+        if settings[name].startswith(support.HERE + os.sep):
+            settings[name] = os.path.relpath(settings[name], support.HERE)
+    return settings
+
+
 def main(argv):
     args = parser().parse_args(argv)
     out = args.out_dir
     ckpt = tg.load_checkpoint(args.run_dir)
     model = tg.load_model(args.run_dir)  # the fit checked: what is written loads back
     check_out_dir(out)
-    os.makedirs(out, exist_ok=True)
     logged = run_config(args.run_dir)
     trained = {
         "run_id": ckpt["run_id"],
@@ -146,11 +165,16 @@ def main(argv):
     from safetensors.torch import save
 
     weights = {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
-    config = {"format": hub.FORMAT, "settings": asdict(model.hp), "trained": trained}
+    config = {"format": hub.FORMAT, "settings": shared_settings(model.hp), "trained": trained}
     params = sum(p.numel() for p in model.parameters())
-    support.write_output(out, hub.WEIGHTS, save(weights))
-    support.write_output(out, hub.CONFIG, json.dumps(config, indent=1).encode())
-    support.write_output(out, CARD, model_card(model.hp, trained, params).encode())
+    files = {  # all made before the first is written
+        hub.WEIGHTS: save(weights),
+        hub.CONFIG: json.dumps(config, indent=1).encode(),
+        CARD: model_card(model.hp, trained, params).encode(),
+    }
+    os.makedirs(out, exist_ok=True)
+    for name, data in files.items():
+        support.write_output(out, name, data)
     print(f"written to {out}: {', '.join(FILES)}")
     if args.push_to:
         push(out, args.push_to)

@@ -6,7 +6,8 @@ and builds the model; this module never imports train_gpt.
 
 Reading the authors' layout (their projects/skip_middle/model, as `save_pretrained` writes it):
   - Their tensor names (prefixed `model.`) map to ours by AUTHORS_NAMES; a name with no place,
-    a missing tensor or a shape that does not fit is one error naming the tensor.
+    a missing tensor or a shape that does not fit is one error naming the tensor as the file
+    does.
   - Their config gives the sizes, RoPE base and norm eps (AUTHORS_FIELDS); every other setting
     is our default. Their code puts ln g on the query axis (gate_axis=query) and stores the
     embedding in bfloat16, whose rounding their first norm keeps (embed_dtype=bfloat16, read
@@ -19,6 +20,7 @@ Reading the authors' layout (their projects/skip_middle/model, as `save_pretrain
 """
 
 import json
+import math
 import os
 import re
 
@@ -44,41 +46,53 @@ AUTHORS_FIELDS = {  # their config field -> our setting
     "use_scaled_rope": None,  # read, and refused when true
 }
 AUTHORS_INIT = {"initializer_range": "init_std", "zero_init_masks": "gate_init"}  # if given
-AUTHORS_NAMES = {  # their module (after "model.") -> ours; \1 the layer
-    r"tok_embeddings": "embed",
-    r"input_norm": "embed_norm",
-    r"layers\.(\d+)\.attention\.(w[qkvo])": r"blocks.\1.attn.\2",
-    r"layers\.(\d+)\.feed_forward\.(w[123])": r"blocks.\1.ffn.\2",
-    r"layers\.(\d+)\.pre_attention_norm": r"blocks.\1.attn_in",
-    r"layers\.(\d+)\.post_attention_norm": r"blocks.\1.attn_out",
-    r"layers\.(\d+)\.pre_feed_forward_norm": r"blocks.\1.ffn_in",
-    r"layers\.(\d+)\.post_feed_forward_norm": r"blocks.\1.ffn_out",
-    r"masks\.(\d+)\.linear": r"router.gates.\1",  # their masks: the first L/2 layers' gates
-    r"output_norm": "head_norm",
-    r"output": "head",
+AUTHORS_NAMES = {  # their tensor -> ours; {i}: a layer, {w}: a projection, {t}: weight or bias
+    "model.tok_embeddings.{t}": "embed.{t}",
+    "model.input_norm.{t}": "embed_norm.{t}",
+    "model.layers.{i}.attention.{w}.{t}": "blocks.{i}.attn.{w}.{t}",
+    "model.layers.{i}.feed_forward.{w}.{t}": "blocks.{i}.ffn.{w}.{t}",
+    "model.layers.{i}.pre_attention_norm.{t}": "blocks.{i}.attn_in.{t}",
+    "model.layers.{i}.post_attention_norm.{t}": "blocks.{i}.attn_out.{t}",
+    "model.layers.{i}.pre_feed_forward_norm.{t}": "blocks.{i}.ffn_in.{t}",
+    "model.layers.{i}.post_feed_forward_norm.{t}": "blocks.{i}.ffn_out.{t}",
+    "model.masks.{i}.linear.{t}": "router.gates.{i}.{t}",  # their masks: layer i < L/2's gate
+    "model.output_norm.{t}": "head_norm.{t}",
+    "model.output.{t}": "head.{t}",
 }
+PARTS = {"i": r"\d+", "w": r"w[qkvo123]", "t": r"weight|bias"}
+
+
+def renamed(name: str, names: dict):
+    """name under the first template of names (from -> to) that matches it whole; None if none."""
+    for source, target in names.items():
+        pattern = re.escape(source)
+        for part, form in PARTS.items():
+            pattern = pattern.replace(re.escape("{" + part + "}"), f"(?P<{part}>{form})")
+        if match := re.fullmatch(pattern, name):
+            return target.format(**match.groupdict())
+    return None
 
 
 def read(source: str, defaults: dict) -> tuple:
-    """-> (settings, weights, where) of SOURCE, a folder or hf:OWNER/NAME[@REVISION]: our
-    settings (defaults under the authors' few) and weights by our names; where: the folder, or
-    the repository at its commit."""
+    """-> (settings, weights, where, label) of SOURCE, a folder or hf:OWNER/NAME[@REVISION]: our
+    settings (defaults under the authors' few), weights by our names, where: the folder or the
+    repository at its commit, label(our tensor name): its name in the file (for messages)."""
     folder, where = local_folder(source)
-    config = read_config(os.path.join(folder, CONFIG))
-    weights = read_weights(os.path.join(folder, WEIGHTS))
+    shown = os.path.join(where, CONFIG)  # (the user's name for it: never a cache path)
+    config = read_config(os.path.join(folder, CONFIG), shown)
+    weights = read_weights(os.path.join(folder, WEIGHTS), os.path.join(where, WEIGHTS))
     if config.get("format") == FORMAT:
         if not isinstance(config.get("settings"), dict):
-            raise UserError(f'{where}: {CONFIG} has no "settings" object')
-        return config["settings"], weights, where
-    if AUTHORS in (config.get("architectures") or []):
-        return (
-            {**defaults, **authors_settings(config, weights, where)},
-            authors_weights(weights, where),
-            where,
-        )
+            raise UserError(f'{shown} has no "settings" object')
+        return config["settings"], weights, where, str
+    architectures = config.get("architectures")
+    if isinstance(architectures, list) and AUTHORS in architectures:
+        theirs = {v: k for k, v in AUTHORS_NAMES.items()}
+        settings = {**defaults, **authors_settings(config, weights, shown)}
+        return settings, authors_weights(weights, where), where, lambda k: renamed(k, theirs) or k
     raise UserError(
-        f"{where}: {CONFIG} is neither this project's (format {FORMAT!r}) nor the authors' "
-        f"(architectures [{AUTHORS!r}]); it says architectures {config.get('architectures')!r}"
+        f"{shown} is neither this project's (format {FORMAT!r}) nor the authors' "
+        f"(architectures [{AUTHORS!r}]); it says architectures {architectures!r}"
     )
 
 
@@ -89,8 +103,8 @@ def local_folder(source: str) -> tuple:
         if not os.path.isdir(source):
             raise UserError(f"{source} is not a folder")
         return source, source
-    repo, _, revision = source[3:].partition("@")
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or "@" in revision:
+    repo, at, revision = source[3:].partition("@")
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or "@" in revision or (at and not revision):
         raise UserError(f"{source}: give hf:OWNER/NAME or hf:OWNER/NAME@REVISION")
     from huggingface_hub import errors, snapshot_download
 
@@ -111,49 +125,48 @@ def local_folder(source: str) -> tuple:
     return folder, f"hf:{repo}@{os.path.basename(folder)}"  # the snapshot folder: its commit
 
 
-def regular_file(path: str) -> str:
+def regular_file(path: str, shown: str) -> str:
     """path, if it is a regular file (through links, as the Hub's cache makes them): a pipe or a
-    device is never opened."""
+    device is never opened. shown: its name in messages."""
     if not os.path.isfile(path):
         what = "missing" if not os.path.lexists(path) else "not a regular file"
-        raise UserError(f"{path} is {what}")
+        raise UserError(f"{shown} is {what}")
     return path
 
 
-def read_config(path: str) -> dict:
-    if os.path.getsize(regular_file(path)) > MAX_CONFIG_BYTES:
-        raise UserError(f"{path} is over {MAX_CONFIG_BYTES} bytes: not a model's config")
+def read_config(path: str, shown: str) -> dict:
+    if os.path.getsize(regular_file(path, shown)) > MAX_CONFIG_BYTES:
+        raise UserError(f"{shown} is over {MAX_CONFIG_BYTES} bytes: not a model's config")
     try:
         with open(path, "rb") as f:
             config = json.loads(f.read())
     except (OSError, ValueError, RecursionError) as e:
-        raise UserError(f"{path} is not readable JSON ({type(e).__name__})") from None
+        raise UserError(f"{shown} is not readable JSON ({type(e).__name__})") from None
     if not isinstance(config, dict):
-        raise UserError(f"{path} holds {type(config).__name__}, not a JSON object")
+        raise UserError(f"{shown} holds {type(config).__name__}, not a JSON object")
     return config
 
 
-def read_weights(path: str) -> dict:
+def read_weights(path: str, shown: str) -> dict:
     """Every tensor of a safetensors file; a damaged or truncated one is one UserError."""
     from safetensors.torch import load_file
 
+    regular_file(path, shown)
     try:
-        return load_file(regular_file(path))
-    except UserError:
-        raise
+        return load_file(path)
     except Exception as e:  # safetensors' own error, or the OS's
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"{path} is not a complete safetensors file ({first})") from None
+        raise UserError(f"{shown} is not a complete safetensors file ({first})") from None
 
 
-def authors_settings(config: dict, weights: dict, where: str) -> dict:
+def authors_settings(config: dict, weights: dict, shown: str) -> dict:
     """Our settings for the authors' config (module docstring); one UserError naming a field."""
     for name in AUTHORS_FIELDS:
         if name not in config:
-            raise UserError(f"{where}: {CONFIG} lacks the field {name!r}")
+            raise UserError(f"{shown} lacks the field {name!r}")
     if config["use_scaled_rope"] is not False:
         raise UserError(
-            f"{where}: use_scaled_rope={config['use_scaled_rope']!r}: Llama 3.1's scaled RoPE "
+            f"{shown}: use_scaled_rope={config['use_scaled_rope']!r}: Llama 3.1's scaled RoPE "
             "is not represented here (false only)"
         )
     settings = {ours: config[theirs] for theirs, ours in AUTHORS_FIELDS.items() if ours}
@@ -161,8 +174,8 @@ def authors_settings(config: dict, weights: dict, where: str) -> dict:
     if settings["n_kv_heads"] is None:
         settings["n_kv_heads"] = settings["n_heads"]
     mult = settings["ffn_mult"]
-    if not isinstance(mult, (int, float)) or isinstance(mult, bool) or mult != int(mult):
-        raise UserError(f"{where}: ffn_dim_multiplier={mult!r}: only a whole number fits here")
+    if not (type(mult) in (int, float) and math.isfinite(mult) and mult == int(mult)):
+        raise UserError(f"{shown}: ffn_dim_multiplier={mult!r}: only a whole number fits here")
     settings["ffn_mult"] = int(mult)
     if "gate_init" in settings:
         settings["gate_init"] = "zero" if settings["gate_init"] else "normal"
@@ -182,13 +195,7 @@ def authors_weights(weights: dict, where: str) -> dict:
     """Their tensors by our names (AUTHORS_NAMES); one with no place is a UserError naming it."""
     out = {}
     for name, tensor in weights.items():
-        match = re.fullmatch(r"model\.(.+)\.(weight|bias)", name)
-        ours = None
-        for theirs, template in AUTHORS_NAMES.items() if match else ():
-            if re.fullmatch(theirs, match[1]):
-                ours = f"{re.sub(theirs, template, match[1])}.{match[2]}"
-                break
-        if ours is None:
-            raise UserError(f"{where}: the tensor {name} has no place in this model")
+        if (ours := renamed(name, AUTHORS_NAMES)) is None:
+            raise UserError(f"{os.path.join(where, WEIGHTS)}: {name} has no place in this model")
         out[ours] = tensor
     return out

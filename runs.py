@@ -152,16 +152,17 @@ def check_run_state(run: RunState):
             raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
 
 
-def load_weights(model, weights: dict, path: str):
+def load_weights(model, weights: dict, path: str, label=str):
     """The one fit check, before any copy: the tensors the model's settings make, by name and
-    shape, none more (the first misfit named); then a strict load_state_dict (dtypes convert)."""
+    shape, none more (the first misfit named, label(name) as its file names it); then a strict
+    load_state_dict (dtypes convert)."""
     own = model.state_dict()
     try:
         misfits = (
-            [f"{k} is missing" for k in own if k not in weights]
-            + [f"{k} has no place in this model" for k in weights if k not in own]
+            [f"{label(k)} is missing" for k in own if k not in weights]
+            + [f"{label(k)} has no place in this model" for k in weights if k not in own]
             + [
-                f"{k} is {tuple(weights[k].shape)}, the settings make {tuple(own[k].shape)}"
+                f"{label(k)} is {tuple(weights[k].shape)}, the settings make {tuple(own[k].shape)}"
                 for k in own
                 if isinstance(weights.get(k), torch.Tensor) and weights[k].shape != own[k].shape
             ]

@@ -4982,7 +4982,9 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
         (dict(config=lambda c: {**c, "architectures": ["LlamaForCausalLM"]}), "LlamaForCausalLM"),
         (dict(config=lambda c: {k: v for k, v in c.items() if k != "rope_theta"}), "'rope_theta'"),
         (dict(config=lambda c: {**c, "ffn_dim_multiplier": 1.5}), "ffn_dim_multiplier=1.5"),
-        (dict(config=lambda c: {**c, "n_kv_heads": 4}), "blocks.0.attn.wk.weight is (16, 32)"),
+        (dict(config=lambda c: {**c, "n_kv_heads": 4}), "attention.wk.weight is (16, 32)"),
+        (dict(config=lambda c: {**c, "ffn_dim_multiplier": math.nan}), "ffn_dim_multiplier=nan"),
+        (dict(config=lambda c: {**c, "architectures": 5}), "it says architectures 5"),
         (dict(config=lambda c: {**c, "dim": "32"}), "dim='32'"),
         (dict(raw="{not json"), "config.json is not readable JSON"),
         (dict(raw="[1, 2]"), "not a JSON object"),
@@ -4992,7 +4994,7 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
         ),
         (
             dict(weights=drop("model.layers.3.feed_forward.w2.weight")),
-            "blocks.3.ffn.w2.weight is missing",
+            "(model.layers.3.feed_forward.w2.weight is missing)",
         ),
         (dict(weights=good[: len(good) // 2]), "not a complete safetensors file"),
         (dict(weights=b"\xff" * 64), "not a complete safetensors file"),
@@ -5006,9 +5008,17 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
             assert not (tmp_path / "run").exists() and out == ""
     for argv, message in (
         ([f"--init_from={tmp_path}/nothing_here"], "nothing_here"),
-        ([f"--init_from={AUTHORS_TINY}", "--resume=x"], "give one"),
+        ([f"--init_from={AUTHORS_TINY}", "--resume=x"], "drop --resume"),
+        ([f"--init_from={AUTHORS_TINY}", "--preset=smoke"], "and --preset"),
+        (
+            [f"--init_from={AUTHORS_TINY}", "--eval_only=true", "--stop_step=3"],
+            "trains nothing: drop --",
+        ),
         (["--eval_only=true", "--preset=smoke"], "--eval_only validates the model of --init_from"),
-        ([f"--init_from={AUTHORS_TINY}", "--n_layers=6"], "blocks.4.attn.wq.weight is missing"),
+        (
+            [f"--init_from={AUTHORS_TINY}", "--n_layers=6"],
+            "layers.4.attention.wq.weight is missing",
+        ),
     ):
         code, out, err = run_main(
             argv + [f"--run_dir={tmp_path / 'run'}", *TRAIN_ON_SAMPLE], capsys
@@ -5017,9 +5027,11 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
     assert not (tmp_path / "run").exists()
     bench = load_command("bench.py")  # the gate on the query axis has no compact path
     assert support.cli(bench.main, [f"--init_from={AUTHORS_TINY}", f"--out={tmp_path}/b"]) == 2
-    err = capsys.readouterr().err
-    assert "compact=true needs gate_axis=key" in err and err.count("\n") == 1
-    assert not (tmp_path / "b").exists()
+    out = capsys.readouterr()
+    assert "needs the gate on the key axis; this model has router=skip_middle, gate_axis=query" in (
+        out.err
+    )
+    assert out.err.count("\n") == 1 and out.out == "" and not (tmp_path / "b").exists()
 
 
 def fake_model_repo(root, folder, repo="someone/tiny", commit="89abcdef" * 5) -> str:
@@ -5061,6 +5073,7 @@ def test_a_hub_source_is_read_from_the_cache_offline_with_one_line_errors(tmp_pa
         ("hf:someone/absent", "not in the local cache"),
         ("hf:someone/tiny@v2", "not in the local cache"),
         ("hf:not a repo", "give hf:OWNER/NAME"),
+        ("hf:someone/tiny@", "give hf:OWNER/NAME"),
     ):
         r = evaluate(source)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
@@ -5084,11 +5097,19 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     config = json.loads((out / "config.json").read_text())
     logged = json.loads((run / "config.json").read_text())
     val = [m for m in read_metrics(run) if m["kind"] == "val"][-1]
-    assert config["settings"] == asdict(trained.hp)
+    shared = {"train_files": tg.PRESETS["smoke"]["train_files"]}  # inside the repository
+    shared["val_files"] = tg.PRESETS["smoke"]["val_files"]  # (relative, as the defaults are)
+    assert config["settings"] == {**asdict(trained.hp), **shared}
     assert config["trained"]["git_commit"] == logged["git_commit"]
     card = (out / "README.md").read_text()
     assert logged["command"] in card and f"loss {val['val_loss']:.4f}" in card
     assert f"sparsity {val['sparsity']:.4f}" in card
+    # a checkpoint of an older version (no embed_dtype) loads as a float32 embedding
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    del ckpt["hp"]["embed_dtype"]
+    (tmp_path / "old").mkdir()
+    torch.save(ckpt, tmp_path / "old" / "checkpoint.pt")
+    assert tg.load_model(str(tmp_path / "old")).hp == trained.hp
     # again into its own folder: accepted; a folder with a user's file: refused, untouched
     assert support.cli(export.main, [str(run), str(out)]) == 0
     (tmp_path / "mine").mkdir()

@@ -895,25 +895,32 @@ def check_model(hp: Hyperparameters):
         raise UserError(problem)
 
 
-def validate(hp: Hyperparameters, world: int):
-    """check_model, and the run's settings consistent with the world and the machine."""
+def check_evaluation(hp: Hyperparameters, world: int):
+    """check_model, and a validation's settings: sequences within the RoPE table, and at least
+    one batch of tokens over the world."""
     check_model(hp)
-    if hp.batch_size % (hp.device_batch_size * world):
-        raise UserError(
-            f"batch_size={hp.batch_size} is not divisible by device_batch_size "
-            f"({hp.device_batch_size}) x world size ({world})"
-        )
     if hp.seq_len > hp.max_seq_len:
         raise UserError(
             f"seq_len={hp.seq_len} is beyond the RoPE table (max_seq_len={hp.max_seq_len})"
         )
-    if num_steps(hp) < 1:
-        raise UserError("train_tokens is less than one global batch")
     if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
         raise UserError(
             f"val_tokens={hp.val_tokens} is fewer than one validation batch "
             f"({hp.device_batch_size * hp.seq_len * world} tokens)"
         )
+
+
+def validate(hp: Hyperparameters, world: int):
+    """check_evaluation, and the training's settings consistent with the world and the
+    machine."""
+    check_evaluation(hp, world)
+    if hp.batch_size % (hp.device_batch_size * world):
+        raise UserError(
+            f"batch_size={hp.batch_size} is not divisible by device_batch_size "
+            f"({hp.device_batch_size}) x world size ({world})"
+        )
+    if num_steps(hp) < 1:
+        raise UserError("train_tokens is less than one global batch")
     # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments, RoPE
     # tables, one loss chunk's logits (validation's per_token: bf16, fp32, log-softmax)
     blocks = ROUTERS[hp.router].n_blocks(hp)  # built (MoR's fewer than n_layers), each a RoPE table
@@ -964,38 +971,53 @@ def load_checkpoint(run_dir: str) -> dict:
 def saved_settings(saved: dict) -> Hyperparameters:
     """A checkpoint's settings: every field, its type and range checked. Keys that are no longer
     fields are dropped (older versions' expand_* fields and Job's); older versions knew only
-    GPT-2 shards (no encoding: gpt2)."""
-    saved = {"encoding": "gpt2", **saved} if isinstance(saved, dict) else saved
+    GPT-2 shards (no encoding: gpt2) and a float32 embedding (no embed_dtype)."""
+    older = {"encoding": "gpt2", "embed_dtype": "float32"}
+    saved = {**older, **saved} if isinstance(saved, dict) else saved
     hp = Hyperparameters(**support.saved_fields(Hyperparameters, saved))
     check_fields(hp)
     return hp
 
 
 def read_source(source: str) -> tuple:
-    """-> (settings, weights, where) of a model: a run folder's checkpoint, or hub.read's (a
-    folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION]); `where` names it for messages
-    and the record."""
-    if source.startswith("hf:") or os.path.isfile(os.path.join(source, hub.WEIGHTS)):
-        settings, weights, where = hub.read(source, asdict(Hyperparameters()))
-        try:
-            hp = saved_settings(settings)
+    """-> (settings, (weights, where, label)) of a model: a run folder's checkpoint, or hub.read's
+    (a folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION]); `where` names it for messages
+    and the record, label(name) a tensor as the file names it (runs.load_weights)."""
+    if source.startswith("hf:") or os.path.lexists(os.path.join(source, hub.WEIGHTS)):
+        settings, weights, where, label = hub.read(source, asdict(Hyperparameters()))
+        try:  # (data paths relative to the repository, as the defaults')
+            hp = resolve({}, saved_settings(settings))
         except UserError as e:
-            raise UserError(f"{where}: {e}") from None
+            raise UserError(f"{os.path.join(where, hub.CONFIG)}: {e}") from None
     else:
-        ckpt, where = load_checkpoint(source), os.path.join(source, CHECKPOINT)
+        ckpt, where, label = load_checkpoint(source), os.path.join(source, CHECKPOINT), str
         hp, weights = saved_settings(ckpt["hp"]), ckpt["model"]
-    return hp, weights, where
+    return hp, (weights, where, label)
 
 
 def load_model(source: str, device: str = "cpu", **changes) -> GPT:
     """The model of SOURCE (read_source) with its weights; model.hp holds its settings, with
     changes that keep the weights' shapes (compact=True, say)."""
-    hp, weights, where = read_source(source)
+    hp, weights = read_source(source)
     hp = replace(hp, **changes)
     check_model(hp)
     model = GPT(hp)
-    runs.load_weights(model, weights, where)
+    runs.load_weights(model, *weights)
     return model.to(device)
+
+
+def check_source(given: dict, job: Job):
+    """--init_from's and --eval_only's company: each job field that would do nothing refused."""
+    if job.init_from and ({"resume", "preset"} & given.keys()):
+        raise UserError(
+            "--init_from starts from the source's settings: drop --resume (which goes on with a "
+            "run) and --preset (a new run's settings)"
+        )
+    if job.eval_only and not job.init_from:
+        raise UserError("--eval_only validates the model of --init_from=SOURCE: give it")
+    idle = sorted(given.keys() & JOB - {"init_from", "eval_only"}) if job.eval_only else []
+    if idle:
+        raise UserError(f"--eval_only trains nothing: drop --{idle[0]}")
 
 
 def resume_settings(given: dict) -> tuple:
@@ -1414,9 +1436,9 @@ def validation_lines(router: Router, v: dict, head: str, tail: str, step: int) -
 
 
 def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
-    """--eval_only: the model of init (weights, where) validated once, its lines printed (rank
-    0); nothing is written."""
-    validate(hp, d.world)
+    """--eval_only: the model of init (weights, where, label) validated once, its lines printed
+    (rank 0); nothing is written."""
+    check_evaluation(hp, d.world)
     loader = validation_loader(hp, d)
     raw = GPT(hp).to(d.device)
     runs.load_weights(raw, *init)
@@ -1442,22 +1464,19 @@ def main(argv):
     with STOP:  # from the start: a signal during start-up stops at once (train() arms STOP)
         given = parse_overrides(argv)
         job = job_settings(given)
-        if job.init_from and job.resume:
-            raise UserError("--init_from starts a new run and --resume goes on with one: give one")
-        if job.eval_only and not job.init_from:
-            raise UserError("--eval_only validates the model of --init_from=SOURCE: give it")
-        source = read_source(job.init_from) if job.init_from else None
+        check_source(given, job)
+        base, init = read_source(job.init_from) if job.init_from else (None, None)
         if job.resume:
             hp, ckpt = resume_settings(given)
         else:  # a new run, on the source's settings if any
-            hp, ckpt = resolve(given, source and source[0]), None
+            hp, ckpt = resolve(given, base), None
         job = replace(job, run_dir=job.resume or job.run_dir)
         d = runs.setup_distributed()
         try:
             if job.eval_only:
-                evaluate_only(hp, d, source[1:])
+                evaluate_only(hp, d, init)
             else:
-                train(hp, job, d, ckpt, argv, source and source[1:])
+                train(hp, job, d, ckpt, argv, init)
             STOP.finish()  # saved: a late signal changes nothing
         finally:
             runs.release_locks()  # the job is over (in a test, the process goes on)
