@@ -71,9 +71,10 @@ def cli(main, argv, before_error=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = STOP.last_ckpt, os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
-    finally:  # once it is over a signal ends the process at once, with the command's own status
+    finally:  # once it is over a signal changes nothing: ignored (SIG_IGN, which the
+        # interpreter keeps as it shuts down; a Python handler it resets to the default, fatal)
         for sig in SAVE_SIGNALS:
-            signal.signal(sig, lambda *_: os._exit(status))
+            signal.signal(sig, signal.SIG_IGN)
     text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
     try:
         sys.stdout.flush()
