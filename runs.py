@@ -261,8 +261,8 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     writable_dir(run_dir or "logs")  # before anything is written, folders included
     run_dir = run_dir or new_run_dir(name)
     for path in (os.path.join(run_dir, n) for n in LOGS):
-        if os.path.lexists(path):  # a folder or a named pipe there is bad input
-            need(path, "a file")
+        if os.path.lexists(path) and kind_of(path) != "a file":  # ours are files, never links
+            raise UserError(f"{path} is {kind_of(path)}, not a file of the run: move it")
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
     held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
@@ -277,15 +277,8 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         raise UserError(
             f"{path} changed while this job started (another job was using the run); resume again"
         )
-    # another run's logs would be cut by this resume; no config.json and no metrics: expand.py's
-    # new run, whose first job this is
-    logged = logged_run_id(run_dir) if resuming else None
-    logs = logged or os.path.lexists(os.path.join(run_dir, "metrics.jsonl"))
-    if resuming and logged != ckpt["run_id"] and logs:
-        raise UserError(
-            f"{path} belongs to another run (run_id {ckpt['run_id']}, config.json "
-            f"says {logged or 'nothing'}); resume the run it came from"
-        )
+    if resuming:
+        check_owner(run_dir, ckpt)
     for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
@@ -302,6 +295,23 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
             raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
         print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
     return run_dir
+
+
+def check_owner(run_dir: str, ckpt: dict):
+    """A resumed checkpoint is this folder's run's: the run_id its config.json records. Another
+    run's logs would be cut by the resume; no config.json and no metrics: expand.py's new run,
+    whose first job this is."""
+    path, logged = os.path.join(run_dir, CHECKPOINT), logged_run_id(run_dir)
+    if logged is None and os.path.lexists(os.path.join(run_dir, "metrics.jsonl")):
+        raise UserError(
+            f"{os.path.join(run_dir, 'config.json')} is missing or unreadable, so nothing says "
+            f"that {path} (run_id {ckpt['run_id']}) is this folder's run: put it back"
+        )
+    if logged is not None and logged != ckpt["run_id"]:
+        raise UserError(
+            f"{path} belongs to another run (run_id {ckpt['run_id']}; config.json says "
+            f"{logged}): resume the run it came from"
+        )
 
 
 def logged_run_id(run_dir: str):
@@ -378,6 +388,9 @@ def clock(train_ms: float, timed_steps: int) -> str:
     return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
 
 
+RECORD_KINDS = ("train", "val", "checkpoint", "warmup")  # what RunLog.record writes
+
+
 def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
     """metrics.jsonl as a job resumed at step resumed_at rewrites it: our records past what the
     checkpoint saw are dropped, and one that a crash cut short (no newline); a line of the
@@ -388,8 +401,8 @@ def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
             try:
                 m = json.loads(line)
                 seen = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
-                gone = m["step"] > seen
-            except (ValueError, KeyError, TypeError):
+                gone = m["kind"] in RECORD_KINDS and m["step"] > seen  # (a user's line stays)
+            except (ValueError, KeyError, TypeError, RecursionError):
                 gone = line.startswith(b'{"kind": ') and not line.endswith(b"\n")
             if not gone:
                 kept.append(line.rstrip(b"\n") + b"\n")
@@ -639,32 +652,42 @@ def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
     STOP.last_ckpt, STOP.untried = f"{path} (step {step})", True
 
 
-def last_good(d: Dist, run_dir: str) -> str:
+def last_good(d: Dist, run_dir: str, run_id: str) -> str:
     """For a stop on a non-finite loss: the newest checkpoint, or if no step from it was finite
-    (an update that exploded but stayed finite, saved at its step), PREVIOUS put back."""
+    (an update that exploded but stayed finite, saved at its step), PREVIOUS put back: only a
+    regular file of this run (run_id) at an earlier step than the newest."""
     path, prev = os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, PREVIOUS)
 
     def put_back():
         """PREVIOUS renamed over the newest -> its step; None, and nothing moved, when there is
-        none, when it is the same file (a save cut after its link) or when it does not load."""
+        none, when it is not a file of this run older than the newest, when it is the same file
+        (a save cut after its link) or when it does not load."""
         try:
-            step = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)["step"]
-            if os.path.samefile(prev, path):
+            if kind_of(prev) != "a file" or os.path.samefile(prev, path):  # (a pipe: never read)
+                return None
+            old, new = (
+                torch.load(p, map_location="cpu", mmap=True, weights_only=True)
+                for p in (prev, path)
+            )
+            if old["run_id"] != run_id or not old["step"] < new["step"]:
                 return None
             os.replace(prev, path)
         except Exception:
             return None
-        return step
+        return old["step"]
 
     if not STOP.untried:
         return STOP.last_ckpt
     step = d.on_master(put_back)
-    if step is not None:
-        STOP.untried = False
-        STOP.last_ckpt = (
-            f"{path} (step {step}, put back: no step from the newer {STOP.last_ckpt} had a "
-            f"finite loss)"
+    if step is None:  # the newest stays, but it is not a good one
+        return (
+            f"none: no step from the newest, {STOP.last_ckpt}, had a finite loss, and no earlier "
+            f"checkpoint of this run could be put back"
         )
+    STOP.untried = False
+    STOP.last_ckpt = (
+        f"{path} (step {step}, put back: no step from the newer {STOP.last_ckpt} had a finite loss)"
+    )
     return STOP.last_ckpt
 
 

@@ -327,9 +327,11 @@ KINDS = {
 
 
 def kind_of(path: str) -> str:
-    """What is at path, for an error line: 'a file', 'a folder', ..., 'nothing'."""
+    """What is at path, for an error line: 'a file', 'a folder', ..., 'a symbolic link to a
+    file', ..., 'nothing'."""
     try:
-        return KINDS.get(stat.S_IFMT(os.stat(path).st_mode), "not a file")
+        found = KINDS.get(stat.S_IFMT(os.stat(path).st_mode), "not a file")
+        return f"a symbolic link to {found}" if os.path.islink(path) else found
     except OSError as e:
         if e.errno == errno.ELOOP:
             return "a symbolic link loop"
@@ -340,9 +342,10 @@ def kind_of(path: str) -> str:
 
 
 def need(path: str, kind: str) -> str:
-    """path, if it is kind ('a file' or 'a folder'); else a UserError saying what is there."""
+    """path, if it is kind ('a file' or 'a folder', or a link to one: an input may be linked);
+    else a UserError saying what is there."""
     found = kind_of(path)
-    if found != kind:
+    if found not in (kind, f"a symbolic link to {kind}"):
         raise UserError(
             f"{path}: no such {kind[2:]}"
             if found == "nothing"
@@ -392,14 +395,37 @@ def writable_dir(path: str, outputs=()) -> str:
     return path
 
 
-def written_outputs(d: str) -> dict:  # (a named pipe opens at once, empty: no hang)
+MAX_RECORD_BYTES = 1 << 20  # OUTPUTS and the like: a few names and digests; more is not ours
+
+
+def written_outputs(d: str) -> dict:
+    """Folder d's OUTPUTS ({name: sha256} of the files written there), {} if there is none. Ours
+    only if it is a regular file (no link, pipe or device: never opened) of at most
+    MAX_RECORD_BYTES in that exact form; anything else is a UserError, so that it is never
+    replaced (nor a file it names)."""
     path = os.path.join(d, OUTPUTS)
-    with contextlib.suppress(OSError):  # none there, or not readable: checked where written
-        with open(path, opener=lambda p, m: os.open(p, m | os.O_NONBLOCK)) as f:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                return {str(k): str(v) for k, v in json.load(f).items()}
-        raise UserError(f"{path} is not a record this project wrote: move it; nothing was written")
-    return {}
+    if not os.path.lexists(path):
+        return {}
+    record = None
+    if kind_of(path) == "a file":
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_RECORD_BYTES + 1)
+            record = json.loads(data) if len(data) <= MAX_RECORD_BYTES else None
+        except (OSError, ValueError, RecursionError):
+            record = None
+    ours = isinstance(record, dict) and all(
+        name == os.path.basename(name) not in ("", ".", "..")
+        and isinstance(digest, str)
+        and re.fullmatch("[0-9a-f]{64}", digest)
+        for name, digest in record.items()
+    )
+    if not ours:
+        raise UserError(
+            f"{path} ({kind_of(path)}) is not a record this project wrote: move it; nothing "
+            "was written"
+        )
+    return record
 
 
 def write_output(folder: str, name: str, data: bytes):

@@ -1007,6 +1007,10 @@ def main(argv):
         )
         print(verdict_text(write_report(out, rows)))
         return
+    if args.first_seed >= args.seeds:  # before any folder is made: a grid of no run
+        raise support.UserError(
+            f"--first_seed={args.first_seed} leaves no seed below --seeds={args.seeds}"
+        )
     grid = GRIDS[args.grid]
     # absolute: the trainers run in the repository, this command wherever it was started
     runs_dir = os.path.abspath(args.runs or os.path.join("logs", f"sweep_{args.grid}"))

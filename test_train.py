@@ -1241,14 +1241,22 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
         "debian_docs.py", [f"--out={tmp_path / 'sig' / 'out'}", "--unpinned"], **today
     )
     assert r.returncode == 143 and r.stderr == "" and not (tmp_path / "sig").exists(), r.stderr
-    for stream in ("", "cut"):  # a damaged .deb, as dpkg-deb streams it: one line, nothing left
-        (tmp_path / "b" / "bin" / "dpkg-deb").write_text(f'#!/bin/bash\nprintf "{stream}"\n')
+    # a damaged .deb, as dpkg-deb streams it or refuses it: one line naming the package (not a
+    # temporary path, deleted by then), dpkg-deb's own reason first, nothing left
+    for script, reason in (
+        ('printf ""', "empty file"),
+        ('printf "cut"', "truncated"),
+        ('echo "dpkg-deb: error: not a Debian archive" >&2; echo "more" >&2; exit 2', "not a D"),
+    ):
+        (tmp_path / "b" / "bin" / "dpkg-deb").write_text(f"#!/bin/bash\n{script}\n")
         r = run_data_script(
             "debian_docs.py", [f"--out={tmp_path / 'bad' / 'out'}", "--unpinned"], **today
         )
         assert (
             r.returncode == 2
-            and r.stderr.startswith("error: dpkg-deb --fsys-tarfile ")
+            and r.stderr.startswith("error: the .deb apt-get downloaded for ")
+            and ": not a readable .deb (" in r.stderr
+            and reason in r.stderr
             and r.stderr.count("\n") == 1
             and not (tmp_path / "bad").exists()
         ), r.stderr
@@ -1258,11 +1266,17 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
     (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
     (tmp_path / "e.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "f.jsonl").write_text('{"text": "fine"}\n' + "[" * 100000 + "\n")  # too deep
+    (tmp_path / "g.jsonl").write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")  # 5,000 digits
+    (tmp_path / "h.jsonl").write_text('\ufeff{"text": "a"}\n\ufeff{"text": "b"}\n')  # 2 BOMs
     out = tmp_path / "shards" / "b" / ".." / "deeper"  # makedirs makes shards/b too
     for name, message in (
         ("c.jsonl", 'c.jsonl:2: not a JSON object with a "text" field'),
         ("d.txt", "d.txt: not valid UTF-8"),
         ("e.jsonl", "e.jsonl:2: not valid UTF-8"),
+        ("f.jsonl", 'f.jsonl:2: not a JSON object with a "text" field (RecursionError)'),
+        ("g.jsonl", 'g.jsonl:1: not a JSON object with a "text" field (ValueError)'),
+        ("h.jsonl", "h.jsonl:2: starts with a byte-order mark (U+FEFF)"),  # (line 1's is fine)
     ):
         r = run_data_script(
             "tokenize_corpus.py", [str(tmp_path / name), f"--out={out}", "--shard_tokens=1"]
@@ -2978,12 +2992,20 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
     code, out, err = run_main([f"--resume={b}"], capsys)
     assert code == 2 and out == "" and "belongs to another run" in err and err.count("\n") == 1
     assert (b / "metrics.jsonl").read_bytes() == metrics
+    # a complete checkpoint of another run is refused as well, not called "complete"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'c'}"], capsys)
+    assert code == 0, err
+    (b / "checkpoint.pt").write_bytes((tmp_path / "c" / "checkpoint.pt").read_bytes())
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert code == 2 and out == "" and "belongs to another run" in err and err.count("\n") == 1
+    (b / "checkpoint.pt").write_bytes((a / "checkpoint.pt").read_bytes())
     (b / "config.json").unlink()  # no record of whose run this is, but a history to cut
     code, out, err = run_main([f"--resume={b}"], capsys)
     assert (
         code == 2
         and out == ""
-        and err.endswith("config.json says nothing); resume the run it came from\n")
+        and f"{b / 'config.json'} is missing or unreadable, so nothing says that" in err
+        and err.endswith("is this folder's run: put it back\n")
         and err.count("\n") == 1
     ), err
     assert (b / "metrics.jsonl").read_bytes() == metrics and not (b / "config.json").exists()
@@ -5160,3 +5182,109 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not pushed" in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path / "pushed")) == [".outputs.json", *sorted(export.FILES)]
+
+
+# -----------------------------------------------------------------------------
+# Files that are not ours: never rewritten, replaced, moved or read without bound
+
+
+def test_an_outputs_record_that_is_not_ours_is_refused_before_any_work(tmp_path, capsys):
+    bench = load_command("bench.py")
+    (tmp_path / "mine.json").write_text('{"bench.md": "' + "0" * 64 + '"}')
+    variants = {
+        "a user's JSON object": lambda p: p.write_text('{"note": "my own record"}'),
+        "a link to a user's file": lambda p: p.symlink_to(tmp_path / "mine.json"),
+        "a folder": lambda p: p.mkdir(),
+        "a link to a device": lambda p: p.symlink_to("/dev/zero"),  # (never read: no bound)
+        "a named pipe": lambda p: os.mkfifo(p),
+        "too large": lambda p: p.write_text('{"a": "' + "0" * (2 << 20) + '"}'),
+    }
+    for i, (what, make) in enumerate(variants.items()):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        make(out / support.OUTPUTS)
+        before = sorted(os.listdir(out))
+        code = support.cli(bench.main, [f"--out={out}"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, (what, err)
+        assert "is not a record this project wrote" in err, (what, err)
+        assert sorted(os.listdir(out)) == before, what
+    assert json.loads((tmp_path / "mine.json").read_text()) == {"bench.md": "0" * 64}
+
+
+def test_a_resume_keeps_a_users_lines_whatever_their_step(tmp_path):
+    ours = [
+        {"kind": "train", "step": 9},
+        {"kind": "val", "step": 10},
+        {"kind": "checkpoint", "step": 10},
+        {"kind": "train", "step": 15},  # past the checkpoint: dropped
+    ]
+    users = [{"kind": "note", "step": 15}, {"step": 99}, [1, 2], "just text"]
+    lines = [json.dumps(m) for m in ours[:2] + users[:2] + ours[2:] + users[2:]]
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n" + "[" * 100000 + "\n")
+    kept = runs.kept_metrics(str(tmp_path / "m.jsonl"), 10, 10).decode().splitlines()
+    assert kept[-1] == "[" * 100000  # a user's line too deep to parse: kept, no traceback
+    assert [json.loads(line) for line in kept[:-1]] == ours[:2] + users[:2] + [ours[2]] + users[2:]
+
+
+def test_a_linked_log_is_refused_before_anything_is_written(tmp_path):
+    theirs = tmp_path / "elsewhere.jsonl"
+    theirs.write_text('{"kind": "note"}\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(theirs)
+    with pytest.raises(support.UserError, match="metrics.jsonl is a symbolic link to a file"):
+        runs.open_run_dir(str(run), "x")
+    assert os.listdir(run) == ["metrics.jsonl"] and (run / "metrics.jsonl").is_symlink()
+    assert theirs.read_text() == '{"kind": "note"}\n'
+
+
+def test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run(tmp_path):
+    d = runs.Dist(device="cpu")
+    newest = {"run_id": "aa", "step": 10}
+    cases = [  # (what checkpoint.prev.pt is, whether it is put back)
+        ({"run_id": "bb", "step": 5}, False),  # another run's
+        ({"run_id": "aa", "step": 12}, False),  # newer than the newest
+        ("fifo", False),  # a named pipe: never opened (no hang)
+        ({"run_id": "aa", "step": 5}, True),
+    ]
+    for i, (prev, put_back) in enumerate(cases):
+        run = tmp_path / str(i)
+        run.mkdir()
+        torch.save(newest, run / runs.CHECKPOINT)
+        if prev == "fifo":
+            os.mkfifo(run / runs.PREVIOUS)
+        else:
+            torch.save(prev, run / runs.PREVIOUS)
+        support.STOP.untried, support.STOP.last_ckpt = True, "the newest"
+        said = runs.last_good(d, str(run), "aa")
+        step = torch.load(run / runs.CHECKPOINT, weights_only=True)["step"]
+        if put_back:
+            assert step == 5 and not (run / runs.PREVIOUS).exists() and "(step 5, put back" in said
+        else:
+            assert step == 10 and os.path.lexists(run / runs.PREVIOUS), prev
+            assert said.startswith("none: no step from the newest, the newest, had a finite")
+    support.STOP.untried, support.STOP.last_ckpt = True, None
+
+
+def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
+    (tmp_path / "a.txt").write_text("thirty short lines\n" * 30)
+    r = run_data_script(  # a worker per CPU at most: never thousands of processes
+        "tokenize_corpus.py",
+        [str(tmp_path / "a.txt"), f"--out={tmp_path / 's'}", "--workers=100000"],
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--workers" in r.stderr, r.stderr
+    assert not (tmp_path / "s").exists()
+    sweep = load_command("sweep.py")  # an empty range of seeds: refused, no folder made
+    argv = ["--seeds=2", "--first_seed=2", f"--runs={tmp_path / 'r'}", f"--out={tmp_path / 'o'}"]
+    assert support.cli(sweep.main, argv) == 2
+    assert not (tmp_path / "r").exists() and not (tmp_path / "o").exists()
+    # debian_docs.py names its own options (it has --out, no --name)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "docs_train_000001.bin").write_bytes(b"a user's file")
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'd'}", "--unpinned"])
+    assert r.returncode == 2 and "choose another --out; nothing" in r.stderr, r.stderr
+    assert "--name" not in r.stderr and r.stderr.count("\n") == 1
+    # a symbolic link is called one
+    (tmp_path / "link").symlink_to(tmp_path / "a.txt")
+    assert support.kind_of(str(tmp_path / "link")) == "a symbolic link to a file"

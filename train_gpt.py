@@ -1028,6 +1028,7 @@ def resume_settings(given: dict) -> tuple:
     if "preset" in given:  # it would lay a new run's settings over the resumed run's
         raise UserError("--preset starts a new run; a resume keeps its run's settings (drop it)")
     ckpt = load_checkpoint(run_dir)
+    runs.check_owner(run_dir, ckpt)  # (a complete run of another folder is not "complete")
     base = saved_settings(ckpt["hp"])
     hp = resolve(given, base)
     changed = [
@@ -1303,7 +1304,11 @@ def train(
                     # past max_bad_steps: RunStopped, naming the last good checkpoint (put back
                     # if no step from the newest was finite)
                     runs.skip_bad_step(
-                        log, run, job.max_bad_steps, steps, lambda: runs.last_good(d, run_dir)
+                        log,
+                        run,
+                        job.max_bad_steps,
+                        steps,
+                        lambda: runs.last_good(d, run_dir, run.run_id),
                     )
                     continue
                 run.tokens += hp.batch_size * hp.seq_len

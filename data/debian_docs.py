@@ -40,11 +40,13 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/, no torch
 from support import (  # noqa: E402
+    MAX_RECORD_BYTES,
     ArgParser,
     UserError,
     cli,
     exit_quietly_on_signals,
     first_missing,
+    kind_of,
     need,
     path_arg,
     remove_made,
@@ -137,22 +139,27 @@ def page_text(page: bytes) -> str:
     return parser.text()
 
 
-def package_pages(deb: str) -> list:
+def package_pages(deb: str, shown: str) -> list:
     """The HTML pages of a .deb, in the order of their paths, read from the file tree dpkg-deb
     streams: nothing is extracted to disk. Each page once: a link is not a page of its own (the
-    packages link folders and files to one another), nor is a path NOT_PAGES matches."""
-    with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE) as p:
+    packages link folders and files to one another), nor is a path NOT_PAGES matches. A damaged
+    .deb is one UserError naming it as shown (the user's file, not a temporary copy), with
+    dpkg-deb's own reason when it gave one."""
+    pages, broken = {}, None
+    with subprocess.Popen(
+        ["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as p:
         try:
             with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
-                pages = {
-                    m.name: tar.extractfile(m).read()
-                    for m in tar
-                    if m.isfile() and m.name.endswith(".html") and not NOT_PAGES.search(m.name)
-                }
+                for m in tar:
+                    if m.isfile() and m.name.endswith(".html") and not NOT_PAGES.search(m.name):
+                        pages[m.name] = tar.extractfile(m).read()
         except tarfile.TarError as e:  # a cut or empty stream: dpkg-deb failed, or a bad .deb
-            raise UserError(f"dpkg-deb --fsys-tarfile {deb}: {e} (a damaged .deb?)") from None
-    if p.wait():
-        raise UserError(f"dpkg-deb --fsys-tarfile {deb} failed (status {p.returncode})")
+            broken = str(e)
+        said = p.stderr.read().decode(errors="replace").strip().splitlines()
+    if p.wait() or broken is not None:  # dpkg-deb's reason first: the stream's is a symptom
+        why = said[0] if said else broken or f"dpkg-deb status {p.returncode}"
+        raise UserError(f"{shown}: not a readable .deb ({why})")
     return [pages[name] for name in sorted(pages)]
 
 
@@ -194,17 +201,20 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
     for tool in ("dpkg-deb",) + (() if debs else ("apt-get",)):
         if shutil.which(tool) is None:
             raise UserError(f"{tool} not found: this command builds the corpus on Debian or Ubuntu")
+    manifest = os.path.join(out, "docs.manifest.json")
     try:  # the pinned corpus may no longer be buildable: an unpinned one is never put in its place
-        with open(os.path.join(out, "docs.manifest.json")) as f:
-            pinned = json.load(f).get("shards") == SHA256
-    except (OSError, ValueError, AttributeError):
+        if kind_of(manifest) != "a file":  # (a pipe or a device is never opened: Corpus refuses)
+            raise ValueError
+        with open(manifest, "rb") as f:
+            pinned = json.loads(f.read(MAX_RECORD_BYTES)).get("shards") == SHA256
+    except (OSError, ValueError, AttributeError, RecursionError):
         pinned = False
     if unpinned and pinned:
         raise UserError(
             f"{out} holds the pinned corpus, which --unpinned would replace; give "
             f"another --out (and train on it with --train_files/--val_files)"
         )
-    tokenize_corpus.Corpus(out, "docs", "bytes", check_only=True)  # now, not after the downloads
+    tokenize_corpus.Corpus(out, "docs", "bytes", check_only=True, retry="--out")  # now, not later
     made = first_missing(out)
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".debian_docs.", dir=out)
@@ -212,7 +222,8 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
         pages, inputs = [], {}
         for spec, sha in PACKAGES.items():
             deb, inputs[spec.split("=")[0]] = download(spec, sha, work, debs, unpinned)
-            pages += package_pages(deb)
+            shown = deb if debs else f"the .deb apt-get downloaded for {spec}"
+            pages += package_pages(deb, shown)
         rng = random.Random(SHUFFLE_SEED)
         rng.shuffle(pages)  # so that any prefix of either split samples every package
         docs, held_out = os.path.join(work, "pages.jsonl"), lambda i: i % TRAIN_EVERY != 0

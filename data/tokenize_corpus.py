@@ -106,12 +106,15 @@ class Corpus:
 
     WRITER = "data/tokenize_corpus.py"
 
-    def __init__(self, out: str, name: str, enc: str = "gpt2", check_only: bool = False):
-        """check_only: refuse what the corpus may not replace, and write nothing (yet)."""
+    def __init__(
+        self, out: str, name: str, enc: str = "gpt2", check_only=False, retry="--name or --out"
+    ):
+        """check_only: refuse what the corpus may not replace, and write nothing (yet); retry: the
+        command's options that would put the corpus elsewhere."""
         if os.sep in name or name in (".", ".."):
             raise UserError(f"--name={name}: a name, not a path")
         out = os.path.abspath(out)  # a/b/../c: the folders made are the ones removed
-        self.out, self.name, self.shards, self.enc = out, name, {}, enc
+        self.out, self.name, self.shards, self.enc, self.retry = out, name, {}, enc, retry
         self.manifest = os.path.join(out, f"{name}.manifest.json")
         ours = self.read_manifest()  # name -> the sha256 of each version this script wrote
         self.pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
@@ -148,7 +151,7 @@ class Corpus:
     def refuse(self, what: str):
         raise UserError(
             f"{what} but was not written by this script, or changed since: choose "
-            f"another --name or --out; nothing was written"
+            f"another {self.retry}; nothing was written"
         )
 
     def read_manifest(self) -> dict:
@@ -167,7 +170,7 @@ class Corpus:
                 for n, sha in m.get(part, {}).items():
                     ours.setdefault(n, []).append(str(sha))
             return ours
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             self.refuse(f"{self.manifest} is the manifest of corpus {self.name!r}")
 
     def add(self, tokens, val: bool = None) -> str:
@@ -245,12 +248,18 @@ def documents(paths, raw: bool = False):
                         raise UserError(
                             f"{name}: not valid UTF-8 ({e.reason} at byte {e.start} of the line)"
                         ) from None
+                    line = line.removeprefix("\ufeff") if i == 1 else line  # a file's BOM
                     if not line.strip():
                         continue
-                    try:
+                    try:  # (ValueError: not JSON, or an integer past Python's digit limit)
                         text = json.loads(line)["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise UserError(f'{name}: not a JSON object with a "text" field') from None
+                    except (ValueError, KeyError, TypeError, RecursionError) as e:
+                        why = (
+                            "starts with a byte-order mark (U+FEFF)"
+                            if line.startswith("\ufeff")
+                            else f'not a JSON object with a "text" field ({type(e).__name__})'
+                        )
+                        raise UserError(f"{name}: {why}") from None
                     if not isinstance(text, str):
                         raise UserError(f'{name}: "text" is not a string')
                     yield name, text
@@ -491,10 +500,10 @@ def parser() -> ArgParser:
     )
     p.add_argument(
         "--workers",
-        type=in_range(int, 1),
+        type=in_range(int, 1, os.cpu_count() or 1),
         default=max(1, (os.cpu_count() or 1) - 1),
         metavar="K",
-        help="encoding processes (default: CPUs - 1, here %(default)s)",
+        help="encoding processes, at most the CPUs (default: CPUs - 1, here %(default)s)",
     )
     p.add_argument(
         "--encoding",
