@@ -466,12 +466,13 @@ def remove_made(path: str, made):
 
 
 @contextlib.contextmanager
-def named(path: str):
-    """An OS error while writing or reading path names it (a write error carries no name)."""
+def named(path: str, always: bool = False):
+    """An OS error while writing or reading path names it (a write error carries no name);
+    always: even where it names another (write_atomically's temporary file: not the user's)."""
     try:
         yield
     except OSError as e:
-        if e.filename is None:
+        if e.filename is None or (always and e.filename != path):
             raise OSError(e.errno, e.strerror or str(e), path) from None
         raise
 
@@ -481,17 +482,21 @@ def write_atomically(path: str, data: bytes):
     file beside it (mode as open() would give), fsynced, renamed over it, the rename fsynced."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
-    handle, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    with named(path, always=True):
+        handle, tmp = tempfile.mkstemp(
+            dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp"
+        )
     os.close(handle)
     umask = os.umask(0)  # the only way to read it is to set it: put it back at once
     os.umask(umask)
     try:
         os.chmod(tmp, 0o666 & ~umask)
-        with named(path), open(tmp, "wb") as f:
+        with named(path, always=True), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with named(path, always=True):
+            os.replace(tmp, path)
     except BaseException:  # a full disk, a second signal
         with contextlib.suppress(OSError):
             os.remove(tmp)

@@ -5288,3 +5288,9 @@ def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
     # a symbolic link is called one
     (tmp_path / "link").symlink_to(tmp_path / "a.txt")
     assert support.kind_of(str(tmp_path / "link")) == "a symbolic link to a file"
+    # an error writing a file names it, never the temporary file beside it (deleted by then)
+    (tmp_path / "target").mkdir()
+    with pytest.raises(OSError) as e:
+        support.write_atomically(str(tmp_path / "target"), b"data")
+    assert e.value.filename == str(tmp_path / "target") and ".tmp" not in str(e.value)
+    assert not glob.glob(str(tmp_path / "target.*.tmp"))
