@@ -24,6 +24,7 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from support import (
     HERE,
+    PARENT,
     STOP,
     RunStopped,
     UserError,
@@ -517,6 +519,7 @@ class Dist:
     local_rank: int = 0
     world: int = 1
     device: str = "cpu"
+    parent: int = 0  # a torchrun worker's launcher (pid; 0: not a worker), gone: agreed_signal
 
     @property
     def master(self) -> bool:
@@ -573,16 +576,40 @@ class Dist:
 
 
 def setup_distributed() -> Dist:
-    """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1."""
+    """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1. A worker whose
+    launcher (support.PARENT, read as the process started) is gone gives up before anything is
+    written: at once, or while it waits for the other ranks (which would wait till torch's
+    timeout)."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return Dist(device="cuda" if cuda else "cpu")
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
+    d.device, d.parent = f"cuda:{d.local_rank}" if cuda else "cpu", PARENT
+    gone = f"the launcher (pid {PARENT}) is gone: this worker stops; nothing was written"
+    if launcher_gone(d):
+        raise RunStopped(gone)
     if cuda:
         torch.cuda.set_device(d.device)
-    dist.init_process_group(backend="nccl" if cuda else "gloo")
+    started = threading.Event()
+
+    def watch():  # (init_process_group blocks in C++: no Python signal handler runs meanwhile)
+        while not started.wait(0.2):
+            if launcher_gone(d):
+                sys.stderr.write(f"error: {gone}\n")
+                sys.stderr.flush()
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    finally:
+        started.set()
     return d
+
+
+def launcher_gone(d: Dist) -> bool:
+    """Whether this torchrun worker's launcher has ended: the worker was re-parented."""
+    return d.parent != 0 and os.getppid() != d.parent
 
 
 def all_reduce(t, op: str = "sum"):
@@ -615,11 +642,11 @@ def all_finite(model, opt) -> bool:
     return bool(torch.stack([t.float().abs().max() for t in tensors if t.numel()]).isfinite().all())
 
 
-def agreed_signal(stop, d: Dist, launcher: int) -> int:
+def agreed_signal(stop, d: Dist) -> int:
     """The highest signal number any rank got (0: none): every rank stops at the same step, or
-    the others would hang (a scheduler may signal some ranks only). A worker whose launcher
-    (pid) is gone, as torchrun is on a SIGUSR1 it does not pass on, counts that as SIGHUP."""
-    signum = stop.signum or (d.world > 1 and os.getppid() != launcher) * signal.SIGHUP
+    the others would hang (a scheduler may signal some ranks only). A worker whose launcher is
+    gone, as torchrun is on a SIGUSR1 it does not pass on, counts that as SIGHUP."""
+    signum = stop.signum or launcher_gone(d) * signal.SIGHUP
     return int(
         all_reduce(
             torch.tensor(  # (one process: no collective, no copy)

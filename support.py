@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import field, fields
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # the repository: its scripts and data
+PARENT = os.getppid()  # who started this process, read as it starts: a torchrun worker's launcher
 
 # -----------------------------------------------------------------------------
 # Command lines: exit statuses, options, dataclass fields

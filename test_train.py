@@ -1825,6 +1825,65 @@ def test_workers_whose_torchrun_died_of_a_signal_save_and_stop(tmp_path):
     ), log.read_text()[-2000:]
 
 
+# a stand-in for torchrun: starts one worker with a worker's environment, says its pid, waits
+FAKE_LAUNCHER = """import os, subprocess, sys, time
+world, port, log, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": world, "OMP_NUM_THREADS": "1",
+       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "test"}
+with open(log, "w") as f:
+    worker = subprocess.Popen([sys.executable, "train_gpt.py", *args], env=env, stdout=f, stderr=f)
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_a_worker_whose_launcher_dies_at_start_up_gives_up(tmp_path):
+    # the launcher dies while its worker waits for a rank that never comes (world 2), or just
+    # after its worker joined (world 1): the worker knows its launcher from its start, and ends
+    # (nothing written) or stops at its next step (saved), never an orphan or a wait till timeout
+    import socket
+
+    for world, until in (("2", "libtorch_cpu"), ("1", "step:2/")):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        log, run = tmp_path / f"worker{world}.log", tmp_path / f"run{world}"
+        args = [*RESUME_RUN, "--train_tokens=10000000", f"--run_dir={run}"]
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", FAKE_LAUNCHER, world, port, str(log), *args],
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        worker, deadline = int(launcher.stdout.readline()), time.time() + 120
+        while time.time() < deadline and process_state(worker) not in (None, "Z"):
+            maps = Path(f"/proc/{worker}/maps").read_text() if world == "2" else ""
+            train_log = (run / "train.log").read_text() if (run / "train.log").exists() else ""
+            if until in maps or until in train_log:
+                break
+            time.sleep(0.1)
+        time.sleep(3 if world == "2" else 0)  # (torch loaded, then into init_process_group's wait)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline and process_state(worker) not in (None, "Z"):
+            time.sleep(0.2)
+        orphan = process_state(worker) not in (None, "Z")
+        if orphan:  # (a failing test leaves none behind)
+            os.kill(worker, signal.SIGKILL)
+        assert not orphan, f"world {world}: the worker goes on without its launcher"
+        if world == "2":
+            assert f"error: the launcher (pid {launcher.pid}) is gone" in log.read_text()
+            assert not run.exists()  # nothing written
+        else:
+            assert re.search(
+                r"stopped by signal SIGHUP at step \d+[^;]*; checkpoint: \S+checkpoint.pt",
+                (run / "train.log").read_text(),
+            ), (run / "train.log").read_text()[-2000:]
+
+
 def start_run(args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(

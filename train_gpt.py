@@ -1208,7 +1208,6 @@ def train(
     """Train (or, given a checkpoint, go on training) and return the run directory.
     argv: the command-line arguments, for the record; init: (weights, where) to start from."""
     # setup: check everything, build the model and restore the checkpoint; then write anything
-    launcher = os.getppid()  # torchrun, for a worker: runs.agreed_signal watches it (read first)
     check_run(hp, job, d, ckpt)
     torch.manual_seed(hp.seed)
     cuda = d.device.startswith("cuda")
@@ -1267,7 +1266,7 @@ def train(
     try:
         with STOP as stop:
             for step in range(start, steps + 1):  # at each step boundary, then the step
-                signum = runs.agreed_signal(stop, d, launcher)
+                signum = runs.agreed_signal(stop, d)
                 ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
                 # validate if due: every val_every steps and at the last. A signal skips it (to stop
                 # soon); the checkpoint marks it owed (val_done < step), so a resume runs it first
