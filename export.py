@@ -76,7 +76,7 @@ def last_validation(run_dir: str) -> dict:
             for line in f:
                 try:
                     record = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
                 if isinstance(record, dict) and record.get("kind") == "val":
                     found = record
@@ -90,7 +90,7 @@ def run_config(run_dir: str) -> dict:
     try:
         with open(os.path.join(run_dir, runs.LOGS[2])) as f:
             config = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return config if isinstance(config, dict) else {}
 

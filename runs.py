@@ -318,7 +318,7 @@ def check_owner(run_dir: str, ckpt: dict):
 
 def logged_run_id(run_dir: str):
     """The run_id that RUN_DIR/config.json records, or None (no such file, or unreadable)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
+    with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
         if os.path.isfile(path := os.path.join(run_dir, "config.json")):  # (a pipe would hang)
             with open(path) as f:
                 return json.load(f).get("run_id")

@@ -251,7 +251,7 @@ def run_records(run_dir: str, kind: str) -> list:
     out = []
     with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
         for line in f:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):  # (too deep: a user's too)
                 m = json.loads(line)
                 out += [m] if isinstance(m, dict) and m.get("kind") == kind else []
     return out
@@ -327,7 +327,7 @@ EXPANSION = ("groups", "per_group", "init", "tau")  # expand.py's own settings (
 
 def json_object(path: str) -> dict:
     """The JSON object in path; {} where there is none (no file, not JSON, not an object)."""
-    with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
+    with contextlib.suppress(OSError, ValueError, RecursionError), open(path, "rb") as f:
         obj = json.load(f)
         return obj if isinstance(obj, dict) else {}
     return {}

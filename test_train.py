@@ -5353,3 +5353,11 @@ def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
         support.write_atomically(str(tmp_path / "target"), b"data")
     assert e.value.filename == str(tmp_path / "target") and ".tmp" not in str(e.value)
     assert not glob.glob(str(tmp_path / "target.*.tmp"))
+    # a named pipe where debian_docs.py's manifest would be: refused at once, never opened
+    (tmp_path / "p").mkdir()
+    os.mkfifo(tmp_path / "p" / "docs.manifest.json")
+    r = run_data_script("debian_docs.py", [f"--out={tmp_path / 'p'}", "--unpinned"])
+    assert r.returncode == 2 and "docs.manifest.json is the manifest" in r.stderr, r.stderr
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "config.json").write_text("[" * 100000)
+    assert runs.logged_run_id(str(tmp_path / "deep")) is None  # too deep: no run_id, no traceback
