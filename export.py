@@ -72,7 +72,7 @@ def last_validation(run_dir: str) -> dict:
     """The run's last validation record in metrics.jsonl ({} if none can be read)."""
     found = {}
     try:
-        with open(os.path.join(run_dir, runs.LOGS[1])) as f:
+        with open(support.regular(os.path.join(run_dir, runs.LOGS[1]))) as f:
             for line in f:
                 try:
                     record = json.loads(line)
@@ -88,7 +88,7 @@ def last_validation(run_dir: str) -> dict:
 def run_config(run_dir: str) -> dict:
     """The run's config.json (its command and commit), {} if it cannot be read."""
     try:
-        with open(os.path.join(run_dir, runs.LOGS[2])) as f:
+        with open(support.regular(os.path.join(run_dir, runs.LOGS[2]))) as f:
             config = json.load(f)
     except (OSError, ValueError, RecursionError):
         return {}

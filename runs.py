@@ -262,9 +262,9 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     starts afresh, its files kept in aborted_<k>/."""
     writable_dir(run_dir or "logs")  # before anything is written, folders included
     run_dir = run_dir or new_run_dir(name)
-    for path in (os.path.join(run_dir, n) for n in LOGS):
+    for path in (os.path.join(run_dir, n) for n in LOGS + (CHECKPOINT, PREVIOUS)):
         if os.path.lexists(path) and kind_of(path) != "a file":  # ours are files, never links
-            raise UserError(f"{path} is {kind_of(path)}, not a file of the run: move it")
+            raise UserError(f"{path} is {kind_of(path)}, not a file")
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
     held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
@@ -302,7 +302,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
 def check_owner(run_dir: str, ckpt: dict):
     """A resumed checkpoint is this folder's run's: the run_id its config.json records. Another
     run's logs would be cut by the resume; no config.json and no metrics: expand.py's new run,
-    whose first job this is."""
+    whose first job this is. And PREVIOUS, which the next save replaces, is this run's too."""
     path, logged = os.path.join(run_dir, CHECKPOINT), logged_run_id(run_dir)
     if logged is None and os.path.lexists(os.path.join(run_dir, "metrics.jsonl")):
         raise UserError(
@@ -314,13 +314,26 @@ def check_owner(run_dir: str, ckpt: dict):
             f"{path} belongs to another run (run_id {ckpt['run_id']}; config.json says "
             f"{logged}): resume the run it came from"
         )
+    prev = os.path.join(run_dir, PREVIOUS)
+    cut = os.path.isfile(path) and os.path.exists(prev) and os.path.samefile(prev, path)
+    if os.path.lexists(prev) and not cut:  # (cut: a save stopped after its link, the same file)
+        earlier = False
+        if kind_of(prev) == "a file":  # (a link, pipe or device: never opened)
+            with contextlib.suppress(Exception):
+                old = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)
+                earlier = old["run_id"] == ckpt["run_id"] and old["step"] <= ckpt["step"]
+        if not earlier:
+            raise UserError(
+                f"{prev} is not an earlier checkpoint of this run, and the next save would "
+                f"replace it: move it"
+            )
 
 
 def logged_run_id(run_dir: str):
     """The run_id that RUN_DIR/config.json records, or None (no such file, or unreadable)."""
     with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
         if os.path.isfile(path := os.path.join(run_dir, "config.json")):  # (a pipe would hang)
-            with open(path) as f:
+            with open(path, encoding="utf-8-sig") as f:  # (a BOM: an editor's, kept)
                 return json.load(f).get("run_id")
 
 

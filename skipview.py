@@ -142,12 +142,14 @@ def main(argv):
     else:
         ids = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[: args.val_tokens].tolist()
     ids = ids[: hp.max_seq_len]
-    if args.out:  # a page that cannot be written fails before the work
+    folder, name = os.path.split(os.path.abspath(args.out or "."))
+    if args.out:  # a page that cannot be written fails before the work; a file of the user's
+        # (or a link) under its name is never replaced: written_outputs records ours
         if os.path.lexists(args.out) and not os.path.isfile(args.out):
             raise support.UserError(
                 f"--out={args.out} is {support.kind_of(args.out)}; give a file name"
             )
-        support.writable_dir(os.path.dirname(os.path.abspath(args.out)))
+        support.writable_dir(folder, (name,))
     counts, per_layer, units = token_depths(model, ids, device)
     unit = {"block": "blocks", "mlp": "MLPs", "recursion": "recursions"}[model.router.skips]
     pieces = token_pieces(enc, ids)
@@ -158,7 +160,7 @@ def main(argv):
     )
     if args.out:
         page = html_page(pieces, counts, per_layer, units, f"{source}: {unit} run per token", unit)
-        support.write_atomically(args.out, page.encode())
+        support.write_output(folder, name, page.encode())
         print(f"written to {args.out}")
 
 

@@ -9,6 +9,7 @@ written; a file is replaced only whole (write_atomically), and a command replace
 only what it wrote itself (write_output, writable_dir)."""
 
 import argparse
+import atexit
 import contextlib
 import errno
 import hashlib
@@ -24,6 +25,7 @@ from dataclasses import field, fields
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # the repository: its scripts and data
 PARENT = os.getppid()  # who started this process, read as it starts: a torchrun worker's launcher
+MAX_PROCESSES = max(8, 4 * (os.cpu_count() or 1))  # a command's processes: a few per CPU at most
 
 # -----------------------------------------------------------------------------
 # Command lines: exit statuses, options, dataclass fields
@@ -72,10 +74,14 @@ def cli(main, argv, before_error=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = STOP.last_ckpt, os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
-    finally:  # once it is over a signal changes nothing: ignored (SIG_IGN, which the
-        # interpreter keeps as it shuts down; a Python handler it resets to the default, fatal)
+    finally:  # once it is over a signal ends the process at once, with the command's own
+        # status; the signals held while the handlers change (a second one: no traceback)
+        signal.pthread_sigmask(signal.SIG_BLOCK, SAVE_SIGNALS)
         for sig in SAVE_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, lambda *_: os._exit(status))
+        atexit.unregister(ignore_signals)
+        atexit.register(ignore_signals)  # (last registered: the first to run at exit)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SAVE_SIGNALS)
     text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
     try:
         sys.stdout.flush()
@@ -87,6 +93,14 @@ def cli(main, argv, before_error=None) -> int:
     sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
     sys.stderr.flush()
     return status
+
+
+def ignore_signals():
+    """At exit, once the command's status is known: SAVE_SIGNALS ignored. The interpreter resets a
+    Python handler to the fatal default as it shuts down; SIG_IGN it keeps (a complete run that
+    a late signal reaches still exits 0)."""
+    for sig in SAVE_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def os_error_text(e: Exception) -> str:
@@ -342,6 +356,14 @@ def kind_of(path: str) -> str:
         return "nothing" if missing else (e.strerror or str(e)).lower()
 
 
+def regular(path: str) -> str:
+    """path, if it is a regular file (or a link to one); else an OSError, before it is opened (a
+    named pipe would block, a device never end)."""
+    if not os.path.isfile(path):
+        raise OSError(errno.EINVAL, f"not a regular file ({kind_of(path)})", path)
+    return path
+
+
 def need(path: str, kind: str) -> str:
     """path, if it is kind ('a file' or 'a folder', or a link to one: an input may be linked);
     else a UserError saying what is there."""
@@ -372,7 +394,7 @@ def writable_dir(path: str, outputs=()) -> str:
     a file write_output wrote, unchanged since (no user's file is replaced)."""
     if not path:
         raise UserError("expected a folder, got an empty path")
-    ours = written_outputs(path)
+    ours = written_outputs(path) if outputs else {}  # (a command that keeps no record: not read)
     for p in (os.path.join(path, name) for name in outputs):
         if os.path.lexists(p) and (
             os.path.islink(p)

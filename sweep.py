@@ -249,7 +249,8 @@ def run_state(run_dir: str) -> str:
 def run_records(run_dir: str, kind: str) -> list:
     """The run's metrics.jsonl records of kind, in order (other lines, a user's notes, skipped)."""
     out = []
-    with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with contextlib.suppress(OSError), open(support.regular(path), "rb") as f:
         for line in f:
             with contextlib.suppress(ValueError, RecursionError):  # (too deep: a user's too)
                 m = json.loads(line)
@@ -327,8 +328,8 @@ EXPANSION = ("groups", "per_group", "init", "tau")  # expand.py's own settings (
 
 def json_object(path: str) -> dict:
     """The JSON object in path; {} where there is none (no file, not JSON, not an object)."""
-    with contextlib.suppress(OSError, ValueError, RecursionError), open(path, "rb") as f:
-        obj = json.load(f)
+    with contextlib.suppress(OSError, ValueError, RecursionError), open(support.regular(path)) as f:
+        obj = json.loads(f.read().removeprefix("\ufeff"))  # (a BOM: an editor's, kept)
         return obj if isinstance(obj, dict) else {}
     return {}
 
@@ -458,8 +459,7 @@ def measure(run_dir: str, device: str) -> dict:
     sparsity each block reached against its target, and evaluation time per token on its final
     weights (masked, and compacted where blocks are gated)."""
     val = run_records(run_dir, "val")[-1]
-    with open(os.path.join(run_dir, "config.json")) as f:
-        config = json.load(f)
+    config = json_object(os.path.join(run_dir, "config.json"))
     model = tg.load_model(run_dir, device).eval()
     hp = model.hp
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
@@ -479,7 +479,7 @@ def measure(run_dir: str, device: str) -> dict:
         flops_per_token=val["fwd_flops_per_token"],
         steps=val["step"],
         tokens=val["step"] * hp.batch_size * hp.seq_len,
-        commit=(config["git_commit"] or "none") + ("+dirty" if config["git_dirty"] else ""),
+        commit=(config.get("git_commit") or "none") + ("+dirty" if config.get("git_dirty") else ""),
         corpus_sha256=corpus_sha256(hp.train_files, hp.val_files),
         router=hp.router,
         n_layers=hp.n_layers,
@@ -758,7 +758,7 @@ RUN_KEYS = (
 def read_runs(path: str) -> list:
     """runs.csv -> its rows, numbers as numbers (an empty field: None)."""
     try:
-        with open(support.need(path, "a file"), newline="", encoding="utf-8") as f:
+        with open(support.need(path, "a file"), newline="", encoding="utf-8-sig") as f:
             rows = list(csv.DictReader(f))
     except (UnicodeDecodeError, csv.Error) as e:
         raise support.UserError(f"{path}: not a runs.csv of sweep.py ({e})") from None
@@ -965,7 +965,7 @@ def parser() -> support.ArgParser:
     )
     p.add_argument(
         "--nproc_per_node",
-        type=support.in_range(int, 1),
+        type=support.in_range(int, 1, support.MAX_PROCESSES),
         default=1,
         metavar="N",
         help="processes per run; above 1 under torchrun (default: %(default)s)",

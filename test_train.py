@@ -1246,7 +1246,10 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
     for script, reason in (
         ('printf ""', "empty file"),
         ('printf "cut"', "truncated"),
-        ('echo "dpkg-deb: error: not a Debian archive" >&2; echo "more" >&2; exit 2', "not a D"),
+        (
+            "echo \"dpkg-deb: error: '$2' is not a Debian archive\" >&2; echo more >&2; exit 2",
+            "not a D",
+        ),
     ):
         (tmp_path / "b" / "bin" / "dpkg-deb").write_text(f"#!/bin/bash\n{script}\n")
         r = run_data_script(
@@ -1257,6 +1260,7 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
             and r.stderr.startswith("error: the .deb apt-get downloaded for ")
             and ": not a readable .deb (" in r.stderr
             and reason in r.stderr
+            and ".debian_docs." not in r.stderr  # (the temporary folder, deleted by then)
             and r.stderr.count("\n") == 1
             and not (tmp_path / "bad").exists()
         ), r.stderr
@@ -2023,7 +2027,10 @@ def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, mon
     with monkeypatch.context() as m:
         m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(1))
         code, _, err = run_main([f"--resume={ckpt.parent}"], capsys)
-    assert code == 1 and err.endswith(f"last good checkpoint: {ckpt} (step 4)\n"), err
+    assert code == 1 and err.endswith(  # (the newest stays: no step from it was finite)
+        f"last good checkpoint: none: no step from the newest, {ckpt} (step 4), had a finite "
+        f"loss, and no earlier checkpoint of this run could be put back\n"
+    ), err
     # a fresh start refuses a folder holding either; with only the earlier one it says what to do
     prev.unlink()
     os.replace(ckpt, prev)
@@ -5292,7 +5299,7 @@ def test_a_linked_log_is_refused_before_anything_is_written(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").symlink_to(theirs)
-    with pytest.raises(support.UserError, match="metrics.jsonl is a symbolic link to a file"):
+    with pytest.raises(support.UserError, match="metrics.jsonl is a symbolic link to a file, not"):
         runs.open_run_dir(str(run), "x")
     assert os.listdir(run) == ["metrics.jsonl"] and (run / "metrics.jsonl").is_symlink()
     assert theirs.read_text() == '{"kind": "note"}\n'
@@ -5361,3 +5368,47 @@ def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
     (tmp_path / "deep").mkdir()
     (tmp_path / "deep" / "config.json").write_text("[" * 100000)
     assert runs.logged_run_id(str(tmp_path / "deep")) is None  # too deep: no run_id, no traceback
+
+
+def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
+    # a resume leaves a checkpoint.prev.pt that is not an earlier one of its run where it is
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('\ufeff{"run_id": "aa"}')  # (a BOM, as an editor saves it)
+    ckpt = {"run_id": "aa", "step": 10}
+    torch.save(ckpt, run / runs.CHECKPOINT)
+    runs.check_owner(str(run), ckpt)  # none there: fine
+    for prev, fine in (({"run_id": "aa", "step": 4}, True), ({"run_id": "bb", "step": 4}, False)):
+        torch.save(prev, run / runs.PREVIOUS)
+        if fine:
+            runs.check_owner(str(run), ckpt)
+        else:
+            with pytest.raises(support.UserError, match="not an earlier checkpoint of this run"):
+                runs.check_owner(str(run), ckpt)
+    (run / runs.PREVIOUS).write_text("my notes")
+    with pytest.raises(support.UserError, match="not an earlier checkpoint of this run"):
+        runs.check_owner(str(run), ckpt)
+    # a linked checkpoint is not the run's own file
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / runs.CHECKPOINT).symlink_to(run / runs.CHECKPOINT)
+    with pytest.raises(support.UserError, match="checkpoint.pt is a symbolic link to a file"):
+        runs.open_run_dir(str(tmp_path / "new"), "x")
+    # export.py reads a run's logs only as files (a named pipe would block it)
+    os.mkfifo(tmp_path / "fifo_run_metrics")
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "r2" / "metrics.jsonl").symlink_to(tmp_path / "fifo_run_metrics")
+    assert load_command("export.py").last_validation(str(tmp_path / "r2")) == {}
+    # skipview.py --out never replaces a user's file of that name
+    skipview = load_command("skipview.py")
+    (tmp_path / "notes.html").write_text("mine")
+    argv = [f"--init_from={AUTHORS_TINY}", "--text=a few words", f"--out={tmp_path}/notes.html"]
+    assert support.cli(skipview.main, argv) == 2
+    assert "did not write it" in capsys.readouterr().err
+    assert (tmp_path / "notes.html").read_text() == "mine"
+    # a runs.csv saved with a BOM (as a spreadsheet does) is read as it is
+    csv_path = sorted(glob.glob(os.path.join(HERE, "records", "*", "runs.csv")))[-1]
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "runs.csv").write_bytes(b"\xef\xbb\xbf" + Path(csv_path).read_bytes())
+    sweep = load_command("sweep.py")
+    assert support.cli(sweep.main, [f"--report={tmp_path / 'report' / 'runs.csv'}"]) == 0
+    capsys.readouterr()

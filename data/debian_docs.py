@@ -158,7 +158,8 @@ def package_pages(deb: str, shown: str) -> list:
             broken = str(e)
         said = p.stderr.read().decode(errors="replace").strip().splitlines()
     if p.wait() or broken is not None:  # dpkg-deb's reason first: the stream's is a symptom
-        why = said[0] if said else broken or f"dpkg-deb status {p.returncode}"
+        why = said[0].replace(deb, os.path.basename(deb)) if said else broken  # (no temp path)
+        why = why or f"dpkg-deb status {p.returncode}"
         raise UserError(f"{shown}: not a readable .deb ({why})")
     return [pages[name] for name in sorted(pages)]
 
@@ -168,7 +169,7 @@ def download(spec: str, sha: str, folder: str, debs: str = None, unpinned: bool 
     download of the pinned version into folder (unpinned: of the version offered now)."""
     if debs:
         for path in sorted(glob.glob(os.path.join(glob.escape(debs), "*.deb"))):
-            if tokenize_corpus.sha256_of(path) == sha:
+            if os.path.isfile(path) and tokenize_corpus.sha256_of(path) == sha:  # (no pipe)
                 return path, sha
         raise UserError(f"--debs={debs}: no .deb there has {spec}'s pinned sha256 {sha}")
     r = subprocess.run(

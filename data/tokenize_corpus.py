@@ -49,6 +49,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
 from support import (  # noqa: E402
+    MAX_PROCESSES,
     ArgParser,
     UserError,
     cli,
@@ -500,10 +501,10 @@ def parser() -> ArgParser:
     )
     p.add_argument(
         "--workers",
-        type=in_range(int, 1, os.cpu_count() or 1),
+        type=in_range(int, 1, MAX_PROCESSES),
         default=max(1, (os.cpu_count() or 1) - 1),
         metavar="K",
-        help="encoding processes, at most the CPUs (default: CPUs - 1, here %(default)s)",
+        help=f"encoding processes, at most {MAX_PROCESSES} (default: CPUs - 1, here %(default)s)",
     )
     p.add_argument(
         "--encoding",
