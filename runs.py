@@ -180,7 +180,7 @@ def load_weights(model, weights: dict, path: str, label=str):
         ) from None
 
 
-def restore(ckpt: dict, hp, job, raw, opt, loader, cuda: bool) -> RunState:
+def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
     """Weights, optimiser, routing, data position, random state and clock from a checkpoint;
     an edited or damaged one is a UserError."""
     where = os.path.join(job.run_dir, CHECKPOINT)
@@ -204,8 +204,6 @@ def restore(ckpt: dict, hp, job, raw, opt, loader, cuda: bool) -> RunState:
             f"{where}: non-finite weights, optimiser or controller state (an edited "
             f"or damaged checkpoint)"
         )
-    for group in opt.param_groups:  # this job's settings, not the saved ones (lr: each step)
-        group.update(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
     loader.restore(ckpt["loader"])
     return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
 

@@ -5412,3 +5412,88 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     sweep = load_command("sweep.py")
     assert support.cli(sweep.main, [f"--report={tmp_path / 'report' / 'runs.csv'}"]) == 0
     capsys.readouterr()
+
+
+# -----------------------------------------------------------------------------
+# The paper's values where they are used, not only where they are declared
+
+
+def test_the_optimiser_reads_its_settings_where_built_and_where_a_resume_reapplies_them(
+    tmp_path, capsys, monkeypatch
+):
+    hp = tiny(beta1=0.7, beta2=0.9, adam_eps=1e-8, weight_decay=0.01, lr=2e-3)
+    groups = tg.optimizer(tg.GPT(hp), hp).param_groups
+    assert len(groups) == 1 + hp.n_layers  # the rest, then one per block (DLO scales them)
+    for g in groups:
+        assert (g["betas"], g["eps"], g["weight_decay"], g["lr"]) == ((0.7, 0.9), 1e-8, 0.01, 2e-3)
+    seen, real = [], tg.train_step
+
+    def spy(model, router, hp, opt, loader, d, autocast, accum, lrs, step):
+        out = real(model, router, hp, opt, loader, d, autocast, accum, lrs, step)
+        keys = ("betas", "eps", "weight_decay", "lr")
+        seen.append((hp, step, [tuple(g[k] for k in keys) for g in opt.param_groups]))
+        return out
+
+    monkeypatch.setattr(tg, "train_step", spy)
+    first = ["--beta1=0.7", "--beta2=0.9", "--adam_eps=1e-8", "--weight_decay=0.01"]
+    code, _, err = run_main(RESUME_RUN + first + [f"--run_dir={tmp_path}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    # the resumed job's own values, not the checkpoint's (its optimiser state saved them)
+    again = ["--beta1=0.6", "--beta2=0.8", "--adam_eps=1e-9", "--weight_decay=0.02"]
+    code, _, err = run_main([f"--resume={tmp_path}", *again], capsys)
+    assert code == 0, err
+    steps = tg.num_steps(seen[0][0])
+    for hp, step, used in seen:
+        want = ((0.6, 0.8), 1e-9, 0.02) if step >= 2 else ((0.7, 0.9), 1e-8, 0.01)
+        assert {u[:3] for u in used} == {want}, step
+        assert {u[3] for u in used} == {tg.lr_at(hp, step, steps)}, step  # router=skip_middle: 1x
+    assert [s for _, s, _ in seen] == list(range(steps))
+
+
+def test_every_norm_of_a_built_model_uses_norm_eps():
+    # a small input, where eps matters: each norm against RMSNorm written here, with norm_eps
+    for router in tg.ROUTERS:
+        hp = tiny(router=router, norm_eps=3e-4, n_layers=8)
+        model = tg.GPT(hp)
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+        assert len(norms) == 2 + 4 * len(model.blocks), router  # embedding, head; 4 per block
+        x = 1e-2 * torch.randn(3, hp.dim, generator=torch.Generator().manual_seed(0))
+        for norm in norms:
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+            expect = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 3e-4) * norm.weight
+            assert torch.allclose(norm(x), expect, rtol=1e-5, atol=0), router
+
+
+def test_the_schedule_reads_the_warmup_length_and_start_factor_each_as_itself():
+    hp = tiny(lr=2.0, warmup_frac=0.2, warmup_start=0.05)  # different values: neither stands in
+    total = 100  # warm-up: 20 steps from 0.05 lr, then cosine over the other 80 to 0
+    expect = {
+        0: 2.0 * 0.05,
+        10: 2.0 * (0.05 + 0.95 * 10 / 20),
+        19: 2.0 * (0.05 + 0.95 * 19 / 20),
+        20: 2.0,
+        60: 2.0 * 0.5 * (1 + math.cos(math.pi * 40 / 80)),
+        100: 0.0,
+    }
+    for step, lr in expect.items():
+        assert tg.lr_at(hp, step, total) == pytest.approx(lr, abs=1e-12), step
+
+
+def test_the_frontier_holds_exactly_its_slack_beyond_the_dense_range():
+    sweep = load_command("sweep.py")
+    at = sweep.frontier([(1e6, 4.0), (4e6, 3.0)])
+    inside, outside = 0.0099, 0.0101  # in log FLOPs, either side of 1%: a gated model's gate
+    # linears beyond the end dense point, not an extrapolation
+    assert at(4e6 * math.exp(inside)) == 3.0 and at(1e6 * math.exp(-inside)) == 4.0
+    assert at(4e6 * math.exp(outside)) is None and at(1e6 * math.exp(-outside)) is None
+
+
+def test_the_controller_targets_are_section_3s():
+    # mean targets linear from mu*_0 to mu*_{L/2} over the first half (mirrored), variance
+    # targets the Bernoulli mu*(1 - mu*); mu_end's default is our point on Figure 2's sweep
+    assert tg.Hyperparameters().mu_start == 1.0 and tg.Hyperparameters().mu_end == 0.5
+    hp = tiny(n_layers=8, mu_start=0.9, mu_end=0.3)
+    controller = tg.GPT(hp).router.ctrl
+    half = [0.9, 0.7, 0.5, 0.3]
+    assert controller.mu.tolist() == pytest.approx(half + half[::-1])
+    assert controller.var.tolist() == pytest.approx([m * (1 - m) for m in half + half[::-1]])

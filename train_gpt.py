@@ -711,7 +711,7 @@ class Hyperparameters:
         "proportional_tol", tuple(CONTROLLERS), "Table 1", router="skip_middle"
     )
     mu_start: float = setting(1.0, "[0, 1]", "mean-gate target at block 0", router="skip_middle")
-    mu_end: float = setting(
+    mu_end: float = setting(  # our choice of one point on Figure 2's sweep of it from 1 to 0
         0.5, "[0, 1]", "mean-gate target at block L/2 - 1, linear between", router="skip_middle"
     )
     gamma: float = setting(1e-3, "[0, inf)", "coefficient update (eq. 6)", router="skip_middle")
@@ -1129,15 +1129,14 @@ def compile_model(raw: GPT) -> nn.Module:
     return raw if raw.hp.compact and raw.router.packs_in_training else torch.compile(raw)
 
 
+def adamw_options(hp: Hyperparameters) -> dict:
+    """Table 2's AdamW settings as this job gives them, read here alone: for the optimiser built,
+    and for one a resume loads (its saved groups hold the last job's; lr: lr_at, each step)."""
+    return dict(betas=(hp.beta1, hp.beta2), eps=hp.adam_eps, weight_decay=hp.weight_decay)
+
+
 def optimizer(raw: GPT, hp: Hyperparameters) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        param_groups(raw),
-        lr=hp.lr,
-        betas=(hp.beta1, hp.beta2),
-        eps=hp.adam_eps,
-        weight_decay=hp.weight_decay,
-        fused=True,
-    )
+    return torch.optim.AdamW(param_groups(raw), lr=hp.lr, fused=True, **adamw_options(hp))
 
 
 def param_groups(raw: GPT) -> list:
@@ -1218,10 +1217,12 @@ def train(
         runs.load_weights(raw, *init)
     opt = optimizer(raw, hp)
     run = (
-        runs.restore(ckpt, hp, job, raw, opt, train_loader, cuda)
+        runs.restore(ckpt, job, raw, opt, train_loader, cuda)
         if ckpt is not None
         else RunState(run_id=os.urandom(8).hex())
     )
+    for group in opt.param_groups:  # this job's settings, not a checkpoint's
+        group.update(adamw_options(hp))
     start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
         print(f"the run is complete at step {start}")
