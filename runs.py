@@ -260,7 +260,8 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     starts afresh, its files kept in aborted_<k>/."""
     writable_dir(run_dir or "logs")  # before anything is written, folders included
     run_dir = run_dir or new_run_dir(name)
-    for path in (os.path.join(run_dir, n) for n in LOGS + (CHECKPOINT, PREVIOUS)):
+    held = (CHECKPOINT, PREVIOUS) if ckpt is not None else ()  # (a new run refuses them below)
+    for path in (os.path.join(run_dir, n) for n in LOGS + held):
         if os.path.lexists(path) and kind_of(path) != "a file":  # ours are files, never links
             raise UserError(f"{path} is {kind_of(path)}, not a file")
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None

@@ -5388,11 +5388,11 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     (run / runs.PREVIOUS).write_text("my notes")
     with pytest.raises(support.UserError, match="not an earlier checkpoint of this run"):
         runs.check_owner(str(run), ckpt)
-    # a linked checkpoint is not the run's own file
+    # a linked checkpoint is not the run's own file: a resume refuses it
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / runs.CHECKPOINT).symlink_to(run / runs.CHECKPOINT)
     with pytest.raises(support.UserError, match="checkpoint.pt is a symbolic link to a file"):
-        runs.open_run_dir(str(tmp_path / "new"), "x")
+        runs.open_run_dir(str(tmp_path / "new"), "x", {**ckpt, "mtime": 0})
     # export.py reads a run's logs only as files (a named pipe would block it)
     os.mkfifo(tmp_path / "fifo_run_metrics")
     (tmp_path / "r2").mkdir()
