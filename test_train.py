@@ -5333,6 +5333,7 @@ def test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run(tmp_path):
     support.STOP.untried, support.STOP.last_ckpt = True, None
 
 
+@pytest.mark.slow
 def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
     (tmp_path / "a.txt").write_text("thirty short lines\n" * 30)
     r = run_data_script(  # a worker per CPU at most: never thousands of processes
@@ -5370,6 +5371,7 @@ def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
     assert runs.logged_run_id(str(tmp_path / "deep")) is None  # too deep: no run_id, no traceback
 
 
+@pytest.mark.slow
 def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     # a resume leaves a checkpoint.prev.pt that is not an earlier one of its run where it is
     run = tmp_path / "run"
@@ -5418,6 +5420,7 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
 # The paper's values where they are used, not only where they are declared
 
 
+@pytest.mark.slow
 def test_the_optimiser_reads_its_settings_where_built_and_where_a_resume_reapplies_them(
     tmp_path, capsys, monkeypatch
 ):
