@@ -177,7 +177,7 @@ def parser() -> support.ArgParser:
     )
     p.add_argument(
         "--repeats",
-        type=support.in_range(int, 1),
+        type=support.in_range(int, 1, 1000),
         default=3,
         metavar="N",
         help="timed runs per measurement, the median reported (default: %(default)s)",

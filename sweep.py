@@ -950,7 +950,7 @@ def parser() -> support.ArgParser:
     )
     p.add_argument(
         "--seeds",
-        type=support.in_range(int, 1),
+        type=support.in_range(int, 1, 1000),
         default=1,
         metavar="K",
         help="seeds per configuration (default: %(default)s)",

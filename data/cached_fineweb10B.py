@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
 from support import (  # noqa: E402
+    MAX_PROCESSES,
     ArgParser,
     UserError,
     cli,
@@ -115,10 +116,10 @@ def parser() -> ArgParser:
     )
     p.add_argument(
         "--workers",
-        type=in_range(int, 1),
+        type=in_range(int, 1, MAX_PROCESSES),
         default=8,
         metavar="K",
-        help="files downloaded at once (default: %(default)s)",
+        help=f"files downloaded at once, at most {MAX_PROCESSES} (default: %(default)s)",
     )
     return p
 
