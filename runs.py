@@ -6,11 +6,13 @@ of a torchrun job agree on (the device, sums, when to stop, whether a save happe
 Guarantees: a checkpoint is written whole (a temporary file renamed over the old one) and only
 when every weight and optimiser moment is finite; the one before it is kept as PREVIOUS when a
 step from it trained with a finite loss, so a run stopped by a non-finite loss before any step
-from the newest trained goes back to that one (last_good); a resume reads a checkpoint checked
-field by field and refuses another run's or one that changed under it; one job at a time holds a
-run directory (an flock the kernel drops however the process ends); a resume keeps the metrics
-its checkpoint saw, each step once; every rank stops at the same step, so none waits in a
-collective for another."""
+from the newest trained goes back to that one (last_good: only an earlier checkpoint of the same
+run); a resume reads a checkpoint checked field by field and refuses another run's, one that
+changed under it, a PREVIOUS that is not its run's and any of the run's files that is a link;
+one job at a time holds a run directory (an flock the kernel drops however the process ends); a
+resume keeps the metrics its checkpoint saw, each step once, and every line of the user's; every
+rank stops at the same step, so none waits in a collective for another, and a torchrun worker
+whose launcher is gone stops (at start-up, before it writes anything)."""
 
 import contextlib
 import errno
