@@ -190,9 +190,9 @@ def push(out: str, repo: str):
         api.create_repo(repo, exist_ok=True)
         api.upload_folder(repo_id=repo, folder_path=out, allow_patterns=list(FILES))
     except Exception as e:  # no network, no token, no right to the repository
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise support.UserError(
-            f"--push_to={repo}: not pushed ({first}); the files are written in {out}"
+            f"--push_to={repo}: not pushed ({support.first_line(e)}); the files are written in "
+            f"{out}"
         ) from None
     print(f"pushed to https://huggingface.co/{repo}")
 

@@ -26,7 +26,7 @@ import re
 
 import torch
 
-from support import UserError
+from support import UserError, first_line, regular
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 FORMAT = "train_gpt"  # our config.json: {"format": FORMAT, "settings": {...}, "trained": {...}}
@@ -120,22 +120,12 @@ def local_folder(source: str) -> tuple:
         )
     except Exception as e:  # offline, not there, or the network failed
         reason = next((w for kind, w in why.items() if isinstance(e, kind)), None)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"{source}: {reason or first}") from None
+        raise UserError(f"{source}: {reason or first_line(e)}") from None
     return folder, f"hf:{repo}@{os.path.basename(folder)}"  # the snapshot folder: its commit
 
 
-def regular_file(path: str, shown: str) -> str:
-    """path, if it is a regular file (through links, as the Hub's cache makes them): a pipe or a
-    device is never opened. shown: its name in messages."""
-    if not os.path.isfile(path):
-        what = "missing" if not os.path.lexists(path) else "not a regular file"
-        raise UserError(f"{shown} is {what}")
-    return path
-
-
 def read_config(path: str, shown: str) -> dict:
-    if os.path.getsize(regular_file(path, shown)) > MAX_CONFIG_BYTES:
+    if os.path.getsize(regular(path, shown)) > MAX_CONFIG_BYTES:  # (the Hub's cache: links)
         raise UserError(f"{shown} is over {MAX_CONFIG_BYTES} bytes: not a model's config")
     try:
         with open(path, "rb") as f:
@@ -151,12 +141,11 @@ def read_weights(path: str, shown: str) -> dict:
     """Every tensor of a safetensors file; a damaged or truncated one is one UserError."""
     from safetensors.torch import load_file
 
-    regular_file(path, shown)
+    regular(path, shown)
     try:
         return load_file(path)
     except Exception as e:  # safetensors' own error, or the OS's
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"{shown} is not a complete safetensors file ({first})") from None
+        raise UserError(f"{shown} is not a complete safetensors file ({first_line(e)})") from None
 
 
 def authors_settings(config: dict, weights: dict, shown: str) -> dict:

@@ -356,12 +356,20 @@ def kind_of(path: str) -> str:
         return "nothing" if missing else (e.strerror or str(e)).lower()
 
 
-def regular(path: str) -> str:
-    """path, if it is a regular file (or a link to one); else an OSError, before it is opened (a
-    named pipe would block, a device never end)."""
+def regular(path: str, shown: str = None) -> str:
+    """path, if it is a regular file (or a link to one); else an OSError naming it as shown
+    (default: path), before it is opened (a named pipe would block, a device never end)."""
     if not os.path.isfile(path):
-        raise OSError(errno.EINVAL, f"not a regular file ({kind_of(path)})", path)
+        found = kind_of(path)
+        missing = found == "nothing"
+        why = "no such file" if missing else f"not a regular file: {found}"
+        raise OSError(errno.ENOENT if missing else errno.EINVAL, why, shown or path)
     return path
+
+
+def first_line(e: Exception, width: int = 160) -> str:
+    """An exception's message as an error line quotes it: its first line, or its type."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:width]
 
 
 def need(path: str, kind: str) -> str:
