@@ -73,11 +73,18 @@ class Router(nn.Module):
     expandable = True  # its parameters move with their layers in a depth expansion (expand.py)
     layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
     skips = "block"  # trace key of what a token skips (skipview.py); "mlp": DLO, "recursion": MoR
-    packs_in_training = True  # compact packs tokens in training too (compile_model); DLO: no
+    packs_in_training = True  # compact packs tokens in training too; DLO: no
+    # compact: each applied block's packed length (Block.pack), set by train_step from the last
+    # step's counts; None: read on the host per block (exact, a sync each: eager use)
+    lengths = None
 
     def __init__(self, hp):
         super().__init__()
         self.hp = hp
+
+    def length(self, applied: int):
+        """The packed length of applied block `applied` (its index in the depth loop), or None."""
+        return None if self.lengths is None else self.lengths[applied]
 
     def forward(self, blocks, x, trace: dict, mask, pos=None, cache=None):
         """The depth loop: x (B, T, d) through each block once, in order, by run(). A router that
@@ -214,10 +221,10 @@ class DLO(Router):
             )[..., None]
         else:  # inference rule
             run = r >= hp.dlo_beta / 2
-        if hp.compact and not self.training:  # the MLP on the running tokens only
-            flat = a.reshape(-1, a.size(-1))
-            rows = run.reshape(-1).nonzero().squeeze(1)
-            f = torch.zeros_like(flat).index_copy(0, rows, block.mlp(flat[rows])).view_as(a)
+        if hp.compact and not self.training:  # the MLP on the running tokens only, packed
+            pos, valid = block.pack(run[..., 0], self.length(layer))
+            index = pos[..., None].expand(-1, -1, a.size(-1))  # (B, Tc, d)
+            f = torch.zeros_like(a).scatter(1, index, block.mlp(a.gather(1, index)) * valid)
         else:
             f = block.mlp(a)
             trace["similarity"].append(
@@ -299,12 +306,12 @@ class MixtureOfDepths(Router):
         r = self.routers[self.routed.index(layer)](x).float()[..., 0]  # (B, T)
         trace["logits"].append(r)
         if self.training:
-            k = max(1, math.floor(self.hp.mod_capacity * x.size(1)))
+            k = length = max(1, math.floor(self.hp.mod_capacity * x.size(1)))  # k a sequence
             top = r.topk(k, dim=1).indices  # (B, k)
             chosen = torch.zeros_like(r, dtype=torch.bool).scatter(1, top, True)
             trace["topk"].append(chosen)
         else:
-            chosen = r > 0  # causal: one token's own score
+            chosen, length = r > 0, self.length(layer)  # causal: one token's own score
         ran(trace, chosen)
         if cache is not None and not bool(chosen.any()):
             return x  # a token that passes the block keeps no K/V there
@@ -316,7 +323,8 @@ class MixtureOfDepths(Router):
             self.hp.compact and cache is None,
             pos,
             cache,
-            keys=keys,
+            keys,
+            length,
         )
 
     def loss(self, route, step):
@@ -367,7 +375,7 @@ class MixtureOfRecursions(Router):
         x = self.resid(trace, self.run(0, first, x, trace, mask, pos, at(0)))
         active = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)  # (B, T)
         for r in range(self.hp.mor_recursions):
-            active, g = self.choose(r, x, active, trace)
+            active, g, k = self.choose(r, x, active, trace)
             trace["recursion"].append(active)
             every = r == 0 or not self.hp.mor_routed  # every token: the block ungated, as dense
             keys, h = None if every else active[..., None].to(x.dtype), x  # (B, T, 1): its tokens
@@ -380,7 +388,8 @@ class MixtureOfRecursions(Router):
                         self.hp.compact and cache is None,
                         pos,
                         at(1 + r * len(stack) + i),
-                        keys=keys,
+                        keys,
+                        k or self.length(1 + r * len(stack) + i),
                     )
                 ran(trace, active)
                 if i < len(stack) - 1:
@@ -392,24 +401,27 @@ class MixtureOfRecursions(Router):
         )
 
     def choose(self, r: int, x, active, trace):
-        """-> the tokens ((B, T) bool, within active) that run recursion r, and their weight g.
+        """-> the tokens ((B, T) bool, within active) that run recursion r, their weight g, and
+        how many each sequence has if known on the host (training's top k), else None.
         Recursion 0's share is 1: every token runs it, in training and inference alike (its
         router only weights the update), so it has no choice to learn."""
         if not self.hp.mor_routed:
-            return active, 1.0
+            return active, 1.0, None
         z = self.routers[r](x).float()[..., 0]  # (B, T)
         if r == 0:
-            return active, torch.sigmoid(z)[..., None].type_as(x)
+            return active, torch.sigmoid(z)[..., None].type_as(x), None
         trace["logits"].append(z)
         trace["active"].append(active)
+        k = None
         if self.training:  # k_r <= k_(r-1): the top k are all active
             N, T = self.hp.mor_recursions, x.size(1)
-            top = z.masked_fill(~active, -math.inf).topk(max(1, (N - r) * T // N), dim=1).indices
+            k = max(1, (N - r) * T // N)
+            top = z.masked_fill(~active, -math.inf).topk(k, dim=1).indices
             chosen = torch.zeros_like(active).scatter(1, top, True)  # (B, T)
             trace["topk"].append(chosen)
         else:
             chosen = active & (z > 0)  # causal: the token's own score
-        return chosen, torch.sigmoid(z)[..., None].type_as(x)
+        return chosen, torch.sigmoid(z)[..., None].type_as(x), k
 
     def loss(self, route, step):
         """BCE of each active token's z against its top-k membership, mean over active tokens."""

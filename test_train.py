@@ -747,6 +747,7 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
         "lr",
         "layer_lr",
         "step_ms",
+        "redone",
         "block_active",
         "mlp_active",
         "gate_mean",
@@ -4741,7 +4742,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     # on a GPU every value read back to the host waits for the queued work: count the reads
     # made by train_gpt.py's own code (item, tolist, bool, float, int) in a step, the router's
     # update and its learning-rate scales (docs/speed.md: what the host waits for). With compact,
-    # each compacted block of each micro-batch reads its active count: its packed length
+    # as train() runs it, the packed lengths are known on the host: no read per block
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
         real = getattr(torch.Tensor, name)
@@ -4771,25 +4772,21 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
         f"{HERE}/data/sample/sample_train_*.bin", 4, hp.seq_len, 0, 1, hp.vocab_size
     )
     lrs = [1e-3] * len(opt.param_groups)
-    stats = tg.train_step(
-        model, model.router, hp, opt, loader, runs.Dist(), contextlib.nullcontext(), 2, lrs, 0
-    )
-    model.router.update(stats.get("router"), stats["tokens"][0], 0)
-    model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
-    # compacted blocks whose active count is data-dependent: the gated ones and MoD's routed
-    # ones (DLO's training top-k has a known size)
-    # recursion 0: all
-    compacted = (
-        {
-            "skip_middle": hp.n_layers,
-            "dlo": 0,
-            "mod": hp.n_layers // hp.mod_every,
-            "mor": (hp.n_layers - 2) * 2 // 3,
-        }[router]
-        if compact
-        else 0
-    )
-    assert len(reads) == 1 + (router == "dlo") + 2 * compacted, reads  # 2 micro-batches
+    if router == "skip_middle":
+        spread_gates(model, std=0.5)  # many tokens skip the middle
+    if compact and model.router.packs_in_training:
+        model.router.lengths = [hp.seq_len] * hp.n_layers  # as train() starts
+    for step in (0, 1):  # the second step packs to the lengths the first one's counts gave
+        stats = tg.train_step(
+            model, model.router, hp, opt, loader, runs.Dist(), contextlib.nullcontext(), 2, lrs, 0
+        )
+        model.router.update(stats.get("router"), stats["tokens"][0], 0)
+        model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
+        assert len(reads) == (1 + (router == "dlo")) * (step + 1), reads
+    assert "redone" not in stats
+    if compact and model.router.packs_in_training:
+        assert model.router.lengths == tg.packed_lengths(stats["packed"], hp.seq_len)
+        assert min(model.router.lengths) < hp.seq_len  # some block packs fewer than all
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 
 
@@ -4846,9 +4843,11 @@ def test_ddp_around_the_compiled_model_splits_its_graph_at_the_gradient_buckets(
             ]
         ],
         ("flex", "skip_middle", False),
+        ("flex", "skip_middle", True),
         ("flex", "mod", False),
+        ("flex", "mod", True),
     ],
-)  # Flex: a score_mod, and key masks
+)  # Flex: a score_mod, key masks, and a block mask per packed length
 @pytest.mark.slow
 def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, request):
     # at the paper's depth (12 layers): graph breaks and recompiles are dynamo's decisions, the
@@ -4857,8 +4856,13 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, req
     # training steps run forward only, at 4 layers (what differs from SDPA is inside a block)
     import torch._dynamo
 
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{"backend": "eager", **kw}))
+    real, graphs = torch.compile, []
+
+    def backend(gm, example_inputs):  # the model's graphs (Flex's own CPU wrapper names "eager")
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{"backend": backend, **kw}))
     patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8)
     patch.__enter__()  # (the default limit; not monkeypatch: see the bench test above)
     request.addfinalizer(lambda: patch.__exit__(None, None, None))
@@ -4880,8 +4884,11 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, req
     raw = tg.GPT(hp)
     if router == "skip_middle":
         spread_gates(raw)  # some tokens skip some blocks, more or fewer with each batch
+    packs = compact and raw.router.packs_in_training
+    if packs:  # as train() and train_step set them: all, then each step's counts
+        raw.router.lengths = [hp.seq_len] * hp.n_layers
     model = tg.compile_model(raw)
-    active = set()
+    lengths = set()
     for step in range(20):  # training: a new batch, the router's loss and update each step
         idx = torch.randint(0, 97, (1, 256), generator=torch.Generator().manual_seed(step))
         with torch.set_grad_enabled(attn == "sdpa"):
@@ -4890,25 +4897,27 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, req
         if attn == "sdpa":
             (out.loss + reg).backward()
         raw.router.update(sums, idx.numel(), step)
-        active.add(str(out.route["block"].sum(dim=2).amax(dim=1).tolist()))
-    training_graphs = counts["stats"]["unique_graphs"]  # without compact: the whole model, once
-    raw.eval()
+        if packs:
+            raw.router.lengths = tg.packed_lengths(tg.packed_counts(out.route).tolist(), 256)
+            lengths.add(tuple(raw.router.lengths))
+    training_graphs = len(graphs)
+    model.eval()
     with torch.no_grad():
-        for seed in range(3):  # evaluation (inference routing), on the raw model as evaluate()
+        for seed in range(3):  # evaluation (inference routing), each batch's own lengths
             idx = torch.randint(
                 0, 97, (2, 256), generator=torch.Generator().manual_seed(100 + seed)
             )
-            raw(idx, targets=torch.roll(idx, -1, 1))
-    # per mode (training, evaluation): a graph per packed length (the sequence length only,
-    # without compact) and one for the blocks a router leaves ungated (MoD's); compact: one for
-    # the head and loss (GPT.readout)
-    graphs, lengths = counts["stats"]["unique_graphs"], 256 // tg.PACK
-    assert graphs <= 2 * (lengths + 2), dict(counts["stats"])
-    packs = compact and raw.router.packs_in_training  # else the whole model, once: DLO compact too
-    assert training_graphs == 1 or packs and training_graphs > 1, training_graphs
+            if compact:
+                tg.fit_lengths(raw, idx)  # (on the raw model: eager, not counted)
+            model(idx, targets=torch.roll(idx, -1, 1))
+    # one graph per mode, and after the first change of a packed length one with the lengths as
+    # symbols; Dynamo specialises on a length equal to the sequence's and on one Flex block of
+    # 128 (0/1 sizes): one graph each at most
+    assert not counts["graph_break"], dict(counts["graph_break"])
+    assert training_graphs <= (4 if packs else 1), training_graphs
+    assert len(graphs) - training_graphs <= (4 if compact else 1), len(graphs)
     if router == "skip_middle" and compact:
-        assert len(active) > 1  # the packed length did vary
-    assert not counts["graph_break"] or compact, dict(counts["graph_break"])
+        assert len(lengths) > 2  # the packed lengths did vary
 
 
 # ------------------------------------------------------------------------ layout and settings

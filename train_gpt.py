@@ -213,8 +213,6 @@ class Block(nn.Module):
     """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2, 2.3). g: (B, T, 1)
     or None (dense); keys: each token's weight as a key (eq. 3), by default g."""
 
-    pack = 1  # packed lengths are multiples of this (compile_model sets PACK: few shapes)
-
     def __init__(self, hp: "Hyperparameters"):
         super().__init__()
         self.attn = Attention(hp)
@@ -234,34 +232,42 @@ class Block(nn.Module):
     def mlp(self, x):  # the FFN branch, without the residual
         return self.ffn_out(self.ffn(self.ffn_in(x)))
 
-    def forward(self, x, g, mask, compact=False, pos=None, cache=None, keys=None):
-        """compact: attention and FFN on the tokens with keys > 0 only; exact, as a token with
-        keys = g = 0 adds nothing to its residual and is invisible as a key."""
+    def forward(self, x, g, mask, compact=False, pos=None, cache=None, keys=None, length=None):
+        """compact: attention and FFN on the tokens with keys > 0 only, packed to `length` (see
+        pack); exact, as a token with keys = g = 0 adds nothing to its residual and is invisible
+        as a key."""
         if compact and g is not None:
-            return self.forward_compact(x, g, mask, g if keys is None else keys)
+            return self.forward_compact(x, g, mask, g if keys is None else keys, length)
         return self.every_token(x, g, mask, pos, cache, keys)
 
     def every_token(self, x, g, mask, pos=None, cache=None, keys=None):
-        """The block on every token of x (compile_model compiles this, shared by all blocks)."""
+        """The block on every token of x."""
         x = self.attend(x, g, mask, pos, cache, keys)
         return x + (self.mlp(x) if g is None else g * self.mlp(x))
 
-    def forward_compact(self, x, g, mask, keys):
-        """Each sequence's active tokens gathered to the front in order (B, Tc), run with their
-        positions, scattered back: causality by packed index is causality by position, and the
-        padding, after every active token, is seen by no active query and (g = 0) unchanged."""
-        B, T, d = x.shape
-        active = keys.squeeze(-1) > 0  # (B, T)
+    @staticmethod
+    def pack(active, length=None):
+        """active: (B, T) bool -> (pos, valid): the positions of each sequence's active tokens
+        first, in order, (B, Tc), and which of them are active, (B, Tc, 1). Tc = length, known on
+        the host (no sync: the compiled model stays one graph); a sequence with more active tokens
+        loses those past it, so whoever gives lengths checks packed_counts (train_step redoes such
+        a step at full length). Without one, Tc is the most any sequence has, read on the host:
+        a sync, at least 1, so that with no active token a block still runs on one padding token
+        (g = 0, x unchanged) and every parameter gets a (zero) gradient: under DDP a rank where a
+        block's parameters got none would stall the all-reduce."""
         counts = active.sum(dim=1)  # (B,)
-        # one host sync per block. With no active token the block still runs on one padding
-        # token (g = 0, x unchanged) so that every parameter gets a gradient, zero here: under
-        # DDP a rank where a block's parameters got none would stall the all-reduce
-        Tc = min(T, -(-max(1, int(counts.max())) // self.pack) * self.pack)  # padded: few shapes
-        pos = (~active).to(torch.int8).argsort(dim=1, stable=True)[:, :Tc]  # (B, Tc) active first
-        valid = (torch.arange(Tc, device=x.device) < counts[:, None])[..., None]  # (B, Tc, 1)
-        index = pos[..., None].expand(B, Tc, d)
+        Tc = max(1, int(counts.max())) if length is None else length
+        pos = (~active).to(torch.int8).argsort(dim=1, stable=True).narrow(1, 0, Tc)  # active first
+        return pos, (torch.arange(Tc, device=active.device) < counts[:, None])[..., None]
+
+    def forward_compact(self, x, g, mask, keys, length):
+        """The active tokens packed (pack), run with their positions, scattered back: causality by
+        packed index is causality by position, and the padding, after every active token, is
+        seen by no active query and (g = 0) unchanged."""
+        pos, valid = self.pack(keys.squeeze(-1) > 0, length)  # (B, Tc), (B, Tc, 1)
+        index = pos[..., None].expand(-1, -1, x.size(-1))
         gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
-        mask = None if mask is None else causal_block_mask(Tc, str(x.device))  # cached per length
+        mask = None if mask is None else causal_block_mask(pos.size(1), str(x.device))
         return x.scatter(1, index, self.every_token(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
 
@@ -359,7 +365,9 @@ class SkipMiddle(Router):
         # decoding a token skipped under key gating: run nothing (invisible later); under
         # query gating later tokens still attend to it, so its K/V are computed
         if cache is None or self.hp.gate_axis == "query" or bool(g.any()):
-            x = block(x, g, mask, self.hp.compact and cache is None, pos, cache)
+            x = block(
+                x, g, mask, self.hp.compact and cache is None, pos, cache, None, self.length(layer)
+            )
         ran(trace, trace["gates"][-1] > 0)
         return x
 
@@ -1060,6 +1068,15 @@ def route_sums(route: dict, router: Router) -> dict:
 
 
 @torch.no_grad()
+def fit_lengths(raw: GPT, idx: torch.Tensor):
+    """Compact: set raw's packed lengths to what a forward pass on idx packs, in its current mode
+    (bf16 on CUDA), so that a compiled model times that batch with no host read per block."""
+    raw.router.lengths = None
+    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
+        raw.router.lengths = packed_lengths(packed_counts(raw(idx).route).tolist(), idx.size(1))
+
+
+@torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
     """Validation over val_tokens, inference routing, all-reduced over ranks: the loss, the
     route_sums and residual norms per token, FLOPs per token at the shares that ran. Documents,
@@ -1067,6 +1084,7 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     ratio of per-document sums, and val_se its standard error over them (delta method)."""
     model.eval()
     loader.reset()
+    lengths, model.router.lengths = model.router.lengths, None  # each block's count read (exact)
     B, T, sep = hp.device_batch_size, hp.seq_len, BYTES_EOT if hp.encoding == "bytes" else EOT
     steps, sums = hp.val_tokens // (B * T * d.world), {}
     # (loss | starts a document, step, rank, token): every target in the order the loader reads
@@ -1081,6 +1099,7 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
         )
     sums = all_reduce_sums({**sums, "each": each})
     model.train()
+    model.router.lengths = lengths
     loss, starts = sums.pop("each").cpu().flatten(1)  # (on the CPU: index_add_ in a fixed order)
     doc = starts.long().cumsum(0)  # (tokens,) each target's document
     count = torch.bincount(doc).double()
@@ -1110,23 +1129,28 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     )
 
 
-PACK = 128  # compiled compact blocks: packed lengths are multiples of this
+PACK = 128  # packed lengths are multiples of Flex's block, or of seq_len / 8 if that is less
+
+
+def packed_counts(route: dict) -> torch.Tensor:
+    """(L,) per applied block, the most tokens one sequence packed there (ran its MLP)."""
+    return route["mlp"].sum(dim=-1).amax(dim=-1)
+
+
+def packed_lengths(counts: list, T: int) -> list:
+    """The next step's packed length per applied block: the most tokens a sequence packed there
+    this step, rounded up to a multiple of min(PACK, T / 8), plus one such unit of headroom (a
+    step that exceeds it is redone: train_step), at most T."""
+    unit = max(1, min(PACK, T // 8))
+    return [min(T, (int(n) // unit + 2) * unit) for n in counts]
 
 
 def compile_model(raw: GPT) -> nn.Module:
-    """torch.compile where it stays compiled: without compact, the whole model, one graph. With
-    compact each block reads its active count on the host (the packed length), which would cut
-    the model's graph at every block; so each block's every_token (per mode, a graph per packed
-    length, at most max_seq_len / PACK, one ungated) and the head (readout: eagerly its matmuls on
-    the odd vocabulary ran at half speed on an H100) are compiled, the routers eager. DLO, which
-    packs only in evaluation (run raw: evaluate), trains as one graph."""
-    lengths, config = -(-raw.hp.max_seq_len // PACK), torch._dynamo.config
-    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # < 2.7
-    setattr(config, limit, max(getattr(config, limit), 2 * lengths + 2))
-    for block in raw.blocks:
-        block.every_token, block.pack = torch.compile(block.every_token, dynamic=False), PACK
-    raw.readout = torch.compile(raw.readout)
-    return raw if raw.hp.compact and raw.router.packs_in_training else torch.compile(raw)
+    """torch.compile of the whole model, one graph. Under compact, each packed length is an int
+    on the router (Router.lengths), read by the graph as a symbol: a new length needs no new
+    graph (Dynamo's automatic dynamic shapes: after the first change, one recompile)."""
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True  # (lengths: symbols, not constants)
+    return torch.compile(raw)
 
 
 def adamw_options(hp: Hyperparameters) -> dict:
@@ -1231,6 +1255,8 @@ def train(
     run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
+    if hp.compact and raw.router.packs_in_training:  # the first step: room for every token
+        raw.router.lengths = [hp.seq_len] * hp.n_layers
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(
@@ -1365,6 +1391,8 @@ def log_step(
             else (None, None)
         )
         line += f" mfu:{100 * mfu(hp, step_ms / 1000, world, peak, active, pairs):.1f}%"
+    if "redone" in stats:  # compact: a sequence outgrew a packed length (train_step)
+        line += " redone:full_length"
     log.print(line)
     log.record(
         {
@@ -1376,6 +1404,7 @@ def log_step(
             "lr": lrs[0],
             "layer_lr": lrs[1:],
             "step_ms": step_ms,
+            "redone": "redone" in stats,
             **means,
         }
     )
@@ -1384,11 +1413,30 @@ def log_step(
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
     """One optimiser step over the global batch, applied only if the loss is finite. -> sums over
     micro-steps and ranks as lists of floats ("lm_loss", "total_loss": means; "tokens";
-    route_sums) and "router", loss()'s sums for its update, float64 left on the device."""
+    route_sums; "packed": packed_counts, the most over micro-batches and ranks) and "router",
+    loss()'s sums for its update, float64 left on the device. Compact: a step in which a sequence
+    had more tokens at a block than its packed length (router.lengths) is redone at full length,
+    exact ("redone": 1); the next step's lengths come from this one's counts (packed_lengths)."""
     for group, lr in zip(opt.param_groups, lrs, strict=True):
         group["lr"] = lr
     xs, ys = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
-    sums = {}
+    sums = micro_steps(model, router, hp, xs, ys, d, autocast, accum, step)
+    lengths = router.lengths
+    if lengths is not None and any(n > m for n, m in zip(sums["packed"], lengths, strict=True)):
+        opt.zero_grad(set_to_none=True)
+        router.lengths = [hp.seq_len] * hp.n_layers  # room for every token
+        sums = {**micro_steps(model, router, hp, xs, ys, d, autocast, accum, step), "redone": [1]}
+    if lengths is not None:
+        router.lengths = packed_lengths(sums["packed"], hp.seq_len)
+    if math.isfinite(sums["total_loss"][0]):
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return sums
+
+
+def micro_steps(model, router: Router, hp, xs, ys, d, autocast, accum, step) -> dict:
+    """The forward and backward passes of train_step, its sums read to the host at once."""
+    sums, packed = {}, None
     for micro in range(accum):
         sl = slice(micro * hp.device_batch_size, (micro + 1) * hp.device_batch_size)
         x, y = xs[sl], ys[sl]
@@ -1409,15 +1457,14 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
         if router_sums is not None:
             more["router"] = router_sums.detach().double()
         sums = add_sums(sums, more)
-    sums = all_reduce_sums(sums)
+        n = packed_counts(out.route).double()
+        packed = n if packed is None else torch.maximum(packed, n)
+    sums = {**all_reduce_sums(sums), "packed": runs.all_reduce(packed, "max")}
     # the step's one host read: every figure but the router's sums (they stay on the device)
     flat = torch.cat([t.reshape(-1) for k, t in sums.items() if k != "router"]).tolist()
     for k, t in sums.items():
         if k != "router":
             sums[k], flat = flat[: t.numel()], flat[t.numel() :]  # lists of floats
-    if math.isfinite(sums["total_loss"][0]):
-        opt.step()
-    opt.zero_grad(set_to_none=True)
     return sums
 
 
