@@ -3250,18 +3250,26 @@ def assert_close_rel(a, b, tol):
     assert (a - b).abs().max().item() <= tol * scale
 
 
-def test_compact_block_matches_the_dense_masked_block():
+@pytest.mark.parametrize("length", ["read", "fit", "full"])
+def test_compact_block_matches_the_dense_masked_block(length):
+    # packed to the most active tokens of a sequence: read on the host, or given (the exact
+    # fit, or the whole sequence); row 2 has no active token, row 3 (but for the fit) no
+    # skipped one
     hp = tiny(dim=48, n_heads=4, n_kv_heads=2, max_seq_len=24, seq_len=24)
     torch.manual_seed(0)
     block = tg.Block(hp)
     x = torch.randn(4, 24, hp.dim)
     g = mixed_gates(4, 24)
     w = torch.randn(4, 24, hp.dim)
+    if length == "fit":  # no row without a skipped token: the fit is shorter than the sequence
+        g[3] = g[0]
+    given = {"read": None, "fit": int((g > 0).sum(1).max()), "full": 24}[length]
+    assert length != "fit" or given < 24
     results = []
     for compact in (False, True):
         block.zero_grad()
         xi, gi = x.clone().requires_grad_(), g.clone().requires_grad_()
-        y = block(xi, gi, None, compact)
+        y = block(xi, gi, None, compact, length=given)
         (y * w).sum().backward()
         results.append((y.detach(), grads(block), xi.grad, gi.grad))
     (y0, p0, x0, g0), (y1, p1, x1, g1) = results
@@ -3273,6 +3281,9 @@ def test_compact_block_matches_the_dense_masked_block():
     open_ = g > 0  # at g = 0 the dense path has d/dg = the unused block output; the clamp
     assert_close_rel(g0[open_], g1[open_], 1e-4)  # upstream zeroes it in the model
     assert torch.equal(y1[2], x[2])  # a row with every token skipped is untouched
+    if given is not None and given < 24:  # one token fewer: the longest sequence loses its last
+        y2 = block(x, g, None, True, length=given - 1)
+        assert not torch.allclose(y2, y1, atol=1e-3)
 
 
 def test_compact_model_matches_dense_logits_and_gradients():
@@ -3298,6 +3309,96 @@ def test_compact_model_matches_dense_logits_and_gradients():
     assert (l0 - l1).abs().max().item() < 1e-4
     for name in p0:
         assert_close_rel(p0[name], p1[name], 1e-4)
+
+
+def steered_model(hp):
+    """A gated model whose token 5 skips every gated block (S > 1) and token 7 none (s = 0), by
+    one direction u that its embeddings and every gate share; other tokens vary."""
+    torch.manual_seed(0)
+    model = tg.GPT(hp)
+    u = torch.randn(hp.dim)
+    u = u / u.norm()
+    with torch.no_grad():
+        model.embed.weight[5], model.embed.weight[7] = 3 * u, -3 * u
+        for gate in model.router.gates:
+            gate.weight.copy_(10 * u[None])
+            gate.bias.zero_()
+    return model
+
+
+@pytest.mark.parametrize("given", [None, "fit", "full"])
+def test_compact_model_packed_to_given_lengths_matches_masked(given):
+    # the gated model at the paper's routing, with a row where every token skips and one where
+    # none does: packed lengths read on the host, given as the exact fit, or the whole sequence
+    hp = tiny(n_layers=6, dim=48, max_seq_len=32, seq_len=32)
+    models = [steered_model(hp), tg.GPT(replace(hp, compact=True))]
+    models[1].load_state_dict(models[0].state_dict())
+    idx = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
+    idx[0] = 5  # every token skips the middle
+    if given != "fit":
+        idx[1] = 7  # none does: its blocks pack the whole sequence
+    out = []
+    for m in models:
+        o = m(idx)
+        if m is models[0]:
+            lengths = tg.packed_counts(o.route).int().tolist()
+            m2 = models[1]
+            m2.router.lengths = {None: None, "fit": lengths, "full": [32] * 6}[given]
+        reg, _ = m.router.loss(o.route, 0)
+        (F.cross_entropy(o.logits.flatten(0, 1), idx.flatten()) + reg).backward()
+        out.append((o.logits.detach(), o.route["block"], grads(m)))
+    (l0, b0, p0), (l1, b1, p1) = out
+    assert not b0[1:5, 0].any() and 0 < b0[1:5, 2:].float().mean() < 1
+    assert b0[:, 1].all() if given != "fit" else 0 < max(lengths[1:5]) < 32
+    assert torch.equal(b0, b1) and (l0 - l1).abs().max().item() < 1e-4
+    for name in p0:
+        assert_close_rel(p0[name], p1[name], 1e-4)
+
+
+def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
+    # lengths too short for this batch: train_step sees the counts exceed them (in its one host
+    # read), redoes the step at full length and applies the masked model's update; without the
+    # redo the packed step would be another. The next lengths come from the step's counts
+    hp = tiny(n_layers=4, dim=48, max_seq_len=32, seq_len=32, vocab_size=50257, batch_size=4)
+    hp = replace(hp, device_batch_size=2)
+    masked, model = steered_model(hp), tg.GPT(replace(hp, compact=True))
+    model.load_state_dict(masked.state_dict())
+    short = tg.GPT(replace(hp, compact=True))
+    short.load_state_dict(masked.state_dict())
+    short.router.lengths = [2] * 4
+    shards = f"{HERE}/data/sample/sample_train_*.bin"
+    x = torch.tensor(tg.read_shard(tg.find_shards(shards)[0], hp.vocab_size)[:64].astype("int64"))
+    x = x.view(2, 32)
+    assert (tg.packed_counts(masked(x).route) > 2).any()
+    assert (short(x).logits - masked(x).logits).abs().max() > 1e-3  # what the redo prevents
+    after = []
+    for m, lengths in ((masked, None), (model, [2] * 4)):
+        m.router.lengths = lengths
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        opt = torch.optim.SGD(tg.param_groups(m), lr=1.0)  # the update: minus the gradient
+        loader = tg.DistributedLoader(shards, 4, hp.seq_len, 0, 1, hp.vocab_size)
+        stats = tg.train_step(
+            m,
+            m.router,
+            hp,
+            opt,
+            loader,
+            runs.Dist(),
+            contextlib.nullcontext(),
+            2,
+            [1.0] * len(opt.param_groups),
+            0,
+        )
+        after.append((stats, {n: p.detach() - before[n] for n, p in m.named_parameters()}))
+    (s0, p0), (s1, p1) = after
+    assert "redone" not in s0 and s1["redone"] == [1]
+    assert s1["lm_loss"] == pytest.approx(s0["lm_loss"], rel=1e-5)
+    assert (
+        model.router.lengths == tg.packed_lengths(s1["packed"], 32) and s1["packed"] == s0["packed"]
+    )
+    assert p0.keys() == p1.keys()
+    for name in p0:
+        assert_close_rel(p1[name], p0[name], 1e-4)
 
 
 @pytest.mark.parametrize("axis", ["key", "query"])
@@ -3395,6 +3496,12 @@ def test_dlo_compact_evaluation_matches():
     assert 0.2 < (~a.route["mlp"]).float().mean() < 0.8
     assert (
         torch.equal(a.route["scale"], b.route["scale"]) and (a.logits - b.logits).abs().max() < 1e-5
+    )
+    models[1].router.lengths = tg.packed_counts(a.route).int().tolist()  # given: the exact fit
+    assert max(models[1].router.lengths) < 16
+    c = models[1](idx)
+    assert (
+        torch.equal(a.route["scale"], c.route["scale"]) and (a.logits - c.logits).abs().max() < 1e-5
     )
 
 
@@ -4103,28 +4210,37 @@ def test_mod_aux_loss_teaches_the_top_k_to_the_sign():
     assert loss.item() == pytest.approx(0.01 * bce.item(), rel=1e-5)
 
 
-def assert_compact_matches_masked(make):
+def assert_compact_matches_masked(make, given=False):
     """make(compact=...) -> a model: the compacted one's training logits, gradients (its router's
-    loss included) and evaluation logits equal the masked one's, to 1e-4."""
+    loss included) and evaluation logits equal the masked one's, to 1e-4. given: packed to
+    lengths given on the host, the masked pass's packed_counts in that mode (the exact fit)."""
     models = [make(), make(compact=True)]
     models[1].load_state_dict(models[0].state_dict())
     idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(4))
-    out = []
+    out, counts = [], {}
     for m in models:
+        if given and m is models[1]:
+            m.router.lengths = counts[True]
         o = m.train()(idx)
+        counts[True] = tg.packed_counts(o.route).int().tolist()
         reg, _ = m.router.loss(o.route, 0)
         (F.cross_entropy(o.logits.flatten(0, 1), idx.flatten()) + reg).backward()
+        if given and m is models[1]:
+            m.router.lengths = counts[False]
         with torch.no_grad():
-            evaluated = m.eval()(idx).logits
-        out.append((o.logits.detach(), grads(m), evaluated))
+            evaluated = m.eval()(idx)
+        counts[False] = tg.packed_counts(evaluated.route).int().tolist()
+        out.append((o.logits.detach(), grads(m), evaluated.logits))
+    assert min(counts[False]) < 16  # some block packs fewer tokens than the sequence has
     (l0, p0, e0), (l1, p1, e1) = out
     assert (l0 - l1).abs().max().item() < 1e-4 and (e0 - e1).abs().max().item() < 1e-4
     for name in p0:
         assert_close_rel(p0[name], p1[name], 1e-4)
 
 
-def test_mod_compact_matches_masked_logits_and_gradients():
-    assert_compact_matches_masked(mod_model)
+@pytest.mark.parametrize("given", [False, True])
+def test_mod_compact_matches_masked_logits_and_gradients(given):
+    assert_compact_matches_masked(mod_model, given)
 
 
 def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
@@ -4259,8 +4375,9 @@ def test_mor_aux_loss_is_the_bce_of_the_active_tokens_by_hand():
     assert loss.item() == pytest.approx(model.hp.mor_aux_coef * sum(terms) / 10, rel=1e-6)
 
 
-def test_mor_compact_matches_masked_logits_and_gradients():
-    assert_compact_matches_masked(mor_model)
+@pytest.mark.parametrize("given", [False, True])
+def test_mor_compact_matches_masked_logits_and_gradients(given):
+    assert_compact_matches_masked(mor_model, given)
 
 
 def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():
