@@ -93,6 +93,7 @@ def bench_size(name, device, repeats, compile_, model=None):
         hp, batch = model.hp, model.hp.device_batch_size
     twin = tg.GPT(replace(hp, compact=True)).to(device)  # the same weights, compacted
     cuda = device.startswith("cuda")
+    peak = support.peak_flops(torch.cuda.get_device_name(device) if cuda else "")
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if cuda
@@ -102,9 +103,7 @@ def bench_size(name, device, repeats, compile_, model=None):
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, hp.vocab_size, (batch, hp.seq_len), generator=gen).to(device)
     targets = torch.roll(idx, -1, dims=1)
-    whole = tg.compile_model(model) if compile_ and cuda else model  # (hp.compact is off)
-    if compile_ and cuda:
-        tg.compile_model(twin)  # its blocks, each compiled; the router eager around them
+    masked, compact = (tg.compile_model(m) if compile_ and cuda else m for m in (model, twin))
     rows = []
     for p in SPARSITY:
         force_sparsity(model, idx, p)
@@ -114,8 +113,9 @@ def bench_size(name, device, repeats, compile_, model=None):
         ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
         row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)
         twin.load_state_dict(model.state_dict())
-        for compact in (False, True):
-            run = twin if compact else whole  # compact: eager around the compiled blocks
+        tg.fit_lengths(twin.train(), idx)  # packed lengths known on the host, as train_step's
+        for packs in (False, True):
+            run = compact if packs else masked
 
             def forward(run=run):
                 with torch.no_grad(), autocast:
@@ -127,15 +127,37 @@ def bench_size(name, device, repeats, compile_, model=None):
                 loss.backward()
                 run.zero_grad(set_to_none=True)
 
-            key = "compact" if compact else "masked"
+            key = "compact" if packs else "masked"
             row[f"fwd_{key}"] = timed(forward, repeats, sync)
             row[f"fb_{key}"] = timed(forward_backward, repeats, sync)
         for kind in ("fwd", "fb"):
             row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
             row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal
+        if peak:  # forward + backward over the batch: the dense model's work (the gates' too)
+            row["fb_mfu_masked"] = tg.mfu(replace(hp, batch_size=batch), row["fb_masked"], 1, peak)
         rows.append(row)
         print(format_row(row), flush=True)
     return hp, batch, rows
+
+
+TARGETS = ((0.0, "speedup", 0.95), (0.5, "eff", 0.8), (0.75, "eff", 0.8))  # issue 48, fwd+bwd
+
+
+def target_lines(name, rows) -> list:
+    """Each of TARGETS against this size's rows: compact no slower than masked (within 5%) at
+    sparsity 0, and at least 0.8 of the FLOP ideal at 0.5 and 0.75, forward + backward."""
+    lines, at = [], {r["target"]: r for r in rows}
+    for p, kind, least in TARGETS:
+        got = at[p][f"fb_{kind}"]
+        what = "compact / masked" if kind == "speedup" else "of the FLOP ideal"
+        verdict = "met" if got >= least else "not met"
+        lines.append(f"{name} at sparsity {p}: {got:.2f} {what} (target {least}): {verdict}")
+    if "fb_mfu_masked" in rows[0]:
+        lines.append(
+            f"{name}: MFU of the masked model at sparsity 0, fwd+bwd: "
+            f"{100 * rows[0]['fb_mfu_masked']:.1f}%"
+        )
+    return lines
 
 
 HEADER = (
@@ -221,12 +243,15 @@ def main(argv):
         results.append(dict(size=args.init_from, batch=batch, hp=asdict(hp), rows=rows))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
+    targets = "\n".join(line for r in results for line in target_lines(r["size"], r["rows"]))
+    print(targets)
     support.write_output(
         out,
         "bench.md",
         (
             f"    python bench.py {' '.join(argv)}\n\n{runs.describe_system()}\n\n"
-            f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n"
+            f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n\n"
+            f"{targets}\n"
         ).encode(),
     )
     support.write_output(

@@ -464,12 +464,16 @@ def measure(run_dir: str, device: str) -> dict:
     hp = model.hp
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
     compact = tg.load_model(run_dir, device, compact=True).eval() if can_compact else model
-    for m in {model, compact} if device.startswith("cuda") else ():  # its blocks compiled,
-        tg.compile_model(m)  # the same way on both paths measured
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[
         : hp.device_batch_size * hp.seq_len
     ]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
+    if can_compact:  # packed lengths known on the host: no read per block
+        tg.fit_lengths(compact, idx)
+
+    def ready(m):  # compiled on CUDA, the same way on both paths measured
+        return tg.compile_model(m) if device.startswith("cuda") else m
+
     row = dict(
         val_loss=val["val_loss"],
         val_se=val.get("val_se"),
@@ -487,10 +491,10 @@ def measure(run_dir: str, device: str) -> dict:
         params=sum(
             p.numel() for n, p in model.named_parameters() if not n.startswith(("embed.", "head."))
         ),
-        ms_per_token_masked=eval_ms_per_token(model, idx),
+        ms_per_token_masked=eval_ms_per_token(ready(model), idx),
     )
     row["ms_per_token_compact"] = (
-        eval_ms_per_token(compact, idx) if can_compact else row["ms_per_token_masked"]
+        eval_ms_per_token(ready(compact), idx) if can_compact else row["ms_per_token_masked"]
     )
     targets = model.router.zero_targets()
     row["gate_zero"] = " ".join(f"{1 - a:.4f}" for a in val["block_active"]) if targets else ""
