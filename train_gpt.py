@@ -1073,7 +1073,7 @@ def fit_lengths(raw: GPT, idx: torch.Tensor):
     (bf16 on CUDA), so that a compiled model times that batch with no host read per block."""
     raw.router.lengths = None
     with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
-        raw.router.lengths = packed_lengths(packed_counts(raw(idx).route).tolist(), idx.size(1))
+        raw.router.lengths = packed_lengths([packed_counts(raw(idx).route).tolist()], idx.size(1))
 
 
 @torch.no_grad()
@@ -1129,7 +1129,8 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     )
 
 
-PACK = 128  # packed lengths are multiples of Flex's block, or of seq_len / 8 if that is less
+PACKS = 16  # packed lengths are multiples of seq_len / PACKS
+PACK_STEPS = 16  # ... and hold the most tokens packed over this many steps
 
 
 def packed_counts(route: dict) -> torch.Tensor:
@@ -1137,12 +1138,14 @@ def packed_counts(route: dict) -> torch.Tensor:
     return route["mlp"].sum(dim=-1).amax(dim=-1)
 
 
-def packed_lengths(counts: list, T: int) -> list:
-    """The next step's packed length per applied block: the most tokens a sequence packed there
-    this step, rounded up to a multiple of min(PACK, T / 8), plus one such unit of headroom (a
-    step that exceeds it is redone: train_step), at most T."""
-    unit = max(1, min(PACK, T // 8))
-    return [min(T, (int(n) // unit + 2) * unit) for n in counts]
+def packed_lengths(seen: list, T: int) -> list:
+    """Packed lengths per applied block from packed_counts seen (lists of L): the most a sequence
+    packed there in any of them, rounded up to a multiple of T / PACKS. A count that exceeds its
+    length next step makes train_step redo the step; over the last PACK_STEPS steps, rather than
+    the last one plus headroom, the smoke run at 300 steps (T = 128) redoes 10 steps in place of
+    67 and pads less (simulated on its recorded counts)."""
+    unit = max(1, T // PACKS)
+    return [min(T, -(-int(max(c)) // unit) * unit) for c in zip(*seen, strict=True)]
 
 
 def compile_model(raw: GPT) -> nn.Module:
@@ -1256,7 +1259,7 @@ def train(
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     if hp.compact and raw.router.packs_in_training:  # the first step: room for every token
-        raw.router.lengths = [hp.seq_len] * hp.n_layers
+        raw.router.lengths, raw.router.seen = [hp.seq_len] * hp.n_layers, []
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(
@@ -1404,6 +1407,7 @@ def log_step(
             "lr": lrs[0],
             "layer_lr": lrs[1:],
             "step_ms": step_ms,
+            "packed": stats["packed"],  # per layer, the most tokens of a sequence (compact)
             "redone": "redone" in stats,
             **means,
         }
@@ -1416,7 +1420,8 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
     route_sums; "packed": packed_counts, the most over micro-batches and ranks) and "router",
     loss()'s sums for its update, float64 left on the device. Compact: a step in which a sequence
     had more tokens at a block than its packed length (router.lengths) is redone at full length,
-    exact ("redone": 1); the next step's lengths come from this one's counts (packed_lengths)."""
+    exact ("redone": 1); the next step's lengths come from the counts of the last steps
+    (router.seen, packed_lengths)."""
     for group, lr in zip(opt.param_groups, lrs, strict=True):
         group["lr"] = lr
     xs, ys = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
@@ -1427,7 +1432,8 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
         router.lengths = [hp.seq_len] * hp.n_layers  # room for every token
         sums = {**micro_steps(model, router, hp, xs, ys, d, autocast, accum, step), "redone": [1]}
     if lengths is not None:
-        router.lengths = packed_lengths(sums["packed"], hp.seq_len)
+        router.seen = [*router.seen, sums["packed"]][-PACK_STEPS:]
+        router.lengths = packed_lengths(router.seen, hp.seq_len)
     if math.isfinite(sums["total_loss"][0]):
         opt.step()
     opt.zero_grad(set_to_none=True)
