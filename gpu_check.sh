@@ -17,7 +17,8 @@
 #            run folders outside the record (a 2.3 GB checkpoint), logs copied in          60 each
 #   tests    the CUDA tests of test_train.py (compiled = eager at dim 256, Flex with ln g) 170
 #   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)       55
-#   bench    bench.py --size=paper --compile=1: masked against compacted blocks          145
+#   bench    bench.py --size=paper --compile=1: masked against compacted blocks, against
+#            issue 48's targets (summary.txt: each target met or not, and the masked MFU)  145
 #   grid     sweep.py --grid=bytes_core --seeds=GPU_CHECK_SEEDS (default 5) on the byte corpus,
 #            which travels (28 MB: build data/debian_docs here, python data/debian_docs.py,
 #            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid_<gpu>); in
@@ -77,6 +78,7 @@ summary_of() {  # one stage's figures for summary.txt
     local log=$out/$1/train.log
     case $1 in
         tests) echo "; $(tail -1 "$out/tests.txt")" ;;
+        bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
                       "$(grep -h '^peak memory' "$log");" \
                       "$(grep -h '^step:1/.* train_loss' "$log" | grep -o 'train_loss:[0-9.]*')" \
