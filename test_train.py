@@ -3357,6 +3357,14 @@ def test_compact_model_packed_to_given_lengths_matches_masked(given):
         assert_close_rel(p0[name], p1[name], 1e-4)
 
 
+def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
+    # per block the most of the steps seen, rounded up to a multiple of T / 16, at least one
+    # such unit (a block no token ran still runs a padding token), at most T
+    seen = [[0, 5, 31, 32, 4], [0, 9, 16, 3, 4]]  # T = 32: units of 2
+    assert tg.packed_lengths(seen, 32) == [2, 10, 32, 32, 4]
+    assert tg.packed_lengths([[17, 64, 65, 1024]], 1024) == [64, 64, 128, 1024]
+
+
 def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
     # lengths too short for this batch: train_step sees the counts exceed them (in its one host
     # read), redoes the step at full length and applies the masked model's update; without the

@@ -1140,19 +1140,24 @@ def packed_counts(route: dict) -> torch.Tensor:
 
 def packed_lengths(seen: list, T: int) -> list:
     """Packed lengths per applied block from packed_counts seen (lists of L): the most a sequence
-    packed there in any of them, rounded up to a multiple of T / PACKS. A count that exceeds its
-    length next step makes train_step redo the step; over the last PACK_STEPS steps, rather than
-    the last one plus headroom, the smoke run at 300 steps (T = 128) redoes 10 steps in place of
-    67 and pads less (simulated on its recorded counts)."""
+    packed there in any of them, rounded up to a multiple of T / PACKS, at least one such unit
+    (a block that no token runs still runs one padding token: Block.pack). A count that
+    exceeds its length next step makes train_step redo the step. Over the last PACK_STEPS steps
+    rather than the last one plus a unit of headroom: the smoke run at 300 steps (T = 128)
+    redid 12 steps in place of 67 (two runs, measured)."""
     unit = max(1, T // PACKS)
-    return [min(T, -(-int(max(c)) // unit) * unit) for c in zip(*seen, strict=True)]
+    return [min(T, -(-max(1, int(max(c))) // unit) * unit) for c in zip(*seen, strict=True)]
 
 
 def compile_model(raw: GPT) -> nn.Module:
     """torch.compile of the whole model, one graph. Under compact, each packed length is an int
     on the router (Router.lengths), read by the graph as a symbol: a new length needs no new
     graph (Dynamo's automatic dynamic shapes: after the first change, one recompile)."""
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True  # (lengths: symbols, not constants)
+    config = torch._dynamo.config
+    config.allow_unspec_int_on_nn_module = True  # (lengths: symbols, not constants)
+    # headroom past the default 8, where Dynamo would run the rest eagerly: per mode a graph
+    # before the lengths change and one after, and specialisations (0/1 sizes: one Flex block)
+    config.recompile_limit = max(config.recompile_limit, 16)
     return torch.compile(raw)
 
 
