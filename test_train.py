@@ -4842,6 +4842,82 @@ def test_ddp_with_compact_blocks_empty_on_one_rank(tmp_path):
         assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name])
 
 
+DDP_REDO = r"""
+import contextlib, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import runs, train_gpt as tg
+from dataclasses import replace
+torch.distributed.init_process_group("gloo")
+rank = torch.distributed.get_rank()
+hp = replace(torch.load(sys.argv[2], weights_only=False), compact=True)
+model = tg.GPT(hp)
+model.load_state_dict(torch.load(sys.argv[3]))
+model.router.lengths = torch.load(sys.argv[4])  # long enough for rank 0's rows, not rank 1's
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(tg.param_groups(model), lr=1.0)
+loader = tg.DistributedLoader(hp.train_files, 2, hp.seq_len, rank, 2, hp.vocab_size)
+stats = tg.train_step(ddp, model.router, hp, opt, loader, runs.Dist(rank=rank, world=2),
+                      contextlib.nullcontext(), 1, [1.0] * len(opt.param_groups), 0)
+torch.save({"stats": stats, "params": model.state_dict()},
+           os.path.join(sys.argv[5], f"rank{rank}.pt"))
+torch.distributed.barrier()
+os._exit(0)  # (gloo's teardown can abort: see DDP_COMPACT)
+"""
+
+
+@pytest.mark.slow
+def test_ddp_ranks_redo_a_step_together_when_one_rank_outgrows_its_lengths(tmp_path):
+    # the packed counts are the most over the ranks: a rank whose own rows fit its lengths
+    # still redoes the step with the rank that did not, and both apply the one-process update
+    hp = tiny(
+        n_layers=4,
+        dim=48,
+        max_seq_len=32,
+        seq_len=32,
+        vocab_size=50257,
+        train_files=f"{HERE}/data/sample/sample_train_*.bin",
+        batch_size=4,
+        device_batch_size=2,
+    )
+    masked = steered_model(hp)
+    loader = tg.DistributedLoader(hp.train_files, 4, 32, 0, 1, hp.vocab_size)
+    x, y = loader.next_batch()  # the global batch: rows 0-1 rank 0's, rows 2-3 rank 1's
+    with torch.no_grad():
+        counts = [tg.packed_counts(masked(x[r : r + 2]).route).tolist() for r in (0, 2)]
+    lengths = tg.packed_lengths([counts[0]], 32)
+    assert any(n > m for n, m in zip(counts[1], lengths, strict=True))  # rank 1 outgrows them
+    assert all(n <= m for n, m in zip(counts[0], lengths, strict=True))  # rank 0 does not
+    for name, obj in (("hp", hp), ("model", masked.state_dict()), ("lengths", lengths)):
+        torch.save(obj, tmp_path / f"{name}.pt")
+    (tmp_path / "ddp.py").write_text(DDP_REDO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(tmp_path / "ddp.py"),
+            HERE,
+            *(str(tmp_path / f"{n}.pt") for n in ("hp", "model", "lengths")),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    assert [rk["stats"].get("redone") for rk in ranks] == [[1], [1]]
+    before = {n: p.detach().clone() for n, p in masked.state_dict().items()}
+    masked(x, targets=y).loss.backward()  # one process, the global batch (DDP's mean gradient)
+    for name, p in masked.named_parameters():
+        expected = before[name] - p.grad
+        assert_close_rel(ranks[0]["params"][name] - before[name], expected - before[name], 1e-4)
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])
+
+
 @cuda
 def test_cuda_bench_compiles_a_bounded_number_of_graphs(monkeypatch, request):
     # bench.py times a masked and a compacted model, each compiled whole, at four sparsities:
