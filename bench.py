@@ -8,11 +8,12 @@
 
 For each sparsity level p in 0, 0.25, 0.5, 0.75 the first gate is set so that a fraction p
 of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so every block sees
-the same fraction skipped; g is 1 or 0 for all but a sliver of tokens). Both paths then run
-the same model on the same batch, side by side, forward (no grad) and forward+backward; the
-median of --repeats timed runs after one warm-up is reported. The ideal speedup is
-forward_flops at the measured per-layer sparsity (the validation metric `fwd_flops_per_token`)
-against the dense count, and efficiency = measured / ideal speedup.
+the same fraction skipped; g is 1 or 0 for all but a sliver of tokens). Two models with the
+same weights, masked and compacted (its packed lengths fitted to the batch: fit_lengths), then
+run the same batch side by side, forward (no grad) and forward+backward; the median of
+--repeats timed runs after one warm-up is reported. The ideal speedup is forward_flops at the
+measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the dense
+count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not.
 """
 
 import json

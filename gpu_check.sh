@@ -19,6 +19,7 @@
 #   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)       55
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks, against
 #            issue 48's targets (summary.txt: each target met or not, and the masked MFU)  145
+#            (timed before issue 48's one-graph compact path)
 #   grid     sweep.py --grid=bytes_core --seeds=GPU_CHECK_SEEDS (default 5) on the byte corpus,
 #            which travels (28 MB: build data/debian_docs here, python data/debian_docs.py,
 #            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid_<gpu>); in

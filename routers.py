@@ -74,14 +74,14 @@ class Router(nn.Module):
     layer_modules = ""  # its ModuleList of one module per layer, which expand.py moves with them
     skips = "block"  # trace key of what a token skips (skipview.py); "mlp": DLO, "recursion": MoR
     packs_in_training = True  # compact packs tokens in training too; DLO: no
-    # compact: each applied block's packed length (Block.pack), set by train_step from the
-    # packed counts seen in the last steps; None: read on the host per block (exact, a sync
-    # each: eager use)
-    lengths, seen = None, []
 
     def __init__(self, hp):
         super().__init__()
         self.hp = hp
+        # compact: each applied block's packed length (Block.pack), set by train_step from the
+        # packed counts seen in the last steps; None: read on the host per block (exact, a sync
+        # each: eager use)
+        self.lengths, self.seen = None, []
 
     def length(self, applied: int):
         """The packed length of applied block `applied` (its index in the depth loop), or None."""

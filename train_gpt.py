@@ -1150,9 +1150,9 @@ def packed_lengths(seen: list, T: int) -> list:
 
 
 def compile_model(raw: GPT) -> nn.Module:
-    """torch.compile of the whole model, one graph. Under compact, each packed length is an int
-    on the router (Router.lengths), read by the graph as a symbol: a new length needs no new
-    graph (Dynamo's automatic dynamic shapes: after the first change, one recompile)."""
+    """torch.compile of the whole model, one graph. Under compact, the packed lengths (a list of
+    ints on the router, Router.lengths) are read by the graph as symbols: a new length needs no
+    new graph (Dynamo's automatic dynamic shapes: after the first change, one recompile)."""
     config = torch._dynamo.config
     config.allow_unspec_int_on_nn_module = True  # (lengths: symbols, not constants)
     # headroom past the default 8, where Dynamo would run the rest eagerly: per mode a graph
@@ -1264,7 +1264,7 @@ def train(
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     if hp.compact and raw.router.packs_in_training:  # the first step: room for every token
-        raw.router.lengths, raw.router.seen = [hp.seq_len] * hp.n_layers, []
+        raw.router.lengths = [hp.seq_len] * hp.n_layers
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(
