@@ -1143,8 +1143,9 @@ def packed_lengths(seen: list, T: int) -> list:
     packed there in any of them, rounded up to a multiple of T / PACKS, at least one such unit
     (a block that no token runs still runs one padding token: Block.pack). A count that
     exceeds its length next step makes train_step redo the step. Over the last PACK_STEPS steps
-    rather than the last one plus a unit of headroom: the smoke run at 300 steps (T = 128)
-    redid 12 steps in place of 67 (two runs, measured)."""
+    rather than the last one plus a unit of headroom: the smoke run at 300 steps redid 12 steps,
+    where the other rule, replayed on its counts, redoes 71
+    (records/2026-11-26_smoke_compact_packed_cpu/)."""
     unit = max(1, T // PACKS)
     return [min(T, -(-max(1, int(max(c))) // unit) * unit) for c in zip(*seen, strict=True)]
 
