@@ -1076,8 +1076,15 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
 
 @pytest.mark.slow
 def test_every_script_under_records_runs_on_todays_code():
-    scripts = sorted(Path(HERE).glob("records/*/*.py"))
-    assert [p.name for p in scripts] == ["memory_step.py"]  # a new one: give it a tiny run here
+    scripts = sorted(Path(HERE).glob("records/*/*.py"), key=lambda p: p.name)
+    assert [p.name for p in scripts] == ["memory_step.py", "replay.py"]  # a new one: run it here
+    r = subprocess.run(  # today's packed_lengths on the recorded counts: the run's own redos
+        [sys.executable, str(scripts[1])], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.splitlines()[:2] == [
+        "300 steps, 12 redone in the run",
+        "packed_lengths: 12 redone, packed / needed 1.285",
+    ], r.stdout + r.stderr[-2000:]
     r = subprocess.run(
         [sys.executable, str(scripts[0]), HERE, "1", "1"],
         capture_output=True,
