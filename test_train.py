@@ -4799,6 +4799,29 @@ def test_cuda_compact_path_compiles_with_few_recompilations_and_never_syncs(requ
     torch.cuda.synchronize()
 
 
+def two_ranks(tmp_path, script: str, *args) -> subprocess.CompletedProcess:
+    """script run as ddp.py under torchrun on 2 CPU processes (one thread each), with HERE, args
+    and tmp_path as its arguments."""
+    (tmp_path / "ddp.py").write_text(script)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(tmp_path / "ddp.py"),
+            HERE,
+            *map(str, args),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 DDP_COMPACT = r"""
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -4826,40 +4849,14 @@ os._exit(0)  # gloo's teardown (destroy, interpreter exit) can abort ("terminate
 def test_ddp_with_compact_blocks_empty_on_one_rank(tmp_path):
     # a block with no active token on one rank: its parameters must still get a (zero)
     # gradient there, or DDP's all-reduce errors or hangs; the result must be one process's
-    hp = tiny(compact=True)
-    torch.manual_seed(0)
-    model = tg.GPT(hp)
-    u = torch.randn(32)
-    u = u / u.norm()
-    with torch.no_grad():  # token 5 drives S far above 1 (g = 0), token 7 keeps s = 0 (g = 1)
-        model.embed.weight[5], model.embed.weight[7] = 3 * u, -3 * u
-        model.embed.weight[11], model.embed.weight[12] = 2 * u, -2 * u
-        for gate in model.router.gates:
-            gate.weight.copy_(10 * u[None])
-            gate.bias.zero_()
+    model = steered_model(tiny(compact=True))  # token 5 skips every gated block, token 7 none
+    with torch.no_grad():  # tokens 11 and 12 at two thirds of their embeddings' length
+        model.embed.weight[11], model.embed.weight[12] = (2 / 3) * model.embed.weight[[5, 7]]
     idx = torch.stack([torch.full((2, 16), 5), torch.full((2, 16), 7)])  # (rank, B, T)
     idx[:, :, ::4] = torch.tensor([[[11]], [[12]]])  # some variety per rank
     torch.save(model.state_dict(), tmp_path / "model.pt")
     torch.save(idx, tmp_path / "idx.pt")
-    (tmp_path / "ddp.py").write_text(DDP_COMPACT)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(tmp_path / "ddp.py"),
-            HERE,
-            str(tmp_path / "model.pt"),
-            str(tmp_path / "idx.pt"),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    r = two_ranks(tmp_path, DDP_COMPACT, tmp_path / "model.pt", tmp_path / "idx.pt")
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
     assert not ranks[0]["block"][1].any() and ranks[1]["block"][1].all()  # block 1: empty on rank 0
@@ -4922,24 +4919,7 @@ def test_ddp_ranks_redo_a_step_together_when_one_rank_outgrows_its_lengths(tmp_p
     assert all(n <= m for n, m in zip(counts[0], lengths, strict=True))  # rank 0 does not
     for name, obj in (("hp", hp), ("model", masked.state_dict()), ("lengths", lengths)):
         torch.save(obj, tmp_path / f"{name}.pt")
-    (tmp_path / "ddp.py").write_text(DDP_REDO)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(tmp_path / "ddp.py"),
-            HERE,
-            *(str(tmp_path / f"{n}.pt") for n in ("hp", "model", "lengths")),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    r = two_ranks(tmp_path, DDP_REDO, *(tmp_path / f"{n}.pt" for n in ("hp", "model", "lengths")))
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
     assert [rk["stats"].get("redone") for rk in ranks] == [[1], [1]]
