@@ -14,6 +14,8 @@ run the same batch side by side, forward (no grad) and forward+backward; the med
 --repeats timed runs after one warm-up is reported. The ideal speedup is forward_flops at the
 measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the dense
 count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not.
+The compile columns give the warm-up's compile time (runs.compile_ms), forward and
+forward+backward together: a sparsity whose packed lengths are new compiles a block again.
 """
 
 import json
@@ -60,15 +62,18 @@ def force_sparsity(model, idx, p, seed=0):
 
 
 def timed(fn, repeats, sync):
+    """-> (the median of `repeats` timed calls, s; the compile time of the warm-up call, s)"""
+    compiled = runs.compile_ms()
     fn()  # warm-up (and compilation)
     sync()
+    compile_s = (runs.compile_ms() - compiled) / 1000
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), compile_s
 
 
 def source_model(source, device):
@@ -129,8 +134,8 @@ def bench_size(name, device, repeats, compile_, model=None):
                 run.zero_grad(set_to_none=True)
 
             key = "compact" if packs else "masked"
-            row[f"fwd_{key}"] = timed(forward, repeats, sync)
-            row[f"fb_{key}"] = timed(forward_backward, repeats, sync)
+            row[f"fwd_{key}"], row[f"compile_fwd_{key}"] = timed(forward, repeats, sync)
+            row[f"fb_{key}"], row[f"compile_fb_{key}"] = timed(forward_backward, repeats, sync)
         for kind in ("fwd", "fb"):
             row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
             row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal
@@ -163,8 +168,9 @@ def target_lines(name, rows) -> list:
 
 HEADER = (
     "| size | sparsity | fwd masked ms | fwd compact ms | fwd speedup | fwd+bwd masked ms "
-    "| fwd+bwd compact ms | fwd+bwd speedup | ideal (FLOPs) | fwd eff | fwd+bwd eff |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "| fwd+bwd compact ms | fwd+bwd speedup | ideal (FLOPs) | fwd eff | fwd+bwd eff "
+    "| compile s masked | compile s compact |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -173,7 +179,9 @@ def format_row(r):
         f"| {r['size']} | {r['sparsity']:.3f} | {1e3 * r['fwd_masked']:.1f} | "
         f"{1e3 * r['fwd_compact']:.1f} | {r['fwd_speedup']:.2f} | {1e3 * r['fb_masked']:.1f} | "
         f"{1e3 * r['fb_compact']:.1f} | {r['fb_speedup']:.2f} | {r['ideal']:.2f} | "
-        f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} |"
+        f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} | "
+        f"{r['compile_fwd_masked'] + r['compile_fb_masked']:.1f} | "
+        f"{r['compile_fwd_compact'] + r['compile_fb_compact']:.1f} |"
     )
 
 

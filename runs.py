@@ -486,17 +486,30 @@ class RunLog:
                     f.close()
 
 
+def compile_ms() -> float:
+    """This process's time in torch.compile so far, ms: Dynamo's compiles (a graph's forward,
+    Inductor included) and AOTAutograd's, of a backward graph at its first backward."""
+    from torch._dynamo.utils import compilation_time_metrics as times
+
+    return 1000 * sum(
+        sum(times.get(k, ())) for k in ("_compile.compile_inner", "backward._backward_impl")
+    )
+
+
 class StepClock:
-    """The clock: a job's first `untimed` steps are warm-up (compilation), logged once as such;
-    train_time and step_avg count the other steps of all jobs."""
+    """The clock: a job's first `untimed` steps are warm-up, logged once as such; train_time and
+    step_avg count the other steps of all jobs, less their compile time (a packed length new to
+    a compiled model compiles one block: compile_ms), which this job's total reports apart."""
 
-    def __init__(self, log: RunLog, start: int, untimed: int, compiled: bool):
-        self.log, self.start, self.untimed, self.compiled = log, start, untimed, compiled
-        self.ms = 0.0  # this job's warm-up time
+    def __init__(self, log: RunLog, start: int, untimed: int):
+        self.log, self.start, self.untimed = log, start, untimed
+        self.ms = self.compile_ms = 0.0  # this job's warm-up time; its compile time
 
-    def add(self, run: RunState, step_ms: float):
+    def add(self, run: RunState, step_ms: float, compile_ms: float):
+        self.compile_ms += compile_ms
         if run.step - self.start > self.untimed:
-            run.train_ms, run.timed_steps = run.train_ms + step_ms, run.timed_steps + 1
+            run.train_ms += step_ms - compile_ms
+            run.timed_steps += 1
         else:
             self.ms += step_ms
             if run.step - self.start == self.untimed:
@@ -505,11 +518,13 @@ class StepClock:
     def end(self, run: RunState):
         if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
             self.report(run)
+        if self.compile_ms:
+            self.log.print(f"compile: {self.compile_ms / 1000:.1f}s in this job's steps")
 
     def report(self, run: RunState):
         self.log.print(
             f"warm-up: steps {self.start + 1}-{run.step} of this job untimed, "
-            f"{self.ms:.0f}ms" + (" (compilation included)" if self.compiled else "")
+            f"{self.ms:.0f}ms (compile {self.compile_ms:.0f}ms)"
         )
         self.log.record(
             {
@@ -517,6 +532,7 @@ class StepClock:
                 "step": run.step,
                 "steps": run.step - self.start,
                 "warmup_ms": self.ms,
+                "compile_ms": self.compile_ms,
             }
         )
 

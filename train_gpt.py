@@ -209,6 +209,16 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
+PACKS = 16  # a packed length is a multiple of seq_len / PACKS, or seq_len: few shapes to compile
+
+
+def packed_length(count: int, T: int) -> int:
+    """count tokens (of a sequence of T) rounded up to a multiple of T / PACKS, at least one such
+    unit (Block.pack), at most T."""
+    unit = max(1, T // PACKS)
+    return min(T, -(-max(1, count) // unit) * unit)
+
+
 class Block(nn.Module):
     """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2, 2.3). g: (B, T, 1)
     or None (dense); keys: each token's weight as a key (eq. 3), by default g."""
@@ -249,14 +259,16 @@ class Block(nn.Module):
     def pack(active, length=None):
         """active: (B, T) bool -> (pos, valid): the positions of each sequence's active tokens
         first, in order, (B, Tc), and which of them are active, (B, Tc, 1). Tc = length, known on
-        the host (no sync: the compiled model stays one graph); a sequence with more active tokens
-        loses those past it, so whoever gives lengths checks packed_counts (train_step redoes such
-        a step at full length). Without one, Tc is the most any sequence has, read on the host:
-        a sync, at least 1, so that with no active token a block still runs on one padding token
-        (g = 0, x unchanged) and every parameter gets a (zero) gradient: under DDP a rank where a
-        block's parameters got none would stall the all-reduce."""
+        the host (no sync); a sequence with more active tokens loses those past it, so whoever
+        gives lengths checks packed_counts (train_step redoes such a step at full length).
+        Without one, Tc is the most any sequence has, read on the host (a sync: evaluation) and
+        rounded up as packed_length rounds, so that a compiled block sees few shapes. At least 1:
+        with no active token a block still runs on one padding token (g = 0, x unchanged) and
+        every parameter gets a (zero) gradient: under DDP a rank where a block's parameters got
+        none would stall the all-reduce."""
         counts = active.sum(dim=1)  # (B,)
-        Tc = max(1, int(counts.max())) if length is None else length
+        T = active.size(1)
+        Tc = packed_length(int(counts.max()), T) if length is None else length
         pos = (~active).to(torch.int8).argsort(dim=1, stable=True).narrow(1, 0, Tc)  # active first
         return pos, (torch.arange(Tc, device=active.device) < counts[:, None])[..., None]
 
@@ -1129,8 +1141,7 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     )
 
 
-PACKS = 16  # packed lengths are multiples of seq_len / PACKS
-PACK_STEPS = 16  # ... and hold the most tokens packed over this many steps
+PACK_STEPS = 16  # packed lengths hold the most tokens packed over this many steps
 
 
 def packed_counts(route: dict) -> torch.Tensor:
@@ -1140,26 +1151,32 @@ def packed_counts(route: dict) -> torch.Tensor:
 
 def packed_lengths(seen: list, T: int) -> list:
     """Packed lengths per applied block from packed_counts seen (lists of L): the most a sequence
-    packed there in any of them, rounded up to a multiple of T / PACKS, at least one such unit
-    (a block that no token runs still runs one padding token: Block.pack). A count that
-    exceeds its length next step makes train_step redo the step. Over the last PACK_STEPS steps
-    rather than the last one plus a unit of headroom: the smoke run at 300 steps redid 12 steps,
-    where the other rule, replayed on its counts, redoes 71
-    (records/2026-11-26_smoke_compact_packed_cpu/)."""
-    unit = max(1, T // PACKS)
-    return [min(T, -(-max(1, int(max(c))) // unit) * unit) for c in zip(*seen, strict=True)]
+    packed there in any of them, rounded up (packed_length). A count that exceeds its length
+    next step makes train_step redo the step. Over the last PACK_STEPS steps rather than the
+    last one plus a unit of headroom: the smoke run at 300 steps redid 12 steps, where the other
+    rule, replayed on its counts, redoes 71 (records/2026-11-26_smoke_compact_packed_cpu/)."""
+    return [packed_length(int(max(c)), T) for c in zip(*seen, strict=True)]
 
 
-def compile_model(raw: GPT) -> nn.Module:
-    """torch.compile of the whole model, one graph. Under compact, the packed lengths (a list of
-    ints on the router, Router.lengths) are read by the graph as symbols: a new length needs no
-    new graph (Dynamo's automatic dynamic shapes: after the first change, one recompile)."""
+REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (DLO: the halves)
+
+
+def compile_model(raw: GPT) -> GPT:
+    """Regional compilation (PyTorch's recipe for a fast cold start): each block's REGIONS
+    compiled in place, with static shapes. The blocks share their code, so a graph compiled for
+    one serves all: a cold compile is one block's, not the model's. The embedding, the router,
+    Block.pack and the head run eagerly. Under compact a packed length is a shape: a new one
+    compiles a new graph of one block, at most PACKS + 1 lengths per mode (packed_length), each
+    shown in the log (compile_ms). Static rather than symbolic lengths: on an H100 (torch 2.11)
+    the whole model compiled with symbolic lengths crashed Inductor's fusion at some lengths."""
     config = torch._dynamo.config
-    config.allow_unspec_int_on_nn_module = True  # (lengths: symbols, not constants)
-    # headroom past the default 8, where Dynamo would run the rest eagerly: per mode a graph
-    # before the lengths change and one after, and specialisations (0/1 sizes: one Flex block)
-    config.recompile_limit = max(config.recompile_limit, 16)
-    return torch.compile(raw)
+    # graphs per region: PACKS + 1 lengths, training and evaluation, gated and not (past the
+    # default 8, Dynamo would run the rest eagerly)
+    config.recompile_limit = max(config.recompile_limit, 4 * (PACKS + 1))
+    for block in raw.blocks:
+        for name in REGIONS:
+            setattr(block, name, torch.compile(getattr(block, name), dynamic=False))
+    return raw
 
 
 def adamw_options(hp: Hyperparameters) -> dict:
@@ -1298,7 +1315,7 @@ def train(
         f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
         f"train_time and step_avg count the other steps of all jobs"
     )
-    clock = runs.StepClock(log, start, job.untimed_steps, job.compile and cuda)
+    clock = runs.StepClock(log, start, job.untimed_steps)
     try:
         with STOP as stop:
             for step in range(start, steps + 1):  # at each step boundary, then the step
@@ -1329,7 +1346,7 @@ def train(
                 if ending:  # stop if asked, or at the end
                     break
                 d.sync()
-                t0 = time.perf_counter()
+                t0, compiled = time.perf_counter(), runs.compile_ms()
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
                 stats = train_step(
                     model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step
@@ -1351,8 +1368,20 @@ def train(
                 raw.router.update(stats.get("router"), stats["tokens"][0], step)
                 d.sync()
                 step_ms = 1000 * (time.perf_counter() - t0)
-                clock.add(run, step_ms)
-                log_step(log, raw.router, hp, run, steps, stats, lrs, step_ms, peak, d.world)
+                compile_ms = runs.compile_ms() - compiled
+                clock.add(run, step_ms, compile_ms)
+                log_step(
+                    log,
+                    raw.router,
+                    hp,
+                    run,
+                    steps,
+                    stats,
+                    lrs,
+                    (step_ms, compile_ms),
+                    peak,
+                    d.world,
+                )
         clock.end(run)
         if run.step < steps or run.val_done < run.step:
             why = f"signal {signal.Signals(signum).name}" if signum else "stop_step"
@@ -1381,17 +1410,19 @@ def log_step(
     steps: int,
     stats: dict,
     lrs: list,
-    step_ms: float,
+    times: tuple,
     peak: float,
     world: int,
 ):
-    """The step's line of train.log and its record in metrics.jsonl (per-layer means)."""
-    n = stats["tokens"][0]
+    """The step's line of train.log and its record in metrics.jsonl (per-layer means). times:
+    the step's wall time and the part of it spent compiling (ms); tok/s and MFU count the rest."""
+    n, (step_ms, compile_ms) = stats["tokens"][0], times
+    ms = step_ms - compile_ms
     means = {k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
     line = (
         f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
         f"{runs.clock(run.train_ms, run.timed_steps)} "
-        f"tok/s:{hp.batch_size * hp.seq_len / step_ms * 1000:.0f}"
+        f"tok/s:{hp.batch_size * hp.seq_len / ms * 1000:.0f}"
     )
     if peak:  # executed work: all tokens, except what compact really skips
         active, pairs = (
@@ -1399,7 +1430,9 @@ def log_step(
             if hp.compact
             else (None, None)
         )
-        line += f" mfu:{100 * mfu(hp, step_ms / 1000, world, peak, active, pairs):.1f}%"
+        line += f" mfu:{100 * mfu(hp, ms / 1000, world, peak, active, pairs):.1f}%"
+    if compile_ms:  # a graph new to this process (compile_model; a new packed length)
+        line += f" compile:{compile_ms:.0f}ms"
     if "redone" in stats:  # compact: a sequence outgrew a packed length (train_step)
         line += " redone:full_length"
     log.print(line)
@@ -1413,6 +1446,7 @@ def log_step(
             "lr": lrs[0],
             "layer_lr": lrs[1:],
             "step_ms": step_ms,
+            "compile_ms": compile_ms,
             "packed": stats["packed"],  # per layer, the most tokens of a sequence (compact)
             "redone": "redone" in stats,
             **means,
