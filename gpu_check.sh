@@ -1,34 +1,32 @@
 #!/usr/bin/env bash
-# Every GPU check, in stages, resumable: run the same command again until it says "all done".
-# Each call runs the stages not done yet that fit in its time budget (default 450 s, so a call
-# stays under 8 minutes), then stops; a stage whose output exists is skipped. Needs a CUDA
-# machine with torch, numpy, tiktoken, huggingface_hub and pytest, and a C compiler and the
-# Python headers (torch.compile builds kernels at run time); no network: the embedded sample, and
-# the byte corpus carried for the grid.
+# Every GPU check in one call, within one budget; summary.txt gives each stage's exit status and
+# its measured seconds. A stage is cut (timeout) at what is left of the budget; a stage whose
+# output exists is skipped, so that a second call finishes what a cut one left. Needs a CUDA
+# machine with torch, numpy, tiktoken, huggingface_hub, safetensors and pytest, a C compiler and
+# the Python headers (torch.compile builds kernels at run time); no network: the embedded sample.
 #
 #     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
-# Stages (seconds on one H100, measured 2026-11-25; summary.txt grows as they finish):
-#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   40
-#   paper_none, paper_skip_middle
+# GPU_CHECK_SECONDS: the budget (default 420: one call of 7 minutes). The stages, with the
+# seconds measured on one H100 on 2026-11-26 (records/2026-11-26_gpu_check_NVIDIA_H100_80GB_HBM3),
+# before the blocks were compiled apart (issue 54: not yet measured so):
+#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   22
+#   paper_none, paper_skip_middle, paper_compact
 #            first, as a compiled run that does not learn makes the rest moot: the paper
 #            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
 #            failing unless the last validation loss is under 0.9 x the first training loss;
-#            run folders outside the record (a 2.3 GB checkpoint), logs copied in          60 each
-#   tests    the CUDA tests of test_train.py (compiled = eager at dim 256, Flex with ln g) 170
-#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)       55
-#   bench    bench.py --size=paper --compile=1: masked against compacted blocks, against
-#            issue 48's targets (summary.txt: each target met or not, and the masked MFU)  145
-#            (timed before issue 48's one-graph compact path)
-#   grid     sweep.py --grid=bytes_core --seeds=GPU_CHECK_SEEDS (default 5) on the byte corpus,
-#            which travels (28 MB: build data/debian_docs here, python data/debian_docs.py,
-#            and carry it), its runs in GPU_CHECK_RUNS (default logs/gpu_check_grid_<gpu>); in
-#            pieces: each call trains until its budget is spent, then SIGTERM makes the run
-#            in flight save and the next call goes on (on an H200, 2026-11-26 record: about 43 s
-#            a run, most of it start-up and validation, then 2 MB read twice; now 5 MB read once,
-#            not yet timed there: at 43 s, about 30 min for 5 seeds)
-# GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size and on the embedded sample's grid
-# (test_train.py runs it so).
+#            dense, gated, and gated with compact=true (the gates of a new model at this width
+#            skip: the same run as paper_skip_middle, its skipped work not done: step time,
+#            memory, compile time and redone steps side by side); run folders outside the
+#            record (a 2.3 GB checkpoint), logs copied in                                   74 each
+#   tests    the CUDA tests of test_train.py (compiled = eager, Flex with ln g, packed lengths
+#            compiled once each and never a sync, the bench's graphs)                     124
+#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)          41
+#   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
+#            sparsities, against issue 48's targets (summary.txt: each target met or not, the
+#            masked MFU), compile time apart                                                116
+# The byte grid is a result, not a check: sweep.py (README).
+# GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (test_train.py runs it so).
 set -uo pipefail
 cd "$(dirname "$0")"
 if ! python -c "import torch" 2>/dev/null; then
@@ -37,9 +35,8 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 tiny=()  # a dry run's sizes, after the checks' own (the last of a field wins)
 bench=(--size=paper --device=cuda --compile=1)
-grid=(--grid=bytes_core --seeds="${GPU_CHECK_SEEDS:-5}")
 if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
-    gpu=cpu_dry_run bench=(--size=smoke --device=cpu --repeats=1) grid=(--grid=cpu --seeds=1)
+    gpu=cpu_dry_run bench=(--size=smoke --device=cpu --repeats=1)
     export CUDA_VISIBLE_DEVICES=  # on CPU even where there is a GPU
     tiny=(--n_layers=2 --dim=32 --n_heads=2 --n_kv_heads=2 --max_seq_len=64 --seq_len=64
           --batch_size=8 --device_batch_size=8 --train_tokens=$((30 * 8 * 64)) --val_tokens=512
@@ -51,28 +48,35 @@ else
     gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 fi
 out=${1:-records/$(date +%F)_gpu_check_$gpu}
-budget=${GPU_CHECK_SECONDS:-450}
+budget=${GPU_CHECK_SECONDS:-420}
 if ! mkdir -p "$out"; then
     echo "error: cannot create $out" >&2
     exit 2
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-ran=0
 
-stage() {  # stage NAME ESTIMATE_S COMMAND...: run it unless done, if it fits in what is left
-    local name=$1 estimate=$2 t0=$SECONDS
-    shift 2
+stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of the budget
+    local name=$1 t0=$SECONDS left=$((budget - SECONDS))
+    shift
     [ -e "$out/$name.done" ] && return 0
-    if (( ran && SECONDS + estimate > budget )); then  # (the first stage of a call always runs)
-        echo "next: $name (~${estimate} s); run 'bash gpu_check.sh $out' again"
-        exit 0
+    if (( left < 1 )); then
+        echo "$name: not run, the budget of $budget s is spent; run 'bash gpu_check.sh $out' again" \
+            | tee -a "$out/summary.txt"
+        return 0
     fi
-    echo "== $name (~${estimate} s estimated)"
-    "$@" > "$out/$name.txt" 2>&1
+    echo "== $name (at most $left s)"
+    # (a stage is a function of this file or a command: timeout runs it in a bash given both)
+    timeout --signal=TERM --kill-after=10 "$left" bash -c \
+        "$(declare -p out name tiny sample); $(declare -f env_check paper_run ddp_run); \"\$@\"" \
+        stage "$@" > "$out/$name.txt" 2>&1
     local status=$?
+    if (( status == 124 || status == 137 )); then
+        echo "$name: cut at $((SECONDS - t0)) s by the budget; run 'bash gpu_check.sh $out' again" \
+            | tee -a "$out/summary.txt"
+        return 0
+    fi
     echo "$name: exit $status, $((SECONDS - t0)) s$(summary_of "$name")" | tee -a "$out/summary.txt"
     touch "$out/$name.done"
-    ran=1
 }
 
 summary_of() {  # one stage's figures for summary.txt
@@ -81,7 +85,8 @@ summary_of() {  # one stage's figures for summary.txt
         tests) echo "; $(tail -1 "$out/tests.txt")" ;;
         bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
-                      "$(grep -h '^peak memory' "$log");" \
+                      "$(grep -h '^peak memory' "$log"); $(grep -h '^compile:' "$log");" \
+                      "redone: $(grep -c 'redone:full_length' "$log") of $(grep -c '^step:.* train_loss' "$log") steps;" \
                       "$(grep -h '^step:1/.* train_loss' "$log" | grep -o 'train_loss:[0-9.]*')" \
                       "-> $(grep -h '^step:.* val_loss' "$log" | tail -1 | grep -o 'val_loss:[0-9.]*')" ;;
         *) ;;
@@ -115,17 +120,17 @@ ddp_run() {  # a small gated, compacted model under torchrun: launcher, NCCL, co
     return $status
 }
 
-paper_run() {  # paper_run ROUTER: the global batch is one device batch (the sample holds ~4);
-    local run  # validation reads the training shard (the validation one is too small): timing
+paper_run() {  # paper_run ROUTER [OPTION...]: the global batch is one device batch (the sample
+    local run  # holds ~4); validation reads the training shard (the validation one is too small)
     run=$(mktemp -d) || return 1
-    python train_gpt.py --router="$1" "${sample[@]}" --batch_size=32 --device_batch_size=32 \
+    python train_gpt.py --router="$1" "${@:2}" "${sample[@]}" --batch_size=32 --device_batch_size=32 \
         --train_tokens=$((40 * 32 * 1024)) --val_every=0 --val_tokens=32768 --save_every=0 \
         --untimed_steps=10 --run_dir="$run/run" "${tiny[@]}"
     local status=$?
-    mkdir -p "$out/paper_$1" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/paper_$1/"
+    mkdir -p "$out/$name" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/$name/"
     rm -rf "$run"  # made by mktemp above: only this stage's run folder
     (( status )) && return $status
-    python - "$out/paper_$1/metrics.jsonl" <<'EOF'  # it learns: the loss falls by 10% at least
+    python - "$out/$name/metrics.jsonl" <<'EOF'  # it learns: the loss falls by 10% at least
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 first = next(r["train_loss"] for r in records if r["kind"] == "train")
@@ -135,39 +140,11 @@ sys.exit(0 if last < 0.9 * first else "error: the loss did not fall by 10%: not 
 EOF
 }
 
-stage env 60 env_check
-stage paper_none 120 paper_run none  # learning first: both losses must fall
-stage paper_skip_middle 120 paper_run skip_middle
-stage tests 240 python -m pytest -q test_train.py -k cuda -rs
-stage ddp 120 ddp_run
-stage bench 240 python bench.py "${bench[@]}" --out="$out/bench"
-
-# the checks end here (about 10 min, 2 calls); the grid is a result, not a check: it trains
-# until the budget is spent; SIGTERM lets the run in flight save, and sweep.py then stops with
-# status 0; done once it has written its record
-if [ ! -e "$out/checks.done" ]; then
-    echo "checks: finished (exit status of each stage above)" | tee -a "$out/summary.txt"
-    touch "$out/checks.done"
-fi
-if [ ! -e "$out/grid/runs.csv" ]; then
-    left=$((budget - SECONDS))
-    if (( left < 30 )); then
-        echo "next: the grid; run 'bash gpu_check.sh $out' again"
-        exit 0
-    fi
-    echo "== grid (${grid[*]}), for up to $left s"
-    timeout --signal=TERM --kill-after=30 "$left" python sweep.py "${grid[@]}" \
-        --runs="${GPU_CHECK_RUNS:-logs/gpu_check_grid_$gpu}" --out="$out/grid" \
-        >> "$out/grid.txt" 2>&1
-    status=$?  # 124, 137: cut by the budget (the run in flight saved, or was starting)
-    if [ -e "$out/grid/runs.csv" ]; then
-        echo "grid: done; $(tail -1 "$out/grid.txt")" | tee -a "$out/summary.txt"
-    elif (( status != 124 && status != 137 )); then
-        echo "grid: failed (exit $status): $(tail -1 "$out/grid.txt")" | tee -a "$out/summary.txt"
-        exit 1
-    else
-        echo "grid: $(tail -1 "$out/grid.txt"); run 'bash gpu_check.sh $out' again"
-        exit 0
-    fi
-fi
-echo "all done: $out (commit it)"
+stage env env_check
+stage paper_none paper_run none  # learning first: both losses must fall
+stage paper_skip_middle paper_run skip_middle
+stage paper_compact paper_run skip_middle --compact=true
+stage tests python -m pytest -q test_train.py -k cuda -rs
+stage ddp ddp_run
+stage bench python bench.py "${bench[@]}" --out="$out/bench"
+echo "done in $SECONDS s: $out (commit it)"
