@@ -140,6 +140,7 @@ def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> d
         "model": raw.state_dict(),
         "optimizer": opt.state_dict(),
         "routing": raw.router.routing_state(),
+        "packing": {"lengths": raw.router.lengths, "seen": raw.router.seen},  # compact's redo
         "loader": loader,
         "rng": {
             "cpu": torch.get_rng_state(),
@@ -206,8 +207,40 @@ def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
             f"{where}: non-finite weights, optimiser or controller state (an edited "
             f"or damaged checkpoint)"
         )
+    if raw.hp.compact and raw.router.packs_in_training:
+        restore_packing(raw.router, ckpt.get("packing"), raw.hp, where)
     loader.restore(ckpt["loader"])
     return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
+
+
+def restore_packing(router, packing, hp, where: str):
+    """Compact: the packed lengths and the counts they come from (train_step), as saved, so that
+    a resumed run packs and redoes the steps the uninterrupted one does. None (a checkpoint saved
+    without compact, or before issue 55): the lengths of a new run, room for every token."""
+    bad = UserError(f"{where}: packed lengths that no run of these settings makes (edited?)")
+    if packing is None:
+        return
+    if not isinstance(packing, dict):
+        raise bad
+    lengths, seen = packing.get("lengths"), packing.get("seen")
+    if lengths is None:  # saved by a job without compact
+        return
+
+    def counts(v, least):  # one per applied block, each a count of a sequence's tokens
+        return (
+            isinstance(v, list)
+            and len(v) == hp.n_layers
+            and all(isinstance(n, (int, float)) and least <= n <= hp.seq_len for n in v)
+        )
+
+    if not (
+        counts(lengths, 1)
+        and all(isinstance(n, int) for n in lengths)
+        and isinstance(seen, list)
+        and all(counts(v, 0) for v in seen)
+    ):
+        raise bad
+    router.lengths, router.seen = lengths, seen
 
 
 # -----------------------------------------------------------------------------

@@ -1135,8 +1135,11 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
 @pytest.mark.slow
 def test_every_script_under_records_runs_on_todays_code(tmp_path):
     scripts = sorted(Path(HERE).glob("records/*/*.py"), key=lambda p: p.name)
-    names = ["compile_time.py", "memory_step.py", "replay.py"]
+    names = ["compile_time.py", "memory_step.py", "replay.py", "table.py"]
     assert [p.name for p in scripts] == names  # a new one: run it here
+    r = subprocess.run([sys.executable, str(scripts[3])], capture_output=True, text=True)
+    readme = (scripts[3].parent / "README.md").read_text()  # its table, from its runs
+    assert r.returncode == 0 and r.stdout.count("\n") == 10 and r.stdout in readme, r.stdout
     r = subprocess.run(  # CPU Inductor, a new cache: a block's graph compiled, then reused
         [sys.executable, str(scripts[0]), HERE, "--compact=0", "--steps=2"],
         capture_output=True,
@@ -1680,7 +1683,51 @@ RESUME_RUN = TINY_RUN + [
 
 
 def timing(m):
-    return {k: v for k, v in m.items() if k not in ("step_ms", "train_time_ms")}
+    return {k: v for k, v in m.items() if k not in ("step_ms", "compile_ms", "train_time_ms")}
+
+
+@pytest.mark.slow
+def test_a_compacted_run_resumes_bit_for_bit_wherever_it_stops(tmp_path, capsys):
+    # under compact the packed lengths, and the counts of the last steps they come from, decide
+    # how each step packs and which steps are redone at full length: a resumed run must pack
+    # and redo as the uninterrupted one (the checkpoint keeps them), or its floats differ
+    run = RESUME_RUN + ["--compact=true", f"--train_tokens={8 * 32 * 24}", "--init_std=0.2"]
+    full = tmp_path / "full"
+    code, _, err = run_main(run + [f"--run_dir={full}"], capsys)
+    assert code == 0, err
+    want = [timing(m) for m in read_metrics(full) if m["kind"] in ("train", "val")]
+    redone = [m["step"] for m in want if m.get("redone")]
+    packed = [m["step"] for m in want if m["kind"] == "train" and min(m["packed"]) < 32]
+    assert redone and len(packed) > 12, (redone, packed)  # (gates N(0, 0.2): tokens skip)
+    ca = torch.load(full / "checkpoint.pt", weights_only=True)
+    for stop in (3, 8, 13, 21):
+        part = tmp_path / f"part{stop}"
+        code, _, err = run_main(run + [f"--run_dir={part}", f"--stop_step={stop}"], capsys)
+        assert code == 0, err
+        r = run_script([f"--resume={part}", "--untimed_steps=1"])
+        assert r.returncode == 0, r.stderr
+        got = [timing(m) for m in read_metrics(part) if m["kind"] in ("train", "val")]
+        assert got == want, stop  # every loss, count, packed length and redo, bit for bit
+        cb = torch.load(part / "checkpoint.pt", weights_only=True)
+        assert cb["packing"] == ca["packing"] and cb["step"] == 24
+        for key in ("model", "optimizer", "routing"):
+            assert_same_tensors(ca[key], cb[key])
+
+
+def assert_same_tensors(a, b):
+    """a and b, nested dicts and lists of tensors and numbers, equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_tensors(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_tensors(x, y)
+    else:
+        assert a == b
 
 
 @pytest.mark.slow
@@ -3168,6 +3215,18 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
         code, out, err = run_main([f"--resume={a}"], capsys)
         assert code == 2 and message in err and err.count("\n") == 1, err
         assert out == "" and logs == {f: (a / f).read_bytes() for f in logs}  # nothing written
+    for packing in (  # read when the resumed job packs (compact=true)
+        [32, 32],
+        {"lengths": [0, 32], "seen": []},
+        {"lengths": [32], "seen": []},
+        {"lengths": [32.0, 32.0], "seen": []},
+        {"lengths": [32, 32], "seen": [[40.0, 1.0]]},
+        {"lengths": [32, 32], "seen": None},
+    ):
+        torch.save({**state, "packing": packing}, a / "checkpoint.pt")
+        code, out, err = run_main([f"--resume={a}", "--compact=true"], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1, (packing, err)
+        assert "packed lengths that no run of these settings makes" in err, err
     torch.save(state, a / "checkpoint.pt")
     code, _, err = run_main([f"--resume={a}", "--max_seq_len=-1"], capsys)  # checked first
     assert code == 2 and err == "error: max_seq_len=-1 must lie in [1, inf)\n", err

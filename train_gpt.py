@@ -1281,8 +1281,8 @@ def train(
     run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
-    if hp.compact and raw.router.packs_in_training:  # the first step: room for every token
-        raw.router.lengths = [hp.seq_len] * hp.n_layers
+    if hp.compact and raw.router.packs_in_training and raw.router.lengths is None:
+        raw.router.lengths = [hp.seq_len] * hp.n_layers  # a new run's first step: every token
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(

@@ -9,10 +9,9 @@ for version in before after; do
     for compact in 0 1; do
         cache=$(mktemp -d)
         for start in cold warm; do
-            echo -n "{\"version\": \"$version\", \"start\": \"$start\", \"run\": "
-            TORCHINDUCTOR_CACHE_DIR=$cache OMP_NUM_THREADS=2 \
-                python "$here/compile_time.py" "$checkout" --compact=$compact
-            echo "}"
+            run=$(TORCHINDUCTOR_CACHE_DIR=$cache OMP_NUM_THREADS=2 \
+                python "$here/compile_time.py" "$checkout" --compact=$compact)
+            echo "{\"version\": \"$version\", \"start\": \"$start\", \"run\": $run}"
         done
         rm -rf "$cache"  # made by mktemp above: only this run's cache
     done
