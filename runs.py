@@ -157,30 +157,42 @@ def check_run_state(run: RunState):
             raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
 
 
-def load_weights(model, weights: dict, path: str, label=str):
-    """The one fit check, before any copy: the tensors the model's settings make, by name and
-    shape, none more (the first misfit named, label(name) as its file names it); then a strict
-    load_state_dict (dtypes convert)."""
-    own = model.state_dict()
-    try:
-        misfits = (
-            [f"{label(k)} is missing" for k in own if k not in weights]
-            + [f"{label(k)} has no place in this model" for k in weights if k not in own]
-            + [
-                f"{label(k)} is {tuple(weights[k].shape)}, the settings make {tuple(own[k].shape)}"
-                for k in own
-                if isinstance(weights.get(k), torch.Tensor) and weights[k].shape != own[k].shape
-            ]
-        )
-        if misfits:
-            raise ValueError(
-                misfits[0] + (f" (and {len(misfits) - 1} more)" if misfits[1:] else "")
+def check_weights(own: dict, weights: dict, path: str, label=str):
+    """The one fit check, before any copy: the tensors a model's settings make (own: its
+    state_dict, on the meta device if need be), by name and shape, none more (the first misfit
+    named, label(name) as its file names it); then their values: floating point, finite."""
+    if not isinstance(weights, dict):
+        raise UserError(f"{path}: the weights are not a table of named tensors (damaged?)")
+    misfits = (
+        [f"{label(k)} is missing" for k in own if k not in weights]
+        + [f"{label(k)} has no place in this model" for k in weights if k not in own]
+        + [
+            f"{label(k)} is not a tensor"
+            for k in own
+            if k in weights and not torch.is_tensor(weights[k])
+        ]
+        + [
+            f"{label(k)} is {tuple(weights[k].shape)}, the settings make {tuple(own[k].shape)}"
+            for k in own
+            if torch.is_tensor(weights.get(k)) and weights[k].shape != own[k].shape
+        ]
+    )
+    if misfits:
+        more = f" (and {len(misfits) - 1} more)" if misfits[1:] else ""
+        raise UserError(f"{path}: the weights do not fit the settings ({misfits[0]}{more})")
+    for k, t in weights.items():
+        if own[k].is_floating_point() and not t.is_floating_point():
+            raise UserError(f"{path}: {label(k)} is {t.dtype}; a weight is floating point")
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            raise UserError(
+                f"{path}: {label(k)} holds NaN or Inf (edited or damaged: no run saves one)"
             )
-        model.load_state_dict(weights)
-    except (RuntimeError, TypeError, AttributeError, ValueError) as e:
-        raise UserError(
-            f"{path}: the weights do not fit the settings ({str(e).splitlines()[-1].strip()[:160]})"
-        ) from None
+
+
+def load_weights(model, weights: dict, path: str, label=str):
+    """check_weights, then a strict load_state_dict (floating dtypes convert)."""
+    check_weights(model.state_dict(), weights, path, label)
+    model.load_state_dict(weights)
 
 
 def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:

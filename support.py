@@ -90,7 +90,10 @@ def cli(main, argv, before_error=None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if before_error is not None:  # e.g. the tokenizer ends its progress line first
         before_error()
-    sys.stderr.write(f"error: {text}\n")  # one write: ranks' lines do not interleave
+    # one line, whatever a name in it holds (a newline, say), in one write: ranks' lines do
+    # not interleave
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    sys.stderr.write(f"error: {text}\n")
     sys.stderr.flush()
     return status
 

@@ -913,6 +913,23 @@ def check_model(hp: Hyperparameters):
             )
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
+    check_memory(model_bytes(hp), "to build the model")
+
+
+def model_bytes(hp: Hyperparameters) -> int:
+    """A lower bound on a built model's bytes, no model built: fp32 weights (n_weights) and each
+    built block's RoPE tables (cos and sin, max_seq_len x head_dim / 2 each)."""
+    blocks = ROUTERS[hp.router].n_blocks(hp)
+    return 4 * n_weights(hp) + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
+
+
+def check_memory(need: int, what: str):
+    if need > runs.machine_memory():
+        raise UserError(
+            f"these sizes need at least {need / 2**30:.1f} GiB on one device {what}; it has "
+            f"{runs.machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
+            f"max_seq_len or device_batch_size)"
+        )
 
 
 def check_evaluation(hp: Hyperparameters, world: int):
@@ -941,20 +958,10 @@ def validate(hp: Hyperparameters, world: int):
         )
     if num_steps(hp) < 1:
         raise UserError("train_tokens is less than one global batch")
-    # a lower bound on one device's memory: fp32 weights, gradients and AdamW moments, RoPE
-    # tables, one loss chunk's logits (validation's per_token: bf16, fp32, log-softmax)
-    blocks = ROUTERS[hp.router].n_blocks(hp)  # built (MoR's fewer than n_layers), each a RoPE table
-    need = (
-        16 * n_weights(hp)
-        + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
-        + 10 * min(hp.loss_rows, hp.device_batch_size * hp.seq_len) * hp.vocab_size
-    )
-    if need > runs.machine_memory():
-        raise UserError(
-            f"these sizes need at least {need / 2**30:.1f} GiB on one device; it has "
-            f"{runs.machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
-            f"max_seq_len or device_batch_size)"
-        )
+    # a lower bound: the model, fp32 gradients and AdamW moments, one loss chunk's logits
+    # (validation's per_token: bf16, fp32, log-softmax)
+    rows = min(hp.loss_rows, hp.device_batch_size * hp.seq_len)
+    check_memory(model_bytes(hp) + 12 * n_weights(hp) + 10 * rows * hp.vocab_size, "to train")
 
 
 def n_weights(hp: Hyperparameters) -> int:
@@ -1003,7 +1010,15 @@ def read_source(source: str) -> tuple:
     """-> (settings, (weights, where, label)) of a model: a run folder's checkpoint, or hub.read's
     (a folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION]); `where` names it for messages
     and the record, label(name) a tensor as the file names it (runs.load_weights)."""
-    if source.startswith("hf:") or os.path.lexists(os.path.join(source, hub.WEIGHTS)):
+    held = [n for n in (hub.WEIGHTS, CHECKPOINT) if os.path.lexists(os.path.join(source, n))]
+    if os.path.isdir(source) and len(held) != 1:  # (hf: names no folder)
+        raise UserError(
+            f"{source}: holds both {hub.WEIGHTS} (a model folder) and {CHECKPOINT} (a run "
+            f"folder): which is meant is not clear; move one away"
+            if held
+            else f"{source}: neither a model folder ({hub.WEIGHTS}) nor a run folder ({CHECKPOINT})"
+        )
+    if source.startswith("hf:") or held == [hub.WEIGHTS]:
         settings, weights, where, label = hub.read(source, asdict(Hyperparameters()))
         try:  # (data paths relative to the repository, as the defaults')
             hp = resolve({}, saved_settings(settings))
@@ -1021,9 +1036,18 @@ def load_model(source: str, device: str = "cpu", **changes) -> GPT:
     hp, weights = read_source(source)
     hp = replace(hp, **changes)
     check_model(hp)
-    model = GPT(hp)
-    runs.load_weights(model, *weights)
-    return model.to(device)
+    return built(hp, weights, device)
+
+
+def built(hp: Hyperparameters, init: tuple, device: str) -> GPT:
+    """GPT(hp) on device with init's weights (read_source's (weights, where, label)), checked
+    first against the model built on the meta device (its shapes, no memory): settings that do
+    not fit their tensors build nothing (check_model bounds the memory of those that do)."""
+    with torch.device("meta"):
+        runs.check_weights(GPT(hp).state_dict(), *init)
+    model = GPT(hp).to(device)
+    runs.load_weights(model, *init)
+    return model
 
 
 def check_source(given: dict, job: Job):
@@ -1262,9 +1286,8 @@ def train(
     cuda = d.device.startswith("cuda")
     accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
     train_loader, val_loader = loaders(hp, d, ckpt)
-    raw = GPT(hp).to(d.device)
-    if init:  # --init_from: the source's weights, a fresh optimiser, router state and step 0
-        runs.load_weights(raw, *init)
+    # --init_from: the source's weights, a fresh optimiser, router state and step 0
+    raw = built(hp, init, d.device) if init else GPT(hp).to(d.device)
     opt = optimizer(raw, hp)
     run = (
         runs.restore(ckpt, job, raw, opt, train_loader, cuda)
@@ -1538,8 +1561,7 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     (rank 0); nothing is written."""
     check_evaluation(hp, d.world)
     loader = validation_loader(hp, d)
-    raw = GPT(hp).to(d.device)
-    runs.load_weights(raw, *init)
+    raw = built(hp, init, d.device)
     cuda = d.device.startswith("cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     v = evaluate(raw, hp, loader, d, autocast)

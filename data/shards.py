@@ -76,7 +76,8 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
     biggest = int(tokens.max()) if count else -1
     if biggest >= vocab_size:
         raise UserError(
-            f"{path}: token id {biggest} is outside the vocabulary (vocab_size={vocab_size})"
+            f"{path}: token id {biggest} is outside the vocabulary (vocab_size={vocab_size}): "
+            f"these shards and the model's settings do not go together"
         )
     return tokens
 
