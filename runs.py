@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ from support import (
     RunStopped,
     UserError,
     check_fields,
+    first_line,
     kind_of,
     named,
     need,
@@ -652,34 +654,57 @@ class Dist:
 
 def setup_distributed() -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1. A worker whose
-    launcher (support.PARENT, read as the process started) is gone gives up before anything is
-    written: at once, or while it waits for the other ranks (which would wait till torch's
-    timeout)."""
+    launcher is gone gives up before anything is written: at once, or while it waits for the
+    other ranks (which would wait till torch's timeout). Gone: this process was re-parented
+    (launcher_gone), or torchrun's store refuses it (store_refused: a launcher that died before
+    this process could read its parent). A rendezvous that fails is one line as well."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return Dist(device="cuda" if cuda else "cpu")
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     d.device, d.parent = f"cuda:{d.local_rank}" if cuda else "cpu", PARENT
-    gone = f"the launcher (pid {PARENT}) is gone: this worker stops; nothing was written"
-    if launcher_gone(d):
-        raise RunStopped(gone)
+
+    def gone():
+        return launcher_gone(d) or store_refused()
+
+    stopped = "the launcher is gone: this worker stops; nothing was written"
+    if gone():
+        raise RunStopped(stopped)
     if cuda:
         torch.cuda.set_device(d.device)
     started = threading.Event()
 
     def watch():  # (init_process_group blocks in C++: no Python signal handler runs meanwhile)
-        while not started.wait(0.2):
-            if launcher_gone(d):
-                sys.stderr.write(f"error: {gone}\n")
+        while not started.wait(0.5):
+            if gone():
+                sys.stderr.write(f"error: {stopped}\n")
                 sys.stderr.flush()
                 os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
     try:
         dist.init_process_group(backend="nccl" if cuda else "gloo")
+    except dist.DistError as e:  # (its text: a C++ stack)
+        raise RunStopped(stopped if gone() else f"the rendezvous failed: {first_line(e)}") from None
     finally:
         started.set()
     return d
+
+
+def store_refused() -> bool:
+    """Whether torchrun's store (its agent hosts it: TORCHELASTIC_USE_AGENT_STORE, at
+    MASTER_ADDR:MASTER_PORT, open before any worker starts) refuses a connection: the launcher
+    is gone. Any other answer (a timeout, another launcher's variables) is no evidence."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    try:
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        socket.create_connection(address, timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    except (OSError, KeyError, ValueError):
+        pass
+    return False
 
 
 def launcher_gone(d: Dist) -> bool:

@@ -2001,13 +2001,67 @@ def test_a_worker_whose_launcher_dies_at_start_up_gives_up(tmp_path):
             os.kill(worker, signal.SIGKILL)
         assert not orphan, f"world {world}: the worker goes on without its launcher"
         if world == "2":
-            assert f"error: the launcher (pid {launcher.pid}) is gone" in log.read_text()
+            assert "error: the launcher is gone: this worker stops" in log.read_text()
             assert not run.exists()  # nothing written
         else:
             assert re.search(
                 r"stopped by signal SIGHUP at step \d+[^;]*; checkpoint: \S+checkpoint.pt",
                 (run / "train.log").read_text(),
             ), (run / "train.log").read_text()[-2000:]
+
+
+def processes_naming(text: str) -> list:
+    """The pids of the live processes whose command line holds text (from /proc)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if text in cmdline.read_text() and process_state(cmdline.parent.name) not in (
+                None,
+                "Z",
+            ):
+                pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGUSR1])
+def test_workers_whose_torchrun_dies_before_they_start_give_up_at_once(tmp_path, signum):
+    # torchrun killed while its workers start slowly (a second before Python does): each worker
+    # starts with another parent than its launcher, so only torchrun's store, which refuses
+    # it, says the launcher is gone; each ends in a few seconds with one line, nothing written
+    # (before: both waited on the store for minutes, then a C++ stack dump)
+    run = tmp_path / "run"
+    command = f"sleep 1; exec {sys.executable} train_gpt.py {' '.join(TINY_RUN)} --run_dir={run}"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + ["--no-python", "bash", "-c", command],
+        cwd=HERE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 60
+
+    def workers():
+        return [pid for pid in processes_naming(f"--run_dir={run}") if pid != launcher.pid]
+
+    while time.time() < deadline and len(workers()) < 2:
+        time.sleep(0.05)
+    assert len(workers()) == 2, launcher.poll()
+    os.kill(launcher.pid, signum)
+    try:  # (its workers hold its output till they end)
+        said = launcher.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        said = ""
+    left = workers()
+    for pid in left:  # (a failing test leaves none behind)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlive their launcher"
+    gone = "error: the launcher is gone: this worker stops; nothing was written"
+    assert said.splitlines().count(gone) == 2 and "c10" not in said, said[-3000:]
+    assert not run.exists()
 
 
 def start_run(args):
