@@ -4,27 +4,26 @@ a local folder or from the Hub (hf:OWNER/NAME[@REVISION], fetched into huggingfa
 which HF_HUB_OFFLINE=1 reads without a network). train_gpt.read_source reads run folders itself
 and builds the model; this module never imports train_gpt.
 
-Reading the authors' layout (their projects/skip_middle/model, as `save_pretrained` writes it):
+Reading the authors' layout as their code reads it (their projects/skip_middle/model:
+`SkipMiddleModel.from_pretrained`, transformers 4.51.1, their pinned version):
   - Their tensor names (prefixed `model.`) map to ours by AUTHORS_NAMES; a name with no place,
     a missing tensor or a shape that does not fit is one error naming the tensor as the file
     does.
-  - Their config gives the sizes, RoPE base and norm eps (AUTHORS_FIELDS); every other setting
-    is our default. Their code puts ln g on the query axis (gate_axis=query) and stores the
-    embedding in bfloat16, whose rounding their first norm keeps (embed_dtype=bfloat16, read
-    from the stored tensor's dtype).
-  - Their SwiGLU width is ffn_dim_multiplier * dim (the fixture's 128 at dim 32), so
-    `multiple_of` is not read, and a fractional multiplier is refused. Llama 3.1's scaled RoPE
-    (use_scaled_rope: true) is not represented here: refused. `initializer_range` and
-    `zero_init_masks`, where given, become init_std and gate_init (they matter only to a run
-    that re-initialises).
+  - A field their config lacks takes their config class's default (AUTHORS_DEFAULTS: RoPE base
+    500000, scaled): their class supplies it. Every setting their model implies is set, not
+    left to our defaults: the sizes, RoPE base and scaling (use_scaled_rope: Llama 3.1's, our
+    rope_scaling), norm eps, sandwich norm, the gate on the query axis (their attention adds
+    ln g there), gate_eps 1e-6, GPT-2 tokens.
+  - Their SwiGLU width is 4 * dim whatever ffn_dim_multiplier and multiple_of say (their code
+    reads neither), and their embedding is a bfloat16 module: whatever dtype the file stores,
+    its output is rounded to bfloat16 (embed_dtype=bfloat16), which their first norm keeps.
+  - `initializer_range` and `zero_init_masks` become init_std and gate_init (they matter only
+    to a run that re-initialises).
 """
 
 import json
-import math
 import os
 import re
-
-import torch
 
 from support import UserError, first_line, regular
 
@@ -33,19 +32,41 @@ FORMAT = "train_gpt"  # our config.json: {"format": FORMAT, "settings": {...}, "
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few hundred bytes; more is not one
 
 AUTHORS = "SkipMiddleModel"  # their config's "architectures"
+AUTHORS_DEFAULTS = {  # their config class's defaults (SkipMiddleConfig): a field not given
+    "dim": 768,
+    "n_layers": 12,
+    "n_heads": 12,
+    "n_kv_heads": None,  # None: n_heads (their config's rule)
+    "vocab_size": 50257,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000,
+    "use_scaled_rope": True,
+    "max_seq_len": 1024,
+    "initializer_range": 0.02,
+    "zero_init_masks": True,
+}
 AUTHORS_FIELDS = {  # their config field -> our setting
     "dim": "dim",
     "n_layers": "n_layers",
     "n_heads": "n_heads",
-    "n_kv_heads": "n_kv_heads",  # null: n_heads (their config's rule)
+    "n_kv_heads": "n_kv_heads",
     "vocab_size": "vocab_size",
-    "ffn_dim_multiplier": "ffn_mult",
     "norm_eps": "norm_eps",
     "rope_theta": "rope_theta",
+    "use_scaled_rope": "rope_scaling",
     "max_seq_len": "max_seq_len",
-    "use_scaled_rope": None,  # read, and refused when true
+    "initializer_range": "init_std",
+    "zero_init_masks": "gate_init",
 }
-AUTHORS_INIT = {"initializer_range": "init_std", "zero_init_masks": "gate_init"}  # if given
+AUTHORS_IMPLIED = {  # what their model is, whatever its config says (module docstring)
+    "ffn_mult": 4,
+    "embed_dtype": "bfloat16",
+    "sandwich_norm": True,
+    "router": "skip_middle",
+    "gate_axis": "query",
+    "gate_eps": 1e-6,
+    "encoding": "gpt2",
+}
 AUTHORS_NAMES = {  # their tensor -> ours; {i}: a layer, {w}: a projection, {t}: weight or bias
     "model.tok_embeddings.{t}": "embed.{t}",
     "model.input_norm.{t}": "embed_norm.{t}",
@@ -88,7 +109,7 @@ def read(source: str, defaults: dict) -> tuple:
     architectures = config.get("architectures")
     if isinstance(architectures, list) and AUTHORS in architectures:
         theirs = {v: k for k, v in AUTHORS_NAMES.items()}
-        settings = {**defaults, **authors_settings(config, weights, shown)}
+        settings = {**defaults, **authors_settings(config)}
         return settings, authors_weights(weights, where), where, lambda k: renamed(k, theirs) or k
     raise UserError(
         f"{shown} is neither this project's (format {FORMAT!r}) nor the authors' "
@@ -148,36 +169,17 @@ def read_weights(path: str, shown: str) -> dict:
         raise UserError(f"{shown} is not a complete safetensors file ({first_line(e)})") from None
 
 
-def authors_settings(config: dict, weights: dict, shown: str) -> dict:
-    """Our settings for the authors' config (module docstring); one UserError naming a field."""
-    for name in AUTHORS_FIELDS:
-        if name not in config:
-            raise UserError(f"{shown} lacks the field {name!r}")
-    if config["use_scaled_rope"] is not False:
-        raise UserError(
-            f"{shown}: use_scaled_rope={config['use_scaled_rope']!r}: Llama 3.1's scaled RoPE "
-            "is not represented here (false only)"
-        )
-    settings = {ours: config[theirs] for theirs, ours in AUTHORS_FIELDS.items() if ours}
-    settings |= {ours: config[theirs] for theirs, ours in AUTHORS_INIT.items() if theirs in config}
+def authors_settings(config: dict) -> dict:
+    """Our settings for the authors' config, as their code reads it (module docstring)."""
+    given = {**AUTHORS_DEFAULTS, **{k: v for k, v in config.items() if k in AUTHORS_DEFAULTS}}
+    settings = {ours: given[theirs] for theirs, ours in AUTHORS_FIELDS.items()}
     if settings["n_kv_heads"] is None:
         settings["n_kv_heads"] = settings["n_heads"]
-    mult = settings["ffn_mult"]
-    if not (type(mult) in (int, float) and math.isfinite(mult) and mult == int(mult)):
-        raise UserError(f"{shown}: ffn_dim_multiplier={mult!r}: only a whole number fits here")
-    settings["ffn_mult"] = int(mult)
-    if "gate_init" in settings:
+    if isinstance(settings["gate_init"], bool):
         settings["gate_init"] = "zero" if settings["gate_init"] else "normal"
-    if settings.get("init_std", 0) is None:  # theirs: no re-initialisation; ours: the default
+    if settings["init_std"] is None:  # theirs: no re-initialisation; ours: the default
         del settings["init_std"]
-    embed = weights.get("model.tok_embeddings.weight")
-    bf16 = isinstance(embed, torch.Tensor) and embed.dtype == torch.bfloat16
-    return {
-        **settings,
-        "router": "skip_middle",
-        "gate_axis": "query",
-        "embed_dtype": "bfloat16" if bf16 else "float32",
-    }
+    return {**settings, **AUTHORS_IMPLIED}
 
 
 def authors_weights(weights: dict, where: str) -> dict:

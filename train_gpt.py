@@ -85,11 +85,13 @@ class RMSNorm(nn.RMSNorm):
 
 
 class Rotary(nn.Module):
-    """RoPE (Su et al. 2024) with Llama's interleaved pairs, table precomputed up to max_seq_len."""
+    """RoPE (Su et al. 2024) with Llama's interleaved pairs, table precomputed up to max_seq_len;
+    scaled: Llama 3.1's frequencies (llama31_frequencies)."""
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaled: bool = False):
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        inv_freq = llama31_frequencies(inv_freq) if scaled else inv_freq
         angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)  # (T_max, hd/2)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -102,6 +104,17 @@ class Rotary(nn.Module):
             cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, T, hd/2)
         x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # even / odd features
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).type_as(x)
+
+
+def llama31_frequencies(inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (factor 8 past a wavelength of 8192 / 1, none under 8192 / 4,
+    interpolated between: Meta's constants), in the authors' order of float32 operations."""
+    factor, low, high, context = 8, 1, 4, 8192
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, between)
+    return torch.where(wavelen < context / high, inv_freq, scaled)
 
 
 class SwiGLU(nn.Module):
@@ -192,7 +205,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(hp.dim, hp.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(hp.n_heads * self.head_dim, hp.dim, bias=False)
-        self.rotary = Rotary(self.head_dim, hp.max_seq_len, hp.rope_theta)
+        self.rotary = Rotary(self.head_dim, hp.max_seq_len, hp.rope_theta, hp.rope_scaling)
 
     def forward(self, x, log_g, mask, pos=None, cache=None):
         """x: (B, T, d); log_g: (B, T) per position or None; pos: (B, T) positions or None.
@@ -697,6 +710,7 @@ class Hyperparameters:
     )
     norm_eps: float = setting(1e-5, "(0, 1)", "RMSNorm epsilon")
     rope_theta: float = setting(10000.0, "(0, inf)", "RoPE base")
+    rope_scaling: bool = setting(False, help="Llama 3.1's RoPE scaling (the authors' option)")
     max_seq_len: int = setting(1024, "[1, inf)", "RoPE table size (longest context to sample)")
     init_std: float = setting(0.02, "(0, inf)", "normal init of every weight matrix")
     embed_dtype: str = setting(
@@ -998,8 +1012,8 @@ def load_checkpoint(run_dir: str) -> dict:
 def saved_settings(saved: dict) -> Hyperparameters:
     """A checkpoint's settings: every field, its type and range checked. Keys that are no longer
     fields are dropped (older versions' expand_* fields and Job's); older versions knew only
-    GPT-2 shards (no encoding: gpt2) and a float32 embedding (no embed_dtype)."""
-    older = {"encoding": "gpt2", "embed_dtype": "float32"}
+    GPT-2 shards (no encoding: gpt2), a float32 embedding (no embed_dtype) and RoPE unscaled."""
+    older = {"encoding": "gpt2", "embed_dtype": "float32", "rope_scaling": False}
     saved = {**older, **saved} if isinstance(saved, dict) else saved
     hp = Hyperparameters(**support.saved_fields(Hyperparameters, saved))
     check_fields(hp)
