@@ -2,13 +2,21 @@
 
     python export.py RUN_DIR OUT_DIR                        # model.safetensors, config.json,
     python export.py RUN_DIR OUT_DIR --push_to=OWNER/NAME   # README.md; then uploaded there
+    python export.py RUN_DIR OUT_DIR --format=authors       # the authors' layout
     python train_gpt.py --init_from=OUT_DIR --eval_only=true   # (or hf:OWNER/NAME) loads it
 
-config.json holds every setting of the run in our names (hub.FORMAT), and what trained it;
-README.md is the model card: the model, the command and commit that trained it, its last
-validation (loss, sparsity, FLOPs per token) and how to load it here. OUT_DIR may hold only
-files export wrote. A push needs the network and a token (huggingface_hub's login); without
-them it is one error line, after the local files are written.
+--format=ours (the default): config.json holds every setting of the run in our names
+(hub.FORMAT), and what trained it. --format=authors: the layout of the authors' released models
+(their config fields and tensor names, the embedding in bfloat16, hub.py), which their
+SkipMiddleModel.from_pretrained reads (transformers 4.51.1, their pinned version) and runs to
+our logits; only a model theirs can express is written (authors_config says what else is
+refused, in one line). README.md is the model card: the model, the command and commit that
+trained it (and whether the tree had changes), the source it started from, the steps trained,
+the validation of these weights (loss, sparsity, FLOPs per token) if one was made at their step,
+and how to load it here. The checkpoint is read once: all of it describes the weights written.
+OUT_DIR may hold only files export wrote. A push needs the network and a token
+(huggingface_hub's login); without them it is one error line, after the local files are
+written.
 """
 
 import argparse
@@ -40,6 +48,13 @@ def parser() -> support.ArgParser:
         "out_dir", type=support.path_arg, metavar="OUT_DIR", help="the folder to write (new)"
     )
     p.add_argument(
+        "--format",
+        choices=("ours", "authors"),
+        default="ours",
+        help="ours: every setting in our names | authors: their released models' layout "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--push_to",
         type=repo_id,
         metavar="OWNER/NAME",
@@ -68,8 +83,8 @@ def check_out_dir(out: str):
     support.writable_dir(out, FILES)
 
 
-def last_validation(run_dir: str) -> dict:
-    """The run's last validation record in metrics.jsonl ({} if none can be read)."""
+def last_validation(run_dir: str, step: int) -> dict:
+    """The run's last validation record of step `step` in metrics.jsonl ({} if none)."""
     found = {}
     try:
         with open(support.regular(os.path.join(run_dir, runs.LOGS[1]))) as f:
@@ -79,7 +94,7 @@ def last_validation(run_dir: str) -> dict:
                 except (ValueError, RecursionError):
                     continue
                 if isinstance(record, dict) and record.get("kind") == "val":
-                    found = record
+                    found = record if record.get("step") == step else found
     except OSError:
         pass
     return found
@@ -110,8 +125,13 @@ def model_card(hp, trained: dict, params: int) -> str:
         f"{figure(v, 'fwd_flops_per_token', '.4g')} (dense "
         f"{figure(v, 'fwd_flops_per_token_dense', '.4g')})"
         if v
-        else "- no validation recorded"
+        else f"- no validation of these weights (step {trained.get('step')}) recorded"
     )
+    commit = trained.get("git_commit")
+    if trained.get("git_dirty"):
+        commit = f"{commit}, with changes not committed (the run's train.log holds its sources)"
+    start = trained.get("init_from")
+    start = f"the weights of {start}" if start else "a random initialisation"
     return f"""# {hp.router} model, {hp.n_layers} layers, dim {hp.dim}
 
 A model trained by this project's `train_gpt.py` (token-conditional depth in Transformers:
@@ -121,10 +141,11 @@ is in `config.json` (`settings`, in `train_gpt.py`'s names); the weights are `mo
 - router {hp.router}, {hp.n_layers} layers, dim {hp.dim}, {hp.n_heads} heads ({hp.n_kv_heads}
   key/value), vocabulary {hp.vocab_size} ({hp.encoding}), context {hp.max_seq_len},
   {params:,} parameters
-- trained {trained.get("step")} steps, {trained.get("tokens")} tokens (run {trained.get("run_id")})
+- trained here {trained.get("step")} steps, {trained.get("tokens")} tokens (run
+  {trained.get("run_id")}), from {start}
 {figures}
 - command: `{trained.get("command")}`
-- commit: {trained.get("git_commit")}
+- commit: {commit}
 
 ## Use it with this project
 
@@ -147,11 +168,39 @@ def shared_settings(hp) -> dict:
     return settings
 
 
+def authors_config(hp) -> dict:
+    """The authors' config.json for hp (their field names, hub.AUTHORS_FIELDS), or a UserError
+    naming a setting their model cannot express: it is what hub.AUTHORS_IMPLIED says (query
+    gating, a bfloat16 embedding, SwiGLU 4 x dim, sandwich norm, skip_middle)."""
+    for name, theirs in hub.AUTHORS_IMPLIED.items():
+        ours = getattr(hp, name)
+        if ours != theirs and name not in ("gate_eps", "encoding"):  # (no effect on the model)
+            raise support.UserError(
+                f"{name}={ours}: the authors' model has {name}={theirs} only, so it cannot "
+                f"express this run; export it with --format=ours"
+            )
+    settings = asdict(hp)
+    config = {theirs: settings[ours] for theirs, ours in hub.AUTHORS_FIELDS.items()}
+    config["zero_init_masks"] = hp.gate_init == "zero"
+    return {
+        "architectures": [hub.AUTHORS],
+        **config,
+        "ffn_dim_multiplier": hub.AUTHORS_IMPLIED["ffn_mult"],  # (their code reads neither)
+        "multiple_of": 256,
+        "torch_dtype": "bfloat16",  # (as theirs: the embedding's)
+        "transformers_version": "4.51.1",
+    }
+
+
 def main(argv):
     args = parser().parse_args(argv)
     out = args.out_dir
-    ckpt = tg.load_checkpoint(args.run_dir)
-    model = tg.load_model(args.run_dir)  # the fit checked: what is written loads back
+    ckpt = tg.load_checkpoint(args.run_dir)  # read once: the weights and what they are
+    hp = tg.saved_settings(ckpt["hp"])
+    tg.check_model(hp)
+    model = tg.built(hp, (ckpt["model"], os.path.join(args.run_dir, runs.CHECKPOINT), str), "cpu")
+    runs.check_owner(args.run_dir, ckpt)  # (the folder's own run, as a resume checks it)
+    config = authors_config(hp) if args.format == "authors" else None
     check_out_dir(out)
     logged = run_config(args.run_dir)
     trained = {
@@ -160,17 +209,24 @@ def main(argv):
         "tokens": ckpt["tokens"],
         "command": logged.get("command"),
         "git_commit": logged.get("git_commit"),
-        "validation": last_validation(args.run_dir),
+        "git_dirty": logged.get("git_dirty"),
+        "init_from": logged.get("init_from"),
+        "validation": last_validation(args.run_dir, ckpt["step"]),
     }
     from safetensors.torch import save
 
     weights = {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
-    config = {"format": hub.FORMAT, "settings": shared_settings(model.hp), "trained": trained}
+    if config is not None:  # their names; their embedding module is bfloat16 (exact here:
+        theirs = {v: k for k, v in hub.AUTHORS_NAMES.items()}  # embed_dtype=bfloat16 rounds it)
+        weights = {hub.renamed(k, theirs): t for k, t in weights.items()}
+        weights["model.tok_embeddings.weight"] = weights["model.tok_embeddings.weight"].bfloat16()
+    else:
+        config = {"format": hub.FORMAT, "settings": shared_settings(hp), "trained": trained}
     params = sum(p.numel() for p in model.parameters())
     files = {  # all made before the first is written
-        hub.WEIGHTS: save(weights),
+        hub.WEIGHTS: save(weights, metadata={"format": "pt"}),
         hub.CONFIG: json.dumps(config, indent=1).encode(),
-        CARD: model_card(model.hp, trained, params).encode(),
+        CARD: model_card(hp, trained, params).encode(),
     }
     os.makedirs(out, exist_ok=True)
     for name, data in files.items():

@@ -5785,6 +5785,65 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     assert sorted(os.listdir(tmp_path / "pushed")) == [".outputs.json", *sorted(export.FILES)]
 
 
+@pytest.mark.slow
+def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys):
+    # a run their model can express (gate on the query axis, a bfloat16 embedding), written in
+    # their layout: their config fields and tensor names, read back by our reader of their
+    # layout (which reproduces their code's logits: the authors_cases fixtures) to the same
+    # logits; a run theirs cannot express: one line, nothing written; the card says what is
+    # true of the weights written
+    from safetensors.torch import load_file
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    base = TINY_RUN + ["--train_tokens=10240", "--val_every=0", "--val_tokens=1024"]
+    query = base + ["--gate_axis=query", "--embed_dtype=bfloat16"]
+    code, _, err = run_main(query + [f"--run_dir={run}", "--stop_step=3"], capsys)
+    assert code == 0, err[-2000:]
+    export = load_command("export.py")
+    assert support.cli(export.main, [str(run), str(out), "--format=authors"]) == 0
+    assert capsys.readouterr().err == ""
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["SkipMiddleModel"] and config["use_scaled_rope"] is False
+    assert (config["dim"], config["n_layers"], config["ffn_dim_multiplier"]) == (64, 2, 4)
+    tensors = load_file(out / "model.safetensors")
+    assert all(k.startswith("model.") for k in tensors) and len(tensors) == 2 * 11 + 4 + 2
+    assert tensors["model.tok_embeddings.weight"].dtype == torch.bfloat16
+    ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exported, trained = tg.load_model(str(out)).eval(), tg.load_model(str(run)).eval()
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    card = (out / "README.md").read_text()
+    logged = json.loads((run / "config.json").read_text())
+    assert "trained here 3 steps" in card and "from a random initialisation" in card
+    assert "no validation of these weights (step 3) recorded" in card
+    assert ("with changes not committed" in card) == bool(logged["git_dirty"])
+    # a run theirs cannot express: refused, naming the setting, nothing written
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    for change, message in (
+        (dict(gate_axis="key"), "gate_axis=key: the authors' model has gate_axis=query only"),
+        (dict(embed_dtype="float32"), "embed_dtype=float32"),
+    ):
+        torch.save({**ckpt, "hp": {**ckpt["hp"], **change}}, run / "checkpoint.pt")
+        code = support.cli(export.main, [str(run), str(tmp_path / "no"), "--format=authors"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "no").exists()
+    # a new run from the export: its card names where it started, and its last validation
+    new = tmp_path / "new"
+    code, _, err = run_main(
+        [f"--init_from={out}", f"--run_dir={new}", "--train_tokens=5120", "--val_every=0"]
+        + ["--seq_len=64", "--batch_size=8", "--device_batch_size=4", "--val_tokens=1024"]
+        + ["--train_files=data/sample/sample_train_*.bin"]
+        + ["--val_files=data/sample/sample_val_*.bin"],
+        capsys,
+    )
+    assert code == 0, err[-2000:]
+    assert support.cli(export.main, [str(new), str(tmp_path / "new_out")]) == 0
+    card = (tmp_path / "new_out" / "README.md").read_text()
+    val = [m for m in read_metrics(new) if m["kind"] == "val"][-1]
+    assert f"from the weights of {out}" in card and f"loss {val['val_loss']:.4f}" in card
+
+
 # -----------------------------------------------------------------------------
 # Files that are not ours: never rewritten, replaced, moved or read without bound
 
