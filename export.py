@@ -93,8 +93,10 @@ def last_validation(run_dir: str, step: int) -> dict:
                     record = json.loads(line)
                 except (ValueError, RecursionError):
                     continue
-                if isinstance(record, dict) and record.get("kind") == "val":
-                    found = record if record.get("step") == step else found
+                if not isinstance(record, dict):
+                    continue
+                if record.get("kind") == "val" and record.get("step") == step:
+                    found = record
     except OSError:
         pass
     return found
@@ -116,7 +118,7 @@ def figure(v: dict, key: str, form: str) -> str:
     return format(value, form) if type(value) in (int, float) else "n/a"
 
 
-def model_card(hp, trained: dict, params: int) -> str:
+def model_card(hp, trained: dict, params: int, layout: str) -> str:
     v = trained["validation"]
     figures = (
         f"- validation at step {v.get('step')}: loss {figure(v, 'val_loss', '.4f')} (SE "
@@ -130,19 +132,22 @@ def model_card(hp, trained: dict, params: int) -> str:
     commit = trained.get("git_commit")
     if trained.get("git_dirty"):
         commit = f"{commit}, with changes not committed (the run's train.log holds its sources)"
-    start = trained.get("init_from")
-    start = f"the weights of {start}" if start else "a random initialisation"
+    origin = "a random initialisation"
+    if trained.get("expanded"):
+        origin = "a depth expansion of another run's weights (the run's expand.json)"
+    if trained.get("init_from"):
+        origin = f"the weights of {trained['init_from']}"
     return f"""# {hp.router} model, {hp.n_layers} layers, dim {hp.dim}
 
 A model trained by this project's `train_gpt.py` (token-conditional depth in Transformers:
-the skip-middle router of Lawson & Aitchison 2025 and further depth routers). Every setting
-is in `config.json` (`settings`, in `train_gpt.py`'s names); the weights are `model.safetensors`.
+the skip-middle router of Lawson & Aitchison 2025 and further depth routers). {layout} The
+weights are `model.safetensors`.
 
 - router {hp.router}, {hp.n_layers} layers, dim {hp.dim}, {hp.n_heads} heads ({hp.n_kv_heads}
   key/value), vocabulary {hp.vocab_size} ({hp.encoding}), context {hp.max_seq_len},
   {params:,} parameters
 - trained here {trained.get("step")} steps, {trained.get("tokens")} tokens (run
-  {trained.get("run_id")}), from {start}
+  {trained.get("run_id")}), from {origin}
 {figures}
 - command: `{trained.get("command")}`
 - commit: {commit}
@@ -174,7 +179,7 @@ def authors_config(hp) -> dict:
     gating, a bfloat16 embedding, SwiGLU 4 x dim, sandwich norm, skip_middle)."""
     for name, theirs in hub.AUTHORS_IMPLIED.items():
         ours = getattr(hp, name)
-        if ours != theirs and name not in ("gate_eps", "encoding"):  # (no effect on the model)
+        if ours != theirs and name != "gate_eps":  # (on the query axis softmax cancels it)
             raise support.UserError(
                 f"{name}={ours}: the authors' model has {name}={theirs} only, so it cannot "
                 f"express this run; export it with --format=ours"
@@ -192,16 +197,23 @@ def authors_config(hp) -> dict:
     }
 
 
+LAYOUTS = {  # what the card says of config.json
+    "ours": "Every setting is in `config.json` (`settings`, in `train_gpt.py`'s names).",
+    "authors": "`config.json` is in the layout of the authors' released models (their field "
+    "names: their `SkipMiddleModel.from_pretrained` reads it, transformers 4.51.1).",
+}
+
+
 def main(argv):
     args = parser().parse_args(argv)
     out = args.out_dir
     ckpt = tg.load_checkpoint(args.run_dir)  # read once: the weights and what they are
+    runs.check_owner(args.run_dir, ckpt)  # (the folder's own run, as a resume checks it)
     hp = tg.saved_settings(ckpt["hp"])
     tg.check_model(hp)
-    model = tg.built(hp, (ckpt["model"], os.path.join(args.run_dir, runs.CHECKPOINT), str), "cpu")
-    runs.check_owner(args.run_dir, ckpt)  # (the folder's own run, as a resume checks it)
-    config = authors_config(hp) if args.format == "authors" else None
+    theirs = authors_config(hp) if args.format == "authors" else None
     check_out_dir(out)
+    model = tg.built(hp, (ckpt["model"], os.path.join(args.run_dir, runs.CHECKPOINT), str), "cpu")
     logged = run_config(args.run_dir)
     trained = {
         "run_id": ckpt["run_id"],
@@ -211,22 +223,23 @@ def main(argv):
         "git_commit": logged.get("git_commit"),
         "git_dirty": logged.get("git_dirty"),
         "init_from": logged.get("init_from"),
+        "expanded": os.path.isfile(os.path.join(args.run_dir, "expand.json")),
         "validation": last_validation(args.run_dir, ckpt["step"]),
     }
     from safetensors.torch import save
 
     weights = {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
-    if config is not None:  # their names; their embedding module is bfloat16 (exact here:
-        theirs = {v: k for k, v in hub.AUTHORS_NAMES.items()}  # embed_dtype=bfloat16 rounds it)
-        weights = {hub.renamed(k, theirs): t for k, t in weights.items()}
+    config = {"format": hub.FORMAT, "settings": shared_settings(hp), "trained": trained}
+    if theirs is not None:  # their names; their embedding module is bfloat16 (exact here, as
+        config = theirs  # embed_dtype=bfloat16 rounds the embedding's output)
+        names = {v: k for k, v in hub.AUTHORS_NAMES.items()}
+        weights = {hub.renamed(k, names): t for k, t in weights.items()}
         weights["model.tok_embeddings.weight"] = weights["model.tok_embeddings.weight"].bfloat16()
-    else:
-        config = {"format": hub.FORMAT, "settings": shared_settings(hp), "trained": trained}
     params = sum(p.numel() for p in model.parameters())
     files = {  # all made before the first is written
         hub.WEIGHTS: save(weights, metadata={"format": "pt"}),
         hub.CONFIG: json.dumps(config, indent=1).encode(),
-        CARD: model_card(hp, trained, params).encode(),
+        CARD: model_card(hp, trained, params, LAYOUTS[args.format]).encode(),
     }
     os.makedirs(out, exist_ok=True)
     for name, data in files.items():

@@ -9,7 +9,8 @@
 #
 # GPU_CHECK_SECONDS: the budget (default 420: one call of 7 minutes). The stages, with the
 # seconds measured on one H100 on 2026-11-26 (records/2026-11-26_gpu_check_NVIDIA_H100_80GB_HBM3),
-# before the blocks were compiled apart (issue 54: not yet measured so):
+# before the blocks were compiled apart (issue 54), and paper_compact never: they sum to 525 s
+# (so whether one call holds them all is not yet known; a second call finishes a cut stage):
 #   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   22
 #   paper_none, paper_skip_middle, paper_compact
 #            first, as a compiled run that does not learn makes the rest moot: the paper
@@ -18,7 +19,7 @@
 #            dense, gated, and gated with compact=true (the gates of a new model at this width
 #            skip: the same run as paper_skip_middle, its skipped work not done: step time,
 #            memory, compile time and redone steps side by side); run folders outside the
-#            record (a 2.3 GB checkpoint), logs copied in                                   74 each
+#            record (a 2.3 GB checkpoint), logs copied in (a cut stage's too)             74 each
 #   tests    the CUDA tests of test_train.py (compiled = eager, Flex with ln g, packed lengths
 #            compiled once each and never a sync, the bench's graphs)                     124
 #   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)          41
@@ -66,8 +67,8 @@ stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of t
     fi
     echo "== $name (at most $left s)"
     # (a stage is a function of this file or a command: timeout runs it in a bash given both)
-    timeout --signal=TERM --kill-after=10 "$left" bash -c \
-        "$(declare -p out name tiny sample); $(declare -f env_check paper_run ddp_run); \"\$@\"" \
+    timeout --signal=TERM --kill-after=30 "$left" bash -c \
+        "$(declare -p out name tiny sample); $(declare -f env_check paper_run ddp_run keep); \"\$@\"" \
         stage "$@" > "$out/$name.txt" 2>&1
     local status=$?
     if (( status == 124 || status == 137 )); then
@@ -106,29 +107,34 @@ print('torch.compile: ok')"
 
 sample=(--train_files='data/sample/sample_train_*.bin' --val_files='data/sample/sample_train_*.bin')
 
+keep() {  # keep RUN DEST: a stage's run logs into the record, then its folder (mktemp's) removed
+    mkdir -p "$2" && cp "$1"/run/{train.log,metrics.jsonl,config.json} "$2/" 2>/dev/null
+    rm -rf "$1"
+}
+
 ddp_run() {  # a small gated, compacted model under torchrun: launcher, NCCL, compile. With one
             # rank train() wraps no DDP; DDP's graph split is tested on CPU (gloo, test_train.py)
     local run
     run=$(mktemp -d) || return 1
+    trap 'keep "$run" "$out/ddp"; exit 143' TERM  # cut by the budget: the logs kept all the same
     torchrun --standalone --nproc_per_node=1 train_gpt.py --router=skip_middle --compact=true \
         "${sample[@]}" --n_layers=4 --dim=256 --n_heads=4 --n_kv_heads=4 --max_seq_len=256 --seq_len=256 --batch_size=16 \
         --device_batch_size=8 --train_tokens=$((30 * 16 * 256)) --val_every=10 \
         --val_tokens=8192 --save_every=10 --untimed_steps=5 --run_dir="$run/run" "${tiny[@]}"
     local status=$?
-    mkdir -p "$out/ddp" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/ddp/"
-    rm -rf "$run"  # made by mktemp above: only this stage's run folder
+    keep "$run" "$out/ddp"
     return $status
 }
 
 paper_run() {  # paper_run ROUTER [OPTION...]: the global batch is one device batch (the sample
     local run  # holds ~4); validation reads the training shard (the validation one is too small)
     run=$(mktemp -d) || return 1
+    trap 'keep "$run" "$out/$name"; exit 143' TERM  # cut by the budget: the logs kept all the same
     python train_gpt.py --router="$1" "${@:2}" "${sample[@]}" --batch_size=32 --device_batch_size=32 \
         --train_tokens=$((40 * 32 * 1024)) --val_every=0 --val_tokens=32768 --save_every=0 \
         --untimed_steps=10 --run_dir="$run/run" "${tiny[@]}"
     local status=$?
-    mkdir -p "$out/$name" && cp "$run"/run/{train.log,metrics.jsonl,config.json} "$out/$name/"
-    rm -rf "$run"  # made by mktemp above: only this stage's run folder
+    keep "$run" "$out/$name"
     (( status )) && return $status
     python - "$out/$name/metrics.jsonl" <<'EOF'  # it learns: the loss falls by 10% at least
 import json, sys

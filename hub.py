@@ -175,8 +175,9 @@ def authors_settings(config: dict) -> dict:
     settings = {ours: given[theirs] for theirs, ours in AUTHORS_FIELDS.items()}
     if settings["n_kv_heads"] is None:
         settings["n_kv_heads"] = settings["n_heads"]
-    if isinstance(settings["gate_init"], bool):
-        settings["gate_init"] = "zero" if settings["gate_init"] else "normal"
+    # their code tests these two for truth ("if use_scaled:"): any JSON value reads so
+    settings["rope_scaling"] = bool(settings["rope_scaling"])
+    settings["gate_init"] = "zero" if settings["gate_init"] else "normal"
     if settings["init_std"] is None:  # theirs: no re-initialisation; ours: the default
         del settings["init_std"]
     return {**settings, **AUTHORS_IMPLIED}

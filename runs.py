@@ -159,6 +159,9 @@ def check_run_state(run: RunState):
             raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what a weight may be
+
+
 def check_weights(own: dict, weights: dict, path: str, label=str):
     """The one fit check, before any copy: the tensors a model's settings make (own: its
     state_dict, on the meta device if need be), by name and shape, none more (the first misfit
@@ -183,8 +186,11 @@ def check_weights(own: dict, weights: dict, path: str, label=str):
         more = f" (and {len(misfits) - 1} more)" if misfits[1:] else ""
         raise UserError(f"{path}: the weights do not fit the settings ({misfits[0]}{more})")
     for k, t in weights.items():
-        if own[k].is_floating_point() and not t.is_floating_point():
-            raise UserError(f"{path}: {label(k)} is {t.dtype}; a weight is floating point")
+        if own[k].is_floating_point() and (t.layout != torch.strided or t.dtype not in FLOATS):
+            raise UserError(
+                f"{path}: {label(k)} is {t.dtype} ({t.layout}); a weight is one of "
+                f"{', '.join(map(str, FLOATS))}, dense"
+            )
         if t.is_floating_point() and not bool(t.isfinite().all()):
             raise UserError(
                 f"{path}: {label(k)} holds NaN or Inf (edited or damaged: no run saves one)"
@@ -194,7 +200,10 @@ def check_weights(own: dict, weights: dict, path: str, label=str):
 def load_weights(model, weights: dict, path: str, label=str):
     """check_weights, then a strict load_state_dict (floating dtypes convert)."""
     check_weights(model.state_dict(), weights, path, label)
-    model.load_state_dict(weights)
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, TypeError, ValueError) as e:  # (what the checks above do not foresee)
+        raise UserError(f"{path}: the weights do not load ({first_line(e)})") from None
 
 
 def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
@@ -221,40 +230,8 @@ def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
             f"{where}: non-finite weights, optimiser or controller state (an edited "
             f"or damaged checkpoint)"
         )
-    if raw.hp.compact and raw.router.packs_in_training:
-        restore_packing(raw.router, ckpt.get("packing"), raw.hp, where)
     loader.restore(ckpt["loader"])
     return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
-
-
-def restore_packing(router, packing, hp, where: str):
-    """Compact: the packed lengths and the counts they come from (train_step), as saved, so that
-    a resumed run packs and redoes the steps the uninterrupted one does. None (a checkpoint saved
-    without compact, or before issue 55): the lengths of a new run, room for every token."""
-    bad = UserError(f"{where}: packed lengths that no run of these settings makes (edited?)")
-    if packing is None:
-        return
-    if not isinstance(packing, dict):
-        raise bad
-    lengths, seen = packing.get("lengths"), packing.get("seen")
-    if lengths is None:  # saved by a job without compact
-        return
-
-    def counts(v, least):  # one per applied block, each a count of a sequence's tokens
-        return (
-            isinstance(v, list)
-            and len(v) == hp.n_layers
-            and all(isinstance(n, (int, float)) and least <= n <= hp.seq_len for n in v)
-        )
-
-    if not (
-        counts(lengths, 1)
-        and all(isinstance(n, int) for n in lengths)
-        and isinstance(seen, list)
-        and all(counts(v, 0) for v in seen)
-    ):
-        raise bad
-    router.lengths, router.seen = lengths, seen
 
 
 # -----------------------------------------------------------------------------
@@ -351,16 +328,16 @@ def check_owner(run_dir: str, ckpt: dict):
     """A resumed checkpoint is this folder's run's: the run_id its config.json records. Another
     run's logs would be cut by the resume; no config.json and no metrics: expand.py's new run,
     whose first job this is. And PREVIOUS, which the next save replaces, is this run's too."""
-    path, logged = os.path.join(run_dir, CHECKPOINT), logged_run_id(run_dir)
-    if logged is None and os.path.lexists(os.path.join(run_dir, "metrics.jsonl")):
+    path, run_id = os.path.join(run_dir, CHECKPOINT), logged(run_dir)
+    if run_id is None and os.path.lexists(os.path.join(run_dir, "metrics.jsonl")):
         raise UserError(
             f"{os.path.join(run_dir, 'config.json')} is missing or unreadable, so nothing says "
             f"that {path} (run_id {ckpt['run_id']}) is this folder's run: put it back"
         )
-    if logged is not None and logged != ckpt["run_id"]:
+    if run_id is not None and run_id != ckpt["run_id"]:
         raise UserError(
             f"{path} belongs to another run (run_id {ckpt['run_id']}; config.json says "
-            f"{logged}): resume the run it came from"
+            f"{run_id}): resume the run it came from"
         )
     prev = os.path.join(run_dir, PREVIOUS)
     cut = os.path.isfile(path) and os.path.exists(prev) and os.path.samefile(prev, path)
@@ -377,12 +354,12 @@ def check_owner(run_dir: str, ckpt: dict):
             )
 
 
-def logged_run_id(run_dir: str):
-    """The run_id that RUN_DIR/config.json records, or None (no such file, or unreadable)."""
+def logged(run_dir: str, key: str = "run_id"):
+    """What RUN_DIR/config.json records under key, or None (no such file, or unreadable)."""
     with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
         if os.path.isfile(path := os.path.join(run_dir, "config.json")):  # (a pipe would hang)
             with open(path, encoding="utf-8-sig") as f:  # (a BOM: an editor's, kept)
-                return json.load(f).get("run_id")
+                return json.load(f).get(key)
 
 
 # -----------------------------------------------------------------------------
@@ -546,11 +523,13 @@ def compile_ms() -> float:
 class StepClock:
     """The clock: a job's first `untimed` steps are warm-up, logged once as such; train_time and
     step_avg count the other steps of all jobs, less their compile time (a packed length new to
-    a compiled model compiles one block: compile_ms), which this job's total reports apart."""
+    a compiled model compiles one block: compile_ms); the job's total compile time (its steps'
+    and its validations') is logged at its end."""
 
     def __init__(self, log: RunLog, start: int, untimed: int):
         self.log, self.start, self.untimed = log, start, untimed
-        self.ms = self.compile_ms = 0.0  # this job's warm-up time; its compile time
+        self.ms = 0.0  # this job's warm-up time
+        self.compile_ms = 0.0  # this job's compile time
 
     def add(self, run: RunState, step_ms: float, compile_ms: float):
         self.compile_ms += compile_ms
@@ -566,7 +545,7 @@ class StepClock:
         if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
             self.report(run)
         if self.compile_ms:
-            self.log.print(f"compile: {self.compile_ms / 1000:.1f}s in this job's steps")
+            self.log.print(f"compile: {self.compile_ms / 1000:.1f}s in this job")
 
     def report(self, run: RunState):
         self.log.print(

@@ -659,7 +659,7 @@ def test_compile_time_is_counted_apart_from_step_time():
     assert (run.train_ms, run.timed_steps) == (200.0, 2)  # 100 + (350 - 250)
     assert log.lines == [
         "warm-up: steps 1-1 of this job untimed, 900ms (compile 800ms)",
-        "compile: 1.1s in this job's steps",
+        "compile: 1.1s in this job",
     ]
     assert log.records == [
         {"kind": "warmup", "step": 1, "steps": 1, "warmup_ms": 900.0, "compile_ms": 800.0}
@@ -1712,6 +1712,12 @@ def test_a_compacted_run_resumes_bit_for_bit_wherever_it_stops(tmp_path, capsys)
         assert cb["packing"] == ca["packing"] and cb["step"] == 24
         for key in ("model", "optimizer", "routing"):
             assert_same_tensors(ca[key], cb[key])
+    # at another seq_len the saved lengths do not apply: the resume packs from full lengths
+    code, _, err = run_main(run + [f"--run_dir={tmp_path / 'seq'}", "--stop_step=5"], capsys)
+    assert code == 0, err
+    r = run_script([f"--resume={tmp_path / 'seq'}", "--seq_len=16", "--stop_step=7"])
+    assert r.returncode == 0, r.stderr
+    assert torch.load(tmp_path / "seq" / "checkpoint.pt", weights_only=True)["step"] == 7
 
 
 def assert_same_tensors(a, b):
@@ -3280,7 +3286,7 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
         torch.save({**state, "packing": packing}, a / "checkpoint.pt")
         code, out, err = run_main([f"--resume={a}", "--compact=true"], capsys)
         assert code == 2 and out == "" and err.count("\n") == 1, (packing, err)
-        assert "packed lengths that no run of these settings makes" in err, err
+        assert "packed lengths that no run makes" in err, err
     torch.save(state, a / "checkpoint.pt")
     code, _, err = run_main([f"--resume={a}", "--max_seq_len=-1"], capsys)  # checked first
     assert code == 2 and err == "error: max_seq_len=-1 must lie in [1, inf)\n", err
@@ -4822,7 +4828,7 @@ def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, comp
 )
 @pytest.mark.slow
 def test_a_compiled_training_step_equals_the_eager_one(router, compact, monkeypatch, request):
-    # what compile_model compiles (the whole model, or the blocks and the head under compact),
+    # what compile_model compiles (each block's regions),
     # through AOTAutograd (aot_eager: the layer where torch 2.11 lost the loss's gradients; the
     # CI's torch 2.11 leg runs this): the loss, the router's loss and every parameter's gradient
     # within 1e-5 of the largest, and no gradient all-zero that eager makes non-zero
@@ -5121,13 +5127,22 @@ def test_ddp_ranks_redo_a_step_together_when_one_rank_outgrows_its_lengths(tmp_p
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])
 
 
-@cuda
-def test_cuda_bench_compiles_a_bounded_number_of_graphs(monkeypatch, request):
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=cuda)]
+)  # CPU: through AOTAutograd, no Inductor (Dynamo's decisions are the same)
+def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(device, monkeypatch, request):
     # bench.py times a masked and a compacted model, their blocks compiled, at four sparsities:
     # per grad mode one graph for the masked model and one per packed length, shared by the
-    # blocks and the sparsities
+    # blocks and the sparsities; each row's compile columns hold the graphs its calls compiled
+    # (the first row's, its forced gates and fitted lengths included), none where none is new
     import torch._dynamo
 
+    if device == "cpu":
+        real = torch.compile
+        monkeypatch.setattr(
+            torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"})
+        )
     bench = load_command("bench.py")
     monkeypatch.setitem(
         bench.SIZES,
@@ -5138,7 +5153,7 @@ def test_cuda_bench_compiles_a_bounded_number_of_graphs(monkeypatch, request):
 
     def fit_lengths(raw, idx):  # the packed lengths each sparsity is timed at
         fit(raw, idx)
-        fitted.extend(raw.router.lengths)
+        fitted.append(tuple(raw.router.lengths))
 
     monkeypatch.setattr(tg, "fit_lengths", fit_lengths)
     patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)  # not monkeypatch: pytest
@@ -5148,11 +5163,15 @@ def test_cuda_bench_compiles_a_bounded_number_of_graphs(monkeypatch, request):
     torch.manual_seed(0)
     counts = torch._dynamo.utils.counters
     counts.clear()
-    bench.bench_size("tiny", "cuda", 2, True)
-    lengths = set(fitted)
-    assert len(fitted) == 4 * 4 and len(lengths) < len(fitted)
+    _, _, rows = bench.bench_size("tiny", device, 1, True)
+    lengths = {n for v in fitted for n in v}
+    assert len(fitted) == 4 and len(lengths) < 4 * 4
     assert counts["stats"]["unique_graphs"] <= 2 * (1 + len(lengths)), dict(counts["stats"])
     assert not counts["graph_break"], dict(counts["graph_break"])
+    assert rows[0]["compile_masked"] > 0 and rows[0]["compile_compact"] > 0
+    assert all(r["compile_masked"] == 0 for r in rows[1:])  # its one shape: compiled once
+    new = [bool(set(v) - {n for u in fitted[:i] for n in u}) for i, v in enumerate(fitted)]
+    assert [r["compile_compact"] > 0 for r in rows] == new  # a new length: a new graph
 
 
 @pytest.mark.parametrize(
@@ -5346,7 +5365,7 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, req
                 0, 97, (2, 256), generator=torch.Generator().manual_seed(100 + seed)
             )
             if compact:
-                tg.fit_lengths(raw, idx)  # (on the raw model: eager, not counted)
+                tg.fit_lengths(raw, idx)  # (compiled in place: at the shapes used next)
                 fitted.add(tuple(raw.router.lengths))
             model(idx, targets=torch.roll(idx, -1, 1))
     # per mode, one graph per shape a block is called at: per packed length (the sequence's
@@ -5833,10 +5852,12 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     code, _, err = run_main(
         [f"--init_from={out}", f"--run_dir={new}", "--train_tokens=5120", "--val_every=0"]
         + ["--seq_len=64", "--batch_size=8", "--device_batch_size=4", "--val_tokens=1024"]
-        + ["--train_files=data/sample/sample_train_*.bin"]
+        + ["--train_files=data/sample/sample_train_*.bin", "--stop_step=4"]
         + ["--val_files=data/sample/sample_val_*.bin"],
         capsys,
     )
+    assert code == 0, err[-2000:]
+    code, _, err = run_main([f"--resume={new}"], capsys)  # (its config.json rewritten)
     assert code == 0, err[-2000:]
     assert support.cli(export.main, [str(new), str(tmp_path / "new_out")]) == 0
     card = (tmp_path / "new_out" / "README.md").read_text()
@@ -5962,7 +5983,7 @@ def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
     assert r.returncode == 2 and "docs.manifest.json is the manifest" in r.stderr, r.stderr
     (tmp_path / "deep").mkdir()
     (tmp_path / "deep" / "config.json").write_text("[" * 100000)
-    assert runs.logged_run_id(str(tmp_path / "deep")) is None  # too deep: no run_id, no traceback
+    assert runs.logged(str(tmp_path / "deep")) is None  # too deep: no run_id, no traceback
 
 
 @pytest.mark.slow
@@ -5993,7 +6014,7 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     os.mkfifo(tmp_path / "fifo_run_metrics")
     (tmp_path / "r2").mkdir()
     (tmp_path / "r2" / "metrics.jsonl").symlink_to(tmp_path / "fifo_run_metrics")
-    assert load_command("export.py").last_validation(str(tmp_path / "r2")) == {}
+    assert load_command("export.py").last_validation(str(tmp_path / "r2"), 0) == {}
     # skipview.py --out never replaces a user's file of that name
     skipview = load_command("skipview.py")
     (tmp_path / "notes.html").write_text("mine")

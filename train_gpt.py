@@ -226,9 +226,9 @@ PACKS = 16  # a packed length is a multiple of seq_len / PACKS, or seq_len: few 
 
 
 def packed_length(count: int, T: int) -> int:
-    """count tokens (of a sequence of T) rounded up to a multiple of T / PACKS, at least one such
-    unit (Block.pack), at most T."""
-    unit = max(1, T // PACKS)
+    """count tokens (of a sequence of T) rounded up to a multiple of the unit T / PACKS (rounded
+    up: at most PACKS lengths below T), at least one unit (Block.pack), at most T."""
+    unit = -(-T // PACKS)
     return min(T, -(-max(1, count) // unit) * unit)
 
 
@@ -927,7 +927,7 @@ def check_model(hp: Hyperparameters):
             )
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
-    check_memory(model_bytes(hp), "to build the model")
+    check_memory(model_bytes(hp), "to build the model", "dim, n_layers, vocab_size or max_seq_len")
 
 
 def model_bytes(hp: Hyperparameters) -> int:
@@ -937,12 +937,11 @@ def model_bytes(hp: Hyperparameters) -> int:
     return 4 * n_weights(hp) + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
 
 
-def check_memory(need: int, what: str):
+def check_memory(need: int, what: str, sizes: str):
     if need > runs.machine_memory():
         raise UserError(
             f"these sizes need at least {need / 2**30:.1f} GiB on one device {what}; it has "
-            f"{runs.machine_memory() / 2**30:.1f} GiB (lower dim, n_layers, vocab_size, "
-            f"max_seq_len or device_batch_size)"
+            f"{runs.machine_memory() / 2**30:.1f} GiB (lower {sizes})"
         )
 
 
@@ -975,7 +974,8 @@ def validate(hp: Hyperparameters, world: int):
     # a lower bound: the model, fp32 gradients and AdamW moments, one loss chunk's logits
     # (validation's per_token: bf16, fp32, log-softmax)
     rows = min(hp.loss_rows, hp.device_batch_size * hp.seq_len)
-    check_memory(model_bytes(hp) + 12 * n_weights(hp) + 10 * rows * hp.vocab_size, "to train")
+    need = model_bytes(hp) + 12 * n_weights(hp) + 10 * rows * hp.vocab_size
+    check_memory(need, "to train", "dim, n_layers, vocab_size, max_seq_len or device_batch_size")
 
 
 def n_weights(hp: Hyperparameters) -> int:
@@ -1060,7 +1060,7 @@ def built(hp: Hyperparameters, init: tuple, device: str) -> GPT:
     with torch.device("meta"):
         runs.check_weights(GPT(hp).state_dict(), *init)
     model = GPT(hp).to(device)
-    runs.load_weights(model, *init)
+    model.load_state_dict(init[0])  # (checked: no check again)
     return model
 
 
@@ -1199,6 +1199,30 @@ def packed_lengths(seen: list, T: int) -> list:
 REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (DLO: the halves)
 
 
+def restore_packing(router: Router, ckpt: dict, hp: Hyperparameters, where: str):
+    """Compact: the packed lengths and the counts they come from (train_step), as saved, so that
+    a resumed run packs and redoes the steps the uninterrupted one does; refused unless they are
+    what a run makes (the lengths of the counts of at most PACK_STEPS steps, or before the first
+    step every token). Absent (saved before issue 55), saved without compact or at another
+    seq_len: a new run's first lengths stand, every token."""
+    packing = ckpt.get("packing")
+    if packing is None or ckpt["hp"].get("seq_len") != hp.seq_len:
+        return
+    if isinstance(packing, dict) and packing.get("lengths") is None:  # saved without compact
+        return
+    try:
+        lengths, seen = packing["lengths"], packing["seen"]
+        made = packed_lengths(seen, hp.seq_len) if seen else [hp.seq_len] * hp.n_layers
+        sound = len(seen) <= PACK_STEPS and all(type(n) is int for n in lengths)
+    except (TypeError, ValueError, KeyError, IndexError):  # (not lists of numbers)
+        sound = False
+    if not sound or lengths != made:
+        raise UserError(
+            f"{where}: packed lengths that no run makes (an edited or damaged checkpoint)"
+        )
+    router.lengths, router.seen = lengths, seen
+
+
 def compile_model(raw: GPT) -> GPT:
     """Regional compilation (PyTorch's recipe for a fast cold start): each block's REGIONS
     compiled in place, with static shapes. The blocks share their code, so a graph compiled for
@@ -1213,7 +1237,8 @@ def compile_model(raw: GPT) -> GPT:
     config.recompile_limit = max(config.recompile_limit, 4 * (PACKS + 1))
     for block in raw.blocks:
         for name in REGIONS:
-            setattr(block, name, torch.compile(getattr(block, name), dynamic=False))
+            if name not in vars(block):  # (compiled already: as it is)
+                setattr(block, name, torch.compile(getattr(block, name), dynamic=False))
     return raw
 
 
@@ -1308,12 +1333,17 @@ def train(
         if ckpt is not None
         else RunState(run_id=os.urandom(8).hex())
     )
+    if ckpt is not None and hp.compact and raw.router.packs_in_training:
+        restore_packing(raw.router, ckpt, hp, os.path.join(job.run_dir, CHECKPOINT))
     for group in opt.param_groups:  # this job's settings, not a checkpoint's
         group.update(adamw_options(hp))
     start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
         print(f"the run is complete at step {start}")
         return job.run_dir
+    origin = init[1] if init else None  # where the weights came from, kept across resumes
+    if ckpt is not None:
+        origin = runs.logged(job.run_dir, "init_from")
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
@@ -1334,7 +1364,7 @@ def train(
         "run_dir": run_dir,
         "device": d.device,
         "run_id": run.run_id,
-        "init_from": init[1] if init else None,
+        "init_from": origin,
         **runs.provenance(),
         "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
     }
@@ -1350,7 +1380,7 @@ def train(
     )
     log.print(
         f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
-        f"train_time and step_avg count the other steps of all jobs"
+        f"train_time and step_avg count the other steps of all jobs, less their compile time"
     )
     clock = runs.StepClock(log, start, job.untimed_steps)
     try:
@@ -1363,7 +1393,9 @@ def train(
                 val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
                 if val_due and not signum and run.val_done < step:
                     d.sync()
+                    compiled = runs.compile_ms()  # (its graphs count in the job's total)
                     v = evaluate(raw, hp, val_loader, d, autocast)  # the raw model: no DDP hooks
+                    clock.compile_ms += runs.compile_ms() - compiled
                     log_validation(log, raw.router, v, run, steps)
                     run.val_done = step
                 # save if due: every save_every steps and when the job ends, if anything is new
@@ -1383,7 +1415,8 @@ def train(
                 if ending:  # stop if asked, or at the end
                     break
                 d.sync()
-                t0, compiled = time.perf_counter(), runs.compile_ms()
+                t0 = time.perf_counter()
+                compiled = runs.compile_ms()
                 lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
                 stats = train_step(
                     model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step
@@ -1453,7 +1486,8 @@ def log_step(
 ):
     """The step's line of train.log and its record in metrics.jsonl (per-layer means). times:
     the step's wall time and the part of it spent compiling (ms); tok/s and MFU count the rest."""
-    n, (step_ms, compile_ms) = stats["tokens"][0], times
+    n = stats["tokens"][0]
+    step_ms, compile_ms = times
     ms = step_ms - compile_ms
     means = {k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
     line = (
