@@ -129,10 +129,10 @@ def model_card(hp, trained: dict, params: int, layout: str) -> str:
         if v
         else f"- no validation of these weights (step {trained.get('step')}) recorded"
     )
-    commit = trained.get("git_commit")
+    commit = trained.get("git_commit") or "unknown"
     if trained.get("git_dirty"):
         commit = f"{commit}, with changes not committed (the run's train.log holds its sources)"
-    origin = "a random initialisation"
+    origin = "a random initialisation" if trained["logged"] else "unknown (no config.json)"
     if trained.get("expanded"):
         origin = "a depth expansion of another run's weights (the run's expand.json)"
     if trained.get("init_from"):
@@ -149,7 +149,7 @@ weights are `model.safetensors`.
 - trained here {trained.get("step")} steps, {trained.get("tokens")} tokens (run
   {trained.get("run_id")}), from {origin}
 {figures}
-- command: `{trained.get("command")}`
+- the last job's command: `{trained.get("command") or "unknown"}` (train.log: every job's)
 - commit: {commit}
 
 ## Use it with this project
@@ -214,15 +214,17 @@ def main(argv):
     theirs = authors_config(hp) if args.format == "authors" else None
     check_out_dir(out)
     model = tg.built(hp, (ckpt["model"], os.path.join(args.run_dir, runs.CHECKPOINT), str), "cpu")
-    logged = run_config(args.run_dir)
+    logged = run_config(args.run_dir)  # (what it holds of the wrong type: not known)
+    known = {k: v for k, v in logged.items() if isinstance(v, bool if k == "git_dirty" else str)}
     trained = {
         "run_id": ckpt["run_id"],
         "step": ckpt["step"],
         "tokens": ckpt["tokens"],
-        "command": logged.get("command"),
-        "git_commit": logged.get("git_commit"),
-        "git_dirty": logged.get("git_dirty"),
-        "init_from": logged.get("init_from"),
+        "logged": bool(logged),
+        "command": known.get("command"),
+        "git_commit": known.get("git_commit"),
+        "git_dirty": known.get("git_dirty"),
+        "init_from": known.get("init_from"),
         "expanded": os.path.isfile(os.path.join(args.run_dir, "expand.json")),
         "validation": last_validation(args.run_dir, ckpt["step"]),
     }

@@ -3282,6 +3282,11 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
         {"lengths": [32.0, 32.0], "seen": []},
         {"lengths": [32, 32], "seen": [[40.0, 1.0]]},
         {"lengths": [32, 32], "seen": None},
+        {"lengths": [32, 32], "seen": [[math.inf, 32.0]]},
+        {"lengths": [32], "seen": [[32.0]]},
+        {"lengths": [32, 32], "seen": [["32", "32"]]},
+        {"lengths": [32, 32], "seen": [[True, 32.0]]},
+        {"lengths": [32, 32], "seen": [[32.0, 32.0]] * 17},
     ):
         torch.save({**state, "packing": packing}, a / "checkpoint.pt")
         code, out, err = run_main([f"--resume={a}", "--compact=true"], capsys)
@@ -5611,9 +5616,9 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
     def drop(name):
         return lambda t: {k: v for k, v in t.items() if k != name}
 
-    def spoil(name, value):  # one value of a tensor, or (None) the tensor as int64
+    def spoil(name, value):  # one value of a tensor, as float64, or (None) the tensor as int64
         def change(t):
-            t[name] = t[name].long() if value is None else t[name].index_fill(0, t0, value)
+            t[name] = t[name].long() if value is None else t[name].double().index_fill(0, t0, value)
             return t
 
         return change
@@ -5643,7 +5648,8 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
         (dict(config=lambda c: {**c, "dim": 64}), "embeddings.weight is (50257, 32), the settings"),
         (dict(weights=spoil(wq, math.nan)), f"{wq} holds NaN or Inf"),
         (dict(weights=spoil(wq, -math.inf)), f"{wq} holds NaN or Inf"),
-        (dict(weights=spoil(wq, None)), f"{wq} is torch.int64; a weight is floating point"),
+        (dict(weights=spoil(wq, None)), f"{wq} is torch.int64 (torch.strided); a weight is one"),
+        (dict(weights=spoil(wq, 1e300)), f"{wq} holds NaN or Inf"),  # (in float32: the model's)
     ]
     for i, (change, message) in enumerate(cases):
         source = authors_copy(tmp_path, f"src{i}", **change)
@@ -5836,6 +5842,12 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     assert "trained here 3 steps" in card and "from a random initialisation" in card
     assert "no validation of these weights (step 3) recorded" in card
     assert ("with changes not committed" in card) == bool(logged["git_dirty"])
+    # a checkpoint alone (no config.json): what is not known is said so
+    (tmp_path / "only").mkdir()
+    shutil.copy(run / "checkpoint.pt", tmp_path / "only")
+    assert support.cli(export.main, [str(tmp_path / "only"), str(tmp_path / "only_out")]) == 0
+    card = (tmp_path / "only_out" / "README.md").read_text()
+    assert "from unknown (no config.json)" in card and "command: `unknown`" in card, card
     # a run theirs cannot express: refused, naming the setting, nothing written
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     for change, message in (

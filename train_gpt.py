@@ -940,8 +940,8 @@ def model_bytes(hp: Hyperparameters) -> int:
 def check_memory(need: int, what: str, sizes: str):
     if need > runs.machine_memory():
         raise UserError(
-            f"these sizes need at least {need / 2**30:.1f} GiB on one device {what}; it has "
-            f"{runs.machine_memory() / 2**30:.1f} GiB (lower {sizes})"
+            f"these sizes need at least {need >> 30} GiB on one device {what}; it has "
+            f"{runs.machine_memory() >> 30} GiB (lower {sizes})"
         )
 
 
@@ -1034,13 +1034,15 @@ def read_source(source: str) -> tuple:
         )
     if source.startswith("hf:") or held == [hub.WEIGHTS]:
         settings, weights, where, label = hub.read(source, asdict(Hyperparameters()))
-        try:  # (data paths relative to the repository, as the defaults')
-            hp = resolve({}, saved_settings(settings))
-        except UserError as e:
-            raise UserError(f"{os.path.join(where, hub.CONFIG)}: {e}") from None
+        named = os.path.join(where, hub.CONFIG)
     else:
         ckpt, where, label = load_checkpoint(source), os.path.join(source, CHECKPOINT), str
-        hp, weights = saved_settings(ckpt["hp"]), ckpt["model"]
+        settings, weights, named = ckpt["hp"], ckpt["model"], where
+    try:  # the source's own settings, named as its file (data paths relative to the repository)
+        hp = resolve({}, saved_settings(settings))
+        check_model(hp)
+    except UserError as e:
+        raise UserError(f"{named}: {e}") from None
     return hp, (weights, where, label)
 
 
@@ -1208,18 +1210,27 @@ def restore_packing(router: Router, ckpt: dict, hp: Hyperparameters, where: str)
     packing = ckpt.get("packing")
     if packing is None or ckpt["hp"].get("seq_len") != hp.seq_len:
         return
-    if isinstance(packing, dict) and packing.get("lengths") is None:  # saved without compact
+    bad = UserError(f"{where}: packed lengths that no run makes (an edited or damaged checkpoint)")
+    if not isinstance(packing, dict):
+        raise bad
+    lengths, seen = packing.get("lengths"), packing.get("seen")
+    if lengths is None:  # saved by a job without compact
         return
-    try:
-        lengths, seen = packing["lengths"], packing["seen"]
-        made = packed_lengths(seen, hp.seq_len) if seen else [hp.seq_len] * hp.n_layers
-        sound = len(seen) <= PACK_STEPS and all(type(n) is int for n in lengths)
-    except (TypeError, ValueError, KeyError, IndexError):  # (not lists of numbers)
-        sound = False
-    if not sound or lengths != made:
-        raise UserError(
-            f"{where}: packed lengths that no run makes (an edited or damaged checkpoint)"
+
+    def counts(v, kinds, least):  # one per applied block, each a number of a sequence's tokens
+        return (
+            isinstance(v, list)
+            and len(v) == hp.n_layers
+            and all(type(n) in kinds and least <= n <= hp.seq_len for n in v)
         )
+
+    if not (isinstance(seen, list) and len(seen) <= PACK_STEPS):
+        raise bad
+    if not all(counts(v, (int, float), 0) for v in seen):
+        raise bad
+    made = packed_lengths(seen, hp.seq_len) if seen else [hp.seq_len] * hp.n_layers
+    if not counts(lengths, (int,), 1) or lengths != made:
+        raise bad
     router.lengths, router.seen = lengths, seen
 
 

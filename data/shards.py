@@ -136,7 +136,7 @@ def encoding(name: str, vocab_size: int = None):
     if vocab_size is not None and vocab_size < enc.n_vocab or too_big:
         raise UserError(
             f"a model with vocab_size={vocab_size} cannot use encoding={name} "
-            f"({enc.n_vocab} token ids): is its checkpoint edited?"
+            f"({enc.n_vocab} token ids): its settings do not go together (edited?)"
         )
     return enc
 
