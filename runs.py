@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import hub
 from support import (
     HERE,
     PARENT,
@@ -310,6 +311,8 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
     old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
+    if not resuming:  # a folder is ours to take only if what it holds is a run's of ours
+        check_aborted(run_dir, old)
     if old:
         k = 1
         while os.path.exists(aside := os.path.join(run_dir, f"aborted_{k}")):
@@ -322,6 +325,23 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
             raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
         print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
     return run_dir
+
+
+def check_aborted(run_dir: str, old: list):
+    """A new run in RUN_DIR, which holds `old` (of LOGS): they are moved aside only as the logs
+    of a run of ours that never saved (its config.json, written first, has its run_id and job);
+    a model folder, or anyone else's config.json or logs, is refused, nothing moved."""
+    if os.path.lexists(os.path.join(run_dir, hub.WEIGHTS)):
+        raise UserError(
+            f"{run_dir} holds a model ({hub.WEIGHTS}), not a run: give another run_dir "
+            f"(nothing was moved)"
+        )
+    if old and not (isinstance(logged(run_dir), str) and isinstance(logged(run_dir, "job"), dict)):
+        raise UserError(
+            f"{run_dir} holds {', '.join(old)} but no config.json of a run of this project "
+            f"(one with its run_id and job): not a run's to take over; give another run_dir "
+            f"(nothing was moved)"
+        )
 
 
 def check_owner(run_dir: str, ckpt: dict):
@@ -355,9 +375,11 @@ def check_owner(run_dir: str, ckpt: dict):
 
 
 def logged(run_dir: str, key: str = "run_id"):
-    """What RUN_DIR/config.json records under key, or None (no such file, or unreadable)."""
+    """What RUN_DIR/config.json records under key, or None (no such file, unreadable, or over
+    hub.MAX_CONFIG_BYTES: a run's is a few kB)."""
     with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
-        if os.path.isfile(path := os.path.join(run_dir, "config.json")):  # (a pipe would hang)
+        path = os.path.join(run_dir, "config.json")
+        if os.path.isfile(path) and os.path.getsize(path) <= hub.MAX_CONFIG_BYTES:  # (no pipe)
             with open(path, encoding="utf-8-sig") as f:  # (a BOM: an editor's, kept)
                 return json.load(f).get(key)
 

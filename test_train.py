@@ -5881,6 +5881,34 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
 # Files that are not ours: never rewritten, replaced, moved or read without bound
 
 
+@pytest.mark.slow
+def test_a_folder_that_is_not_a_runs_is_refused_as_run_dir_nothing_moved(tmp_path, capsys):
+    # a new run moves aside only the logs of a run of ours that never saved (its config.json
+    # has its run_id and job); an export folder (a model), a user's config.json, logs with no
+    # config.json: one line, exit 2, every file where and as it was (issue 58)
+    folders = {
+        "export": {"model.safetensors": b"", "config.json": b'{"format": "train_gpt"}'},
+        "users": {"config.json": b'{"lr": 1}', "notes.txt": b"mine"},
+        "logs_only": {"train.log": b"my log"},
+        "not_json": {"config.json": b"{not json", "metrics.jsonl": b"{}"},
+    }
+    for name, files in folders.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, data in files.items():
+            (folder / file).write_bytes(data)
+        code, out, err = run_main(TINY_RUN + [f"--run_dir={folder}"], capsys)
+        assert code == 2 and err.count("\n") == 1 and "nothing was moved" in err, (name, err)
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == files, name
+    model = Path(authors_copy(tmp_path, "model"))  # a run from a model, into its own folder
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    code, _, err = run_main(
+        [f"--init_from={model}", f"--run_dir={model}", *TRAIN_ON_SAMPLE], capsys
+    )
+    assert code == 2 and "holds a model (model.safetensors), not a run" in err, err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
 def test_an_outputs_record_that_is_not_ours_is_refused_before_any_work(tmp_path, capsys):
     bench = load_command("bench.py")
     (tmp_path / "mine.json").write_text('{"bench.md": "' + "0" * 64 + '"}')
