@@ -1227,6 +1227,33 @@ def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
     assert docs.page_text(page) == "Title\nOne & two three\na\nb <c>\nkept\ncaf\u00e9"
 
 
+def test_debian_docs_reads_a_package_whose_stream_goes_on_past_its_archive(tmp_path):
+    # a damaged .deb: dpkg-deb streams a tar archive, then far more than a pipe holds (64 KiB)
+    # after its end, and a reason on stderr; the pages are read, the rest drained (before:
+    # stderr read while dpkg-deb waited on a full stdout, for ever)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "dpkg-deb").write_text(
+        "#!/usr/bin/env python3\nimport io, sys, tarfile\nbuf = io.BytesIO()\n"
+        "with tarfile.open(fileobj=buf, mode='w') as tar:\n"
+        "    info = tarfile.TarInfo('./usr/share/doc/x/index.html'); info.size = 11\n"
+        "    tar.addfile(info, io.BytesIO(b'<p>page</p>'))\n"
+        "sys.stderr.write('warning: trailing data\\n' * 5000)\n"
+        "sys.stdout.buffer.write(buf.getvalue() + b'junk' * 100000)\n"
+    )
+    (bin_ / "dpkg-deb").chmod(0o755)
+    code = "from data import debian_docs; print(debian_docs.package_pages('x.deb', 'x.deb'))"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=HERE,
+        env={**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout == "[b'<p>page</p>']\n", r.stderr[-2000:]
+
+
 def fake_debian(tmp_path, apt_get: str) -> dict:
     """PATH with an apt-get running apt_get (bash) and a dpkg-deb whose --fsys-tarfile streams
     12 pages of 2,000 characters, each naming its package and number, from any .deb, and pages

@@ -146,9 +146,12 @@ def package_pages(deb: str, shown: str) -> list:
     .deb is one UserError naming it as shown (the user's file, not a temporary copy), with
     dpkg-deb's own reason when it gave one."""
     pages, broken = {}, None
-    with subprocess.Popen(
-        ["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    ) as p:
+    with (
+        tempfile.TemporaryFile() as errors,  # (not a pipe: one that filled would stall dpkg-deb)
+        subprocess.Popen(
+            ["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE, stderr=errors
+        ) as p,
+    ):
         try:
             with tarfile.open(fileobj=p.stdout, mode="r|") as tar:
                 for m in tar:
@@ -156,8 +159,12 @@ def package_pages(deb: str, shown: str) -> list:
                         pages[m.name] = tar.extractfile(m).read()
         except tarfile.TarError as e:  # a cut or empty stream: dpkg-deb failed, or a bad .deb
             broken = str(e)
-        said = p.stderr.read().decode(errors="replace").strip().splitlines()
-    if p.wait() or broken is not None:  # dpkg-deb's reason first: the stream's is a symptom
+        while p.stdout.read(1 << 16):  # what follows the archive's end: drained, or dpkg-deb
+            pass  # would wait on a full pipe for ever
+        p.wait()
+        errors.seek(0)
+        said = errors.read(1 << 16).decode(errors="replace").strip().splitlines()  # (bounded)
+    if p.returncode or broken is not None:  # dpkg-deb's reason first: the stream's is a symptom
         why = said[0].replace(deb, os.path.basename(deb)) if said else broken  # (no temp path)
         why = why or f"dpkg-deb status {p.returncode}"
         raise UserError(f"{shown}: not a readable .deb ({why})")
