@@ -759,18 +759,32 @@ RUN_KEYS = (
 )
 
 
+MAX_RUNS_CSV = 64 << 20  # a grid's runs.csv: about 2 kB a run; more is not one
+
+
 def read_runs(path: str) -> list:
-    """runs.csv -> its rows, numbers as numbers (an empty field: None)."""
+    """runs.csv -> its rows, numbers as numbers (an empty field: None). At most MAX_RUNS_CSV
+    bytes; a file cut short (its last row unended, or a row short of the header's fields) is
+    refused, naming the line."""
+    if os.path.getsize(support.need(path, "a file")) > MAX_RUNS_CSV:
+        raise support.UserError(
+            f"{path}: over {MAX_RUNS_CSV >> 20} MiB: not a runs.csv of sweep.py"
+        )
     try:
-        with open(support.need(path, "a file"), newline="", encoding="utf-8-sig") as f:
-            rows = list(csv.DictReader(f))
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8-sig")
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
     except (UnicodeDecodeError, csv.Error) as e:
         raise support.UserError(f"{path}: not a runs.csv of sweep.py ({e})") from None
     if not rows or set(RUN_KEYS) - set(rows[0]):
         raise support.UserError(
             f"{path}: not a runs.csv of sweep.py (columns: {', '.join(RUN_KEYS)})"
         )
+    if not text.endswith("\n"):
+        raise support.UserError(f"{path}: its last row is not ended: the file was cut short")
     for i, r in enumerate(rows, 2):
+        if None in r or None in r.values():  # (csv's marks: fields beyond the header, or short)
+            raise support.UserError(f"{path}:{i}: not as many fields as the header: cut short?")
         for k, v in r.items():
             try:
                 if k in ("seed", "val_docs", "steps", "tokens", "n_layers", "params"):

@@ -6096,6 +6096,27 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     sweep = load_command("sweep.py")
     assert support.cli(sweep.main, [f"--report={tmp_path / 'report' / 'runs.csv'}"]) == 0
     capsys.readouterr()
+    # a runs.csv cut short, or too large to be one, is refused naming what is wrong (issue 58)
+    whole = Path(csv_path).read_bytes()
+    last = whole.rstrip(b"\n").rsplit(b"\n", 1)[0]  # (without its last row)
+    for i, (data, message) in enumerate(
+        [
+            (whole[:-40], "its last row is not ended: the file was cut short"),
+            (last + b"\n" + b"dense,1,2\n", "not as many fields as the header: cut short?"),
+            (None, "over 64 MiB: not a runs.csv of sweep.py"),
+        ]
+    ):
+        (tmp_path / f"cut{i}").mkdir()
+        path = tmp_path / f"cut{i}" / "runs.csv"
+        if data is None:  # sparse: no disk used
+            with open(path, "wb") as f:
+                f.truncate(65 << 20)
+        else:
+            path.write_bytes(data)
+        assert support.cli(sweep.main, [f"--report={path}"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert os.listdir(path.parent) == ["runs.csv"]
 
 
 # -----------------------------------------------------------------------------
