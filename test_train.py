@@ -1137,6 +1137,9 @@ def test_every_script_under_records_runs_on_todays_code(tmp_path):
     scripts = sorted(Path(HERE).glob("records/*/*.py"), key=lambda p: p.name)
     names = ["compile_time.py", "memory_step.py", "replay.py", "table.py"]
     assert [p.name for p in scripts] == names  # a new one: run it here
+    for script in scripts:  # each answers --help with its docstring
+        r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr[-500:])
     r = subprocess.run([sys.executable, str(scripts[3])], capture_output=True, text=True)
     readme = (scripts[3].parent / "README.md").read_text()  # its table, from its runs
     assert r.returncode == 0 and r.stdout.count("\n") == 10 and r.stdout in readme, r.stdout

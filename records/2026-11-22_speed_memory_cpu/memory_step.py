@@ -7,6 +7,7 @@ REPO is a checkout of this project (its train_gpt.py is imported). The model is 
 the process's peak resident set size, read from the operating system after the step.
 """
 
+import argparse
 import resource
 import sys
 import time
@@ -15,10 +16,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, sys.argv[1])
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+p.add_argument("repo", metavar="REPO", help="a checkout of this project")
+p.add_argument("B", metavar="DEVICE_BATCH", type=int, help="sequences of 1024 tokens")
+p.add_argument("L", metavar="N_LAYERS", type=int, help="blocks")
+args = p.parse_args()
+sys.path.insert(0, args.repo)
 import train_gpt as tg  # noqa: E402
 
-B, L = int(sys.argv[2]), int(sys.argv[3])
+B, L = args.B, args.L
 hp = replace(tg.Hyperparameters(), n_layers=L, router="none", attn_impl="sdpa")  # never compiled
 model = tg.GPT(hp)
 x = torch.randint(0, hp.vocab_size, (B, hp.seq_len))

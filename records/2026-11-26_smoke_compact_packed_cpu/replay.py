@@ -4,6 +4,7 @@ train_gpt.packed_lengths:
     python records/2026-11-26_smoke_compact_packed_cpu/replay.py [METRICS_JSONL]
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,8 +32,9 @@ def replay(counts, rule):  # -> (steps redone, packed tokens / tokens needed), t
 
 
 if __name__ == "__main__":
-    path = sys.argv[1] if len(sys.argv) > 1 else HERE / "metrics.jsonl"
-    train = [r for r in map(json.loads, open(path)) if r["kind"] == "train"]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("path", nargs="?", default=HERE / "metrics.jsonl", metavar="METRICS_JSONL")
+    train = [r for r in map(json.loads, open(p.parse_args().path)) if r["kind"] == "train"]
     counts = [r["packed"] for r in train]
     print(f"{len(counts)} steps, {sum(r['redone'] for r in train)} redone in the run")
     for name, rule in (
