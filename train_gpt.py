@@ -1198,9 +1198,6 @@ def packed_lengths(seen: list, T: int) -> list:
     return [packed_length(int(max(c)), T) for c in zip(*seen, strict=True)]
 
 
-REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (DLO: the halves)
-
-
 def restore_packing(router: Router, ckpt: dict, hp: Hyperparameters, where: str):
     """Compact: the packed lengths and the counts they come from (train_step), as saved, so that
     a resumed run packs and redoes the steps the uninterrupted one does; refused unless they are
@@ -1232,6 +1229,9 @@ def restore_packing(router: Router, ckpt: dict, hp: Hyperparameters, where: str)
     if not counts(lengths, (int,), 1) or lengths != made:
         raise bad
     router.lengths, router.seen = lengths, seen
+
+
+REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (DLO: the halves)
 
 
 def compile_model(raw: GPT) -> GPT:
