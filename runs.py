@@ -653,43 +653,58 @@ class Dist:
         return result
 
 
+GONE = "the launcher is gone: this worker stops; nothing was written"
+
+
 def setup_distributed() -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1. A worker whose
     launcher is gone gives up before anything is written: at once, or while it waits for the
-    other ranks (which would wait till torch's timeout). Gone: this process was re-parented
-    (launcher_gone), or torchrun's store refuses it (store_refused: a launcher that died before
-    this process could read its parent). A rendezvous that fails is one line as well."""
+    other ranks (which would wait till torch's timeout): watching. A rendezvous that fails is one
+    line as well."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return Dist(device="cuda" if cuda else "cpu")
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     d.device, d.parent = f"cuda:{d.local_rank}" if cuda else "cpu", PARENT
-
-    def gone():
-        return launcher_gone(d) or store_refused()
-
-    stopped = "the launcher is gone: this worker stops; nothing was written"
-    if gone():
-        raise RunStopped(stopped)
+    if gone(d):
+        raise RunStopped(GONE)
     if cuda:
         torch.cuda.set_device(d.device)
-    started = threading.Event()
+    with watching(d):  # (init_process_group blocks in C++: no Python signal handler runs there)
+        try:
+            dist.init_process_group(backend="nccl" if cuda else "gloo")
+        except dist.DistError as e:  # (its text: a C++ stack)
+            raise RunStopped(
+                GONE if gone(d) else f"the rendezvous failed: {first_line(e)}"
+            ) from None
+    return d
 
-    def watch():  # (init_process_group blocks in C++: no Python signal handler runs meanwhile)
-        while not started.wait(0.5):
-            if gone():
-                sys.stderr.write(f"error: {stopped}\n")
+
+def gone(d: Dist) -> bool:
+    """Whether this torchrun worker's launcher is gone: the worker was re-parented
+    (launcher_gone), or torchrun's store refuses it (store_refused: a launcher that died before
+    this process could read its parent)."""
+    return launcher_gone(d) or store_refused()
+
+
+@contextlib.contextmanager
+def watching(d: Dist):
+    """Meanwhile, a thread ends this process (one line, status 1) once its launcher is gone: for
+    a wait in C++, or a job that writes nothing (--eval_only), so no worker outlives it."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            if gone(d):
+                sys.stderr.write(f"error: {GONE}\n")
                 sys.stderr.flush()
                 os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
     try:
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
-    except dist.DistError as e:  # (its text: a C++ stack)
-        raise RunStopped(stopped if gone() else f"the rendezvous failed: {first_line(e)}") from None
+        yield
     finally:
-        started.set()
-    return d
+        done.set()
 
 
 def store_refused() -> bool:

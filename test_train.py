@@ -2046,6 +2046,43 @@ def test_a_worker_whose_launcher_dies_at_start_up_gives_up(tmp_path):
             ), (run / "train.log").read_text()[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_an_evaluation_only_worker_ends_with_its_launcher(tmp_path):
+    # --eval_only under a launcher (one rank) validating for about 30 s (the sample's training
+    # shard, whole): the launcher killed mid-way, the worker ends within seconds, one line,
+    # nothing written (before: it validated to the end as an orphan; issue 58)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    log = tmp_path / "worker.log"
+    args = [f"--init_from={AUTHORS_TINY}", "--eval_only=true", "--seq_len=64"]
+    args += ["--val_files=data/sample/sample_train_*.bin", f"--val_tokens={64 * 2000}"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", FAKE_LAUNCHER, "1", port, str(log), *args],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    worker = int(launcher.stdout.readline())
+    time.sleep(8)  # (torch loaded, the model built, validating)
+    assert process_state(worker) not in (None, "Z"), log.read_text()[-2000:]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and process_state(worker) not in (None, "Z"):
+        time.sleep(0.2)
+    orphan = process_state(worker) not in (None, "Z")
+    if orphan:  # (a failing test leaves none behind)
+        os.kill(worker, signal.SIGKILL)
+    assert not orphan, "the worker validates on without its launcher"
+    said = log.read_text()
+    assert said.endswith("error: the launcher is gone: this worker stops; nothing was written\n")
+    assert "val_loss" not in said and said.count("error:") == 1, said[-2000:]
+
+
 def processes_naming(text: str) -> list:
     """The pids of the live processes whose command line holds text (from /proc)."""
     pids = []

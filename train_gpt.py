@@ -1623,7 +1623,8 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     raw = built(hp, init, d.device)
     cuda = d.device.startswith("cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    v = evaluate(raw, hp, loader, d, autocast)
+    with runs.watching(d):  # (nothing written: a launcher gone ends it at once)
+        v = evaluate(raw, hp, loader, d, autocast)
     if d.master:
         print("\n".join(validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
     return v
