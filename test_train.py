@@ -1999,27 +1999,48 @@ time.sleep(600)
 """
 
 
+def fake_launch(world: str, log, args) -> tuple:
+    """FAKE_LAUNCHER started on a free port, its worker running train_gpt.py args into log
+    -> (the launcher's Popen, the worker's pid)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", FAKE_LAUNCHER, world, port, str(log), *args],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return launcher, int(launcher.stdout.readline())
+
+
+def kill_and_outlived(launcher, worker: int, seconds: float) -> bool:
+    """Kill the launcher; whether its worker was still running `seconds` later (then killed:
+    a failing test leaves none behind)."""
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + seconds
+    while time.time() < deadline and process_state(worker) not in (None, "Z"):
+        time.sleep(0.2)
+    orphan = process_state(worker) not in (None, "Z")
+    if orphan:
+        os.kill(worker, signal.SIGKILL)
+    return orphan
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
 def test_a_worker_whose_launcher_dies_at_start_up_gives_up(tmp_path):
     # the launcher dies while its worker waits for a rank that never comes (world 2), or just
     # after its worker joined (world 1): the worker knows its launcher from its start, and ends
     # (nothing written) or stops at its next step (saved), never an orphan or a wait till timeout
-    import socket
-
     for world, until in (("2", "libtorch_cpu"), ("1", "step:2/")):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
         log, run = tmp_path / f"worker{world}.log", tmp_path / f"run{world}"
         args = [*RESUME_RUN, "--train_tokens=10000000", f"--run_dir={run}"]
-        launcher = subprocess.Popen(
-            [sys.executable, "-c", FAKE_LAUNCHER, world, port, str(log), *args],
-            cwd=HERE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        worker, deadline = int(launcher.stdout.readline()), time.time() + 120
+        launcher, worker = fake_launch(world, log, args)
+        deadline = time.time() + 120
         while time.time() < deadline and process_state(worker) not in (None, "Z"):
             maps = Path(f"/proc/{worker}/maps").read_text() if world == "2" else ""
             train_log = (run / "train.log").read_text() if (run / "train.log").exists() else ""
@@ -2027,14 +2048,7 @@ def test_a_worker_whose_launcher_dies_at_start_up_gives_up(tmp_path):
                 break
             time.sleep(0.1)
         time.sleep(3 if world == "2" else 0)  # (torch loaded, then into init_process_group's wait)
-        launcher.kill()
-        launcher.wait()
-        deadline = time.time() + 60
-        while time.time() < deadline and process_state(worker) not in (None, "Z"):
-            time.sleep(0.2)
-        orphan = process_state(worker) not in (None, "Z")
-        if orphan:  # (a failing test leaves none behind)
-            os.kill(worker, signal.SIGKILL)
+        orphan = kill_and_outlived(launcher, worker, 60)
         assert not orphan, f"world {world}: the worker goes on without its launcher"
         if world == "2":
             assert "error: the launcher is gone: this worker stops" in log.read_text()
@@ -2052,32 +2066,13 @@ def test_an_evaluation_only_worker_ends_with_its_launcher(tmp_path):
     # --eval_only under a launcher (one rank) validating for about 30 s (the sample's training
     # shard, whole): the launcher killed mid-way, the worker ends within seconds, one line,
     # nothing written (before: it validated to the end as an orphan; issue 58)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     log = tmp_path / "worker.log"
     args = [f"--init_from={AUTHORS_TINY}", "--eval_only=true", "--seq_len=64"]
     args += ["--val_files=data/sample/sample_train_*.bin", f"--val_tokens={64 * 2000}"]
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", FAKE_LAUNCHER, "1", port, str(log), *args],
-        cwd=HERE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    worker = int(launcher.stdout.readline())
+    launcher, worker = fake_launch("1", log, args)
     time.sleep(8)  # (torch loaded, the model built, validating)
     assert process_state(worker) not in (None, "Z"), log.read_text()[-2000:]
-    launcher.kill()
-    launcher.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and process_state(worker) not in (None, "Z"):
-        time.sleep(0.2)
-    orphan = process_state(worker) not in (None, "Z")
-    if orphan:  # (a failing test leaves none behind)
-        os.kill(worker, signal.SIGKILL)
-    assert not orphan, "the worker validates on without its launcher"
+    assert not kill_and_outlived(launcher, worker, 10), "the worker validates on without it"
     said = log.read_text()
     assert said.endswith("error: the launcher is gone: this worker stops; nothing was written\n")
     assert "val_loss" not in said and said.count("error:") == 1, said[-2000:]
