@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
+from routers import packed_counts, packed_lengths  # noqa: E402
 
 SIZES = {  # (hyperparameter overrides, batch size)
     "smoke": ({k: v for k, v in tg.PRESETS["smoke"].items() if k not in tg.JOB}, 8),
@@ -42,6 +43,15 @@ SIZES = {  # (hyperparameter overrides, batch size)
     "paper": (dict(), 32),  # Table 2: 12 layers, dim 768, 1024 tokens
 }
 SPARSITY = (0.0, 0.25, 0.5, 0.75)
+
+
+@torch.no_grad()
+def fit_lengths(raw, idx: torch.Tensor):
+    """Compact: set raw's packed lengths to what a forward pass on idx packs, in its current mode
+    (bf16 on CUDA), so that a compiled model times that batch with no host read per block."""
+    raw.router.lengths = None
+    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
+        raw.router.lengths = packed_lengths([packed_counts(raw(idx).route).tolist()], idx.size(1))
 
 
 def force_sparsity(model, idx, p, seed=0):
@@ -122,7 +132,7 @@ def bench_size(name, device, repeats, compile_, model=None):
             if packs:  # (the compacted model's graphs: from its first call here)
                 compiled = runs.compile_ms()
                 twin.load_state_dict(model.state_dict())
-                tg.fit_lengths(twin.train(), idx)  # packed lengths known on the host
+                fit_lengths(twin.train(), idx)  # packed lengths known on the host
 
             def forward(run=run):
                 with torch.no_grad(), autocast:

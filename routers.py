@@ -48,7 +48,35 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runs import fmt_list
+from support import UserError, fmt_list
+
+# -----------------------------------------------------------------------------
+# Packed lengths (compact=True): how many tokens each applied block runs, known on the host
+
+PACKS = 16  # a packed length is a multiple of seq_len / PACKS, or seq_len: few shapes to compile
+PACK_STEPS = 16  # packed lengths hold the most tokens packed over this many steps
+
+
+def packed_length(count: int, T: int) -> int:
+    """count tokens (of a sequence of T) rounded up to a multiple of the unit T / PACKS (rounded
+    up: at most PACKS lengths below T), at least one unit (Block.pack), at most T."""
+    unit = -(-T // PACKS)
+    return min(T, -(-max(1, count) // unit) * unit)
+
+
+def packed_counts(route: dict) -> torch.Tensor:
+    """(L,) per applied block, the most tokens one sequence packed there (ran its MLP)."""
+    return route["mlp"].sum(dim=-1).amax(dim=-1)
+
+
+def packed_lengths(seen: list, T: int) -> list:
+    """Packed lengths per applied block from packed_counts seen (lists of L): the most a sequence
+    packed there in any of them, rounded up (packed_length). A count that exceeds its length
+    next step makes train_step redo the step. Over the last PACK_STEPS steps rather than the
+    last one plus a unit of headroom: the smoke run at 300 steps redid 12 steps, where the other
+    rule, replayed on its counts, redoes 71 (records/2026-11-26_smoke_compact_packed_cpu/)."""
+    return [packed_length(int(max(c)), T) for c in zip(*seen, strict=True)]
+
 
 # -----------------------------------------------------------------------------
 # Router: which tokens run which blocks, and how that is trained and counted
@@ -86,6 +114,57 @@ class Router(nn.Module):
     def length(self, applied: int):
         """The packed length of applied block `applied` (its index in the depth loop), or None."""
         return None if self.lengths is None else self.lengths[applied]
+
+    def packs(self) -> bool:
+        """Whether training packs tokens to lengths known on the host (compact; DLO: never)."""
+        return self.hp.compact and self.packs_in_training
+
+    def outgrew(self, packed: list) -> bool:
+        """Whether a sequence of the step (packed: packed_counts) had more tokens at a block than
+        its packed length: train_step redoes such a step at full length (every token)."""
+        if self.lengths is None:  # (none given: each block's count read on the host)
+            return False
+        return any(n > m for n, m in zip(packed, self.lengths, strict=True))
+
+    def saw(self, packed: list):
+        """After a step: the next step's lengths from the counts of the last PACK_STEPS."""
+        if self.lengths is not None:
+            self.seen = [*self.seen, packed][-PACK_STEPS:]
+            self.lengths = packed_lengths(self.seen, self.hp.seq_len)
+
+    def restore_packing(self, ckpt: dict, where: str):
+        """The packed lengths and the counts they come from, as a checkpoint saved them, so that
+        a resumed run packs and redoes the steps the uninterrupted one does; refused unless they
+        are what a run makes (the lengths of the counts of at most PACK_STEPS steps, or before
+        the first step every token). Absent (saved before issue 55), saved without compact or at
+        another seq_len: a new run's first lengths stand, every token."""
+        hp, packing = self.hp, ckpt.get("packing")
+        if packing is None or ckpt["hp"].get("seq_len") != hp.seq_len:
+            return
+        bad = UserError(
+            f"{where}: packed lengths that no run makes (an edited or damaged checkpoint)"
+        )
+        if not isinstance(packing, dict):
+            raise bad
+        lengths, seen = packing.get("lengths"), packing.get("seen")
+        if lengths is None:  # saved by a job without compact
+            return
+
+        def counts(v, kinds, least):  # one per applied block, each a number of a sequence's tokens
+            return (
+                isinstance(v, list)
+                and len(v) == hp.n_layers
+                and all(type(n) in kinds and least <= n <= hp.seq_len for n in v)
+            )
+
+        if not (isinstance(seen, list) and len(seen) <= PACK_STEPS):
+            raise bad
+        if not all(counts(v, (int, float), 0) for v in seen):
+            raise bad
+        made = packed_lengths(seen, hp.seq_len) if seen else [hp.seq_len] * hp.n_layers
+        if not counts(lengths, (int,), 1) or lengths != made:
+            raise bad
+        self.lengths, self.seen = lengths, seen
 
     def forward(self, blocks, x, trace: dict, mask, pos=None, cache=None):
         """The depth loop: x (B, T, d) through each block once, in order, by run(). A router that
@@ -317,16 +396,8 @@ class MixtureOfDepths(Router):
         if cache is not None and not bool(chosen.any()):
             return x  # a token that passes the block keeps no K/V there
         keys = chosen[..., None].to(x.dtype)  # (B, T, 1): the chosen tokens are the only keys
-        return block(
-            x,
-            (r[..., None] * keys).type_as(x),
-            mask,
-            self.hp.compact and cache is None,
-            pos,
-            cache,
-            keys,
-            length,
-        )
+        g, compact = (r[..., None] * keys).type_as(x), self.hp.compact and cache is None
+        return block(x, g, mask, compact=compact, pos=pos, cache=cache, keys=keys, length=length)
 
     def loss(self, route, step):
         bce = F.binary_cross_entropy_with_logits(route["logits"], route["topk"].float())
@@ -382,15 +453,16 @@ class MixtureOfRecursions(Router):
             keys, h = None if every else active[..., None].to(x.dtype), x  # (B, T, 1): its tokens
             for i, block in enumerate(stack):
                 if cache is None or bool(active.any()):  # decoding: a token not kept stores no K/V
+                    applied = 1 + r * len(stack) + i
                     h = block(
                         h,
                         keys,
                         mask,
-                        self.hp.compact and cache is None,
-                        pos,
-                        at(1 + r * len(stack) + i),
-                        keys,
-                        k or self.length(1 + r * len(stack) + i),
+                        compact=self.hp.compact and cache is None,
+                        pos=pos,
+                        cache=at(applied),
+                        keys=keys,
+                        length=k or self.length(applied),
                     )
                 ran(trace, active)
                 if i < len(stack) - 1:

@@ -21,8 +21,10 @@ import gc
 import glob
 import io
 import json
+import math
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,11 +41,11 @@ import hub
 from support import (
     HERE,
     PARENT,
-    STOP,
     RunStopped,
     UserError,
     check_fields,
     first_line,
+    fmt_list,
     kind_of,
     named,
     need,
@@ -134,8 +136,9 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
     return {**state, "mtime": mtime}
 
 
-def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> dict:
-    """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS)."""
+def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader) -> dict:
+    """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS); the loader's
+    position is the global batch's."""
     return {
         **asdict(run),
         "hp": asdict(hp),
@@ -144,7 +147,7 @@ def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> d
         "optimizer": opt.state_dict(),
         "routing": raw.router.routing_state(),
         "packing": {"lengths": raw.router.lengths, "seen": raw.router.seen},  # compact's redo
-        "loader": loader,
+        "loader": loader.state(),
         "rng": {
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if next(raw.parameters()).is_cuda else [],
@@ -208,8 +211,8 @@ def load_weights(model, weights: dict, path: str, label=str):
 
 
 def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
-    """Weights, optimiser, routing, data position, random state and clock from a checkpoint;
-    an edited or damaged one is a UserError."""
+    """Weights, optimiser, routing, data position, random state, packed lengths (compact) and
+    clock from a checkpoint; an edited or damaged one is a UserError."""
     where = os.path.join(job.run_dir, CHECKPOINT)
     load_weights(raw, ckpt["model"], where)
     try:
@@ -232,6 +235,8 @@ def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
             f"or damaged checkpoint)"
         )
     loader.restore(ckpt["loader"])
+    if raw.router.packs():
+        raw.router.restore_packing(ckpt, where)
     return RunState(**{f.name: ckpt[f.name] for f in fields(RunState)})
 
 
@@ -439,11 +444,6 @@ def machine_memory() -> int:
     return 2**62
 
 
-def fmt_list(xs) -> str:
-    """Per-layer figures in a log line: [0.123 0.456 ...]."""
-    return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
-
-
 def clock(train_ms: float, timed_steps: int) -> str:
     """The timing fields of the trainer's train and validation lines: the same in both."""
     avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
@@ -472,6 +472,18 @@ def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
     if record not in kept:
         kept.append(record)
     return b"".join(kept)
+
+
+def validation_lines(router, v: dict, head: str, tail: str, step: int) -> list:
+    """evaluate's result as the log shows it: head + the line + tail, then per-layer lines."""
+    return [
+        f"{head}val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} over "
+        f"{v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
+        f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g}{tail}",
+        "  " + " ".join(f"{k}:{fmt_list(v[k])}" for k in ("block_active", "mlp_active")),
+        *router.log_lines(v, step),
+        f"  resid_norm:{fmt_list(v['resid_norm'])}",
+    ]
 
 
 class RunLog:
@@ -525,6 +537,64 @@ class RunLog:
                 self.metrics.write(json.dumps(obj) + "\n")
                 self.metrics.flush()
 
+    def step(
+        self,
+        run: RunState,
+        steps: int,
+        stats: dict,
+        means: tuple,
+        lrs: list,
+        times: tuple,
+        mfu: float = None,
+    ):
+        """A training step's line and its record (stats: train_step's sums; means: the router's,
+        made per-layer means as the blocks' shares are). times: the step's wall time and the part
+        of it spent compiling (ms); tok/s and MFU count the rest."""
+        n = stats["tokens"][0]
+        step_ms, compile_ms = times
+        line = (
+            f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
+            f"{clock(run.train_ms, run.timed_steps)} tok/s:{n / (step_ms - compile_ms) * 1000:.0f}"
+        )
+        if mfu is not None:
+            line += f" mfu:{100 * mfu:.1f}%"
+        if compile_ms:  # a graph new to this process (compile_model; a new packed length)
+            line += f" compile:{compile_ms:.0f}ms"
+        if "redone" in stats:  # compact: a sequence outgrew a packed length (train_step)
+            line += " redone:full_length"
+        self.print(line)
+        self.record(
+            {
+                "kind": "train",
+                "step": run.step,
+                "tokens": run.tokens,
+                "train_loss": stats["lm_loss"][0],
+                "total_loss": stats["total_loss"][0],
+                "lr": lrs[0],
+                "layer_lr": lrs[1:],
+                "step_ms": step_ms,
+                "compile_ms": compile_ms,
+                "packed": stats["packed"],  # per layer, the most tokens of a sequence (compact)
+                "redone": "redone" in stats,
+                **{k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *means)},
+            }
+        )
+
+    def validation(self, router, v: dict, run: RunState, steps: int):
+        """A validation's lines (validation_lines) and its record."""
+        tail = f" {clock(run.train_ms, run.timed_steps)}"
+        for line in validation_lines(router, v, f"step:{run.step}/{steps} ", tail, run.step):
+            self.print(line)
+        self.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if isinstance(error, RunStopped):  # the error line in train.log too
+            self.print(f"error: {error}")
+        self.close()
+
     def close(self):
         if self.active:  # every write was flushed: a failure here would only hide the first
             for f in (self.log, self.metrics):
@@ -552,6 +622,16 @@ class StepClock:
         self.log, self.start, self.untimed = log, start, untimed
         self.ms = 0.0  # this job's warm-up time
         self.compile_ms = 0.0  # this job's compile time
+
+    def begin(self, d):
+        """Before a timed stretch (a step, a validation): the device's queued work done."""
+        d.sync()
+        self.t0, self.compiled = time.perf_counter(), compile_ms()
+
+    def lap(self, d) -> tuple:
+        """-> (ms, compile ms) since begin(), the device's work included."""
+        d.sync()
+        return 1000 * (time.perf_counter() - self.t0), compile_ms() - self.compiled
 
     def add(self, run: RunState, step_ms: float, compile_ms: float):
         self.compile_ms += compile_ms
@@ -628,9 +708,10 @@ class Dist:
             gc.collect()
             dist.destroy_process_group()
 
-    def on_master(self, fn, share: bool = True):
+    def on_master(self, fn, share: bool = True, last: str = None):
         """fn() on rank 0; its failure is raised on every rank, so none waits in a collective for
-        it: the same UserError or OSError, else RunStopped. share: all get the result."""
+        it: the same UserError or OSError, else RunStopped (naming last, the job's last good
+        checkpoint, if given). share: all get the result."""
         result, error = None, None
         if self.master:
             try:
@@ -642,7 +723,7 @@ class Dist:
             if not (error is None or isinstance(error, (UserError, OSError))):
                 sent = RunStopped(
                     f"rank 0 failed ({type(error).__name__}: {error})"
-                    + (f"; last checkpoint: {STOP.last_ckpt}" if STOP.last_ckpt is not None else "")
+                    + (f"; last checkpoint: {last}" if last is not None else "")
                 )
             box = [sent, result if share else None]
             dist.broadcast_object_list(box, src=0)
@@ -777,29 +858,54 @@ def agreed_signal(stop, d: Dist) -> int:
 # A job's saves and stops, agreed by every rank
 
 
-def save_run_checkpoint(d: Dist, run_dir: str, step: int, model, opt, state):
-    """state() as RUN_DIR/checkpoint.pt (rank 0) if all is finite; else, or failing, RunStopped.
-    The old one stays as PREVIOUS if a step from it was finite (not STOP.untried): last_good."""
-    if not all_finite(model, opt):
+class Ledger:
+    """A training job's checkpoints, owned by its train(): the last good one (named by its stop and
+    error lines; inside `with ledger:` an error's line, support.cli, names it too) and whether no
+    step from the newest has trained yet (untried: a save then keeps no PREVIOUS, and last_good
+    may put one back)."""
+
+    def __init__(self, run_dir: str, last: str):
+        self.run_dir, self.last, self.untried = run_dir, last, True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if isinstance(error, (KeyboardInterrupt, UserError, OSError)):
+            error.checkpoint = self.last  # (a RunStopped names it in its message)
+
+
+def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, loader):
+    """checkpoint_state as RUN_DIR/checkpoint.pt (rank 0) if every weight is finite; else, or
+    failing, RunStopped. The old one stays as PREVIOUS if a step from it was finite (not
+    ledger.untried): last_good."""
+    if not all_finite(raw, opt):
         raise RunStopped(
-            f"non-finite weights after step {step}; the checkpoint was not "
-            f"replaced; last good checkpoint: {STOP.last_ckpt}"
+            f"non-finite weights after step {run.step}; the checkpoint was not "
+            f"replaced; last good checkpoint: {ledger.last}"
         )
     try:
-        path = d.on_master(lambda: save_checkpoint(run_dir, state(), keep=not STOP.untried))
+        path = d.on_master(
+            lambda: save_checkpoint(
+                ledger.run_dir,
+                checkpoint_state(run, hp, d.world, raw, opt, loader),
+                keep=not ledger.untried,
+            ),
+            last=ledger.last,
+        )
     except (UserError, OSError) as e:  # a full disk, or a folder made read-only
         raise RunStopped(
-            f"cannot write the checkpoint of step {step} ({os_error_text(e)}); "
-            f"last good checkpoint: {STOP.last_ckpt}"
+            f"cannot write the checkpoint of step {run.step} ({os_error_text(e)}); "
+            f"last good checkpoint: {ledger.last}"
         ) from None
-    STOP.last_ckpt, STOP.untried = f"{path} (step {step})", True
+    ledger.last, ledger.untried = f"{path} (step {run.step})", True
 
 
-def last_good(d: Dist, run_dir: str, run_id: str) -> str:
+def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
     """For a stop on a non-finite loss: the newest checkpoint, or if no step from it was finite
     (an update that exploded but stayed finite, saved at its step), PREVIOUS put back: only a
     regular file of this run (run_id) at an earlier step than the newest."""
-    path, prev = os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, PREVIOUS)
+    path, prev = (os.path.join(ledger.run_dir, n) for n in (CHECKPOINT, PREVIOUS))
 
     def put_back():
         """PREVIOUS renamed over the newest -> its step; None, and nothing moved, when there is
@@ -819,43 +925,64 @@ def last_good(d: Dist, run_dir: str, run_id: str) -> str:
             return None
         return old["step"]
 
-    if not STOP.untried:
-        return STOP.last_ckpt
+    if not ledger.untried:
+        return ledger.last
     step = d.on_master(put_back)
     if step is None:  # the newest stays, but it is not a good one
         return (
-            f"none: no step from the newest, {STOP.last_ckpt}, had a finite loss, and no earlier "
+            f"none: no step from the newest, {ledger.last}, had a finite loss, and no earlier "
             f"checkpoint of this run could be put back"
         )
-    STOP.untried = False
-    STOP.last_ckpt = (
-        f"{path} (step {step}, put back: no step from the newer {STOP.last_ckpt} had a finite loss)"
+    ledger.untried = False
+    ledger.last = (
+        f"{path} (step {step}, put back: no step from the newer {ledger.last} had a finite loss)"
     )
-    return STOP.last_ckpt
+    return ledger.last
 
 
 def open_log(
-    d: Dist, run_dir: str, config: dict, resumed_at: int = None, val_done: int = -1
+    d: Dist, ledger: Ledger, config: dict, resumed_at: int = None, val_done: int = -1
 ) -> RunLog:
     """The job's RunLog (inactive off rank 0); failing, RunStopped: the run directory exists."""
+    run_dir = ledger.run_dir
     try:
-        log = d.on_master(lambda: RunLog(run_dir, config, True, resumed_at, val_done), share=False)
+        log = d.on_master(
+            lambda: RunLog(run_dir, config, True, resumed_at, val_done), False, ledger.last
+        )
     except (UserError, OSError) as e:
         raise RunStopped(
-            f"cannot write the run's logs ({os_error_text(e)}); last checkpoint: {STOP.last_ckpt}"
+            f"cannot write the run's logs ({os_error_text(e)}); last checkpoint: {ledger.last}"
         ) from None
     return log if d.master else RunLog(run_dir, config, active=False)
 
 
-def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int, last_good):
-    """A step whose loss was not finite applied no update; past max_bad_steps the run stops."""
+def skip_bad_step(log: RunLog, run: RunState, max_bad_steps: int, steps: int, d, ledger: Ledger):
+    """A step whose loss was not finite applied no update; past max_bad_steps the run stops,
+    naming its last good checkpoint (last_good)."""
     run.bad_steps += 1
     if run.bad_steps > max_bad_steps:
         raise RunStopped(
             f"non-finite loss at step {run.step}; no update was applied; last good "
-            f"checkpoint: {last_good()}"
+            f"checkpoint: {last_good(d, ledger, run.run_id)}"
         )
     log.print(
         f"step:{run.step}/{steps} skipped: non-finite loss ({run.bad_steps} of "
         f"max_bad_steps={max_bad_steps})"
     )
+
+
+def report_end(log: RunLog, d: Dist, ledger: Ledger, run: RunState, start, steps, signum, owed):
+    """The job's last lines: why it stopped and how to resume (signum: the signal, 0 for
+    stop_step; owed: the validation of its step is still to run), or complete; peak memory."""
+    if run.step < steps or run.val_done < run.step:
+        why = f"signal {signal.Signals(signum).name}" if signum else "stop_step"
+        log.print(
+            f"stopped by {why} at step {run.step}"
+            + (" (its validation is still owed)" if owed else "")
+            + f"; checkpoint: {ledger.last}; resume with: {d.launcher} "
+            f"--resume={shlex.quote(ledger.run_dir)}"
+        )
+    elif run.step == start:
+        log.print(f"the run is complete at step {run.step}")
+    if d.device.startswith("cuda"):
+        log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")

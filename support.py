@@ -54,25 +54,26 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file s
 
 def cli(main, argv, before_error=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
-    full disk, RunStopped, or a failure once a training job has a run directory (then the
-    line names STOP.last_ckpt); 128+N on signal N. At most one error line. Once it returns, a
-    signal (say, during the interpreter's shutdown) changes neither the output nor the status."""
+    full disk, RunStopped, or a failure once a training job has a run directory (the error's
+    `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At most one error line.
+    Once it returns, a signal (say, during the interpreter's shutdown) changes neither the
+    output nor the status."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
-    status, STOP.last_ckpt = 0, None  # (tests run several commands in one process)
+    status = 0
     try:
         main(argv)
         sys.stdout.flush()
         return 0
     except KeyboardInterrupt as e:
-        status, ckpt = 128 + getattr(e, "signum", signal.SIGINT), STOP.last_ckpt
+        status, ckpt = 128 + getattr(e, "signum", signal.SIGINT), getattr(e, "checkpoint", None)
         text = "interrupted by a second signal"
         if ckpt is None:
             return status
     except RunStopped as e:
         status, text, ckpt = 1, str(e), None  # it names the checkpoint itself
     except (UserError, OSError) as e:
-        ckpt, text = STOP.last_ckpt, os_error_text(e)
+        ckpt, text = getattr(e, "checkpoint", None), os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
     finally:  # once it is over a signal ends the process at once, with the command's own
         # status; the signals held while the handlers change (a second one: no traceback)
@@ -370,6 +371,11 @@ def regular(path: str, shown: str = None) -> str:
     return path
 
 
+def fmt_list(xs) -> str:
+    """Per-layer figures in a log line: [0.123 0.456 ...]."""
+    return "[" + " ".join(f"{x:.3f}" for x in xs) + "]"
+
+
 def first_line(e: Exception, width: int = 160) -> str:
     """An exception's message as an error line quotes it: its first line, or its type."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:width]
@@ -551,11 +557,10 @@ SAVE_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # Ctrl-C, schedu
 class StopSignal:
     """Once armed (the job can save), SAVE_SIGNALS ask for a checkpoint at the next step; before
     that, or a second one, stops at once. Re-entrant: held for the job. After finish() (the final
-    save) signals are ignored (status 0). The job's checkpoint: last_ckpt, untried (last_good)."""
+    save) signals are ignored (status 0). It records that a signal came, nothing else."""
 
     def __init__(self):
         self.signum, self.depth, self.previous, self.finished, self.armed = 0, 0, {}, False, False
-        self.last_ckpt = None  # a training job's last good checkpoint ("none" before its first)
 
     def __call__(self, signum, frame):
         if self.signum or not self.armed:
@@ -564,7 +569,7 @@ class StopSignal:
 
     def __enter__(self):
         if self.depth == 0:
-            self.signum, self.finished, self.armed, self.untried = 0, False, False, True
+            self.signum, self.finished, self.armed = 0, False, False
             self.previous = {sig: signal.signal(sig, self) for sig in SAVE_SIGNALS}
         self.depth += 1
         return self

@@ -53,6 +53,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import bench  # noqa: E402
 import expand  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
@@ -469,7 +470,7 @@ def measure(run_dir: str, device: str) -> dict:
     ]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
     if can_compact:  # packed lengths known on the host: no read per block
-        tg.fit_lengths(compact, idx)
+        bench.fit_lengths(compact, idx)
 
     def ready(m):  # compiled on CUDA, the same way on both paths measured
         return tg.compile_model(m) if device.startswith("cuda") else m

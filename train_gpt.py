@@ -43,9 +43,7 @@ import contextlib
 import math
 import os
 import shlex
-import signal
 import sys
-import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import NamedTuple
@@ -70,9 +68,19 @@ from data.shards import (  # noqa: E402
     shard_encoding,
     shard_tokens,
 )
-from routers import DLO, Dense, MixtureOfDepths, MixtureOfRecursions, Router, ran  # noqa: E402
+from routers import (  # noqa: E402
+    DLO,
+    PACKS,
+    Dense,
+    MixtureOfDepths,
+    MixtureOfRecursions,
+    Router,
+    packed_counts,
+    packed_length,
+    ran,
+)
 from runs import CHECKPOINT, Dist, RunLog, RunState, add_sums, all_reduce_sums  # noqa: E402
-from support import STOP, RunStopped, UserError, check_fields, cli, setting  # noqa: E402
+from support import STOP, UserError, check_fields, cli, fmt_list, setting  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Components: RMSNorm, rotary embeddings, SwiGLU
@@ -222,16 +230,6 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-PACKS = 16  # a packed length is a multiple of seq_len / PACKS, or seq_len: few shapes to compile
-
-
-def packed_length(count: int, T: int) -> int:
-    """count tokens (of a sequence of T) rounded up to a multiple of the unit T / PACKS (rounded
-    up: at most PACKS lengths below T), at least one unit (Block.pack), at most T."""
-    unit = -(-T // PACKS)
-    return min(T, -(-max(1, count) // unit) * unit)
-
-
 class Block(nn.Module):
     """x + g * Norm(Attn(Norm(x))), then x + g * Norm(FFN(Norm(x))) (Sections 2, 2.3). g: (B, T, 1)
     or None (dense); keys: each token's weight as a key (eq. 3), by default g."""
@@ -255,7 +253,7 @@ class Block(nn.Module):
     def mlp(self, x):  # the FFN branch, without the residual
         return self.ffn_out(self.ffn(self.ffn_in(x)))
 
-    def forward(self, x, g, mask, compact=False, pos=None, cache=None, keys=None, length=None):
+    def forward(self, x, g, mask, *, compact=False, pos=None, cache=None, keys=None, length=None):
         """compact: attention and FFN on the tokens with keys > 0 only, packed to `length` (see
         pack); exact, as a token with keys = g = 0 adds nothing to its residual and is invisible
         as a key."""
@@ -390,9 +388,8 @@ class SkipMiddle(Router):
         # decoding a token skipped under key gating: run nothing (invisible later); under
         # query gating later tokens still attend to it, so its K/V are computed
         if cache is None or self.hp.gate_axis == "query" or bool(g.any()):
-            x = block(
-                x, g, mask, self.hp.compact and cache is None, pos, cache, None, self.length(layer)
-            )
+            compact = self.hp.compact and cache is None
+            x = block(x, g, mask, compact=compact, pos=pos, cache=cache, length=self.length(layer))
         ran(trace, trace["gates"][-1] > 0)
         return x
 
@@ -422,8 +419,8 @@ class SkipMiddle(Router):
     def log_lines(self, v, step):
         c = self.ctrl
         return [
-            f"  gate_mean:{runs.fmt_list(v['gate_mean'])}",
-            f"  alpha:{runs.fmt_list(c.alpha.tolist())} beta:{runs.fmt_list(c.beta.tolist())}",
+            f"  gate_mean:{fmt_list(v['gate_mean'])}",
+            f"  alpha:{fmt_list(c.alpha.tolist())} beta:{fmt_list(c.beta.tolist())}",
         ]
 
     @staticmethod
@@ -672,11 +669,15 @@ def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=N
     return forward_flops(hp, active, mlp_active, pairs=pairs) / hp.seq_len
 
 
-def mfu(
-    hp: "Hyperparameters", step_s: float, world: int, peak: float, active=None, pairs=None
-) -> float:
+def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, stats=None) -> float:
     """Model FLOPs utilisation of one step: 3x the forward FLOPs of the work executed on its
-    batch_size x seq_len tokens over all devices' peak. active: the blocks' shares (compact)."""
+    batch_size x seq_len tokens over all devices' peak. stats: a training step's sums
+    (train_step), whose blocks' shares and query-key pairs are the work that ran (compact)."""
+    active = pairs = None
+    if hp.compact and stats is not None:  # all tokens, except what compact really skips
+        n = stats["tokens"][0]
+        active = [a / n for a in stats["block_active"]]
+        pairs = [p * hp.seq_len / n for p in stats["attn_pairs"]]
     tokens = hp.batch_size * hp.seq_len
     return 3 * flops_per_token(hp, active, pairs=pairs) * tokens / step_s / (peak * world)
 
@@ -1120,15 +1121,6 @@ def route_sums(route: dict, router: Router) -> dict:
 
 
 @torch.no_grad()
-def fit_lengths(raw: GPT, idx: torch.Tensor):
-    """Compact: set raw's packed lengths to what a forward pass on idx packs, in its current mode
-    (bf16 on CUDA), so that a compiled model times that batch with no host read per block."""
-    raw.router.lengths = None
-    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
-        raw.router.lengths = packed_lengths([packed_counts(raw(idx).route).tolist()], idx.size(1))
-
-
-@torch.no_grad()
 def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
     """Validation over val_tokens, inference routing, all-reduced over ranks: the loss, the
     route_sums and residual norms per token, FLOPs per token at the shares that ran. Documents,
@@ -1179,56 +1171,6 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
         fwd_flops_per_token_dense=dense,
         fwd_flops_per_seq=fwd * hp.seq_len,
     )
-
-
-PACK_STEPS = 16  # packed lengths hold the most tokens packed over this many steps
-
-
-def packed_counts(route: dict) -> torch.Tensor:
-    """(L,) per applied block, the most tokens one sequence packed there (ran its MLP)."""
-    return route["mlp"].sum(dim=-1).amax(dim=-1)
-
-
-def packed_lengths(seen: list, T: int) -> list:
-    """Packed lengths per applied block from packed_counts seen (lists of L): the most a sequence
-    packed there in any of them, rounded up (packed_length). A count that exceeds its length
-    next step makes train_step redo the step. Over the last PACK_STEPS steps rather than the
-    last one plus a unit of headroom: the smoke run at 300 steps redid 12 steps, where the other
-    rule, replayed on its counts, redoes 71 (records/2026-11-26_smoke_compact_packed_cpu/)."""
-    return [packed_length(int(max(c)), T) for c in zip(*seen, strict=True)]
-
-
-def restore_packing(router: Router, ckpt: dict, hp: Hyperparameters, where: str):
-    """Compact: the packed lengths and the counts they come from (train_step), as saved, so that
-    a resumed run packs and redoes the steps the uninterrupted one does; refused unless they are
-    what a run makes (the lengths of the counts of at most PACK_STEPS steps, or before the first
-    step every token). Absent (saved before issue 55), saved without compact or at another
-    seq_len: a new run's first lengths stand, every token."""
-    packing = ckpt.get("packing")
-    if packing is None or ckpt["hp"].get("seq_len") != hp.seq_len:
-        return
-    bad = UserError(f"{where}: packed lengths that no run makes (an edited or damaged checkpoint)")
-    if not isinstance(packing, dict):
-        raise bad
-    lengths, seen = packing.get("lengths"), packing.get("seen")
-    if lengths is None:  # saved by a job without compact
-        return
-
-    def counts(v, kinds, least):  # one per applied block, each a number of a sequence's tokens
-        return (
-            isinstance(v, list)
-            and len(v) == hp.n_layers
-            and all(type(n) in kinds and least <= n <= hp.seq_len for n in v)
-        )
-
-    if not (isinstance(seen, list) and len(seen) <= PACK_STEPS):
-        raise bad
-    if not all(counts(v, (int, float), 0) for v in seen):
-        raise bad
-    made = packed_lengths(seen, hp.seq_len) if seen else [hp.seq_len] * hp.n_layers
-    if not counts(lengths, (int,), 1) or lengths != made:
-        raise bad
-    router.lengths, router.seen = lengths, seen
 
 
 REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (DLO: the halves)
@@ -1330,210 +1272,120 @@ def train(
 ) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
     argv: the command-line arguments, for the record; init: (weights, where) to start from."""
-    # setup: check everything, build the model and restore the checkpoint; then write anything
-    check_run(hp, job, d, ckpt)
+    check_run(hp, job, d, ckpt)  # all is checked, built and restored before anything is written
     torch.manual_seed(hp.seed)
-    cuda = d.device.startswith("cuda")
-    accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
+    cuda, steps = d.device.startswith("cuda"), num_steps(hp)
+    accum = hp.batch_size // (hp.device_batch_size * d.world)
     train_loader, val_loader = loaders(hp, d, ckpt)
-    # --init_from: the source's weights, a fresh optimiser, router state and step 0
-    raw = built(hp, init, d.device) if init else GPT(hp).to(d.device)
+    raw = built(hp, init, d.device) if init else GPT(hp).to(d.device)  # --init_from: at step 0
     opt = optimizer(raw, hp)
-    run = (
-        runs.restore(ckpt, job, raw, opt, train_loader, cuda)
-        if ckpt is not None
-        else RunState(run_id=os.urandom(8).hex())
-    )
-    if ckpt is not None and hp.compact and raw.router.packs_in_training:
-        restore_packing(raw.router, ckpt, hp, os.path.join(job.run_dir, CHECKPOINT))
+    if ckpt is not None:
+        run = runs.restore(ckpt, job, raw, opt, train_loader, cuda)
+    else:
+        run = RunState(run_id=os.urandom(8).hex())
     for group in opt.param_groups:  # this job's settings, not a checkpoint's
         group.update(adamw_options(hp))
+    if raw.router.packs() and raw.router.lengths is None:  # a new run's first step: every token
+        raw.router.lengths = [hp.seq_len] * hp.n_layers
     start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
         print(f"the run is complete at step {start}")
         return job.run_dir
-    origin = init[1] if init else None  # where the weights came from, kept across resumes
-    if ckpt is not None:
-        origin = runs.logged(job.run_dir, "init_from")
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
-    STOP.last_ckpt = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
-    if hp.compact and raw.router.packs_in_training and raw.router.lengths is None:
-        raw.router.lengths = [hp.seq_len] * hp.n_layers  # a new run's first step: every token
+    last = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
+    ledger = runs.Ledger(run_dir, last)
+    peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     model = compile_model(raw) if job.compile and cuda else raw
     if d.world > 1:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[d.local_rank] if cuda else None
         )
+    with (
+        ledger,
+        STOP as stop,
+        open_log(hp, job, d, raw, run, ledger, ckpt, argv, init, peak) as log,
+    ):
+        clock = runs.StepClock(log, start, job.untimed_steps)
+        for step in range(start, steps + 1):  # at each step boundary, then the step
+            signum = runs.agreed_signal(stop, d)
+            ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
+            # validate every val_every steps and at the last; a signal skips it (to stop soon):
+            # the checkpoint marks it owed (val_done < step), so a resume runs it first
+            val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
+            if val_due and not signum and run.val_done < step:
+                clock.begin(d)
+                v = evaluate(raw, hp, val_loader, d, autocast)  # the raw model: no DDP hooks
+                clock.compile_ms += clock.lap(d)[1]  # (its graphs count in the job's total)
+                log.validation(raw.router, v, run, steps)
+                run.val_done = step
+            # save every save_every steps and when the job ends, if anything is new
+            periodic = step > start and hp.save_every and step % hp.save_every == 0
+            if (ending or periodic) and (step > start or run.val_done != saved_val or not ckpt):
+                runs.save_run_checkpoint(d, ledger, run, hp, raw, opt, train_loader)
+                log.saved(step)
+                saved_val = run.val_done
+            if ending:
+                break
+            clock.begin(d)
+            lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
+            stats = train_step(
+                model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step
+            )
+            run.step += 1
+            if not math.isfinite(stats["total_loss"][0]):  # no update was applied; past
+                # max_bad_steps, RunStopped naming the last good checkpoint (last_good)
+                runs.skip_bad_step(log, run, job.max_bad_steps, steps, d, ledger)
+                continue
+            run.tokens += hp.batch_size * hp.seq_len
+            ledger.untried = False  # a step from the newest checkpoint trained: it is good
+            raw.router.update(stats.get("router"), stats["tokens"][0], step)
+            times = clock.lap(d)  # (step ms, of which compile ms)
+            clock.add(run, *times)
+            util = mfu(hp, (times[0] - times[1]) / 1000, d.world, peak, stats) if peak else None
+            log.step(run, steps, stats, raw.router.means, lrs, times, util)
+        clock.end(run)
+        owed = val_due and run.val_done != run.step
+        runs.report_end(log, d, ledger, run, start, steps, signum, owed)
+    return run_dir
+
+
+def open_log(hp, job, d: Dist, raw: GPT, run, ledger, ckpt, argv, init, peak: float) -> RunLog:
+    """The job's log (runs.open_log) with its settings, provenance and command (config.json and
+    train.log's head), and its first lines: the model, the world and the clock."""
+    origin = init[1] if init else None  # where the weights came from, kept across resumes
+    if ckpt is not None:
+        origin = runs.logged(ledger.run_dir, "init_from")
+    accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
     config = {
         **asdict(hp),
         "job": asdict(job),
         "world_size": d.world,
         "grad_accum": accum,
         "num_steps": steps,
-        "run_dir": run_dir,
+        "run_dir": ledger.run_dir,
         "device": d.device,
         "run_id": run.run_id,
         "init_from": origin,
         **runs.provenance(),
         "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
     }
-    log = runs.open_log(
-        d, run_dir, config, resumed_at=start if ckpt else None, val_done=run.val_done
-    )
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
+    resumed_at = run.step if ckpt else None
+    log = runs.open_log(d, ledger, config, resumed_at, val_done=run.val_done)
+    cuda = d.device.startswith("cuda")
+    params = sum(p.numel() for p in raw.parameters())
     log.print(
-        f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} grad_accum:{accum} "
-        f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
-        f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else "")
+        f"params:{params} steps:{steps} grad_accum:{accum} world:{d.world} "
+        f"attn:{attention_impl(hp, cuda)} device:{d.device} peak_flops:{peak:.4g} "
+        f"run_dir:{ledger.run_dir}" + (f" resumed_at:{run.step}" if ckpt else "")
     )
     log.print(
         f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
         f"train_time and step_avg count the other steps of all jobs, less their compile time"
     )
-    clock = runs.StepClock(log, start, job.untimed_steps)
-    try:
-        with STOP as stop:
-            for step in range(start, steps + 1):  # at each step boundary, then the step
-                signum = runs.agreed_signal(stop, d)
-                ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
-                # validate if due: every val_every steps and at the last. A signal skips it (to stop
-                # soon); the checkpoint marks it owed (val_done < step), so a resume runs it first
-                val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
-                if val_due and not signum and run.val_done < step:
-                    d.sync()
-                    compiled = runs.compile_ms()  # (its graphs count in the job's total)
-                    v = evaluate(raw, hp, val_loader, d, autocast)  # the raw model: no DDP hooks
-                    clock.compile_ms += runs.compile_ms() - compiled
-                    log_validation(log, raw.router, v, run, steps)
-                    run.val_done = step
-                # save if due: every save_every steps and when the job ends, if anything is new
-                periodic = step > start and hp.save_every and step % hp.save_every == 0
-                if (step > start or run.val_done != saved_val or not ckpt) and (ending or periodic):
-
-                    def state():  # the loader's position is the global batch's
-                        return runs.checkpoint_state(
-                            run, hp, d.world, raw, opt, train_loader.state()
-                        )
-
-                    # rank 0 builds state() once every weight is known finite, and saves it;
-                    # non-finite weights or a failed write stop the run (RunStopped)
-                    runs.save_run_checkpoint(d, run_dir, step, raw, opt, state)
-                    log.saved(step)
-                    saved_val = run.val_done
-                if ending:  # stop if asked, or at the end
-                    break
-                d.sync()
-                t0 = time.perf_counter()
-                compiled = runs.compile_ms()
-                lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
-                stats = train_step(
-                    model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step
-                )
-                run.step += 1
-                if not math.isfinite(stats["total_loss"][0]):  # no update was applied
-                    # past max_bad_steps: RunStopped, naming the last good checkpoint (put back
-                    # if no step from the newest was finite)
-                    runs.skip_bad_step(
-                        log,
-                        run,
-                        job.max_bad_steps,
-                        steps,
-                        lambda: runs.last_good(d, run_dir, run.run_id),
-                    )
-                    continue
-                run.tokens += hp.batch_size * hp.seq_len
-                STOP.untried = False  # a step from the newest checkpoint trained: it is good
-                raw.router.update(stats.get("router"), stats["tokens"][0], step)
-                d.sync()
-                step_ms = 1000 * (time.perf_counter() - t0)
-                compile_ms = runs.compile_ms() - compiled
-                clock.add(run, step_ms, compile_ms)
-                log_step(
-                    log,
-                    raw.router,
-                    hp,
-                    run,
-                    steps,
-                    stats,
-                    lrs,
-                    (step_ms, compile_ms),
-                    peak,
-                    d.world,
-                )
-        clock.end(run)
-        if run.step < steps or run.val_done < run.step:
-            why = f"signal {signal.Signals(signum).name}" if signum else "stop_step"
-            owed = " (its validation is still owed)" if val_due and run.val_done != run.step else ""
-            log.print(
-                f"stopped by {why} at step {run.step}{owed}; checkpoint: {STOP.last_ckpt}; "
-                f"resume with: {d.launcher} --resume={shlex.quote(run_dir)}"
-            )
-        elif run.step == start:
-            log.print(f"the run is complete at step {run.step}")
-        if cuda:
-            log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
-    except RunStopped as e:
-        log.print(f"error: {e}")
-        raise
-    finally:
-        log.close()
-    return run_dir
-
-
-def log_step(
-    log: RunLog,
-    router: Router,
-    hp: Hyperparameters,
-    run: RunState,
-    steps: int,
-    stats: dict,
-    lrs: list,
-    times: tuple,
-    peak: float,
-    world: int,
-):
-    """The step's line of train.log and its record in metrics.jsonl (per-layer means). times:
-    the step's wall time and the part of it spent compiling (ms); tok/s and MFU count the rest."""
-    n = stats["tokens"][0]
-    step_ms, compile_ms = times
-    ms = step_ms - compile_ms
-    means = {k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *router.means)}
-    line = (
-        f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
-        f"{runs.clock(run.train_ms, run.timed_steps)} "
-        f"tok/s:{hp.batch_size * hp.seq_len / ms * 1000:.0f}"
-    )
-    if peak:  # executed work: all tokens, except what compact really skips
-        active, pairs = (
-            (means["block_active"], [p * hp.seq_len / n for p in stats["attn_pairs"]])
-            if hp.compact
-            else (None, None)
-        )
-        line += f" mfu:{100 * mfu(hp, ms / 1000, world, peak, active, pairs):.1f}%"
-    if compile_ms:  # a graph new to this process (compile_model; a new packed length)
-        line += f" compile:{compile_ms:.0f}ms"
-    if "redone" in stats:  # compact: a sequence outgrew a packed length (train_step)
-        line += " redone:full_length"
-    log.print(line)
-    log.record(
-        {
-            "kind": "train",
-            "step": run.step,
-            "tokens": run.tokens,
-            "train_loss": stats["lm_loss"][0],
-            "total_loss": stats["total_loss"][0],
-            "lr": lrs[0],
-            "layer_lr": lrs[1:],
-            "step_ms": step_ms,
-            "compile_ms": compile_ms,
-            "packed": stats["packed"],  # per layer, the most tokens of a sequence (compact)
-            "redone": "redone" in stats,
-            **means,
-        }
-    )
+    return log
 
 
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
@@ -1543,19 +1395,16 @@ def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, 
     loss()'s sums for its update, float64 left on the device. Compact: a step in which a sequence
     had more tokens at a block than its packed length (router.lengths) is redone at full length,
     exact ("redone": 1); the next step's lengths come from the counts of the last steps
-    (router.seen, packed_lengths)."""
+    (Router.saw)."""
     for group, lr in zip(opt.param_groups, lrs, strict=True):
         group["lr"] = lr
     xs, ys = (to_device(t, d.device) for t in loader.next_batch())  # (accum * B, T) for this rank
     sums = micro_steps(model, router, hp, xs, ys, d, autocast, accum, step)
-    lengths = router.lengths
-    if lengths is not None and any(n > m for n, m in zip(sums["packed"], lengths, strict=True)):
+    if router.outgrew(sums["packed"]):
         opt.zero_grad(set_to_none=True)
         router.lengths = [hp.seq_len] * hp.n_layers  # room for every token
         sums = {**micro_steps(model, router, hp, xs, ys, d, autocast, accum, step), "redone": [1]}
-    if lengths is not None:
-        router.seen = [*router.seen, sums["packed"]][-PACK_STEPS:]
-        router.lengths = packed_lengths(router.seen, hp.seq_len)
+    router.saw(sums["packed"])
     if math.isfinite(sums["total_loss"][0]):
         opt.step()
     opt.zero_grad(set_to_none=True)
@@ -1596,25 +1445,6 @@ def micro_steps(model, router: Router, hp, xs, ys, d, autocast, accum, step) -> 
     return sums
 
 
-def log_validation(log: RunLog, router: Router, v: dict, run: RunState, steps: int):
-    clock = runs.clock(run.train_ms, run.timed_steps)
-    for line in validation_lines(router, v, f"step:{run.step}/{steps} ", f" {clock}", run.step):
-        log.print(line)
-    log.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
-
-
-def validation_lines(router: Router, v: dict, head: str, tail: str, step: int) -> list:
-    """evaluate's result as the log shows it: head + the line + tail, then per-layer lines."""
-    return [
-        f"{head}val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} over "
-        f"{v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
-        f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g}{tail}",
-        "  " + " ".join(f"{k}:{runs.fmt_list(v[k])}" for k in ("block_active", "mlp_active")),
-        *router.log_lines(v, step),
-        f"  resid_norm:{runs.fmt_list(v['resid_norm'])}",
-    ]
-
-
 def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     """--eval_only: the model of init (weights, where, label) validated once, its lines printed
     (rank 0); nothing is written."""
@@ -1626,7 +1456,7 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     with runs.watching(d):  # (nothing written: a launcher gone ends it at once)
         v = evaluate(raw, hp, loader, d, autocast)
     if d.master:
-        print("\n".join(validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
+        print("\n".join(runs.validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
     return v
 
 

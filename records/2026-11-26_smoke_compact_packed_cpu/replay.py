@@ -1,5 +1,5 @@
 """Replay two packed-length rules on this run's recorded counts, the first today's
-train_gpt.packed_lengths:
+routers.packed_lengths:
 
     python records/2026-11-26_smoke_compact_packed_cpu/replay.py [METRICS_JSONL]
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository
 
-import train_gpt as tg  # noqa: E402
+import routers  # noqa: E402
 
 T = 128  # the smoke preset's seq_len
-unit = T // tg.PACKS
+unit = T // routers.PACKS
 
 
 def last_plus_unit(seen):  # the last step's counts rounded up, plus one unit of headroom
@@ -27,7 +27,7 @@ def replay(counts, rule):  # -> (steps redone, packed tokens / tokens needed), t
     for i, c in enumerate(counts):
         over = any(n > m for n, m in zip(c, lengths, strict=True))
         redone, packed = redone + over, packed + sum(lengths) + over * T * len(c)
-        lengths = rule(counts[max(0, i + 1 - tg.PACK_STEPS) : i + 1])
+        lengths = rule(counts[max(0, i + 1 - routers.PACK_STEPS) : i + 1])
     return redone, packed / sum(map(sum, counts))
 
 
@@ -38,7 +38,7 @@ if __name__ == "__main__":
     counts = [r["packed"] for r in train]
     print(f"{len(counts)} steps, {sum(r['redone'] for r in train)} redone in the run")
     for name, rule in (
-        ("packed_lengths", lambda seen: tg.packed_lengths(seen, T)),
+        ("packed_lengths", lambda seen: routers.packed_lengths(seen, T)),
         ("last step + one unit", last_plus_unit),
     ):
         redone, ratio = replay(counts, rule)

@@ -26,6 +26,7 @@ def main(argv):
     import torch
     import torch._dynamo.utils as du
 
+    import routers
     import train_gpt as tg
 
     hp = replace(
@@ -58,8 +59,8 @@ def main(argv):
         steps.append(dict(wall_s=time.perf_counter() - t0, compile_s=compile_s() - c0))
         if hp.compact:
             lengths.append(raw.router.lengths)
-            raw.router.lengths = tg.packed_lengths(
-                [tg.packed_counts(out.route).tolist()], hp.seq_len
+            raw.router.lengths = routers.packed_lengths(
+                [routers.packed_counts(out.route).tolist()], hp.seq_len
             )
     print(
         json.dumps(
