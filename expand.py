@@ -35,6 +35,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import ranks  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
@@ -216,7 +217,7 @@ def expand(argv):
         ) from None
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
     position = src["loader"] if hp.train_files == base.train_files else {"shard": 0, "pos": 0}
-    tg.loaders(hp, runs.Dist(), {"loader": position})  # checked now: resuming would refuse it
+    tg.loaders(hp, ranks.Dist(), {"loader": position})  # checked now: resuming would refuse it
     ours = (runs.CHECKPOINT, "expand.json", "train.log")  # what this writes: none may be there,
     taken = [
         n

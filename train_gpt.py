@@ -68,6 +68,15 @@ from data.shards import (  # noqa: E402
     shard_encoding,
     shard_tokens,
 )
+from ranks import (  # noqa: E402
+    Dist,
+    add_sums,
+    agreed_signal,
+    all_reduce,
+    all_reduce_sums,
+    setup_distributed,
+    watching,
+)
 from routers import (  # noqa: E402
     DLO,
     PACKS,
@@ -79,7 +88,7 @@ from routers import (  # noqa: E402
     packed_length,
     ran,
 )
-from runs import CHECKPOINT, Dist, RunLog, RunState, add_sums, all_reduce_sums  # noqa: E402
+from runs import CHECKPOINT, RunLog, RunState  # noqa: E402
 from support import STOP, UserError, check_fields, cli, fmt_list, setting  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -1310,7 +1319,7 @@ def train(
     ):
         clock = runs.StepClock(log, start, job.untimed_steps)
         for step in range(start, steps + 1):  # at each step boundary, then the step
-            signum = runs.agreed_signal(stop, d)
+            signum = agreed_signal(stop, d)
             ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
             # validate every val_every steps and at the last; a signal skips it (to stop soon):
             # the checkpoint marks it owed (val_done < step), so a resume runs it first
@@ -1436,7 +1445,7 @@ def micro_steps(model, router: Router, hp, xs, ys, d, autocast, accum, step) -> 
         sums = add_sums(sums, more)
         n = packed_counts(out.route).double()
         packed = n if packed is None else torch.maximum(packed, n)
-    sums = {**all_reduce_sums(sums), "packed": runs.all_reduce(packed, "max")}
+    sums = {**all_reduce_sums(sums), "packed": all_reduce(packed, "max")}
     # the step's one host read: every figure but the router's sums (they stay on the device)
     flat = torch.cat([t.reshape(-1) for k, t in sums.items() if k != "router"]).tolist()
     for k, t in sums.items():
@@ -1453,7 +1462,7 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     raw = built(hp, init, d.device)
     cuda = d.device.startswith("cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    with runs.watching(d):  # (nothing written: a launcher gone ends it at once)
+    with watching(d):  # (nothing written: a launcher gone ends it at once)
         v = evaluate(raw, hp, loader, d, autocast)
     if d.master:
         print("\n".join(runs.validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
@@ -1481,7 +1490,7 @@ def main(argv):
         else:  # a new run, on the source's settings if any
             hp, ckpt = resolve(given, base), None
         job = replace(job, run_dir=job.resume or job.run_dir)
-        d = runs.setup_distributed()
+        d = setup_distributed()
         try:
             if job.eval_only:
                 evaluate_only(hp, d, init)
