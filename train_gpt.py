@@ -45,7 +45,7 @@ import os
 import shlex
 import sys
 from dataclasses import asdict, dataclass, fields, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 import support  # (no torch: quick)
@@ -695,109 +695,66 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, stats=Non
 # Settings: the run's (Hyperparameters) and the job's (Job)
 
 
+def routed(router: str):
+    """setting() for a field that `router` alone reads (setting it under another: an error)."""
+    return partial(setting, router=router)
+
+
+on_skip_middle, on_dlo, on_mod, on_mor = map(routed, ("skip_middle", "dlo", "mod", "mor"))
+
+
 @dataclass
 class Hyperparameters:
     """What defines a run: a checkpoint stores it, a resume restores it. Each field is a
     support.setting: its range or choices (checked), its help (--help); fixed=True where a resume
-    may not change it (shapes, which blocks are routed, the gate's axis); router=NAME where that
-    router alone reads it (setting it under another router is an error). The comments in it are
-    for readers: no code reads them."""
+    may not change it (shapes, which blocks are routed, the gate's axis); on_ROUTER where that
+    router alone reads it. The comments in it are for readers: no code reads them."""
 
     # data
     train_files: str = setting("data/fineweb10B/fineweb_train_*.bin", help="training shards (glob)")
     val_files: str = setting("data/fineweb10B/fineweb_val_*.bin", help="validation shards (glob)")
-    encoding: str = setting(
-        "gpt2", ("gpt2", "bytes"), "shards: GPT-2 BPE | UTF-8 bytes (vocab_size=256)", fixed=True
-    )
+    encoding: str = setting("gpt2", ("gpt2", "bytes"), "GPT-2 BPE | UTF-8 bytes", fixed=True)
     # model (paper Table 2)
-    vocab_size: int = setting(50257, "[2, 65536]", "GPT-2 BPE", fixed=True)
+    vocab_size: int = setting(50257, "[2, 65536]", "GPT-2 BPE; bytes: 256", fixed=True)
     n_layers: int = setting(12, "[1, inf)", "L, must be even when gated", fixed=True)
     dim: int = setting(768, "[1, inf)", "model width d", fixed=True)
     n_heads: int = setting(12, "[1, inf)", "query heads", fixed=True)
     n_kv_heads: int = setting(12, "[1, inf)", "key/value heads (GQA when < n_heads)", fixed=True)
-    ffn_mult: int = setting(
-        4, "[1, inf)", "SwiGLU hidden = ffn_mult * dim (3072 at 768)", fixed=True
-    )
+    ffn_mult: int = setting(4, "[1, inf)", "SwiGLU hidden = ffn_mult * dim", fixed=True)
     norm_eps: float = setting(1e-5, "(0, 1)", "RMSNorm epsilon")
     rope_theta: float = setting(10000.0, "(0, inf)", "RoPE base")
     rope_scaling: bool = setting(False, help="Llama 3.1's RoPE scaling (the authors' option)")
     max_seq_len: int = setting(1024, "[1, inf)", "RoPE table size (longest context to sample)")
     init_std: float = setting(0.02, "(0, inf)", "normal init of every weight matrix")
-    embed_dtype: str = setting(
-        "float32",
-        ("float32", "bfloat16"),
-        "the embedding's output; bfloat16: rounded, as in the authors' models (stored so)",
-    )
-    sandwich_norm: bool = setting(
-        True, help="x + Norm(Module(Norm(x))); false: pre-norm (ablation)", fixed=True
-    )
-    attn_impl: str = setting(
-        "auto", ("auto", "flex", "sdpa"), "auto: flex on CUDA at head dim >= 16, else sdpa"
-    )
+    embed_dtype: str = setting("float32", ("float32", "bfloat16"), "bfloat16: as the authors'")
+    sandwich_norm: bool = setting(True, help="x + Norm(F(Norm(x))); false: pre-norm", fixed=True)
+    attn_impl: str = setting("auto", ("auto", "flex", "sdpa"), "auto: flex on CUDA at hd >= 16")
     router: str = setting("skip_middle", tuple(ROUTERS), "depth router", fixed=True)
     compact: bool = setting(False, help="run routed blocks on their tokens only (exact)")
     gate_eps: float = setting(1e-6, "(0, 1)", "floor on a gate inside ln g (Section 2.2)")
     # router=skip_middle: gates and sparsity control (Section 2.4)
-    gate_init: str = setting(
-        "normal",
-        ("normal", "zero"),
-        "weights N(0, init_std), bias 0 (Section 3.1) | zero: every g = 1",
-        router="skip_middle",
-    )
-    gate_axis: str = setting(
-        "key",
-        ("key", "query"),
-        "ln g per key (eq. 3) | per query (the authors' code)",
-        fixed=True,
-        router="skip_middle",
-    )
-    controller: str = setting(
-        "proportional_tol", tuple(CONTROLLERS), "Table 1", router="skip_middle"
-    )
-    mu_start: float = setting(1.0, "[0, 1]", "mean-gate target at block 0", router="skip_middle")
-    mu_end: float = setting(  # our choice of one point on Figure 2's sweep of it from 1 to 0
-        0.5, "[0, 1]", "mean-gate target at block L/2 - 1, linear between", router="skip_middle"
-    )
-    gamma: float = setting(1e-3, "[0, inf)", "coefficient update (eq. 6)", router="skip_middle")
-    delta: float = setting(
-        1e-2, "[0, inf)", "tolerance on |deviation| (eq. 6)", router="skip_middle"
-    )
-    fixed_coef: float = setting(
-        0.1, "[0, inf)", "alpha = beta of the fixed-coefficient controllers", router="skip_middle"
-    )
+    gate_init: str = on_skip_middle("normal", ("normal", "zero"), "N(0, init_std) | g = 1")
+    gate_axis: str = on_skip_middle("key", ("key", "query"), "ln g per key | query", fixed=True)
+    controller: str = on_skip_middle("proportional_tol", tuple(CONTROLLERS), "Table 1")
+    mu_start: float = on_skip_middle(1.0, "[0, 1]", "mean-gate target at block 0")
+    # mu_end: our choice of one point on Figure 2's sweep of it from 1 to 0
+    mu_end: float = on_skip_middle(0.5, "[0, 1]", "... at block L/2 - 1, linear between")
+    gamma: float = on_skip_middle(1e-3, "[0, inf)", "coefficient update (eq. 6)")
+    delta: float = on_skip_middle(1e-2, "[0, inf)", "tolerance on |deviation| (eq. 6)")
+    fixed_coef: float = on_skip_middle(0.1, "[0, inf)", "alpha = beta of sparsity* controllers")
     # router=dlo: DLO (Tan et al. 2024, Section 3)
-    dlo_rho: float = setting(0.25, "[0, 1)", "rho, the share of MLP calls skipped", router="dlo")
-    dlo_anneal_steps: int = setting(
-        500, "[0, inf)", "T': the skip rate rises linearly from 0 to rho (eq. 9)", router="dlo"
-    )
-    dlo_beta: float = setting(
-        2.0, "(0, inf)", "r = (beta + (2 sigmoid(hW) - 1) gamma) / 2 (eq. 1)", router="dlo"
-    )
-    dlo_gamma: float = setting(0.05, "[0, inf)", "gamma of eq. 1", router="dlo")
+    dlo_rho: float = on_dlo(0.25, "[0, 1)", "rho, the share of MLP calls skipped")
+    dlo_anneal_steps: int = on_dlo(500, "[0, inf)", "T': the skip rate rises to rho (eq. 9)")
+    dlo_beta: float = on_dlo(2.0, "(0, inf)", "r = (beta + (2 sigmoid(hW) - 1) gamma) / 2")
+    dlo_gamma: float = on_dlo(0.05, "[0, inf)", "gamma of eq. 1")
     # router=mod: Mixture-of-Depths (Raposo et al. 2024)
-    mod_capacity: float = setting(
-        0.125, "(0, 1]", "share of a sequence a routed block runs (paper's best)", router="mod"
-    )
-    mod_every: int = setting(
-        2, "[1, inf)", "route every mod_every-th block (the paper: 2)", fixed=True, router="mod"
-    )
-    mod_aux_coef: float = setting(
-        0.01, "(0, inf)", "BCE weight teaching r > 0 the top-k (for inference)", router="mod"
-    )
+    mod_capacity: float = on_mod(0.125, "(0, 1]", "share of a sequence a routed block runs")
+    mod_every: int = on_mod(2, "[1, inf)", "route every mod_every-th block", fixed=True)
+    mod_aux_coef: float = on_mod(0.01, "(0, inf)", "BCE weight teaching r > 0 the top-k")
     # router=mor: Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing
-    mor_recursions: int = setting(
-        3,
-        "[1, inf)",
-        "N_r runs of a stack of (L - 2) / N_r shared blocks",
-        fixed=True,
-        router="mor",
-    )
-    mor_routed: bool = setting(
-        True, help="false: the recursive baseline, every token every time", fixed=True, router="mor"
-    )
-    mor_aux_coef: float = setting(
-        0.1, "(0, inf)", "BCE weight teaching z > 0 the top-k (for inference)", router="mor"
-    )
+    mor_recursions: int = on_mor(3, "[1, inf)", "N_r runs of (L - 2) / N_r blocks", fixed=True)
+    mor_routed: bool = on_mor(True, help="false: the recursive baseline (every token)", fixed=True)
+    mor_aux_coef: float = on_mor(0.1, "(0, inf)", "BCE weight teaching z > 0 the top-k")
     # optimisation (Table 2)
     lr: float = setting(1e-3, "(0, inf)", "AdamW peak learning rate, one for all parameters")
     beta1: float = setting(0.8, "[0, 1)", "AdamW betas")
@@ -806,9 +763,7 @@ class Hyperparameters:
     weight_decay: float = setting(0.0, "[0, inf)")
     warmup_frac: float = setting(0.1, "[0, 1]", "linear warm-up over this fraction of steps ...")
     warmup_start: float = setting(0.1, "[0, 1]", "... from this fraction of lr, then cosine to 0")
-    batch_size: int = setting(
-        512, "[1, inf)", "global batch in sequences (x 1024 = 524,288 tokens)"
-    )
+    batch_size: int = setting(512, "[1, inf)", "global batch in sequences (x 1024 = 524,288)")
     device_batch_size: int = setting(32, "[1, inf)", "sequences per forward (accumulation derived)")
     seq_len: int = setting(1024, "[1, inf)", "training and validation length, <= max_seq_len")
     loss_rows: int = setting(4096, "[1, inf)", "tokens whose logits exist at once in the loss")
