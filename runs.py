@@ -441,6 +441,16 @@ def machine_memory() -> int:
     return 2**62
 
 
+def check_memory(need: int, what: str, sizes: str):
+    """A UserError when `need` bytes (a lower bound, for `what`) exceed this machine's memory,
+    naming the sizes that would lower it."""
+    if need > machine_memory():
+        raise UserError(
+            f"these sizes need at least {need >> 30} GiB on one device {what}; it has "
+            f"{machine_memory() >> 30} GiB (lower {sizes})"
+        )
+
+
 def clock(train_ms: float, timed_steps: int) -> str:
     """The timing fields of the trainer's train and validation lines: the same in both."""
     avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
@@ -619,6 +629,10 @@ class StepClock:
         self.log, self.start, self.untimed = log, start, untimed
         self.ms = 0.0  # this job's warm-up time
         self.compile_ms = 0.0  # this job's compile time
+        log.print(
+            f"clock: the first {untimed} steps of each job are untimed warm-up; train_time and "
+            f"step_avg count the other steps of all jobs, less their compile time"
+        )
 
     def begin(self, d):
         """Before a timed stretch (a step, a validation): the device's queued work done."""
@@ -759,14 +773,25 @@ def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
     return ledger.last
 
 
-def open_log(
-    d: Dist, ledger: Ledger, config: dict, resumed_at: int = None, val_done: int = -1
-) -> RunLog:
-    """The job's RunLog (inactive off rank 0); failing, RunStopped: the run directory exists."""
-    run_dir = ledger.run_dir
+def open_log(d: Dist, ledger: Ledger, run: RunState, hp, job, argv, resumed: bool, **facts):
+    """The job's RunLog (inactive off rank 0); config.json: the run's settings (hp), the job's,
+    facts (the world, the steps, where the weights came from), the provenance and the command
+    (argv: its arguments). Failing, RunStopped: the run directory exists."""
+    config = {
+        **asdict(hp),
+        "job": asdict(job),
+        "world_size": d.world,
+        **facts,
+        "run_dir": ledger.run_dir,
+        "device": d.device,
+        "run_id": run.run_id,
+        **provenance(),
+        "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
+    }
+    run_dir, resumed_at = ledger.run_dir, run.step if resumed else None
     try:
         log = d.on_master(
-            lambda: RunLog(run_dir, config, True, resumed_at, val_done), False, ledger.last
+            lambda: RunLog(run_dir, config, True, resumed_at, run.val_done), False, ledger.last
         )
     except (UserError, OSError) as e:
         raise RunStopped(

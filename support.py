@@ -298,6 +298,27 @@ def field_help(cls) -> list:
     return lines
 
 
+def usage(run, job, presets: dict) -> str:
+    """The trainer's --help: every field of its settings (run: the run's, job: one job's) with
+    its default, range or choices and help; the presets."""
+    return "\n".join(
+        [
+            "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
+            "Every field of Hyperparameters and Job, with its default; booleans take true/false "
+            "(1/0).",
+            "(fixed): a resume may not change it; (router=NAME): read by that router only.",
+            "",
+            "the run's settings (Hyperparameters: saved in its checkpoint):",
+            *field_help(run),
+            "",
+            "this job's (Job: given on each job's command line, never saved as the run's):",
+            *field_help(job),
+            "",
+            f"presets: {', '.join(p for p in presets if p)}",
+        ]
+    )
+
+
 def check_fields(obj):
     """A UserError naming the first field of obj outside its spec or float32's range."""
     for f in fields(obj):

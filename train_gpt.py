@@ -42,7 +42,6 @@ import collections
 import contextlib
 import math
 import os
-import shlex
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache, partial
@@ -88,7 +87,7 @@ from routers import (  # noqa: E402
     packed_length,
     ran,
 )
-from runs import CHECKPOINT, RunLog, RunState  # noqa: E402
+from runs import CHECKPOINT, RunState  # noqa: E402
 from support import STOP, UserError, check_fields, cli, fmt_list, setting  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -822,26 +821,6 @@ class Job:
 FIXED = [f.name for f in fields(Hyperparameters) if f.metadata["fixed"]]
 
 
-def usage() -> str:
-    """--help: every field with its default, range or choices and help."""
-    return "\n".join(
-        [
-            "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
-            "Every field of Hyperparameters and Job, with its default; booleans take true/false "
-            "(1/0).",
-            "(fixed): a resume may not change it; (router=NAME): read by that router only.",
-            "",
-            "the run's settings (Hyperparameters: saved in its checkpoint):",
-            *support.field_help(Hyperparameters),
-            "",
-            "this job's (Job: given on each job's command line, never saved as the run's):",
-            *support.field_help(Job),
-            "",
-            f"presets: {', '.join(p for p in PRESETS if p)}",
-        ]
-    )
-
-
 def parse_overrides(argv) -> dict:
     """--field=value pairs of Hyperparameters and Job, typed as the defaults (Job's checked)."""
     given = support.parse_fields((Hyperparameters, Job), argv)
@@ -892,7 +871,9 @@ def check_model(hp: Hyperparameters):
             )
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
-    check_memory(model_bytes(hp), "to build the model", "dim, n_layers, vocab_size or max_seq_len")
+    runs.check_memory(
+        model_bytes(hp), "to build the model", "dim, n_layers, vocab_size or max_seq_len"
+    )
 
 
 def model_bytes(hp: Hyperparameters) -> int:
@@ -900,14 +881,6 @@ def model_bytes(hp: Hyperparameters) -> int:
     built block's RoPE tables (cos and sin, max_seq_len x head_dim / 2 each)."""
     blocks = ROUTERS[hp.router].n_blocks(hp)
     return 4 * n_weights(hp) + 4 * blocks * hp.max_seq_len * hp.dim // hp.n_heads
-
-
-def check_memory(need: int, what: str, sizes: str):
-    if need > runs.machine_memory():
-        raise UserError(
-            f"these sizes need at least {need >> 30} GiB on one device {what}; it has "
-            f"{runs.machine_memory() >> 30} GiB (lower {sizes})"
-        )
 
 
 def check_evaluation(hp: Hyperparameters, world: int):
@@ -940,7 +913,9 @@ def validate(hp: Hyperparameters, world: int):
     # (validation's per_token: bf16, fp32, log-softmax)
     rows = min(hp.loss_rows, hp.device_batch_size * hp.seq_len)
     need = model_bytes(hp) + 12 * n_weights(hp) + 10 * rows * hp.vocab_size
-    check_memory(need, "to train", "dim, n_layers, vocab_size, max_seq_len or device_batch_size")
+    runs.check_memory(
+        need, "to train", "dim, n_layers, vocab_size, max_seq_len or device_batch_size"
+    )
 
 
 def n_weights(hp: Hyperparameters) -> int:
@@ -1267,11 +1242,20 @@ def train(
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[d.local_rank] if cuda else None
         )
+    origin = init[1] if init else None  # where the weights came from, kept across resumes
+    if ckpt is not None:
+        origin = runs.logged(run_dir, "init_from")
+    facts = dict(grad_accum=accum, num_steps=steps, init_from=origin)
     with (
         ledger,
         STOP as stop,
-        open_log(hp, job, d, raw, run, ledger, ckpt, argv, init, peak) as log,
+        runs.open_log(d, ledger, run, hp, job, argv, ckpt is not None, **facts) as log,
     ):
+        log.print(
+            f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} grad_accum:{accum} "
+            f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
+            f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else "")
+        )
         clock = runs.StepClock(log, start, job.untimed_steps)
         for step in range(start, steps + 1):  # at each step boundary, then the step
             signum = agreed_signal(stop, d)
@@ -1314,42 +1298,6 @@ def train(
         owed = val_due and run.val_done != run.step
         runs.report_end(log, d, ledger, run, start, steps, signum, owed)
     return run_dir
-
-
-def open_log(hp, job, d: Dist, raw: GPT, run, ledger, ckpt, argv, init, peak: float) -> RunLog:
-    """The job's log (runs.open_log) with its settings, provenance and command (config.json and
-    train.log's head), and its first lines: the model, the world and the clock."""
-    origin = init[1] if init else None  # where the weights came from, kept across resumes
-    if ckpt is not None:
-        origin = runs.logged(ledger.run_dir, "init_from")
-    accum, steps = hp.batch_size // (hp.device_batch_size * d.world), num_steps(hp)
-    config = {
-        **asdict(hp),
-        "job": asdict(job),
-        "world_size": d.world,
-        "grad_accum": accum,
-        "num_steps": steps,
-        "run_dir": ledger.run_dir,
-        "device": d.device,
-        "run_id": run.run_id,
-        "init_from": origin,
-        **runs.provenance(),
-        "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
-    }
-    resumed_at = run.step if ckpt else None
-    log = runs.open_log(d, ledger, config, resumed_at, val_done=run.val_done)
-    cuda = d.device.startswith("cuda")
-    params = sum(p.numel() for p in raw.parameters())
-    log.print(
-        f"params:{params} steps:{steps} grad_accum:{accum} world:{d.world} "
-        f"attn:{attention_impl(hp, cuda)} device:{d.device} peak_flops:{peak:.4g} "
-        f"run_dir:{ledger.run_dir}" + (f" resumed_at:{run.step}" if ckpt else "")
-    )
-    log.print(
-        f"clock: the first {job.untimed_steps} steps of each job are untimed warm-up; "
-        f"train_time and step_avg count the other steps of all jobs, less their compile time"
-    )
-    return log
 
 
 def train_step(model, router: Router, hp, opt, loader, d, autocast, accum, lrs, step) -> dict:
@@ -1433,7 +1381,7 @@ def main(argv):
     stopped with a checkpoint by a signal or stop_step; 2 bad input, before anything is
     written; 1 a failure mid-run; 128+N signal N before the job could save, or a second one."""
     if "--help" in argv or "-h" in argv:
-        print(usage())
+        print(support.usage(Hyperparameters, Job, PRESETS))
         return
     with STOP:  # from the start: a signal during start-up stops at once (train() arms STOP)
         given = parse_overrides(argv)
