@@ -95,7 +95,8 @@ def setup_distributed() -> Dist:
     if "RANK" not in os.environ:
         return Dist(device="cuda" if cuda else "cpu")
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    d.device, d.parent = f"cuda:{d.local_rank}" if cuda else "cpu", PARENT
+    d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
+    d.parent = PARENT
     if gone(d):
         raise RunStopped(GONE)
     if cuda:
@@ -181,7 +182,9 @@ def agreed_signal(stop, d: Dist) -> int:
     """The highest signal number any rank got (0: none): every rank stops at the same step, or
     the others would hang (a scheduler may signal some ranks only). A worker whose launcher is
     gone, as torchrun is on a SIGUSR1 it does not pass on, counts that as SIGHUP."""
-    signum = stop.signum or launcher_gone(d) * signal.SIGHUP
+    signum = stop.signum
+    if not signum and launcher_gone(d):
+        signum = signal.SIGHUP
     return int(
         all_reduce(
             torch.tensor(  # (one process: no collective, no copy)

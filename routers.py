@@ -60,8 +60,9 @@ PACK_STEPS = 16  # packed lengths hold the most tokens packed over this many ste
 def packed_length(count: int, T: int) -> int:
     """count tokens (of a sequence of T) rounded up to a multiple of the unit T / PACKS (rounded
     up: at most PACKS lengths below T), at least one unit (Block.pack), at most T."""
-    unit = -(-T // PACKS)
-    return min(T, -(-max(1, count) // unit) * unit)
+    unit = math.ceil(T / PACKS)
+    units = math.ceil(max(1, count) / unit)
+    return min(T, units * unit)
 
 
 def packed_counts(route: dict) -> torch.Tensor:
@@ -386,12 +387,14 @@ class MixtureOfDepths(Router):
         r = self.routers[self.routed.index(layer)](x).float()[..., 0]  # (B, T)
         trace["logits"].append(r)
         if self.training:
-            k = length = max(1, math.floor(self.hp.mod_capacity * x.size(1)))  # k a sequence
+            k = max(1, math.floor(self.hp.mod_capacity * x.size(1)))  # k of each sequence
+            length = k
             top = r.topk(k, dim=1).indices  # (B, k)
             chosen = torch.zeros_like(r, dtype=torch.bool).scatter(1, top, True)
             trace["topk"].append(chosen)
         else:
-            chosen, length = r > 0, self.length(layer)  # causal: one token's own score
+            chosen = r > 0  # causal: one token's own score
+            length = self.length(layer)
         ran(trace, chosen)
         if cache is not None and not bool(chosen.any()):
             return x  # a token that passes the block keeps no K/V there
@@ -450,7 +453,8 @@ class MixtureOfRecursions(Router):
             active, g, k = self.choose(r, x, active, trace)
             trace["recursion"].append(active)
             every = r == 0 or not self.hp.mor_routed  # every token: the block ungated, as dense
-            keys, h = None if every else active[..., None].to(x.dtype), x  # (B, T, 1): its tokens
+            keys = None if every else active[..., None].to(x.dtype)  # (B, T, 1): its tokens
+            h = x
             for i, block in enumerate(stack):
                 if cache is None or bool(active.any()):  # decoding: a token not kept stores no K/V
                     applied = 1 + r * len(stack) + i

@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import pickle
 import platform
 import shlex
 import signal
@@ -94,11 +95,12 @@ def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
     path, prev = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
     buf = io.BytesIO()
     torch.save(state, buf)
-    if keep:
-        with contextlib.suppress(OSError):  # a first save has none to keep
-            if os.path.lexists(prev):
+    if keep:  # the old file stays under both names until the rename below
+        if os.path.lexists(prev):
+            with contextlib.suppress(OSError):
                 os.remove(prev)
-            os.link(path, prev)  # the old file stays under both names until the rename below
+        with contextlib.suppress(OSError):  # a first save has none to keep
+            os.link(path, prev)
     write_atomically(path, buf.getvalue())
     return path
 
@@ -130,6 +132,24 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
             f"version of train_gpt.py?)"
         )
     return {**state, "mtime": mtime}
+
+
+UNREADABLE = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)  # torch.load's
+
+
+def saved_step(path: str, run_id: str):
+    """The step of the checkpoint at path if it is a regular file (a link, pipe or device is
+    never opened) of run `run_id` that loads; else None."""
+    if kind_of(path) != "a file":
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except UNREADABLE:  # truncated, damaged, or not a checkpoint
+        return None
+    if not isinstance(state, dict) or state.get("run_id") != run_id:
+        return None
+    step = state.get("step")
+    return step if type(step) is int else None
 
 
 def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> dict:
@@ -363,12 +383,8 @@ def check_owner(run_dir: str, ckpt: dict):
     prev = os.path.join(run_dir, PREVIOUS)
     cut = os.path.isfile(path) and os.path.exists(prev) and os.path.samefile(prev, path)
     if os.path.lexists(prev) and not cut:  # (cut: a save stopped after its link, the same file)
-        earlier = False
-        if kind_of(prev) == "a file":  # (a link, pipe or device: never opened)
-            with contextlib.suppress(Exception):
-                old = torch.load(prev, map_location="cpu", mmap=True, weights_only=True)
-                earlier = old["run_id"] == ckpt["run_id"] and old["step"] <= ckpt["step"]
-        if not earlier:
+        step = saved_step(prev, ckpt["run_id"])
+        if step is None or step > ckpt["step"]:
             raise UserError(
                 f"{prev} is not an earlier checkpoint of this run, and the next save would "
                 f"replace it: move it"
@@ -744,19 +760,16 @@ def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
         """PREVIOUS renamed over the newest -> its step; None, and nothing moved, when there is
         none, when it is not a file of this run older than the newest, when it is the same file
         (a save cut after its link) or when it does not load."""
+        old, new = saved_step(prev, run_id), saved_step(path, run_id)
+        if old is None or new is None or old >= new:
+            return None
         try:
-            if kind_of(prev) != "a file" or os.path.samefile(prev, path):  # (a pipe: never read)
-                return None
-            old, new = (
-                torch.load(p, map_location="cpu", mmap=True, weights_only=True)
-                for p in (prev, path)
-            )
-            if old["run_id"] != run_id or not old["step"] < new["step"]:
+            if os.path.samefile(prev, path):
                 return None
             os.replace(prev, path)
-        except Exception:
+        except OSError:
             return None
-        return old["step"]
+        return old
 
     if not ledger.untried:
         return ledger.last
@@ -788,7 +801,8 @@ def open_log(d: Dist, ledger: Ledger, run: RunState, hp, job, argv, resumed: boo
         **provenance(),
         "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
     }
-    run_dir, resumed_at = ledger.run_dir, run.step if resumed else None
+    run_dir = ledger.run_dir
+    resumed_at = run.step if resumed else None
     try:
         log = d.on_master(
             lambda: RunLog(run_dir, config, True, resumed_at, run.val_done), False, ledger.last

@@ -253,9 +253,11 @@ def run_records(run_dir: str, kind: str) -> list:
     path = os.path.join(run_dir, "metrics.jsonl")
     with contextlib.suppress(OSError), open(support.regular(path), "rb") as f:
         for line in f:
+            m = None  # a line that does not parse: a user's
             with contextlib.suppress(ValueError, RecursionError):  # (too deep: a user's too)
                 m = json.loads(line)
-                out += [m] if isinstance(m, dict) and m.get("kind") == kind else []
+            if isinstance(m, dict) and m.get("kind") == kind:
+                out.append(m)
     return out
 
 
@@ -282,8 +284,11 @@ def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""
     )
     got, proc = [], None
 
-    def send(sig):
-        proc.send_signal(sig) if nproc == 1 else os.killpg(proc.pid, sig)
+    def send(sig):  # to the trainer, or to torchrun's whole group
+        if nproc == 1:
+            proc.send_signal(sig)
+        else:
+            os.killpg(proc.pid, sig)
 
     def forward(sig, _):
         got.append(sig)

@@ -605,7 +605,8 @@ class DistributedLoader:
 
     def check_position(self, state: dict):
         """A checkpoint's data position (state()) must lie in these shards (changed or edited?)."""
-        shard, pos = map((state if isinstance(state, dict) else {}).get, ("shard", "pos"))
+        state = state if isinstance(state, dict) else {}
+        shard, pos = state.get("shard"), state.get("pos")
         if not (
             type(shard) is type(pos) is int
             and 0 <= shard < len(self.files)
@@ -681,7 +682,7 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, stats=Non
     """Model FLOPs utilisation of one step: 3x the forward FLOPs of the work executed on its
     batch_size x seq_len tokens over all devices' peak. stats: a training step's sums
     (train_step), whose blocks' shares and query-key pairs are the work that ran (compact)."""
-    active = pairs = None
+    active, pairs = None, None
     if hp.compact and stats is not None:  # all tokens, except what compact really skips
         n = stats["tokens"][0]
         active = [a / n for a in stats["block_active"]]
@@ -976,8 +977,9 @@ def read_source(source: str) -> tuple:
         settings, weights, where, label = hub.read(source, asdict(Hyperparameters()))
         named = os.path.join(where, hub.CONFIG)
     else:
-        ckpt, where, label = load_checkpoint(source), os.path.join(source, CHECKPOINT), str
-        settings, weights, named = ckpt["hp"], ckpt["model"], where
+        ckpt = load_checkpoint(source)
+        where = os.path.join(source, CHECKPOINT)
+        settings, weights, named, label = ckpt["hp"], ckpt["model"], where, str
     try:  # the source's own settings, named as its file (data paths relative to the repository)
         hp = resolve({}, saved_settings(settings))
         check_model(hp)
@@ -1015,8 +1017,8 @@ def check_source(given: dict, job: Job):
         )
     if job.eval_only and not job.init_from:
         raise UserError("--eval_only validates the model of --init_from=SOURCE: give it")
-    idle = sorted(given.keys() & JOB - {"init_from", "eval_only"}) if job.eval_only else []
-    if idle:
+    idle = sorted((given.keys() & JOB) - {"init_from", "eval_only"})
+    if job.eval_only and idle:
         raise UserError(f"--eval_only trains nothing: drop --{idle[0]}")
 
 
@@ -1067,7 +1069,8 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     ratio of per-document sums, and val_se its standard error over them (delta method)."""
     model.eval()
     loader.reset()
-    lengths, model.router.lengths = model.router.lengths, None  # each block's count read (exact)
+    lengths = model.router.lengths  # (put back at the end)
+    model.router.lengths = None  # each block's count read on the host: exact
     B, T, sep = hp.device_batch_size, hp.seq_len, BYTES_EOT if hp.encoding == "bytes" else EOT
     steps, sums = hp.val_tokens // (B * T * d.world), {}
     # (loss | starts a document, step, rank, token): every target in the order the loader reads
