@@ -9,9 +9,10 @@ Every field of Hyperparameters (the run's) and Job (one job's) is also --field=v
 This file is the paper's path, read top to bottom; banners in dependency order: components;
 gated attention and the block; the skip-middle router and its controller; the model; data;
 FLOPs; settings; the training loop; main(). Importing it has no side effects. Beside it:
-routers.py (the Router base and the other routers: DLO, Mixture-of-Depths, Mixture-of-Recursions,
-with their deviations), runs.py (checkpoints, run directories, the log, the clock, ranks),
-support.py (command lines, files, signals), hub.py (models as Hugging Face folders: ours, the
+routers.py (the Router base, packed lengths, and the other routers: DLO, Mixture-of-Depths,
+Mixture-of-Recursions, with their deviations), runs.py (checkpoints, run directories, the log,
+the clock, a job's saves and stops), ranks.py (the ranks of a torchrun job), support.py (command
+lines, files, signals), hub.py (models as Hugging Face folders: ours, the
 authors' released ones), data/shards.py (the shard format), expand.py (DLO's depth expansion),
 export.py, sample.py (the KV-cached decoder).
 
