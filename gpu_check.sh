@@ -20,14 +20,14 @@
 #            skip: the same run as paper_skip_middle, its skipped work not done: step time,
 #            memory, compile time and redone steps side by side); run folders outside the
 #            record (a 2.3 GB checkpoint), logs copied in (a cut stage's too)             74 each
-#   tests    the CUDA tests of test_train.py (compiled = eager, Flex with ln g, packed lengths
-#            compiled once each and never a sync, the bench's graphs)                     124
+#   tests    the CUDA tests, -k cuda (tests/test_gpu.py: compiled = eager, Flex with ln g, packed
+#            lengths compiled once each and never a sync; bench's graphs)                 124
 #   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)          41
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
 #            masked MFU), compile time apart                                                116
 # The byte grid is a result, not a check: sweep.py (README).
-# GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (test_train.py runs it so).
+# GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail
 cd "$(dirname "$0")"
 if ! python -c "import torch" 2>/dev/null; then
@@ -113,7 +113,8 @@ keep() {  # keep RUN DEST: a stage's run logs into the record, then its folder (
 }
 
 ddp_run() {  # a small gated, compacted model under torchrun: launcher, NCCL, compile. With one
-            # rank train() wraps no DDP; DDP's graph split is tested on CPU (gloo, test_train.py)
+            # rank train() wraps no DDP; DDP's graph split is tested on CPU (gloo,
+            # tests/test_compile_ddp.py)
     local run
     run=$(mktemp -d) || return 1
     trap 'keep "$run" "$out/ddp"; exit 143' TERM  # cut by the budget: the logs kept all the same
@@ -150,7 +151,7 @@ stage env env_check
 stage paper_none paper_run none  # learning first: both losses must fall
 stage paper_skip_middle paper_run skip_middle
 stage paper_compact paper_run skip_middle --compact=true
-stage tests python -m pytest -q test_train.py -k cuda -rs
+stage tests python -m pytest -q -k cuda -rs  # the suite's tests named cuda (testpaths)
 stage ddp ddp_run
 stage bench python bench.py "${bench[@]}" --out="$out/bench"
 echo "done in $SECONDS s: $out (commit it)"

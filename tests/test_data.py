@@ -1,0 +1,732 @@
+"""The data scripts under data/: fetching FineWeb, tokenizing a corpus (GPT-2 tokens or bytes),
+Debian's documentation as a corpus; none of them imports torch."""
+
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import support
+import train_gpt as tg
+from conftest import (
+    REPO,
+    TINY_RUN,
+    load_command,
+    read_metrics,
+    run_command,
+    run_main,
+    sha256,
+    start_command,
+    write_shard,
+)
+from data import shards
+
+# ------------------------------------------------------------- cached_fineweb10B.py
+
+
+def fake_hub_cache(root, files):
+    """A Hugging Face cache holding `files` (name -> tokens) for the FineWeb dataset repo."""
+    repo = root / "datasets--kjj0--fineweb10B-gpt2"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name, tokens in files.items():
+        write_shard(snap / name, tokens)
+    return snap
+
+
+def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
+    snap = fake_hub_cache(
+        tmp_path / "hub",
+        {"fineweb_val_000000.bin": range(100), "fineweb_train_000001.bin": range(50, 300)},
+    )
+    out = tmp_path / "data"
+    env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
+    assert r.returncode == 0, r.stderr
+    for name in ("fineweb_val_000000.bin", "fineweb_train_000001.bin"):
+        assert (out / name).read_bytes() == (snap / name).read_bytes()
+    assert "250 tokens" in r.stdout
+    r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
+    assert r.returncode == 0 and r.stdout.count("present, skipped") == 2
+    # a damaged file in the data folder is noticed and fetched again
+    # (a new file: the good one may be a hard link to the cache, which must stay intact)
+    damaged = (out / "fineweb_train_000001.bin").read_bytes()[:1200]
+    (out / "fineweb_train_000001.bin").unlink()
+    (out / "fineweb_train_000001.bin").write_bytes(damaged)
+    r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
+    assert r.returncode == 0 and "fetching it again" in r.stdout
+    assert (out / "fineweb_train_000001.bin").read_bytes() == (
+        snap / "fineweb_train_000001.bin"
+    ).read_bytes()
+    # a file neither online nor cached: one clear line, exit 2, nothing under its name
+    r = run_command("data/cached_fineweb10B.py", "2", f"--out={out}", env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: 1 of 3 files missing (fineweb_train_000002.bin")
+    assert "Rerun `python data/cached_fineweb10B.py 2`" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "fineweb_train_000001.bin",
+        "fineweb_val_000000.bin",
+    ]
+    # the first file alone is tried first: when it cannot be had, no other is tried (offline,
+    # each would wait through the hub's retries), though the cache holds one of them
+    fake_hub_cache(tmp_path / "hub2", {"fineweb_train_000001.bin": range(50, 300)})
+    r = run_command(
+        "data/cached_fineweb10B.py",
+        "1",
+        f"--out={tmp_path / 'data2'}",
+        env={**env, "HF_HUB_CACHE": str(tmp_path / "hub2")},
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "(fineweb_val_000000.bin; " in r.stderr and "; the others were not tried)" in r.stderr
+    assert not (tmp_path / "data2").exists()
+
+
+# --------------------------------------------------------------- tokenize_corpus.py
+
+
+def gpt2():
+    import tiktoken
+
+    return tiktoken.get_encoding("r50k_base")
+
+
+def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
+    docs = [
+        "The quick brown fox.",
+        "Ünïcödé and emoji 🙂 too",
+        "",
+        "line one\nline two\n",
+        "<|endoftext|> is plain text here",
+    ]
+    (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8")
+    with open(tmp_path / "b.jsonl", "w", encoding="utf-8") as f:
+        for d in docs[1:-1]:
+            f.write(json.dumps({"text": d, "id": 1}) + "\n")
+    (tmp_path / "c.txt").write_text(docs[-1], encoding="utf-8")  # a .txt after a .jsonl
+    out = tmp_path / "shards"
+    r = run_command(
+        "data/tokenize_corpus.py",
+        str(tmp_path / "a.txt"),
+        str(tmp_path / "b.jsonl"),
+        str(tmp_path / "c.txt"),
+        f"--out={out}",
+        "--name=t",
+        "--shard_tokens=7",
+        "--workers=2",
+    )
+    assert r.returncode == 0, r.stderr
+    enc = gpt2()
+    expected = [t for d in docs if d for t in [50256] + enc.encode_ordinary(d)]  # "" skipped
+    files = sorted(out.glob("*.bin"))
+    assert json.loads((out / "t.manifest.json").read_text())["shards"] == {
+        f.name: sha256(f.read_bytes()) for f in files
+    }
+    assert files[-1].name == "t_val_000000.bin"  # sorted: train shards come first
+    assert [f.name for f in files[:-1]] == [f"t_train_{i:06d}.bin" for i in range(1, len(files))]
+    got = np.concatenate(
+        [tg.read_shard(str(out / "t_val_000000.bin"))] + [tg.read_shard(str(f)) for f in files[:-1]]
+    )
+    assert got.tolist() == expected
+    assert all(len(tg.read_shard(str(f))) == 7 for f in files[:-2])
+    loader = tg.DistributedLoader(str(out / "t_train_*.bin"), 1, 3, 0, 1)
+    x, y = loader.next_batch()
+    assert x.flatten().tolist() == expected[7:10] and y.flatten().tolist() == expected[8:11]
+
+
+def test_check_command_counts_and_rejects(tmp_path):
+    r = run_command("data/tokenize_corpus.py", "--check=data/sample")
+    total = sum(len(tg.read_shard(p)) for p in tg.find_shards("data/sample/*.bin"))
+    assert r.returncode == 0 and f"2 shards, {total:,} tokens, all valid" in r.stdout
+    write_shard(tmp_path / "x_000000.bin", range(10))
+    write_shard(tmp_path / "x_000001.bin", [5, 60000])
+    r = run_command("data/tokenize_corpus.py", f"--check={tmp_path}")
+    assert (
+        r.returncode == 2 and "x_000001.bin: token id 60000 is outside the vocabulary" in r.stderr
+    )
+
+
+def test_sample_regenerates_byte_for_byte(tmp_path):
+    made_with = "3.11.7"  # data/sample/README.md: pydoc_data.topics changes between versions
+    if sys.version.split()[0] != made_with:
+        pytest.skip(f"the sample was made with Python {made_with}")
+    r = run_command("data/tokenize_corpus.py", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    for name in ("sample_train_000001.bin", "sample_val_000000.bin", "sample.manifest.json"):
+        assert (tmp_path / name).read_bytes() == (
+            Path(REPO) / "data" / "sample" / name
+        ).read_bytes()
+
+
+def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"title": "no text"}\n')
+    (tmp_path / "d.txt").write_bytes(b"caf\xe9 latin-1")
+    (tmp_path / "e.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "f.jsonl").write_text('{"text": "fine"}\n' + "[" * 100000 + "\n")  # too deep
+    (tmp_path / "g.jsonl").write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")  # 5,000 digits
+    (tmp_path / "h.jsonl").write_text('\ufeff{"text": "a"}\n\ufeff{"text": "b"}\n')  # 2 BOMs
+    out = tmp_path / "shards" / "b" / ".." / "deeper"  # makedirs makes shards/b too
+    for name, message in (
+        ("c.jsonl", 'c.jsonl:2: not a JSON object with a "text" field'),
+        ("d.txt", "d.txt: not valid UTF-8"),
+        ("e.jsonl", "e.jsonl:2: not valid UTF-8"),
+        ("f.jsonl", 'f.jsonl:2: not a JSON object with a "text" field (RecursionError)'),
+        ("g.jsonl", 'g.jsonl:1: not a JSON object with a "text" field (ValueError)'),
+        ("h.jsonl", "h.jsonl:2: starts with a byte-order mark (U+FEFF)"),  # (line 1's is fine)
+    ):
+        r = run_command(
+            "data/tokenize_corpus.py", str(tmp_path / name), f"--out={out}", "--shard_tokens=1"
+        )
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
+        assert r.stderr.count("\n") == 1
+        assert not (tmp_path / "shards").exists()  # not even the folders it made for --out
+
+
+def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_path):
+    big = "many words make many tokens " * 40
+    (tmp_path / "big.txt").write_text(big)
+    (tmp_path / "small.txt").write_text("few words")
+    (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n')
+    out = tmp_path / "shards"
+    out.mkdir()
+    others = {
+        "other_train_000001.bin": b"another corpus, kept",  # a name sharing the prefix:
+        "corpus_big_train_000001.bin": b"corpus_big is not corpus",
+    }
+    for name, data in others.items():
+        (out / name).write_bytes(data)
+
+    def tokenize(src):
+        return run_command(
+            "data/tokenize_corpus.py",
+            str(tmp_path / src),
+            f"--out={out}",
+            "--shard_tokens=50",
+            "--workers=1",
+        )
+
+    n_big = -(-(1 + len(gpt2().encode_ordinary(big))) // 50)
+    assert n_big > 2
+    for src, n_shards in (("big.txt", n_big), ("small.txt", 1)):
+        r = tokenize(src)
+        assert r.returncode == 0, r.stderr
+        assert (
+            len([p for p in out.iterdir() if re.fullmatch(r"corpus_(val|train)_\d+\.bin", p.name)])
+            == n_shards
+        )
+    assert f"removed {n_big - 1} shard(s) of the previous corpus 'corpus'" in r.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = tokenize("blank.jsonl")  # no documents: an error, and the corpus stays as it was
+    assert r.returncode == 2 and r.stderr == (
+        "error: the input holds no documents (no non-empty text); nothing was written\n"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert all((out / n).read_bytes() == data for n, data in others.items())
+    assert list(tg.read_shard(str(out / "corpus_val_000000.bin"))) == [
+        50256
+    ] + gpt2().encode_ordinary("few words")
+
+
+def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
+    # a downloaded FineWeb, or shards an older version wrote: never replaced or removed
+    (tmp_path / "a.txt").write_text("some words " * 30)
+    out = tmp_path / "fineweb10B"
+    out.mkdir()
+    download = {
+        f"fineweb_{s}_{i:06d}.bin": f"download {i}".encode()
+        for i, s in enumerate(["val", "train", "train"])
+    }
+    for name, data in download.items():
+        (out / name).write_bytes(data)
+    r = run_command(
+        "data/tokenize_corpus.py",
+        str(tmp_path / "a.txt"),
+        f"--out={out}",
+        "--name=fineweb",
+        "--shard_tokens=20",
+        "--workers=1",
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert (
+        "fineweb_train_000001.bin (and 2 more) is named like a shard of corpus 'fineweb' but "
+        "was not written by this script" in r.stderr
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == download
+    # its own corpus, edited since it was written, is not its own any more
+    r = run_command(
+        "data/tokenize_corpus.py",
+        str(tmp_path / "a.txt"),
+        f"--out={out}",
+        "--name=mine",
+        "--shard_tokens=20",
+        "--workers=1",
+    )
+    assert r.returncode == 0, r.stderr
+    (out / "mine_train_000002.bin").write_bytes(b"edited")
+    r = run_command(
+        "data/tokenize_corpus.py",
+        str(tmp_path / "a.txt"),
+        f"--out={out}",
+        "--name=mine",
+        "--workers=1",
+    )
+    assert r.returncode == 2 and "mine_train_000002.bin (and 0 more)" in r.stderr
+    assert (out / "mine_train_000002.bin").read_bytes() == b"edited"
+    assert not list(out.glob(".mine.*"))  # no temporary folder left
+    os.mkfifo(out / "fifo_val_000000.bin")  # never read (that would wait for a writer)
+    (out / "link_val_000000.bin").symlink_to(out / "mine_val_000000.bin")
+    for name in ("fifo", "link"):
+        r = run_command(
+            "data/tokenize_corpus.py",
+            str(tmp_path / "a.txt"),
+            f"--out={out}",
+            f"--name={name}",
+            "--workers=1",
+            timeout=60,
+        )
+        assert r.returncode == 2 and f"{name}_val_000000.bin (and 0 more) is named like" in r.stderr
+
+
+def test_a_manifest_it_did_not_write_is_refused_like_a_shard(tmp_path):
+    (tmp_path / "a.txt").write_text("some words " * 30)
+    (tmp_path / "theirs.json").write_text('{"shards": {}}')
+    out = tmp_path / "s"
+    out.mkdir()
+    for make in (
+        lambda m: m.write_text('{"shards": {}}'),  # another tool's
+        lambda m: m.write_text("not json"),
+        lambda m: m.mkdir(),
+        lambda m: m.symlink_to(tmp_path / "theirs.json"),
+    ):
+        manifest = out / "corpus.manifest.json"
+        make(manifest)
+        r = run_command(
+            "data/tokenize_corpus.py", str(tmp_path / "a.txt"), f"--out={out}", "--workers=1"
+        )
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"{manifest} is the manifest of corpus 'corpus' but was not written" in r.stderr
+        assert [p.name for p in out.iterdir()] == ["corpus.manifest.json"]
+        manifest.rmdir() if manifest.is_dir() and not manifest.is_symlink() else manifest.unlink()
+    assert (tmp_path / "theirs.json").read_text() == '{"shards": {}}'
+
+
+def test_a_shard_that_appears_while_tokenizing_is_not_replaced(tmp_path, monkeypatch):
+    tokenize = load_command("data/tokenize_corpus.py")
+    out, real = tmp_path / "s", tokenize.documents
+
+    def documents(paths, raw=False):  # another job writes a shard of the same name meanwhile
+        for i, doc in enumerate(real(paths, raw)):
+            if i == 1:
+                (out / "c_train_000001.bin").write_bytes(b"theirs")
+            yield doc
+
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(3))
+    )
+    monkeypatch.setattr(tokenize, "documents", documents)
+    with pytest.raises(support.UserError, match="changed while this ran"):
+        tokenize.tokenize([str(tmp_path / "a.jsonl")], str(out), "c", 20, 1)
+    assert [p.name for p in out.iterdir()] == ["c_train_000001.bin"]
+    assert (out / "c_train_000001.bin").read_bytes() == b"theirs"
+
+
+def test_a_corpus_cut_short_at_either_manifest_write_stays_its_own(tmp_path, monkeypatch):
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
+    (tmp_path / "short.txt").write_text("few words")
+    out, real = tmp_path / "s", tokenize.write_atomically
+
+    def corpus():
+        return {p.name: p.read_bytes() for p in out.iterdir()}
+
+    for fail_at in (1, 2):  # the manifest written before the shards move, the one after
+        tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
+        before, calls = corpus(), []
+
+        def disk_full(path, data, calls=calls, fail_at=fail_at):
+            calls.append(path)
+            if len(calls) == fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            real(path, data)
+
+        monkeypatch.setattr(tokenize, "write_atomically", disk_full)
+        with pytest.raises(OSError):
+            tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
+        monkeypatch.undo()
+        if fail_at == 1:
+            assert corpus() == before  # nothing moved yet
+        else:  # the new corpus is in place, the previous one's extra shards are gone
+            assert sorted(n for n in corpus() if n.endswith(".bin")) == ["c_val_000000.bin"]
+        # either way every file is still known as this corpus's: the next run goes on
+        assert len(tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)) == 1
+        assert not list(out.glob(".c.*"))
+        shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
+    # what a scheduler sends (scancel: SIGTERM; Slurm's --signal: SIGUSR1) mid-way through
+    (tmp_path / "big.jsonl").write_text((json.dumps({"text": " word" * 20_000}) + "\n") * 300)
+    out = tmp_path / "out" / "deeper"
+    proc = start_command(
+        "data/tokenize_corpus.py",
+        str(tmp_path / "big.jsonl"),
+        f"--out={out}",
+        "--workers=1",
+        "--shard_tokens=10000",
+        stdout=None,
+        env={"PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.time() + 120
+    while not list(out.glob(".corpus.*/*.bin")) and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()  # no shard, no temporary folder, no folder it made
+
+
+# ------------------------------------------------------------------ bytes as tokens
+
+
+def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path):
+    # a .txt file's bytes exactly, invalid UTF-8 included; a JSON text's UTF-8; each document
+    # after a NUL byte; every 2nd document to validation; a NUL inside a document is refused
+    tokenize = load_command("data/tokenize_corpus.py")
+    raw = [b"plain ascii\n", b"caf\xe9 latin-1 and a lone \xff byte", "Ünïcödé 🙂".encode()]
+    for i, data in enumerate(raw[:2]):
+        (tmp_path / f"{i}.txt").write_bytes(data)
+    (tmp_path / "2.jsonl").write_text(json.dumps({"text": raw[2].decode()}) + "\n")
+    out = tmp_path / "bytes"
+    tokenize.tokenize(
+        [str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")],
+        str(out),
+        "b",
+        1000,
+        1,
+        "bytes",
+        is_val=lambda i: i % 2 == 0,
+    )
+    val, train = (
+        tg.read_shard(str(out / n), 256).tolist()
+        for n in ("b_val_000000.bin", "b_train_000001.bin")
+    )
+    assert bytes(val) == b"\0" + raw[0] + b"\0" + raw[2] and bytes(train) == b"\0" + raw[1]
+    assert {shards.shard_encoding(str(p)) for p in out.glob("*.bin")} == {"bytes"}
+    assert (
+        shards.encoding("bytes").decode(train)
+        == "<|endoftext|>caf\ufffd latin-1 and a lone \ufffd byte"
+    )
+    with pytest.raises(support.UserError, match="all 3 documents went to validation"):
+        tokenize.tokenize(
+            [str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")],
+            str(tmp_path / "v"),
+            "b",
+            1000,
+            1,
+            "bytes",
+            is_val=lambda i: True,
+        )
+    # skipview: a character's bytes show it once, at its first byte; a stray byte as U+FFFD
+    pieces = load_command("skipview.py").token_pieces(
+        shards.encoding("bytes"), list("aé🙂".encode()) + [0xFF, 98]
+    )
+    assert pieces == ["a", "é", "", "🙂", "", "", "", "\ufffd", "b"]
+    # what a command line that is not UTF-8 holds (surrogateescape) is its bytes; the separator
+    # reads as GPT-2's <|endoftext|>
+    enc = shards.encoding("bytes")
+    assert enc.encode_ordinary("a\udcffb") == [97, 255, 98]
+    assert enc.decode([0, 104, 105, 0, 0xC3, 0xA9]) == "<|endoftext|>hi<|endoftext|>\u00e9"
+    (tmp_path / "nul.txt").write_bytes(b"a\0b")
+    with pytest.raises(support.UserError, match="nul.txt: holds a NUL byte"):
+        tokenize.tokenize([str(tmp_path / "nul.txt")], str(tmp_path / "x"), "b", 1000, 1, "bytes")
+    assert not (tmp_path / "x").exists()
+
+
+def test_gpt2_shards_convert_to_the_bytes_of_their_documents(tmp_path):
+    # FineWeb-like GPT-2 shards, documents cut across shards: converted one for one, the bytes
+    # of all shards together are every document's bytes after a NUL, as a byte corpus of them
+    tokenize = load_command("data/tokenize_corpus.py")
+    docs = ["First document, with ünïcödé.", "second\none " * 5, "third 🙂 " * 3]
+    with open(tmp_path / "d.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw", 9, 1)
+    converted = tokenize.convert(str(tmp_path / "g" / "fw_*.bin"), str(tmp_path / "y"), "fwb")
+    names = sorted(os.path.basename(p) for p in converted)
+    assert names == sorted(p.name.replace("fw_", "fwb_") for p in (tmp_path / "g").glob("fw_*.bin"))
+    ordered = sorted(converted, key=lambda p: int(p[-10:-4]))  # val_000000, train_000001, ...
+    got = b"".join(bytes(tg.read_shard(p, 256).tolist()) for p in ordered)
+    assert got == b"".join(b"\0" + d.encode() for d in docs)
+    with pytest.raises(support.UserError, match="a byte shard already"):
+        tokenize.convert(str(tmp_path / "y" / "fwb_*.bin"), str(tmp_path / "z"), "again")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()}
+    with pytest.raises(
+        support.UserError, match="is an input, and corpus 'fw' in .* would replace it"
+    ):
+        tokenize.convert(str(tmp_path / "g" / "fw_*.bin"), str(tmp_path / "g"), "fw")  # in place
+    assert {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()} == before
+    for args, message in (
+        (["--encoding=bytes"], "--encoding does not apply to the embedded sample"),
+        (
+            [
+                f"--from_shards={tmp_path}/g/fw_*.bin",
+                "--encoding=bytes",
+                "--val_every=2",
+                f"--out={tmp_path}/w",
+            ],
+            "--val_every does not apply to --from_shards",
+        ),
+        ([f"--check={tmp_path}/g", "--encoding=bytes"], "--encoding does not apply to --check"),
+    ):
+        with pytest.raises(support.UserError, match=message):
+            tokenize.main(args)
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_bytes(
+    tmp_path, capsys
+):
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "a.txt").write_bytes((Path(REPO) / "README.md").read_bytes()[:60000])
+    (tmp_path / "b.txt").write_bytes((Path(REPO) / "train_gpt.py").read_bytes()[:20000])
+    tokenize.tokenize(
+        [str(tmp_path / "b.txt"), str(tmp_path / "a.txt")],
+        str(tmp_path / "s"),
+        "t",
+        1 << 20,
+        1,
+        "bytes",
+        is_val=lambda i: i % 2 == 0,
+    )
+    capsys.readouterr()  # (the tokenizer's progress line)
+    files = [f"--train_files={tmp_path}/s/t_train_*.bin", f"--val_files={tmp_path}/s/t_val_*.bin"]
+    byte_model = TINY_RUN + [
+        "--encoding=bytes",
+        "--vocab_size=256",
+        "--train_tokens=5120",
+        "--val_every=0",
+        "--val_tokens=512",
+    ]
+    for args, message in (
+        (byte_model, "sample_train_000001.bin holds gpt2 tokens, but encoding=bytes"),
+        (TINY_RUN + files, "t_train_000001.bin holds bytes tokens, but encoding=gpt2"),
+        (TINY_RUN + ["--encoding=bytes"], "encoding=bytes has 256 token ids"),
+    ):
+        code, out, err = run_main(args + [f"--run_dir={tmp_path / 'refused'}"], capsys)
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "refused").exists()
+    code, _, err = run_main(byte_model + files + [f"--run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 0, err[-2000:]
+    val = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "val"]
+    assert val[-1]["val_loss"] < math.log(256)  # better than uniform over the bytes
+    code = support.cli(
+        load_command("sample.py").main,
+        [str(tmp_path / "run"), "--prompt=The ", "--tokens=20", "--seed=1"],
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
+
+
+# ------------------------------------------------------------------- debian_docs.py
+
+
+def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
+    docs = load_command("data/debian_docs.py")
+    page = (
+        "<html><head><title>T</title><style>p {}</style></head><body><h1>Title</h1>"
+        "<p>One  &amp; <b>two</b>\tthree</p><script>var x = 1;</script><ul><li>a</li>"
+        "<li>b &lt;c&gt;</li></ul><pre>  kept\n</pre>caf\u00e9</body></html>"
+    ).encode()
+    assert docs.page_text(page) == "Title\nOne & two three\na\nb <c>\nkept\ncaf\u00e9"
+
+
+def test_debian_docs_reads_a_package_whose_stream_goes_on_past_its_archive(tmp_path):
+    # a damaged .deb: dpkg-deb streams a tar archive, then far more than a pipe holds (64 KiB)
+    # after its end, and a reason on stderr; the pages are read, the rest drained (before:
+    # stderr read while dpkg-deb waited on a full stdout, for ever)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "dpkg-deb").write_text(
+        "#!/usr/bin/env python3\nimport io, sys, tarfile\nbuf = io.BytesIO()\n"
+        "with tarfile.open(fileobj=buf, mode='w') as tar:\n"
+        "    info = tarfile.TarInfo('./usr/share/doc/x/index.html'); info.size = 11\n"
+        "    tar.addfile(info, io.BytesIO(b'<p>page</p>'))\n"
+        "sys.stderr.write('warning: trailing data\\n' * 5000)\n"
+        "sys.stdout.buffer.write(buf.getvalue() + b'junk' * 100000)\n"
+    )
+    (bin_ / "dpkg-deb").chmod(0o755)
+    code = "from data import debian_docs; print(debian_docs.package_pages('x.deb', 'x.deb'))"
+    r = run_command("-c", code, env={"PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}"}, timeout=60)
+    assert r.returncode == 0 and r.stdout == "[b'<p>page</p>']\n", r.stderr[-2000:]
+
+
+def fake_debian(tmp_path, apt_get: str) -> dict:
+    """PATH with an apt-get running apt_get (bash) and a dpkg-deb whose --fsys-tarfile streams
+    12 pages of 2,000 characters, each naming its package and number, from any .deb, and pages
+    NOT_PAGES drops (translations, Sphinx's source listings and indexes, maxima's single page)
+    and a redirect shorter than MIN_TEXT."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(parents=True)
+    (bin_ / "apt-get").write_text("#!/bin/bash\n" + apt_get)
+    (bin_ / "dpkg-deb").write_text(
+        '#!/bin/bash\nname=$(basename "$2"); name=${name%%_*}; t=$(mktemp -d); mkdir "$t/html"\n'
+        'for i in $(seq 0 11); do printf "<p>%.0s$name page $i </p>" $(seq 100) '
+        '> "$t/html/$i.html"; done\n'
+        'mkdir -p "$t/html/translations/it" "$t/html/_modules" "$t/apache2-doc/manual/it"\n'
+        "for p in translations/it/a _modules/m genindex-A search maxima_singlepage \\\n"
+        "  ../apache2-doc/manual/it/a; do\n"
+        '  printf "<p>%.0snot a page </p>" $(seq 100) > "$t/html/$p.html"; done\n'
+        'echo "<p>The node you are looking for is at XREFfft.</p>" > "$t/html/XREFfft.html"\n'
+        'tar -cf - -C "$t" .; rm -r "$t"\n'
+    )
+    for tool in bin_.iterdir():
+        tool.chmod(0o755)
+    return {"PATH": f"{bin_}:{os.environ['PATH']}"}
+
+
+def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_path):
+    docs = load_command("data/debian_docs.py")
+    gone = fake_debian(
+        tmp_path / "a", "echo \"E: Version '${2#*=}' for '${2%%=*}' was not found\" >&2; exit 100\n"
+    )
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'out'}", env=gone)
+    assert (
+        r.returncode == 2
+        and r.stderr.count("\n") == 1
+        and r.stderr.startswith(
+            "error: apt-get "
+            "download python3.11-doc=3.11.2-6+deb12u8 failed (E: Version '3.11.2-6+deb12u8' for "
+            "'python3.11-doc' was not found): the pinned version is not offered here"
+        )
+    ), r.stderr
+    assert "--debs=DIR" in r.stderr and "--unpinned" in r.stderr and not (tmp_path / "out").exists()
+    # today's versions instead: each .deb holds its name; the build says it is not the pinned one
+    today = fake_debian(tmp_path / "b", 'printf "%s" "$2" > "$2_9.9_all.deb"\n')
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'out'}", "--unpinned", env=today)
+    assert r.returncode == 0 and r.stdout.count("NOT the pinned corpus") == 2, r.stderr
+    manifest = json.loads((tmp_path / "out" / "docs.manifest.json").read_text())
+    names = [spec.split("=")[0] for spec in docs.PACKAGES]
+    assert manifest["inputs"] == {n: hashlib.sha256(n.encode()).hexdigest() for n in names}
+    # 12 pages a package, shuffled: all but every TRAIN_EVERY-th held out as an excerpt of its page;
+    # neither split in package order, and the first half of the validation split samples every one
+    split = {}
+    for kind in ("val", "train"):
+        tokens = shards.read_shard(str(next((tmp_path / "out").glob(f"docs_{kind}_*.bin"))), 256)
+        split[kind] = bytes(tokens.astype(np.uint8)).decode().split("\0")[1:]
+    pages = {"\n".join([f"{n} page {i}"] * 100) for n in names for i in range(12)}
+    train = -(-len(pages) // docs.TRAIN_EVERY)  # pages 0, TRAIN_EVERY, ...
+    assert (len(split["val"]), len(split["train"])) == (len(pages) - train, train)
+    assert set(split["train"]) < pages
+    assert all(len(t) == docs.EXCERPT and any(t in p for p in pages) for t in split["val"])
+    for kind, texts in split.items():  # (the shuffle is seeded: this holds or fails every time)
+        order = [next(i for i, n in enumerate(names) if n in t) for t in texts]
+        assert order != sorted(order), kind  # not package by package
+    assert all(any(n in t for t in split["val"][: len(split["val"]) // 2]) for n in names)
+    # the same inputs give the same corpus (a seeded shuffle), into a folder of its own
+    shas = dict(manifest["shards"])
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'again'}", "--unpinned", env=today)
+    assert (
+        r.returncode == 0
+        and json.loads((tmp_path / "again" / "docs.manifest.json").read_text())["shards"] == shas
+    )
+    # a folder holding the pinned corpus is not replaced by an unpinned one
+    (tmp_path / "again" / "docs.manifest.json").write_text(
+        json.dumps({"written_by": "data/tokenize_corpus.py", "shards": docs.SHA256})
+    )
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'again'}", "--unpinned", env=today)
+    assert r.returncode == 2 and r.stderr.startswith(
+        f"error: {tmp_path / 'again'} holds the pinned corpus, which --unpinned would replace"
+    )
+    # a shard that is not ours in --out: refused before any download (apt-get would leave a mark)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "docs_train_000001.bin").write_bytes(b"my own")
+    marks = fake_debian(tmp_path / "c", f"touch {tmp_path}/downloaded; exit 100\n")
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'mine'}", env=marks)
+    assert r.returncode == 2 and "named like a shard of corpus 'docs'" in r.stderr, r.stderr
+    assert not (tmp_path / "downloaded").exists() and os.listdir(tmp_path / "mine") == [
+        "docs_train_000001.bin"
+    ]
+    # SIGTERM while a package streams its pages: status 143, and the folder it made is gone
+    (tmp_path / "b" / "bin" / "dpkg-deb").write_text("#!/bin/bash\nkill -TERM $PPID; sleep 1\n")
+    r = run_command(
+        "data/debian_docs.py", f"--out={tmp_path / 'sig' / 'out'}", "--unpinned", env=today
+    )
+    assert r.returncode == 143 and r.stderr == "" and not (tmp_path / "sig").exists(), r.stderr
+    # a damaged .deb, as dpkg-deb streams it or refuses it: one line naming the package (not a
+    # temporary path, deleted by then), dpkg-deb's own reason first, nothing left
+    for script, reason in (
+        ('printf ""', "empty file"),
+        ('printf "cut"', "truncated"),
+        (
+            "echo \"dpkg-deb: error: '$2' is not a Debian archive\" >&2; echo more >&2; exit 2",
+            "not a D",
+        ),
+    ):
+        (tmp_path / "b" / "bin" / "dpkg-deb").write_text(f"#!/bin/bash\n{script}\n")
+        r = run_command(
+            "data/debian_docs.py", f"--out={tmp_path / 'bad' / 'out'}", "--unpinned", env=today
+        )
+        assert (
+            r.returncode == 2
+            and r.stderr.startswith("error: the .deb apt-get downloaded for ")
+            and ": not a readable .deb (" in r.stderr
+            and reason in r.stderr
+            and ".debian_docs." not in r.stderr  # (the temporary folder, deleted by then)
+            and r.stderr.count("\n") == 1
+            and not (tmp_path / "bad").exists()
+        ), r.stderr
+
+
+# -------------------------------------------------------------------- without torch
+
+
+# runs a script as `python SCRIPT ARGS...` would, then fails if torch was imported on the way
+NO_TORCH = """import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    status = e.code
+assert "torch" not in sys.modules, "torch was imported"
+sys.exit(status)
+"""
+
+
+def test_data_scripts_run_without_importing_torch(tmp_path):
+    fake_hub_cache(tmp_path / "hub", {"fineweb_val_000000.bin": range(100)})
+    (tmp_path / "a.txt").write_text("a few words")
+    env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    for args, status in (
+        (["data/tokenize_corpus.py", "--check=data/sample"], 0),
+        (
+            [
+                "data/tokenize_corpus.py",
+                str(tmp_path / "a.txt"),
+                f"--out={tmp_path / 's'}",
+                "--workers=1",
+            ],
+            0,
+        ),
+        (["data/tokenize_corpus.py", "--workers=0"], 2),
+        (["data/tokenize_corpus.py", "--help"], 0),
+        (["data/cached_fineweb10B.py", "0", f"--out={tmp_path / 'f'}"], 0),
+        (["data/cached_fineweb10B.py", "--bogus"], 2),
+    ):
+        r = run_command("-c", NO_TORCH, *args, env=env, timeout=300)
+        assert r.returncode == status and "torch was imported" not in r.stderr, (args, r.stderr)
+    assert list(tg.read_shard(str(tmp_path / "f" / "fineweb_val_000000.bin"))) == list(range(100))
+    assert list(tg.read_shard(str(tmp_path / "s" / "corpus_val_000000.bin"))) == [
+        50256
+    ] + gpt2().encode_ordinary("a few words")

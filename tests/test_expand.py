@@ -1,0 +1,185 @@
+"""expand.py: a dense model expanded by new layers (the DLO paper's), then trained on."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import expand
+import train_gpt as tg
+from conftest import disk_nearly_full, load_command, read_metrics, run_command, run_main, tiny
+
+
+def expanded(init, R=4, P=2, q=1, tau=2):
+    torch.manual_seed(0)
+    src = tg.GPT(tiny(router="none", n_layers=R))
+    state = expand.expand_state(src.state_dict(), R, P, q, init, tau, 0, src.router.layer_modules)
+    return src, state
+
+
+def test_identity_expansion_keeps_the_function():
+    src, state = expanded("identity")
+    idx = torch.randint(0, 97, (2, 16))
+    for router in ("none", "dlo"):
+        big = tg.GPT(tiny(router=router, n_layers=6)).eval()
+        missing, unexpected = big.load_state_dict(state, strict=False)
+        assert not unexpected and all(k.startswith("router.routers.") for k in missing)
+        assert (big(idx).logits - src(idx).logits).abs().max().item() < 1e-5
+    # groups of 2 become groups of 3: originals 0, 1 -> 0, 1; new 2; originals 2, 3 -> 3, 4
+    assert torch.equal(
+        state["blocks.3.attn.wq.weight"], src.state_dict()["blocks.2.attn.wq.weight"]
+    )
+    assert torch.equal(
+        state["blocks.2.attn.wq.weight"], src.state_dict()["blocks.1.attn.wq.weight"]
+    )
+    assert not state["blocks.2.attn.wo.weight"].any() and not state["blocks.5.ffn.w2.weight"].any()
+
+
+def test_other_expansion_initialisations():
+    src, copy = expanded("copy")
+    old = src.state_dict()
+    assert all(
+        torch.equal(copy[f"blocks.2.{k}"], old[f"blocks.1.{k}"])
+        for k in ("attn.wo.weight", "ffn.w2.weight", "attn_in.weight")
+    )
+    _, linear = expanded("linear")
+    w = "attn.wq.weight"
+    assert torch.allclose(
+        linear[f"blocks.2.{w}"], (old[f"blocks.0.{w}"] + old[f"blocks.1.{w}"]) / 2
+    )
+    _, slerp = expanded("slerp")
+    u, v = old[f"blocks.1.{w}"], old[f"blocks.0.{w}"]
+    omega = math.acos((u.flatten() @ v.flatten() / (u.norm() * v.norm())).item())
+    ref = math.sin(omega / 2) / math.sin(omega) * (u + v)  # SLERP(u, v, 1/2)
+    assert torch.allclose(slerp[f"blocks.2.{w}"], ref, atol=1e-6)
+    assert torch.equal(slerp["blocks.2.attn_in.weight"], old["blocks.1.attn_in.weight"])  # parallel
+    _, rand = expanded("random")
+    bound = math.sqrt(6 / (32 + 32))  # Xavier uniform, fan_in = fan_out = 32
+    assert rand[f"blocks.2.{w}"].abs().max() <= bound and rand[f"blocks.2.{w}"].std() > bound / 3
+    assert torch.equal(rand["blocks.2.ffn_in.weight"], torch.ones(32))
+
+
+def test_a_dlo_expansion_moves_each_router_with_its_layer():
+    src = tg.GPT(tiny(router="dlo", n_layers=4))
+    for i, router in enumerate(src.router.routers):
+        torch.nn.init.constant_(router.weight, float(i + 1))
+    state = expand.expand_state(
+        src.state_dict(), 4, 2, 1, "identity", 2, 0, src.router.layer_modules
+    )
+    # groups (0, 1), (2, 3) -> (0, 1, new 2), (3, 4, new 5): new layers get no router weights
+    moved = {
+        j: state[f"router.routers.{j}.weight"].flatten()[0].item()
+        for j in range(6)
+        if f"router.routers.{j}.weight" in state
+    }
+    assert moved == {0: 1.0, 1: 2.0, 3: 3.0, 4: 4.0}
+
+
+@pytest.mark.slow
+def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
+    base = [
+        "--preset=smoke",
+        "--max_seq_len=32",
+        "--seq_len=32",
+        "--batch_size=8",
+        "--device_batch_size=4",
+        "--val_tokens=512",
+        "--val_every=10",
+    ]
+    shape = ["--n_layers=2", "--dim=32", "--n_heads=4", "--n_kv_heads=2"]
+    code, _, err = run_main(
+        base + shape + ["--router=none", "--train_tokens=5120", f"--run_dir={tmp_path / 'dense'}"],
+        capsys,
+    )
+    assert code == 0, err
+    expand_main = load_command("expand.py").main
+
+    def expand_cli(*args):  # in this process, as its __main__ runs it -> (status, out, err)
+        return run_main(args, capsys, expand_main)
+
+    # the shape comes from the checkpoint: P = 1 group of 2 layers, q = 2 new ones
+    code, out, err = expand_cli(
+        tmp_path / "dense",
+        tmp_path / "dlo",
+        "--per_group=2",
+        "--router=dlo",
+        "--dlo_rho=0.5",
+        "--dlo_anneal_steps=10",
+        "--train_tokens=7680",
+    )
+    assert code == 0 and f"--resume={tmp_path / 'dlo'}" in out, err
+    expanded = tg.load_checkpoint(str(tmp_path / "dlo"))
+    assert expanded["step"] == 0  # it reads on where the source stopped: the tokens it has not seen
+    assert (
+        expanded["loader"]
+        == tg.load_checkpoint(str(tmp_path / "dense"))["loader"]
+        != {"shard": 0, "pos": 0}
+    )
+    code, _, err = run_main([f"--resume={tmp_path / 'dlo'}"], capsys)
+    assert code == 0, err
+    dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
+    dlo = [m for m in read_metrics(tmp_path / "dlo") if m["kind"] == "val"]
+    assert json.loads((tmp_path / "dlo" / "config.json").read_text())["n_layers"] == 4
+    assert "def train(" in (tmp_path / "dlo" / "train.log").read_text()  # the source, once
+    # identity expansion: the expanded model starts exactly where the dense one ended
+    assert dlo[0]["step"] == 0 and dlo[0]["val_loss"] == pytest.approx(
+        dense[-1]["val_loss"], abs=1e-4
+    )
+    assert dlo[-1]["val_loss"] < dlo[0]["val_loss"]
+    assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
+    assert dlo[-1]["fwd_flops_per_token"] < dlo[-1]["fwd_flops_per_token_dense"]
+    # refused, with one error line and nothing written: a DLO checkpoint's routers fit no other
+    # router; a router tied to the layer count; a shape field; a checkpoint already there
+    for args, message in (
+        (
+            (tmp_path / "dlo", tmp_path / "x", "--router=mod"),
+            "expands into a dlo model, not router=mod",
+        ),
+        (
+            (tmp_path / "dense", tmp_path / "x", "--router=skip_middle"),
+            "router=skip_middle is tied to the layer count",
+        ),
+        ((tmp_path / "dense", tmp_path / "x", "--dim=64"), "keeps the checkpoint's shape"),
+        ((tmp_path / "dense", tmp_path / "x", "--groups=3"), "cannot make 3 groups of 2"),
+        ((tmp_path / "dense", tmp_path / "x", "--init=linear", "--tau=3"), "--tau=3"),
+        ((tmp_path / "dense", tmp_path / "x", "--init=magic"), "--init: invalid choice"),
+        ((tmp_path / "dense", tmp_path / "x", "--nope=1"), "unknown field 'nope'"),
+        ((tmp_path / "nowhere", tmp_path / "x"), "nowhere: no such folder"),
+        (
+            (tmp_path / "dense", tmp_path / "x", "--val_tokens=1e8"),
+            "more than the validation shards hold",
+        ),
+        (
+            (tmp_path / "dense", tmp_path / "dlo"),
+            "dlo already holds checkpoint.pt, expand.json, "
+            "train.log, checkpoint.prev.pt, metrics.jsonl, config.json: expand into a folder",
+        ),
+    ):
+        code, _, err = expand_cli(*args)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+        assert message in err, (args, err)
+        assert not (tmp_path / "x").exists()
+    # nor onto an aborted run's logs, or a file of that name of the user's: neither moved nor
+    # replaced
+    for name in ("train.log", "expand.json"):
+        (tmp_path / "mine").mkdir(exist_ok=True)
+        (tmp_path / "mine" / name).write_text("mine")
+        code, _, err = expand_cli(tmp_path / "dense", tmp_path / "mine")
+        assert code == 2 and f"mine already holds {name}: " in err and err.count("\n") == 1, err
+        assert [p.name for p in (tmp_path / "mine").iterdir()] == [name]
+        (tmp_path / "mine" / name).unlink()
+    # a disk that fills while the new checkpoint is written: named, status 1, nothing left
+    # over the 1 MiB probe
+    r = run_command(
+        "expand.py",
+        tmp_path / "dense",
+        tmp_path / "x" / "y",
+        timeout=300,
+        preexec_fn=lambda: disk_nearly_full(2 << 20),
+    )
+    assert (
+        r.returncode == 1
+        and r.stderr == f"error: {tmp_path / 'x' / 'y' / 'checkpoint.pt'}: File too large\n"
+    )
+    assert not (tmp_path / "x").exists()

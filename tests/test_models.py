@@ -1,0 +1,403 @@
+"""Models as files: the authors' released format, --init_from (a folder or the hub's cache),
+--eval_only, and export.py."""
+
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import support
+import train_gpt as tg
+from conftest import (
+    AUTHORS_TINY,
+    EVAL_ON_SAMPLE,
+    REPO,
+    TINY_RUN,
+    TRAIN_ON_SAMPLE,
+    authors_copy,
+    load_command,
+    read_metrics,
+    run_command,
+    run_main,
+)
+
+# ----------------------------------------------------- the authors' released format
+
+
+def test_the_authors_released_model_reproduces_their_logits():
+    expected = torch.load(AUTHORS_TINY / "expected.pt", weights_only=True)
+    ids = expected["input_ids"]
+    model = tg.load_model(str(AUTHORS_TINY)).eval()
+    config = json.loads((AUTHORS_TINY / "config.json").read_text())
+    hp = model.hp  # sizes, RoPE base and eps from their config; their code's gate axis
+    assert (hp.dim, hp.n_layers, hp.n_heads, hp.n_kv_heads) == (32, 4, 4, 2)
+    assert (hp.rope_theta, hp.norm_eps) == (config["rope_theta"], config["norm_eps"])
+    assert (hp.router, hp.gate_axis, hp.embed_dtype) == ("skip_middle", "query", "bfloat16")
+    with torch.no_grad():
+        out = model(ids)
+        nll = model(ids[:, :-1], targets=ids[:, 1:], per_token=True).loss
+    assert (out.logits[..., :1024] - expected["logits_first_1024"]).abs().max() < 1e-4
+    assert (nll - expected["next_token_nll"]).abs().max() < 1e-4
+    assert (out.route["gates"] - expected["gates"]).abs().max() < 1e-4
+    # the one rounding decides it (their README): without it the logits are 0.1 away
+    unrounded = tg.load_model(str(AUTHORS_TINY), embed_dtype="float32").eval()
+    with torch.no_grad():
+        assert (
+            unrounded(ids).logits[..., :1024] - expected["logits_first_1024"]
+        ).abs().max() > 1e-2
+
+
+AUTHORS_CASES = Path(REPO) / "data" / "fixtures" / "authors_cases"  # made by their code: README
+
+
+@pytest.mark.parametrize("case", sorted(p.name for p in AUTHORS_CASES.iterdir() if p.is_dir()))
+def test_the_authors_layout_loads_as_their_code_reads_it(case):
+    # each case written and read back by their code (make.py): a FFN multiplier their code
+    # ignores (4 x dim whatever it says), Llama 3.1's scaled RoPE, an embedding stored in fp32
+    # (their bf16 module rounds it), fields their config class supplies; our logits and gates
+    # within 1e-4 of their forward's, and off where what the case is about is not followed
+    folder = AUTHORS_CASES / case
+    expected = torch.load(folder / "expected.pt", weights_only=True)
+    ids = expected["input_ids"]
+
+    def outputs(**changes):
+        model = tg.load_model(str(folder), **changes).eval()
+        with torch.no_grad():
+            out = model(ids)
+        return model.hp, out.logits, out.route["gates"]
+
+    hp, logits, gates = outputs()
+    assert (logits - expected["logits"]).abs().max() < 1e-4
+    assert (gates - expected["gates"]).abs().max() < 1e-4
+    assert (hp.ffn_mult, hp.embed_dtype, hp.sandwich_norm) == (4, "bfloat16", True)
+    assert (hp.router, hp.gate_axis, hp.gate_eps, hp.encoding) == (
+        "skip_middle",
+        "query",
+        1e-6,
+        "gpt2",
+    )
+    config = json.loads((folder / "config.json").read_text())
+    scaled = config.get("use_scaled_rope", True)  # (their class's default)
+    assert (hp.rope_scaling, hp.rope_theta) == (scaled, config.get("rope_theta", 500000))
+    if scaled:  # what the case is about, undone: the logits move
+        assert (outputs(rope_scaling=False)[1] - expected["logits"]).abs().max() > 1e-3
+    if case == "fp32_embedding":
+        assert load_file_dtype(folder, "model.tok_embeddings.weight") == torch.float32
+        assert (outputs(embed_dtype="float32")[1] - expected["logits"]).abs().max() > 1e-2
+    if case.startswith("ffn"):
+        assert config["ffn_dim_multiplier"] != 4
+
+
+def load_file_dtype(folder, name):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")[name].dtype
+
+
+def test_llama31_rope_frequencies_follow_meta_s_rule():
+    # written out per frequency as Llama 3.1's apply_scaling: wavelengths over 8192 divided by
+    # 8, under 2048 kept, between: interpolated with smooth = (8192 / wavelength - 1) / 3
+    inv_freq = 1.0 / 500000 ** (torch.arange(0, 128, 2).float() / 128)
+    want = []
+    for f in inv_freq.tolist():
+        wavelen = 2 * math.pi / f
+        smooth = (8192 / wavelen - 1) / 3
+        if wavelen < 2048:
+            want.append(f)
+        elif wavelen > 8192:
+            want.append(f / 8)
+        else:
+            want.append((1 - smooth) * f / 8 + smooth * f)
+    got = tg.llama31_frequencies(inv_freq)
+    assert torch.allclose(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6)
+    assert (got < inv_freq).sum() > 0 and (got == inv_freq).sum() > 0  # some scaled, some not
+
+
+def test_rmsnorm_rounds_to_its_input_dtype_before_its_weight():
+    # Llama's (and the authors') order, written out: normalise in fp32, cast back, then scale
+    norm = tg.RMSNorm(16, eps=1e-3)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    x = torch.randn(3, 16).bfloat16()
+    xf = x.float()
+    expect = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-3)).bfloat16() * norm.weight
+    assert torch.equal(norm(x), expect) and norm(x).dtype == torch.float32
+    assert torch.allclose(norm(xf), expect.float(), atol=1e-2)  # fp32 in: no rounding at all
+    assert not torch.equal(norm(xf), expect)
+
+
+# ------------------------------------------------------ --init_from and --eval_only
+
+
+@pytest.mark.slow
+def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, capsys):
+    good = (AUTHORS_TINY / "model.safetensors").read_bytes()
+
+    def drop(name):
+        return lambda t: {k: v for k, v in t.items() if k != name}
+
+    def spoil(name, value):  # one value of a tensor, as float64, or (None) the tensor as int64
+        def change(t):
+            t[name] = t[name].long() if value is None else t[name].double().index_fill(0, t0, value)
+            return t
+
+        return change
+
+    wq, t0 = "model.layers.1.attention.wq.weight", torch.tensor([0])
+
+    cases = [
+        (dict(config=lambda c: {**c, "architectures": ["LlamaForCausalLM"]}), "LlamaForCausalLM"),
+        (dict(config=lambda c: {**c, "n_kv_heads": 4}), "attention.wk.weight is (16, 32)"),
+        (dict(config=lambda c: {**c, "architectures": 5}), "it says architectures 5"),
+        (dict(config=lambda c: {**c, "dim": "32"}), "dim='32'"),
+        (dict(raw="{not json"), "config.json is not readable JSON"),
+        (dict(raw="[1, 2]"), "not a JSON object"),
+        (
+            dict(weights=lambda t: {**t, "model.extra.weight": torch.zeros(2)}),
+            "model.extra.weight has no place",
+        ),
+        (
+            dict(weights=drop("model.layers.3.feed_forward.w2.weight")),
+            "(model.layers.3.feed_forward.w2.weight is missing)",
+        ),
+        (dict(weights=good[: len(good) // 2]), "not a complete safetensors file"),
+        (dict(weights=b"\xff" * 64), "not a complete safetensors file"),
+        # settings checked against the tensors (and the machine) before a model is built
+        (dict(config=lambda c: {**c, "dim": 65536}), "GiB on one device to build the model"),
+        (dict(config=lambda c: {**c, "max_seq_len": 10**12}), "to build the model"),
+        (dict(config=lambda c: {**c, "dim": 64}), "embeddings.weight is (50257, 32), the settings"),
+        (dict(weights=spoil(wq, math.nan)), f"{wq} holds NaN or Inf"),
+        (dict(weights=spoil(wq, -math.inf)), f"{wq} holds NaN or Inf"),
+        (dict(weights=spoil(wq, None)), f"{wq} is torch.int64 (torch.strided); a weight is one"),
+        (dict(weights=spoil(wq, 1e300)), f"{wq} holds NaN or Inf"),  # (in float32: the model's)
+    ]
+    for i, (change, message) in enumerate(cases):
+        source = authors_copy(tmp_path, f"src{i}", **change)
+        for args in (EVAL_ON_SAMPLE, [f"--run_dir={tmp_path / 'run'}", *TRAIN_ON_SAMPLE]):
+            code, out, err = run_main([f"--init_from={source}", *args], capsys)
+            assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+            assert message in err, (message, err)
+            assert not (tmp_path / "run").exists() and out == ""
+    (tmp_path / "neither").mkdir()
+    both = Path(authors_copy(tmp_path, "both"))
+    (both / "checkpoint.pt").write_bytes(b"")
+    for argv, message in (
+        ([f"--init_from={tmp_path}/nothing_here"], "nothing_here"),
+        ([f"--init_from={tmp_path}/neither"], "neither a model folder (model.safetensors) nor a"),
+        ([f"--init_from={both}"], "holds both model.safetensors (a model folder) and checkpoint"),
+        ([f"--init_from={AUTHORS_TINY}", "--resume=x"], "drop --resume"),
+        ([f"--init_from={AUTHORS_TINY}", "--preset=smoke"], "and --preset"),
+        (
+            [f"--init_from={AUTHORS_TINY}", "--eval_only=true", "--stop_step=3"],
+            "trains nothing: drop --",
+        ),
+        (["--eval_only=true", "--preset=smoke"], "--eval_only validates the model of --init_from"),
+        (
+            [f"--init_from={AUTHORS_TINY}", "--n_layers=6"],
+            "layers.4.attention.wq.weight is missing",
+        ),
+    ):
+        code, out, err = run_main(
+            argv + [f"--run_dir={tmp_path / 'run'}", *TRAIN_ON_SAMPLE], capsys
+        )
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
+    bench = load_command("bench.py")  # the gate on the query axis has no compact path
+    assert support.cli(bench.main, [f"--init_from={AUTHORS_TINY}", f"--out={tmp_path}/b"]) == 2
+    out = capsys.readouterr()
+    assert "needs the gate on the key axis; this model has router=skip_middle, gate_axis=query" in (
+        out.err
+    )
+    assert out.err.count("\n") == 1 and out.out == "" and not (tmp_path / "b").exists()
+
+
+def fake_model_repo(root, folder, repo="someone/tiny", commit="89abcdef" * 5) -> str:
+    """A Hugging Face cache holding `folder`'s config and weights as repo's main revision."""
+    cached = root / f"models--{repo.replace('/', '--')}"
+    (cached / "refs").mkdir(parents=True)
+    (cached / "refs" / "main").write_text(commit)
+    snap = cached / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(folder) / name, snap / name)
+    return commit
+
+
+@pytest.mark.slow
+def test_a_hub_source_is_read_from_the_cache_offline_with_one_line_errors(tmp_path, capsys):
+    commit = fake_model_repo(tmp_path / "hub", AUTHORS_TINY)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code, local, err = run_main([f"--init_from={AUTHORS_TINY}", *EVAL_ON_SAMPLE], capsys)
+    assert code == 0 and local.startswith(f"eval_only {AUTHORS_TINY} val_loss:"), err
+
+    def evaluate(source):
+        return run_command(
+            os.path.join(REPO, "train_gpt.py"),
+            f"--init_from={source}",
+            *EVAL_ON_SAMPLE,
+            cwd=tmp_path,  # (nothing written: none of the folder's files change)
+            env=env,  # (and this process's thread count: the same floats as in it)
+            timeout=300,
+        )
+
+    shutil.copytree(Path(REPO) / "data" / "sample", tmp_path / "data" / "sample")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    r = evaluate("hf:someone/tiny")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == local.replace(str(AUTHORS_TINY), f"hf:someone/tiny@{commit}")
+    for source, message in (
+        ("hf:someone/absent", "not in the local cache"),
+        ("hf:someone/tiny@v2", "not in the local cache"),
+        ("hf:not a repo", "give hf:OWNER/NAME"),
+        ("hf:someone/tiny@", "give hf:OWNER/NAME"),
+        ("hf:some\none/tiny", "hf:some\\none/tiny"),  # one line: the newline written \\n
+    ):
+        r = evaluate(source)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+# ------------------------------------------------------------------------ export.py
+
+
+@pytest.mark.slow
+def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, capsys):
+    run, out = tmp_path / "run", tmp_path / "out"
+    base = TINY_RUN + ["--train_tokens=10240", "--val_every=0", "--val_tokens=1024"]
+    code, _, err = run_main(base + [f"--run_dir={run}"], capsys)
+    assert code == 0, err[-2000:]
+    export = load_command("export.py")
+    assert support.cli(export.main, [str(run), str(out)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # bit for bit, the settings as well
+        exported, trained = tg.load_model(str(out)).eval(), tg.load_model(str(run)).eval()
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    assert exported.hp == trained.hp
+    config = json.loads((out / "config.json").read_text())
+    logged = json.loads((run / "config.json").read_text())
+    val = [m for m in read_metrics(run) if m["kind"] == "val"][-1]
+    shared = {"train_files": tg.PRESETS["smoke"]["train_files"]}  # inside the repository
+    shared["val_files"] = tg.PRESETS["smoke"]["val_files"]  # (relative, as the defaults are)
+    assert config["settings"] == {**asdict(trained.hp), **shared}
+    assert config["trained"]["git_commit"] == logged["git_commit"]
+    card = (out / "README.md").read_text()
+    assert logged["command"] in card and f"loss {val['val_loss']:.4f}" in card
+    assert f"sparsity {val['sparsity']:.4f}" in card
+    # a checkpoint of an older version (no embed_dtype) loads as a float32 embedding
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    del ckpt["hp"]["embed_dtype"]
+    (tmp_path / "old").mkdir()
+    torch.save(ckpt, tmp_path / "old" / "checkpoint.pt")
+    assert tg.load_model(str(tmp_path / "old")).hp == trained.hp
+    # again into its own folder: accepted; a folder with a user's file: refused, untouched
+    assert support.cli(export.main, [str(run), str(out)]) == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    assert support.cli(export.main, [str(run), str(tmp_path / "mine")]) == 2
+    err = capsys.readouterr().err
+    assert "holds files export did not write (notes.txt)" in err and err.count("\n") == 1
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+    # the tools read the exported folder as they read the run
+    sampler, texts = load_command("sample.py"), []
+    for source in ([str(run)], [f"--init_from={out}"]):
+        assert support.cli(sampler.main, [*source, "--tokens=8", "--seed=3"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 8  # the same text sampled
+    # a new run from the weights: at step 0 it validates as --eval_only does the source
+    sample_val = ["--val_files=data/sample/sample_val_*.bin", "--val_tokens=1024"]
+    code, evaluated, err = run_main([f"--init_from={out}", "--eval_only=true", *sample_val], capsys)
+    assert code == 0, err
+    new = tmp_path / "new"
+    code, _, err = run_main(
+        [f"--init_from={out}", f"--run_dir={new}", "--train_tokens=5120", "--val_every=5"]
+        + sample_val,
+        capsys,
+    )
+    assert code == 0, err[-2000:]
+    first = [m for m in read_metrics(new) if m["kind"] == "val"][0]
+    assert first["step"] == 0
+    assert f"val_loss:{first['val_loss']:.4f}" in evaluated.splitlines()[0]
+    assert json.loads((new / "config.json").read_text())["init_from"] == str(out)
+    # a push without a network: one line, after the files are written
+    r = run_command(
+        "export.py",
+        run,
+        tmp_path / "pushed",
+        "--push_to=me/tiny",
+        env={"HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_none"},
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not pushed" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path / "pushed")) == [".outputs.json", *sorted(export.FILES)]
+
+
+@pytest.mark.slow
+def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys):
+    # a run their model can express (gate on the query axis, a bfloat16 embedding), written in
+    # their layout: their config fields and tensor names, read back by our reader of their
+    # layout (which reproduces their code's logits: the authors_cases fixtures) to the same
+    # logits; a run theirs cannot express: one line, nothing written; the card says what is
+    # true of the weights written
+    from safetensors.torch import load_file
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    base = TINY_RUN + ["--train_tokens=10240", "--val_every=0", "--val_tokens=1024"]
+    query = base + ["--gate_axis=query", "--embed_dtype=bfloat16"]
+    code, _, err = run_main(query + [f"--run_dir={run}", "--stop_step=3"], capsys)
+    assert code == 0, err[-2000:]
+    export = load_command("export.py")
+    assert support.cli(export.main, [str(run), str(out), "--format=authors"]) == 0
+    assert capsys.readouterr().err == ""
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["SkipMiddleModel"] and config["use_scaled_rope"] is False
+    assert (config["dim"], config["n_layers"], config["ffn_dim_multiplier"]) == (64, 2, 4)
+    tensors = load_file(out / "model.safetensors")
+    assert all(k.startswith("model.") for k in tensors) and len(tensors) == 2 * 11 + 4 + 2
+    assert tensors["model.tok_embeddings.weight"].dtype == torch.bfloat16
+    ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exported, trained = tg.load_model(str(out)).eval(), tg.load_model(str(run)).eval()
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    card = (out / "README.md").read_text()
+    logged = json.loads((run / "config.json").read_text())
+    assert "trained here 3 steps" in card and "from a random initialisation" in card
+    assert "no validation of these weights (step 3) recorded" in card
+    assert ("with changes not committed" in card) == bool(logged["git_dirty"])
+    # a checkpoint alone (no config.json): what is not known is said so
+    (tmp_path / "only").mkdir()
+    shutil.copy(run / "checkpoint.pt", tmp_path / "only")
+    assert support.cli(export.main, [str(tmp_path / "only"), str(tmp_path / "only_out")]) == 0
+    card = (tmp_path / "only_out" / "README.md").read_text()
+    assert "from unknown (no config.json)" in card and "command: `unknown`" in card, card
+    # a run theirs cannot express: refused, naming the setting, nothing written
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    for change, message in (
+        (dict(gate_axis="key"), "gate_axis=key: the authors' model has gate_axis=query only"),
+        (dict(embed_dtype="float32"), "embed_dtype=float32"),
+    ):
+        torch.save({**ckpt, "hp": {**ckpt["hp"], **change}}, run / "checkpoint.pt")
+        code = support.cli(export.main, [str(run), str(tmp_path / "no"), "--format=authors"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "no").exists()
+    # a new run from the export: its card names where it started, and its last validation
+    new = tmp_path / "new"
+    code, _, err = run_main(
+        [f"--init_from={out}", f"--run_dir={new}", "--train_tokens=5120", "--val_every=0"]
+        + ["--seq_len=64", "--batch_size=8", "--device_batch_size=4", "--val_tokens=1024"]
+        + ["--train_files=data/sample/sample_train_*.bin", "--stop_step=4"]
+        + ["--val_files=data/sample/sample_val_*.bin"],
+        capsys,
+    )
+    assert code == 0, err[-2000:]
+    code, _, err = run_main([f"--resume={new}"], capsys)  # (its config.json rewritten)
+    assert code == 0, err[-2000:]
+    assert support.cli(export.main, [str(new), str(tmp_path / "new_out")]) == 0
+    card = (tmp_path / "new_out" / "README.md").read_text()
+    val = [m for m in read_metrics(new) if m["kind"] == "val"][-1]
+    assert f"from the weights of {out}" in card and f"loss {val['val_loss']:.4f}" in card

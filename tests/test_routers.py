@@ -1,0 +1,498 @@
+"""The routers other than the paper's (routers.py): what every router shares, DLO,
+Mixture-of-Depths and Mixture-of-Recursions, each against a reference written here."""
+
+import math
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+import sample
+import train_gpt as tg
+from conftest import (
+    REPO,
+    TINY_RUN,
+    compact_matches_masked,
+    counted_flops,
+    math_sdpa,
+    mor_model,
+    read_metrics,
+    run_command,
+    run_main,
+    timing,
+    tiny,
+)
+
+# --------------------------------------------------------------------- every router
+
+
+def test_a_router_owns_the_depth_loop():
+    # a router that applies block 0 twice and leaves before block 1 is one subclass: the model
+    # hands it the blocks and reads back what it recorded
+    class Twice(tg.Router):
+        def forward(self, blocks, x, trace, mask, pos=None, cache=None):
+            for _ in range(2):
+                x = self.run(0, blocks[0], x, trace, mask, pos)
+            return x
+
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(router="none", n_layers=2)).eval()
+    model.router = Twice(model.hp)
+    idx = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        out = model(idx)
+        x = model.embed_norm(model.embed(idx))
+        x = model.blocks[0](model.blocks[0](x, None, None), None, None)
+        expected = model.head(model.head_norm(x))
+    assert (out.logits - expected).abs().max().item() < 1e-5
+    assert out.route["block"].shape == (2, 2, 16) and out.resid is None  # its own trace
+
+
+def test_one_router_registry_however_train_gpt_is_loaded(tmp_path):
+    # by path, with no sys.modules entry (as a tool or notebook may load it): the settings'
+    # choices are the registry's names and each one builds its own router; and no module
+    # beside it imports train_gpt, which would build a second registry beside __main__'s
+    code = """
+import importlib.util, sys
+from dataclasses import fields, replace
+spec = importlib.util.spec_from_file_location("loaded_by_path", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+assert "loaded_by_path" not in sys.modules and "train_gpt" not in sys.modules
+router = {f.name: f for f in fields(m.Hyperparameters)}["router"]
+assert router.metadata["spec"] == tuple(m.ROUTERS), router.metadata
+smoke = m.resolve(m.parse_overrides(["--preset=smoke", "--n_layers=5", "--compact=false"]))
+for name, cls in m.ROUTERS.items():
+    hp = replace(smoke, router=name, n_layers=4 if name == "skip_middle" else 5)
+    m.validate(hp, 1)
+    assert type(m.GPT(hp).router) is cls, name
+print(" ".join(m.ROUTERS))
+"""
+    r = run_command("-c", code, os.path.join(REPO, "train_gpt.py"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["none", "skip_middle", "dlo", "mod", "mor"]
+    siblings = "import routers, runs, support, sys; print('train_gpt' in sys.modules)"
+    r = run_command("-c", siblings)
+    assert r.stdout == "False\n", r.stderr
+
+
+def assert_compact_matches_masked(make, given=False):
+    """make(compact=...) -> a model: compact_matches_masked on a batch of 3 x 16, in training and
+    in evaluation. given: packed to lengths given on the host, the masked pass's packed_counts
+    in that mode (the exact fit; MoD's and MoR's training packs its top k, known on the host,
+    whatever the lengths)."""
+    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(4))
+    twin, out, counts = compact_matches_masked(make(), idx, "fit" if given else None)
+    assert min(counts[1][False]) < 16  # some block packs fewer tokens than the sequence has
+    if given:  # the lengths are what packs in evaluation (training packs its exact top k)
+        twin.router.lengths = [max(0, n - 1) for n in counts[1][False]]  # a token fewer
+        with torch.no_grad():
+            assert (twin(idx).logits - out[0][1].logits).abs().max().item() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ["none", "dlo", "mod"])
+def test_a_smoke_run_per_router(tmp_path, router, capsys):
+    extra = ["--dlo_anneal_steps=4"] if router == "dlo" else []
+    code, _, err = run_main(
+        TINY_RUN
+        + [
+            f"--router={router}",
+            "--train_tokens=5120",
+            "--val_every=5",
+            "--val_tokens=1024",
+            f"--run_dir={tmp_path}",
+        ]
+        + extra,
+        capsys,
+    )
+    assert code == 0, err[-2000:]
+    val = [m for m in read_metrics(tmp_path) if m["kind"] == "val"]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.5  # 10 steps of 512 tokens
+    assert len(val[-1]["block_active"]) == len(val[-1]["mlp_active"]) == 2
+    skipped = {"none": 0.0, "dlo": None, "mod": None}[router]
+    assert val[-1]["sparsity"] == skipped if skipped is not None else val[-1]["sparsity"] > 0
+
+
+# ------------------------------------------------------------------------------ DLO
+
+
+def test_zero_router_scores_are_one_and_the_model_is_dense():
+    torch.manual_seed(0)
+    dense = tg.GPT(tiny(router="none"))
+    dlo = tg.GPT(tiny(router="dlo"))
+    missing, unexpected = dlo.load_state_dict(dense.state_dict(), strict=False)
+    assert not unexpected and missing == [f"router.routers.{i}.weight" for i in range(4)]
+    idx = torch.randint(0, 97, (3, 16))
+    ref = dense(idx).logits
+    dlo.router.rates = torch.zeros(4, dtype=torch.float64)  # training: skip rate 0 everywhere
+    for model in (dlo.eval(), dlo.train()):
+        out = model(idx)
+        scale = out.route["scale"]
+        assert torch.equal(scale, torch.ones_like(scale)) and out.route["mlp"].all()  # r = 1
+        assert (out.logits - ref).abs().max().item() <= 1e-6
+
+
+def test_dlo_training_runs_the_top_tokens_by_score():
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(router="dlo", n_layers=2))
+    for router in model.router.routers:
+        torch.nn.init.normal_(router.weight, std=0.5)
+    model.router.rates = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    out = model.train()(torch.randint(0, 97, (3, 16)))
+    scale, ran = out.route["scale"], out.route["mlp"]
+    runs = ran.sum(dim=2)  # (L, B) tokens running the MLP per sequence
+    assert runs[0].tolist() == [8, 8, 8] and runs[1].tolist() == [12, 12, 12]
+    assert torch.equal(ran, scale > 0) and out.route["block"].all()  # attention runs for all
+    r = 1 + (2 * torch.sigmoid(out.route["logits"]) - 1) * 0.05 / 2  # eq. (1), beta = 2
+    for layer in range(2):
+        assert torch.allclose(scale[layer][ran[layer]], r[layer][ran[layer]])  # scaled by r
+        for b in range(3):
+            assert r[layer, b][ran[layer, b]].min() >= r[layer, b][~ran[layer, b]].max()
+    assert 0.975 < r.min() and r.max() < 1.025
+
+
+def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
+    sim = torch.tensor([[[0.9, 0.1, 0.5]], [[0.2, 0.8, 0.3]]])  # (L=2, B=1, T=3)
+    labels = tg.DLO.labels(sim, 0.5)  # floor(0.5 * 6) = 3 least similar run: .1 .2 .3
+    assert labels.squeeze(1).tolist() == [[0, 1, 0], [1, 0, 1]]
+    assert tg.DLO.labels(sim, 0.0).sum() == 6 and tg.DLO.labels(sim, 0.9).sum() == 0
+    other = torch.tensor([[[0.05, 0.6, 0.7]], [[0.65, 0.04, 0.9]]])  # least: .04 .05 .6
+    both = tg.DLO.labels(torch.cat([sim, other], dim=1), 0.5)  # each sequence ranked alone
+    assert both.permute(1, 0, 2).tolist() == [[[0, 1, 0], [1, 0, 1]], [[1, 1, 0], [0, 1, 0]]]
+    z = torch.tensor([[[0.0, 2.0, -1.0]], [[1.0, -2.0, 0.5]]])
+
+    def sig(t):
+        return 1 / (1 + math.exp(-t))
+
+    expected = (
+        -(
+            math.log(1 - sig(0.0))
+            + math.log(sig(2.0))
+            + math.log(1 - sig(-1.0))
+            + math.log(sig(1.0))
+            + math.log(1 - sig(-2.0))
+            + math.log(sig(0.5))
+        )
+        / 6
+    )
+    dlo = tg.DLO(tiny(router="dlo", n_layers=2, dlo_rho=0.5, dlo_anneal_steps=0))
+    loss, sums = dlo.loss({"similarity": sim, "logits": z}, step=0)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert sums.tolist() == [[1.0, 2.0]]  # labels to run per layer, for eq. (8)
+
+
+def test_dlo_annealing_rates_and_layer_learning_rates():
+    state = tg.DLO(tiny(router="dlo", n_layers=2, dlo_rho=0.4, dlo_anneal_steps=4))
+    assert [state.overall(s) for s in (0, 1, 3, 10)] == pytest.approx([0.1, 0.2, 0.4, 0.4])
+    assert state.rates.tolist() == pytest.approx([0.1, 0.1])  # rho_{i,1}: step 1's rate
+    assert state.lr_scales(0) == pytest.approx([1.0, 1.0])
+    state.update(torch.tensor([[6.0, 2.0]]), 8, step=0)  # eq. (8): 6 of 8 labelled to run
+    assert state.rates.tolist() == pytest.approx([0.25, 0.75])
+    assert state.lr_scales(3) == pytest.approx([0.75 / 0.6, 0.25 / 0.6])  # eq. (10)
+    model = tg.GPT(tiny(router="dlo", n_layers=2))
+    groups = tg.param_groups(model)
+    assert len(groups) == 3 and any(
+        p is model.router.routers[1].weight for p in groups[2]["params"]
+    )
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+def test_dlo_compact_evaluation_matches():
+    torch.manual_seed(0)
+    hp = tiny(router="dlo")
+    models = [tg.GPT(hp).eval(), tg.GPT(replace(hp, compact=True)).eval()]
+    models[1].load_state_dict(models[0].state_dict())
+    for m in models:
+        for i, router in enumerate(m.router.routers):
+            torch.manual_seed(i)
+            torch.nn.init.normal_(router.weight, std=0.5)
+    idx = torch.randint(0, 97, (3, 16))
+    a, b = models[0](idx), models[1](idx)
+    assert 0.2 < (~a.route["mlp"]).float().mean() < 0.8
+    assert (
+        torch.equal(a.route["scale"], b.route["scale"]) and (a.logits - b.logits).abs().max() < 1e-5
+    )
+    models[1].router.lengths = tg.packed_counts(a.route).int().tolist()  # given: the exact fit
+    assert max(models[1].router.lengths) < 16
+    c = models[1](idx)
+    assert (
+        torch.equal(a.route["scale"], c.route["scale"]) and (a.logits - c.logits).abs().max() < 1e-5
+    )
+    models[1].router.lengths = [max(0, n - 1) for n in models[1].router.lengths]  # a token fewer
+    assert (models[1](idx).logits - a.logits).abs().max() > 1e-3
+
+
+def test_dlo_flops_count_only_executed_mlps():
+    hp = tiny(router="dlo", n_layers=2)
+    dense = tg.forward_flops(replace(hp, router="none"))
+    half = tg.forward_flops(hp, None, [0.5, 0.5])
+    ffn = 2 * 3 * 32 * 4 * 32 * 16  # SwiGLU FLOPs per layer and sequence
+    routers = 2 * 16 * 2 * 32
+    assert dense - half == pytest.approx(2 * 0.5 * ffn - routers)
+
+
+# ---------------------------------------------------------------- Mixture-of-Depths
+
+
+def mod_model(compact=False, capacity=0.25, seed=0):
+    torch.manual_seed(seed)
+    model = tg.GPT(tiny(router="mod", mod_capacity=capacity, compact=compact))
+    for router in model.router.routers:  # scores spread well beyond their init
+        torch.nn.init.normal_(router.weight, std=0.3)
+    return model
+
+
+def test_mod_routes_every_other_block_and_runs_the_top_k_of_each_sequence():
+    model = mod_model().train()
+    assert model.router.routed == [1, 3]
+    idx = torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(1))
+    route = model(idx).route
+    assert route["block"][[0, 2]].all()  # unrouted blocks run every token
+    r, chosen = route["logits"], route["block"][[1, 3]]  # (2, B, T)
+    assert chosen.sum(dim=2).tolist() == [[4] * 3] * 2  # floor(0.25 x 16) per sequence
+    assert torch.equal(route["topk"], chosen) and torch.equal(route["mlp"], route["block"])
+    for layer in range(2):
+        for b in range(3):
+            assert r[layer, b][chosen[layer, b]].min() > r[layer, b][~chosen[layer, b]].max()
+    route = mod_model(capacity=0.3).train()(idx).route  # 0.3 x 16 = 4.8: floor, 4 tokens
+    assert route["block"][[1, 3]].sum(dim=2).tolist() == [[4] * 3] * 2
+
+
+def test_a_routed_block_matches_the_block_run_on_the_chosen_tokens_alone():
+    # reference: each sequence's chosen tokens as a short sequence of their own (with their
+    # positions), the block's output scaled by r; every other token passes unchanged
+    model = mod_model().train()
+    block, x = model.blocks[1], torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+    trace = __import__("collections").defaultdict(list)
+    with torch.no_grad():
+        out = model.router.run(1, block, x, trace, None)
+        r, chosen = trace["logits"][0], trace["block"][0]
+        for b in range(2):
+            pos = chosen[b].nonzero().squeeze(1)
+            xs = x[b, pos][None]
+            y = block.attend(
+                xs, r[b, pos][None, :, None], None, pos=pos[None], keys=torch.ones(1, len(pos), 1)
+            )
+            y = y + r[b, pos][None, :, None] * block.mlp(y)
+            assert (out[b, pos] - y[0]).abs().max().item() < 1e-4
+            assert torch.equal(out[b, ~chosen[b]], x[b, ~chosen[b]])
+
+
+def test_mod_inference_runs_the_tokens_with_positive_scores_causally():
+    model = mod_model().eval()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(idx)
+        prefix = model(idx[:, :9])
+    assert torch.equal(full.route["block"][[1, 3]], full.route["logits"] > 0)
+    assert 0 < full.route["block"][1].float().mean() < 1
+    assert (full.logits[:, :9] - prefix.logits).abs().max().item() < 1e-5  # no look-ahead
+
+
+def test_mod_aux_loss_teaches_the_top_k_to_the_sign():
+    model = mod_model().train()
+    route = model(torch.randint(0, 97, (2, 16))).route
+    loss, _ = model.router.loss(route, step=0)
+    p, y = torch.sigmoid(route["logits"]), route["topk"].float()
+    bce = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+    assert loss.item() == pytest.approx(0.01 * bce.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_mod_compact_matches_masked_logits_and_gradients(given):
+    assert_compact_matches_masked(mod_model, given)
+
+
+def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
+    hp = tiny(
+        router="mod",
+        vocab_size=1000,
+        dim=128,
+        n_layers=4,
+        max_seq_len=64,
+        seq_len=64,
+        mod_capacity=0.25,
+        compact=True,
+    )
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: exactly 16 of 64 tokens
+    assert tg.forward_flops(hp, [1, 0.25, 1, 0.25]) == pytest.approx(reference, rel=0.02)
+    # the two routers' linears, every token
+    assert (
+        tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False))
+        == 2 * 64 * 2 * 128
+    )
+
+
+# ------------------------------------------------------------ Mixture-of-Recursions
+
+
+def test_mor_without_routing_is_its_shared_stack_applied_n_r_times():
+    model = mor_model(mor_routed=False).train()
+    assert len(model.blocks) == 4 and not list(model.router.parameters())
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        x = model.embed_norm(model.embed(idx))
+        for i in [0] + [1, 2] * 3 + [3]:  # ungated, every token, by hand
+            x = model.blocks[i](x, None, None)
+        expected = model.head(model.head_norm(x))
+        out = model(idx)
+    assert (out.logits - expected).abs().max().item() < 1e-5
+    assert out.route["block"].shape[0] == 8 and out.route["block"].all()
+    dense = tg.GPT(tiny(router="none", n_layers=4))  # the unique parameters: a 4-block model's
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in dense.parameters())
+
+
+@pytest.mark.parametrize("n_layers,mode", [(5, "train"), (8, "train"), (8, "eval")])
+def test_mor_matches_a_loop_over_each_sequences_kept_tokens(n_layers, mode):
+    # reference: a stack of M = (n_layers - 2) / 3 shared blocks; recursion 0 keeps every token,
+    # recursion r > 0 keeps in training the top floor((3 - r) / 3 x 16) of each sequence's
+    # still-active tokens by the router's score, in evaluation those with a positive score; the
+    # stack runs on the kept tokens alone (a short sequence with their positions) and each moves
+    # by sigmoid(score) x the stack's update
+    model = mor_model(n_layers=n_layers).train(mode == "train")
+    M = (n_layers - 2) // 3
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        x = model.blocks[0](model.embed_norm(model.embed(idx)), None, None)
+        active = torch.ones(2, 16, dtype=torch.bool)
+        for r, k in enumerate([16, 10, 5]):
+            z = model.router.routers[r](x)[..., 0]
+            new, kept = x.clone(), torch.zeros_like(active)
+            for b in range(2):
+                if r == 0:
+                    pos = torch.arange(16)
+                elif mode == "train":
+                    pos = z[b].masked_fill(~active[b], -math.inf).topk(k).indices.sort().values
+                else:
+                    pos = (active[b] & (z[b] > 0)).nonzero().squeeze(1)
+                if len(pos):  # (in evaluation a sequence may keep none)
+                    y = x[b, pos][None]
+                    for block in model.blocks[1 : 1 + M]:
+                        y = block(y, None, None, pos=pos[None])
+                    new[b, pos] = x[b, pos] + torch.sigmoid(z[b, pos])[:, None] * (y[0] - x[b, pos])
+                    kept[b, pos] = True
+            x, active = new, kept
+        expected = model.head(model.head_norm(model.blocks[-1](x, None, None)))
+        out = model(idx)
+    assert 0 < active.float().mean() < 1
+    assert (out.logits - expected).abs().max().item() < 1e-4
+
+
+def test_mor_active_sets_are_nested_and_each_recursion_keeps_its_share():
+    route = (
+        mor_model()
+        .train()(torch.randint(0, 97, (3, 16), generator=torch.Generator().manual_seed(6)))
+        .route
+    )
+    z, active, top = route["logits"], route["active"], route["topk"]  # (2, B, T): recursions 1, 2
+    assert active[0].all() and top.sum(dim=2).tolist() == [[10] * 3, [5] * 3]
+    for r in range(2):
+        assert not (top[r] & ~active[r]).any()
+        for b in range(3):
+            out = active[r, b] & ~top[r, b]
+            assert z[r, b][top[r, b]].min() > z[r, b][out].max()
+    assert torch.equal(active[1], top[0])
+    # applied blocks: 0 and 7 every token, the stack's two at recursion r its kept tokens
+    assert route["block"][[0, 1, 2, 7]].all()
+    assert torch.equal(route["block"][3:7], top.repeat_interleave(2, dim=0))
+
+
+def test_mor_inference_routes_each_token_by_its_own_score():
+    model = mor_model().eval()
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(8))
+    later = idx.clone()
+    later[:, 9:] = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        a, b = model(idx), model(later)
+    runs = a.route["block"][[1, 3, 5]]  # the first block of each recursion
+    assert runs[0].all() and 0 < runs[2].float().mean() < runs[1].float().mean() < 1
+    assert torch.equal(a.route["block"][:, :, :9], b.route["block"][:, :, :9])  # no look-ahead
+    assert (a.logits[:, :9] - b.logits[:, :9]).abs().max().item() < 1e-5
+
+
+def test_mor_aux_loss_is_the_bce_of_the_active_tokens_by_hand():
+    model = mor_model()
+    z = torch.tensor([[[2.0, -1.0, 0.5, 0.0]], [[1.5, 3.0, -0.5, 9.0]], [[0.3, -2.0, 1.0, -9.0]]])
+    top = torch.tensor([[[1, 1, 1, 1]], [[1, 1, 0, 0]], [[0, 1, 0, 0]]], dtype=torch.bool)
+    active = torch.tensor([[[1, 1, 1, 1]], [[1, 1, 1, 1]], [[1, 1, 0, 0]]], dtype=torch.bool)
+    terms = []
+    for r in range(3):
+        for t in range(4):
+            if active[r, 0, t]:
+                p = 1 / (1 + math.exp(-z[r, 0, t].item()))
+                terms.append(-math.log(p) if top[r, 0, t] else -math.log(1 - p))
+    loss, _ = model.router.loss({"logits": z, "topk": top, "active": active}, step=0)
+    assert loss.item() == pytest.approx(model.hp.mor_aux_coef * sum(terms) / 10, rel=1e-6)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_mor_compact_matches_masked_logits_and_gradients(given):
+    assert_compact_matches_masked(mor_model, given)
+
+
+def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():
+    model = mor_model(compact=True).eval()
+    idx = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        full = model(idx)
+    cache = sample.KVCache(model.hp, "cpu")
+    for pos in range(16):
+        with torch.no_grad():
+            step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
+        assert (step[0, -1] - full.logits[0, pos]).abs().max().item() < 1e-4
+    assert cache.n == full.route["block"][:, 0].sum(dim=1).tolist()
+    assert cache.n[:3] == [16] * 3 and cache.n[7] == 16 and cache.n[5] < cache.n[3] < 16
+
+
+def test_mor_flops_match_flop_counter_at_its_shares(monkeypatch):
+    hp = tiny(
+        router="mor", vocab_size=1000, dim=128, n_layers=5, max_seq_len=64, seq_len=64, compact=True
+    )
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: 64, 42 and 21 of 64 tokens
+    assert tg.forward_flops(hp, [1, 1, 42 / 64, 21 / 64, 1]) == pytest.approx(reference, rel=0.02)
+    # the three routers' linears, every token
+    assert (
+        tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False))
+        == 3 * 64 * 2 * 128
+    )
+
+
+def test_mor_settings_that_make_no_sense_are_refused():
+    for kw, message in (
+        (dict(n_layers=7), r"multiple of it \(n_layers=5 or 8\)"),
+        (dict(n_layers=4), r"multiple of it \(n_layers=5\)"),
+        (dict(mor_routed=False, compact=True), "every token runs everywhere"),
+        (dict(n_layers=3, mor_recursions=1, compact=True), "every token runs"),
+        (dict(mor_routed=False, mor_aux_coef=0.5), "has no effect"),
+        (dict(n_layers=3, mor_recursions=1, mor_aux_coef=0.5), "has no effect"),
+    ):
+        with pytest.raises(tg.UserError, match=message):
+            tg.validate(tiny(router="mor", **{"n_layers": 8, **kw}), 1)
+    tg.validate(tiny(router="mor", n_layers=3, mor_recursions=1), 1)  # one block, applied once
+
+
+def test_a_mor_run_resumes_exactly(tmp_path, capsys):
+    args = TINY_RUN + [
+        "--router=mor",
+        "--n_layers=5",
+        "--train_tokens=2048",
+        "--val_every=2",
+        "--val_tokens=512",
+    ]
+    code, _, err = run_main(args + [f"--run_dir={tmp_path / 'full'}"], capsys)
+    assert code == 0, err[-2000:]
+    code, _, err = run_main(args + [f"--run_dir={tmp_path / 'part'}", "--stop_step=2"], capsys)
+    assert code == 0, err[-2000:]
+    code, _, err = run_main([f"--resume={tmp_path / 'part'}"], capsys)
+    assert code == 0, err[-2000:]
+
+    def strip(ms):
+        return [timing(m) for m in ms if m["kind"] in ("train", "val")]
+
+    a, b = (strip(read_metrics(tmp_path / r)) for r in ("full", "part"))
+    assert len(a) == 4 + 3 and a == b
+    assert len(a[-1]["block_active"]) == 5 and a[-1]["block_active"][2] < 1  # inference shares

@@ -1,0 +1,755 @@
+"""Runs (runs.py, train_gpt.py's job): run folders, logs, checkpoints, resume, and checkpoints
+that survive a kill, a non-finite step or a full disk."""
+
+import copy
+import errno
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+import runs
+import support
+import train_gpt as tg
+from conftest import (
+    REPO,
+    RESUME_RUN,
+    read_metrics,
+    run_command,
+    run_main,
+    sha256,
+    start_command,
+    timing,
+    val_steps,
+    wait_for_line,
+    write_shard,
+)
+from data import shards
+
+# ---------------------------------------------------------------------- run folders
+
+
+def test_default_run_dirs_are_unique_within_a_second(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "2026-01-01_000000")
+    dirs = {runs.new_run_dir("smoke") for _ in range(20)}
+    assert len(dirs) == 20 and all(d.startswith("logs/2026-01-01_000000_smoke_") for d in dirs)
+    assert all(os.path.isdir(d) for d in dirs)
+    # an existing folder is never reused: mkdir fails and another name is drawn
+    names = iter(["aaaaaa", "aaaaaa", "bbbbbb"])
+    monkeypatch.setattr(runs.os, "urandom", lambda n: bytes.fromhex(next(names)))
+    assert runs.new_run_dir("smoke").endswith("_aaaaaa")
+    assert runs.new_run_dir("smoke").endswith("_bbbbbb")
+
+
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "train.log").write_text("an earlier run\n")
+    (tmp_path / "checkpoint.pt").write_bytes(b"its checkpoint")
+    code, _, err = run_main(["--preset=smoke", f"--run_dir={tmp_path}"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: {tmp_path} already holds a run")
+    assert (tmp_path / "train.log").read_text() == "an earlier run\n"
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"its checkpoint"
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_run_directory_is_held_by_one_job(tmp_path):
+    (tmp_path / "lock").write_text("a user's own file")
+    runs.lock_run_dir(str(tmp_path))
+    try:
+        with pytest.raises(tg.UserError, match="is in use by another job"):
+            runs.lock_run_dir(str(tmp_path))  # a second open file: flock refuses it too
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]  # the lock writes no file
+        assert (tmp_path / "lock").read_text() == "a user's own file"
+    finally:
+        runs.release_locks()
+    runs.lock_run_dir(str(tmp_path))  # released: free again
+    runs.release_locks()
+    gone = tmp_path / "moved_away"  # a resumed run's folder moved between its read and its lock
+    with pytest.raises(tg.UserError, match="No such file"):
+        runs.open_run_dir(str(gone), "", {"mtime": 0, "run_id": "ab"})
+    assert not gone.exists()  # not made again, empty
+
+
+def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, capsys):
+    args = RESUME_RUN + ["--train_tokens=1024000", "--save_every=1", f"--run_dir={tmp_path}"]
+    proc = start_command("train_gpt.py", *args, threads=1)
+    try:
+        wait_for_line(proc, "step:2/4000 train_loss")
+        metrics = (tmp_path / "metrics.jsonl").read_bytes()
+        for second in (args, [f"--resume={tmp_path}"]):  # a fresh start or a resume
+            code, _, err = run_main(second, capsys)  # (this process: another pid)
+            assert code == 2 and err.count("\n") == 1, err
+            assert err.startswith(f"error: {tmp_path} is in use by another job"), err
+        assert (tmp_path / "metrics.jsonl").read_bytes().startswith(metrics)
+    finally:
+        proc.kill()
+        proc.wait()
+    step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
+    # the lock is gone
+    code, _, err = run_main([f"--resume={tmp_path}", f"--stop_step={step + 1}"], capsys)
+    assert code == 0, err
+    train = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
+    assert train == list(range(1, step + 2))  # each step once
+
+
+def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    (tmp_path / "checkpoint.pt").unlink()
+
+    def files():
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+
+    before = files()
+    code, out, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert (
+        code == 2 and err.count("\n") == 1 and out == "" and "no checkpoint (checkpoint.pt)" in err
+    )
+    (tmp_path / "checkpoint.pt").symlink_to(tmp_path / "moved.pt")  # a link whose file is gone
+    for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
+        code, _, err = run_main(args, capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert (
+            "checkpoint.pt is a broken symbolic link"
+            if "--resume" in args[0]
+            else "already holds a run that saved a checkpoint"
+        ) in err, err
+    (tmp_path / "checkpoint.pt").unlink()
+    assert files() == before  # a refusal writes nothing
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh: logs kept
+    assert code == 0 and "its files are in" in err, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "aborted_1").iterdir()} == before
+
+
+def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch, capsys):
+    def crash(*args):
+        raise MemoryError("killed before its first checkpoint")
+
+    with monkeypatch.context() as m:
+        m.setattr(tg, "train_step", crash)
+        with pytest.raises(MemoryError):
+            tg.main(RESUME_RUN + [f"--run_dir={tmp_path}"])
+    capsys.readouterr()
+    old_log = (tmp_path / "train.log").read_text()
+    assert not (tmp_path / "checkpoint.pt").exists()
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # nothing to resume from
+    assert code == 2 and "no checkpoint (checkpoint.pt) in it" in err, err
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh, same folder
+    assert code == 0, err
+    assert (
+        "its files are in" in err and (tmp_path / "aborted_1" / "train.log").read_text() == old_log
+    )
+    assert val_steps(tmp_path) == [0, 4, 8]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
+
+
+# -------------------------------------------------------------- logs and provenance
+
+
+def test_each_job_appends_the_sources_it_ran(tmp_path, monkeypatch, capsys):
+    # the sources a run records, read from a copy outside any git checkout that changes
+    # between the two jobs
+    src, run = tmp_path / "src", tmp_path / "run"
+    for name in runs.SOURCES:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(REPO, name), src / name)
+    monkeypatch.setattr(runs, "HERE", str(src))
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    with open(src / "train_gpt.py", "a") as f:
+        f.write("# a local change\n")
+    code, _, err = run_main([f"--resume={run}"], capsys)
+    assert code == 0, err
+    log = (run / "train.log").read_text()
+    new = sha256((src / "train_gpt.py").read_bytes())
+    assert log.count("\ngit: not a git checkout\n") == 2
+    assert (
+        log.count("\nsource: train_gpt.py sha256 ") == 2
+        and f"\nsource: train_gpt.py sha256 {new}\n" in log
+    )
+    assert log.count("class GPT(nn.Module)") == 2 and log.count("# a local change") == 1
+    assert log.count(f"\ncommand: python train_gpt.py --resume={run}\n") == 1
+
+
+def test_a_resume_drops_only_our_records_past_its_checkpoint(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    mine = [b"my note: try a lower lr\n", b'{"kind": "note", "step": "two"}\n', b"[1, 2]\n"]
+    with open(tmp_path / "metrics.jsonl", "ab") as f:  # a user's lines, then as if a job had
+        f.write(b"".join(mine) + b'{"kind": "train", "step": 3}\n{"kind": "tra')  # crashed
+    code, _, err = run_main([f"--resume={tmp_path}", "--stop_step=3"], capsys)
+    assert code == 0, err
+    lines = (tmp_path / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    assert all(lines.count(line) == 1 for line in mine) and all(
+        line.endswith(b"}\n") for line in lines if line not in mine
+    )
+    ours = [json.loads(line) for line in lines if line not in mine]
+    assert [m["step"] for m in ours if m["kind"] == "train"] == [1, 2, 3]
+    with open(tmp_path / "metrics.jsonl", "ab") as f:  # a note with no newline: not a cut record
+        f.write(b"last note")
+    code, _, err = run_main([f"--resume={tmp_path}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    assert b"\nlast note\n" in (tmp_path / "metrics.jsonl").read_bytes()
+
+
+def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(
+    tmp_path, monkeypatch, capsys
+):
+    code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+
+    def files():
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+
+    before = files()
+    (tmp_path / "metrics.jsonl").rename(tmp_path / "m")
+    (tmp_path / "metrics.jsonl").mkdir()  # a folder where a log belongs: bad input, refused
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert (code, err) == (2, f"error: {tmp_path / 'metrics.jsonl'} is a folder, not a file\n")
+    (tmp_path / "metrics.jsonl").rmdir()
+    (tmp_path / "m").rename(tmp_path / "metrics.jsonl")
+    assert files() == before  # nothing written
+
+    def full(self, run_dir, *args, **kwargs):  # the disk fills as the logs are opened
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(run_dir, "train.log"))
+
+    monkeypatch.setattr(runs.RunLog, "__init__", full)
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert (code, err) == (
+        1,
+        f"error: cannot write the run's logs ({tmp_path / 'train.log'}: "
+        f"No space left on device); last checkpoint: "
+        f"{tmp_path / 'checkpoint.pt'} (step 2)\n",
+    )
+
+
+def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    import errno
+
+    real = runs.RunLog.record
+
+    def record(self, obj):
+        if obj.get("kind") == "train" and obj["step"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, obj)
+
+    monkeypatch.setattr(runs.RunLog, "record", record)
+    code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
+    assert (code, err) == (
+        1,
+        f"error: No space left on device; last checkpoint: {tmp_path / 'checkpoint.pt'} (step 2)\n",
+    )
+    monkeypatch.undo()
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # it goes on from step 2
+    assert code == 0, err
+    assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
+
+
+# --------------------------------------------------------------------------- resume
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_identical(tmp_path, capsys):
+    full, part = tmp_path / "full", tmp_path / "part"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={full}"], capsys)
+    assert code == 0, err
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={part}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    assert f"resume with: python train_gpt.py --resume={part}" in out
+    half = torch.load(part / "checkpoint.pt", weights_only=True)
+    # controller active
+    assert half["step"] == 4 and half["routing"]["controller"]["alpha"].abs().sum() > 0
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in half["model"])
+    # a new process goes on (a job setting: given again)
+    r = run_command("train_gpt.py", f"--resume={part}", "--untimed_steps=1")
+    assert r.returncode == 0, r.stderr
+
+    def strip(ms):
+        return [timing(m) for m in ms if m["kind"] in ("train", "val")]
+
+    a, b = strip(read_metrics(full)), strip(read_metrics(part))
+    assert len(a) == 8 + 3 and a == b  # same floats, bit for bit (json keeps every bit)
+    # the clock spans both jobs: each left its first step untimed, so 6 of 8 steps are timed
+    lines = (part / "train.log").read_text().split("resumed at step 4")[1].splitlines()
+    last = [ln for ln in lines if ln.startswith("step:8/8 ")]
+    assert len(last) == 2 and "train_loss" in last[0] and "val_loss" in last[1]
+    clocks = [re.search(r"train_time:(\d+)ms step_avg:([\d.]+)ms", ln).groups() for ln in last]
+    assert clocks[0] == clocks[1]  # train and validation lines say the same
+    total, avg = float(clocks[0][0]), float(clocks[0][1])
+    assert avg == pytest.approx(total / 6, abs=0.2)
+    warm = [m for m in read_metrics(part) if m["kind"] == "warmup"]
+    assert [(m["step"], m["steps"]) for m in warm] == [(1, 1), (5, 1)]
+    ca = torch.load(full / "checkpoint.pt", weights_only=True)
+    cb = torch.load(part / "checkpoint.pt", weights_only=True)
+    assert ca["step"] == cb["step"] == 8
+    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+    assert torch.equal(ca["routing"]["controller"]["alpha"], cb["routing"]["controller"]["alpha"])
+    model = tg.GPT(tg.Hyperparameters(**cb["hp"]))
+    model.load_state_dict(cb["model"])  # strict: an unwrapped model, loadable on CPU
+    assert (part / "train.log").read_text().count("resumed at step 4") == 1
+
+
+def assert_same_tensors(a, b):
+    """a and b, nested dicts and lists of tensors and numbers, equal bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_tensors(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_tensors(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.slow
+def test_a_compacted_run_resumes_bit_for_bit_wherever_it_stops(tmp_path, capsys):
+    # under compact the packed lengths, and the counts of the last steps they come from, decide
+    # how each step packs and which steps are redone at full length: a resumed run must pack
+    # and redo as the uninterrupted one (the checkpoint keeps them), or its floats differ
+    run = RESUME_RUN + ["--compact=true", f"--train_tokens={8 * 32 * 24}", "--init_std=0.2"]
+    full = tmp_path / "full"
+    code, _, err = run_main(run + [f"--run_dir={full}"], capsys)
+    assert code == 0, err
+    want = [timing(m) for m in read_metrics(full) if m["kind"] in ("train", "val")]
+    redone = [m["step"] for m in want if m.get("redone")]
+    packed = [m["step"] for m in want if m["kind"] == "train" and min(m["packed"]) < 32]
+    assert redone and len(packed) > 12, (redone, packed)  # (gates N(0, 0.2): tokens skip)
+    ca = torch.load(full / "checkpoint.pt", weights_only=True)
+    for stop in (3, 8, 13, 21):
+        part = tmp_path / f"part{stop}"
+        code, _, err = run_main(run + [f"--run_dir={part}", f"--stop_step={stop}"], capsys)
+        assert code == 0, err
+        r = run_command("train_gpt.py", f"--resume={part}", "--untimed_steps=1")
+        assert r.returncode == 0, r.stderr
+        got = [timing(m) for m in read_metrics(part) if m["kind"] in ("train", "val")]
+        assert got == want, stop  # every loss, count, packed length and redo, bit for bit
+        cb = torch.load(part / "checkpoint.pt", weights_only=True)
+        assert cb["packing"] == ca["packing"] and cb["step"] == 24
+        for key in ("model", "optimizer", "routing"):
+            assert_same_tensors(ca[key], cb[key])
+    # at another seq_len the saved lengths do not apply: the resume packs from full lengths
+    code, _, err = run_main(run + [f"--run_dir={tmp_path / 'seq'}", "--stop_step=5"], capsys)
+    assert code == 0, err
+    r = run_command("train_gpt.py", f"--resume={tmp_path / 'seq'}", "--seq_len=16", "--stop_step=7")
+    assert r.returncode == 0, r.stderr
+    assert torch.load(tmp_path / "seq" / "checkpoint.pt", weights_only=True)["step"] == 7
+
+
+def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    code, _, err = run_main([f"--resume={tmp_path}", "--dim=64", "--n_layers=4"], capsys)
+    assert code == 2
+    assert err == (
+        "error: cannot resume with a different model shape: n_layers 2 -> 4, dim 32 -> 64\n"
+    )
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, capsys):
+    mod = RESUME_RUN + [
+        "--router=mod",
+        "--mod_every=1",
+        "--gamma=1e-3",
+        "--mu_start=1.0",
+        "--stop_step=2",
+        f"--run_dir={tmp_path}",
+    ]
+    code, _, err = run_main(mod, capsys)
+    assert code == 0, err
+    code, _, err = run_main([f"--resume={tmp_path}", "--mod_every=2"], capsys)
+    assert code == 2 and "different model shape: mod_every 1 -> 2" in err, err
+
+
+def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    for more in (["--train_tokens=512"], ["--batch_size=32"]):  # 2 steps in all, 4 done
+        code, out, err = run_main([f"--resume={tmp_path}", *more], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith("error: the checkpoint is at step 4 but these settings make 2 steps")
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
+
+
+def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    # what an older version saved: the expand_* fields, data paths relative to the repository
+    ckpt["hp"].update(expand_from="", expand_groups=1, train_files="data/sample/sample_train_*.bin")
+    torch.save(ckpt, run / "checkpoint.pt")
+    (run / "checkpoint.pt.k1ll3d_x.tmp").write_bytes(b"half a save")  # what SIGKILL leaves
+    (run / "checkpoint.pt.backup.tmp").write_bytes(b"a user's file")  # not a name we write
+    assert tg.load_model(str(run)).hp.n_layers == ckpt["hp"]["n_layers"]
+    # resumed from another folder: the relative data path is the repository's
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    assert [p.name for p in run.glob("checkpoint.pt.*.tmp")] == ["checkpoint.pt.backup.tmp"]
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("checkpoint.pt", "config.json", "metrics.jsonl"):  # as open() would make them
+        assert (run / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+
+
+def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, capsys):
+    for name in ("a", "b"):
+        code, _, err = run_main(
+            RESUME_RUN + [f"--run_dir={tmp_path / name}", "--stop_step=2"], capsys
+        )
+        assert code == 0, err
+    a, b = tmp_path / "a", tmp_path / "b"
+    metrics = (b / "metrics.jsonl").read_bytes()
+    (b / "checkpoint.pt").write_bytes((a / "checkpoint.pt").read_bytes())
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert code == 2 and out == "" and "belongs to another run" in err and err.count("\n") == 1
+    assert (b / "metrics.jsonl").read_bytes() == metrics
+    # a complete checkpoint of another run is refused as well, not called "complete"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'c'}"], capsys)
+    assert code == 0, err
+    (b / "checkpoint.pt").write_bytes((tmp_path / "c" / "checkpoint.pt").read_bytes())
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert code == 2 and out == "" and "belongs to another run" in err and err.count("\n") == 1
+    (b / "checkpoint.pt").write_bytes((a / "checkpoint.pt").read_bytes())
+    (b / "config.json").unlink()  # no record of whose run this is, but a history to cut
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert (
+        code == 2
+        and out == ""
+        and f"{b / 'config.json'} is missing or unreadable, so nothing says that" in err
+        and err.endswith("is this folder's run: put it back\n")
+        and err.count("\n") == 1
+    ), err
+    assert (b / "metrics.jsonl").read_bytes() == metrics and not (b / "config.json").exists()
+    state = torch.load(a / "checkpoint.pt", weights_only=True)
+    for change, message in [
+        (lambda s: s["hp"].update(dim=64), "weights do not fit"),
+        (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),
+        (lambda s: s.update(step="4"), "saved step='4' is not of type int"),
+        (lambda s: s["hp"].update(lr="x"), "saved lr='x' is not of type float"),
+        (lambda s: s.update(loader={"shard": 0}), "data position"),
+        (lambda s: s.update(routing={}), "corrupt or incompatible"),
+        (lambda s: s.update(rng={"cuda": []}), "corrupt or incompatible"),
+        (lambda s: s.update(optimizer={"state": {}}), "corrupt or incompatible"),
+    ]:
+        bad = {**state, "hp": dict(state["hp"])}
+        change(bad)
+        torch.save(bad, a / "checkpoint.pt")
+        logs = {f: (a / f).read_bytes() for f in ("train.log", "metrics.jsonl", "config.json")}
+        code, out, err = run_main([f"--resume={a}"], capsys)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+        assert out == "" and logs == {f: (a / f).read_bytes() for f in logs}  # nothing written
+    for packing in (  # read when the resumed job packs (compact=true)
+        [32, 32],
+        {"lengths": [0, 32], "seen": []},
+        {"lengths": [32], "seen": []},
+        {"lengths": [32.0, 32.0], "seen": []},
+        {"lengths": [32, 32], "seen": [[40.0, 1.0]]},
+        {"lengths": [32, 32], "seen": None},
+        {"lengths": [32, 32], "seen": [[math.inf, 32.0]]},
+        {"lengths": [32], "seen": [[32.0]]},
+        {"lengths": [32, 32], "seen": [["32", "32"]]},
+        {"lengths": [32, 32], "seen": [[True, 32.0]]},
+        {"lengths": [32, 32], "seen": [[32.0, 32.0]] * 17},
+    ):
+        torch.save({**state, "packing": packing}, a / "checkpoint.pt")
+        code, out, err = run_main([f"--resume={a}", "--compact=true"], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1, (packing, err)
+        assert "packed lengths that no run makes" in err, err
+    torch.save(state, a / "checkpoint.pt")
+    code, _, err = run_main([f"--resume={a}", "--max_seq_len=-1"], capsys)  # checked first
+    assert code == 2 and err == "error: max_seq_len=-1 must lie in [1, inf)\n", err
+
+
+def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp_path, capsys):
+    code, _, err = run_main(RESUME_RUN + ["--stop_step=4", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    good = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    for key, value, message in (
+        ("step", -3, "step=-3 must lie in [0, inf)"),
+        ("val_done", 9, "val_done=9 exceeds step=4"),
+        ("train_ms", float("nan"), "train_ms=nan must lie in [0, inf)"),
+        ("train_ms", float("inf"), "train_ms=inf must lie in [0, inf)"),
+        ("bad_steps", 5, "bad_steps=5 exceeds step=4"),
+    ):
+        torch.save({**good, key: value}, tmp_path / "checkpoint.pt")
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+        code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+        assert code == 2 and f"checkpoint.pt: {message} (an edited or damaged checkpoint)" in err, (
+            err
+        )
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    # settings that lack one (no default stands in for it), and non-finite state
+    nan = float("nan")
+    for edit, message in (
+        (lambda c: c["hp"].pop("lr"), "it lacks the setting 'lr'"),
+        (lambda c: c["model"]["embed.weight"].__setitem__((0, 0), nan), "embed.weight holds NaN"),
+        (
+            lambda c: next(iter(c["optimizer"]["state"].values()))["exp_avg_sq"].fill_(nan),
+            "non-finite weights, optimiser",
+        ),
+        (lambda c: c["routing"]["controller"]["alpha"].fill_(nan), "controller state"),
+    ):
+        edited = copy.deepcopy(good)
+        edit(edited)
+        torch.save(edited, tmp_path / "checkpoint.pt")
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+        code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+        assert code == 2 and message in err and "edited or damaged" in err, err
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+# ------------------------- checkpoints that survive kills, bad steps and full disks
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path, capsys):
+    args = RESUME_RUN + ["--train_tokens=10240", "--save_every=3", f"--run_dir={tmp_path}"]
+    proc = start_command("train_gpt.py", *args, threads=1)  # 40 steps
+    wait_for_line(proc, "step:7/40 train_loss")
+    proc.kill()
+    proc.wait()
+    step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
+    assert step >= 6 and step % 3 == 0
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert code == 0, err
+    train = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
+    assert train == list(range(1, 41))  # every step once: lines past the checkpoint were dropped
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 40
+
+
+@pytest.mark.slow
+def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
+    # a model big enough (~20M parameters, ~230 MB with Adam) that a save takes a while
+    args = [
+        "--preset=smoke",
+        "--n_layers=2",
+        "--dim=192",
+        "--n_heads=4",
+        "--n_kv_heads=4",
+        "--seq_len=16",
+        "--batch_size=2",
+        "--device_batch_size=2",
+        "--train_tokens=160",
+        "--val_tokens=32",
+        "--val_every=0",
+        "--save_every=1",
+        f"--run_dir={tmp_path}",
+    ]
+    proc = start_command("train_gpt.py", *args, threads=1)
+    ckpt = tmp_path / "checkpoint.pt"
+    deadline = time.time() + 300
+    while not (ckpt.exists() and glob.glob(f"{ckpt}.*.tmp")):  # a second save is being written
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.002)
+    proc.kill()
+    proc.wait()
+    state = torch.load(ckpt, weights_only=True)  # the previous checkpoint, whole
+    assert state["step"] >= 1
+    code, _, err = run_main([f"--resume={tmp_path}", "--train_tokens=64"], capsys)  # 2 steps in all
+    assert code == 0, err
+
+
+def nan_on_call(n):
+    """The model's loss, NaN on its n-th call with gradients enabled (training)."""
+    calls, real = [0], tg.LinearCrossEntropy.apply
+
+    def fake(*args, **kwargs):
+        loss = real(*args, **kwargs)
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] == n:
+                return loss * float("nan")
+        return loss
+
+    return fake
+
+
+def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, monkeypatch, capsys):
+    ckpt = tmp_path / "run" / "checkpoint.pt"
+    args = RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path / 'run'}"]
+    with monkeypatch.context() as m:  # step 6 (2 micro-steps each): step 4's checkpoint trained
+        m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(11))
+        code, _, err = run_main(args, capsys)
+    assert code == 1 and err == (
+        f"error: non-finite loss at step 6; no update was applied; last "
+        f"good checkpoint: {ckpt} (step 4)\n"
+    )
+    assert torch.load(ckpt, weights_only=True)["step"] == 4
+    assert [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    # no step from the newest checkpoint (step 6's, as if its update had exploded) is finite: the
+    # one before it comes back, and the run goes on from it as if it had never stopped
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'whole'}"], capsys)
+    assert code == 0, err
+    for call in (5, 1):  # step 7: in the job that saved step 6, then in a job resumed from it
+        if call == 1:
+            code, _, err = run_main([f"--resume={ckpt.parent}", "--stop_step=6"], capsys)
+            assert code == 0 and torch.load(ckpt, weights_only=True)["step"] == 6, err
+        with monkeypatch.context() as m:
+            m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(call))
+            code, _, err = run_main([f"--resume={ckpt.parent}"], capsys)
+        assert code == 1 and err == (
+            f"error: non-finite loss at step 7; no update was applied; last "
+            f"good checkpoint: {ckpt} (step 4, put back: no step from the "
+            f"newer {ckpt} (step 6) had a finite loss)\n"
+        ), err
+        assert torch.load(ckpt, weights_only=True)["step"] == 4
+        assert sorted(p.name for p in ckpt.parent.glob("checkpoint*")) == ["checkpoint.pt"]
+    # a save cut after its link leaves checkpoint.prev.pt the same file: nothing to put back
+    prev = ckpt.parent / "checkpoint.prev.pt"
+    os.link(ckpt, prev)
+    with monkeypatch.context() as m:
+        m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(1))
+        code, _, err = run_main([f"--resume={ckpt.parent}"], capsys)
+    assert code == 1 and err.endswith(  # (the newest stays: no step from it was finite)
+        f"last good checkpoint: none: no step from the newest, {ckpt} (step 4), had a finite "
+        f"loss, and no earlier checkpoint of this run could be put back\n"
+    ), err
+    # a fresh start refuses a folder holding either; with only the earlier one it says what to do
+    prev.unlink()
+    os.replace(ckpt, prev)
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={ckpt.parent}"], capsys)
+    assert code == 2 and err.endswith(
+        f"(checkpoint.prev.pt); choose another directory, or continue "
+        f"it with train_gpt.py --resume={ckpt.parent} once "
+        f"checkpoint.prev.pt is renamed checkpoint.pt\n"
+    ), err
+    os.replace(prev, ckpt)
+    code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
+    assert code == 0, err
+
+    def train(d):
+        return [(m["step"], m["train_loss"]) for m in read_metrics(d) if m["kind"] == "train"]
+
+    assert train(tmp_path / "run") == train(tmp_path / "whole")
+
+    def weights(d):
+        return torch.load(d / "checkpoint.pt", weights_only=True)["model"]
+
+    assert all(
+        torch.equal(v, weights(tmp_path / "whole")[k]) for k, v in weights(tmp_path / "run").items()
+    )
+
+
+def test_a_bounded_number_of_bad_steps_can_be_skipped(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))
+    code, out, err = run_main(RESUME_RUN + ["--max_bad_steps=1", f"--run_dir={tmp_path}"], capsys)
+    assert code == 0, err
+    assert "step:5/8 skipped: non-finite loss (1 of max_bad_steps=1)" in out
+    train = [m for m in read_metrics(tmp_path) if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 6, 7, 8]
+    assert all(math.isfinite(m["train_loss"]) for m in train)
+
+
+def test_a_non_finite_update_never_replaces_the_checkpoint(tmp_path, monkeypatch, capsys):
+    real = torch.optim.AdamW.step
+    calls = [0]
+
+    def poisoned(self, *args, **kwargs):  # the 3rd update makes one weight inf; losses stay finite
+        out = real(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            self.param_groups[1]["params"][0].data[0, 0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    code, _, err = run_main(RESUME_RUN + ["--save_every=1", f"--run_dir={tmp_path}"], capsys)
+    assert code == 1
+    ckpt = tmp_path / "checkpoint.pt"
+    assert err == (
+        f"error: non-finite weights after step 3; the checkpoint was not replaced; "
+        f"last good checkpoint: {ckpt} (step 2)\n"
+    )
+    state = torch.load(ckpt, weights_only=True)
+    assert state["step"] == 2 and all(v.isfinite().all() for v in state["model"].values())
+    monkeypatch.setattr(torch.optim.AdamW, "step", real)
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # it loads and trains
+    assert code == 0, err
+    assert torch.load(ckpt, weights_only=True)["step"] == 8
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    import builtins
+    import errno
+
+    saves = [0]
+
+    class FullDisk:  # takes part of the data, then the disk is full
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        if os.path.basename(path).startswith("checkpoint.pt.") and str(path).endswith(".tmp"):
+            saves[0] += 1
+            if saves[0] == 2:
+                return FullDisk(f)
+        return f
+
+    monkeypatch.setattr(support, "open", fake_open, raising=False)
+    code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
+    assert code == 1
+    assert err == (
+        f"error: cannot write the checkpoint of step 4 ({tmp_path / 'checkpoint.pt'}: "
+        f"No space left on device); "
+        f"last good checkpoint: {tmp_path / 'checkpoint.pt'} (step 2)\n"
+    )
+    assert not glob.glob(str(tmp_path / "checkpoint.pt.*.tmp"))  # the partial file is gone
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
+    monkeypatch.undo()  # space freed
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert code == 0, err
+    assert [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"] == list(range(1, 9))
+
+
+def test_a_bad_shard_met_mid_run_is_status_1_naming_the_last_checkpoint(tmp_path, capsys):
+    sample = shards.read_shard(
+        sorted(glob.glob(os.path.join(REPO, "data/sample/sample_train_*")))[0]
+    )
+    write_shard(tmp_path / "t_000001.bin", sample[:1300])  # 5 steps of 8 x 32 tokens
+    write_shard(tmp_path / "t_000002.bin", [60000] * 1300)  # outside the vocabulary: found on load
+    code, _, err = run_main(
+        RESUME_RUN
+        + [f"--train_files={tmp_path}/t_*.bin", "--save_every=2", f"--run_dir={tmp_path / 'run'}"],
+        capsys,
+    )
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(
+        f"error: {tmp_path}/t_000002.bin: token id 60000 is outside"
+    ) and err.endswith(f"; last checkpoint: {tmp_path / 'run' / 'checkpoint.pt'} (step 4)\n"), err

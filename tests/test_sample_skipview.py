@@ -1,0 +1,123 @@
+"""sample.py (decoding with a KV cache) and skipview.py (how many blocks each token ran)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import sample
+import support
+import train_gpt as tg
+from conftest import RESUME_RUN, load_command, logits_gates, mor_model, run_main, tiny
+from data import shards
+
+# ------------------------------------------------------------------------ sample.py
+
+
+def test_generate_samples_reproducibly_and_reports_the_cache():
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(n_layers=2, max_seq_len=16, seq_len=16, gate_init="zero"))
+    a, cache = sample.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
+    b, _ = sample.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
+    assert a == b and len(a) == 13 and a[:3] == [1, 2, 3] and all(0 <= t < 97 for t in a)
+    assert cache.n == [12, 12]  # zero gates: every token runs every block (the last is not fed)
+    with pytest.raises(tg.UserError):
+        sample.generate(model, [1] * 10, 10)
+    # a temperature too small for float32 logits / T: the likeliest token, as greedy decoding
+    greedy, _ = sample.generate(model, [1, 2, 3], 10, temperature=0)
+    assert sample.generate(model, [1, 2, 3], 10, temperature=1e-40)[0] == greedy
+
+
+@pytest.mark.parametrize("axis", ["key", "query"])
+def test_incremental_decoding_matches_a_full_forward_pass(axis):
+    torch.manual_seed(0)
+    hp = tiny(n_layers=4, dim=48, max_seq_len=24, seq_len=24, compact=axis == "key", gate_axis=axis)
+    model = tg.GPT(hp).eval()
+    for gate in model.router.gates:
+        torch.nn.init.normal_(gate.weight, std=0.15)
+        torch.nn.init.constant_(gate.bias, 0.1)
+    idx = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full, gates = logits_gates(model, idx)
+        dense_masked = tg.GPT(replace(hp, compact=False)).eval()
+        dense_masked.load_state_dict(model.state_dict())
+        masked = dense_masked(idx).logits
+    cache = sample.KVCache(hp, "cpu")
+    for pos in range(24):
+        with torch.no_grad():
+            step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
+        assert (step[0, -1] - full[0, pos]).abs().max().item() < 1e-4
+        assert (step[0, -1] - masked[0, pos]).abs().max().item() < 1e-4
+    assert (gates == 0).any()
+    if axis == "query":  # a skipped token is still attended to: every block keeps its K/V
+        assert cache.n == [24] * 4
+        return
+    # each block keeps K/V only for the tokens whose gate there is non-zero
+    assert cache.n == [(gates[layer, 0] > 0).sum().item() for layer in range(4)]
+    assert sum(cache.n) < 4 * 24 and min(cache.n) > 0
+
+
+# ---------------------------------------------------------------------- skipview.py
+
+
+class TokenSpans(__import__("html.parser").parser.HTMLParser):
+    """Collects the text and title of each <span class="t"> (one per token)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spans, self.inside, self.external = [], False, []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag in ("script", "link", "img") or "src" in attrs or "href" in attrs:
+            self.external.append(tag)
+        if tag == "span" and attrs.get("class") == "t":
+            self.spans.append(["", attrs["title"]])
+            self.inside = True
+
+    def handle_endtag(self, tag):
+        self.inside = self.inside and tag != "span"
+
+    def handle_data(self, data):
+        if self.inside:
+            self.spans[-1][0] += data
+
+
+def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys):
+    skipview = load_command("skipview.py")
+    run = tmp_path / "run"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=4"], capsys)
+    assert code == 0, err
+    text = "The gate decides, per token, how many blocks run.\nA second line & <markup>."
+    page = tmp_path / "page.html"
+    assert support.cli(skipview.main, [str(run), f"--text={text}", f"--out={page}"]) == 0
+    terminal = capsys.readouterr().out
+    parser = TokenSpans()
+    parser.feed(page.read_text())
+    ids = shards.gpt2_encoding().encode_ordinary(text)
+    assert len(parser.spans) == len(ids) and not parser.external
+    assert "".join(t for t, _ in parser.spans) == text  # every token, in order, unescaped
+    # the counts against the gates computed here: blocks with g > 0 per token
+    ckpt = tg.load_checkpoint(str(run))
+    model = tg.GPT(tg.Hyperparameters(**ckpt["hp"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    with torch.no_grad():
+        gates = model(torch.tensor([ids])).route["gates"][:, 0]  # (L, T)
+    expected = (gates > 0).sum(0).tolist()
+    assert [int(title.split()[0]) for _, title in parser.spans] == expected
+    assert "⏎" in terminal and terminal.count("[") >= len(ids)
+    assert support.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
+    assert support.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
+    assert capsys.readouterr().err.count("error: ") == 2
+
+
+def test_skipview_counts_the_recursions_each_token_ran():
+    skipview = load_command("skipview.py")
+    model = mor_model()
+    counts, per_recursion, units = skipview.token_depths(model, list(range(16)), "cpu")
+    with torch.no_grad():
+        blocks = model(torch.tensor([list(range(16))])).route["block"][:, 0].sum(0).tolist()
+    # blocks 0 and 7, then 2 per recursion
+    assert units == 3 and [2 + 2 * c for c in counts] == blocks
+    assert per_recursion == sorted(per_recursion, reverse=True) and 0 < per_recursion[2] < 16

@@ -1,0 +1,470 @@
+"""Signals: to a training job, to a command as it starts or ends, and launchers (torchrun, the
+sweep) that go while their workers run."""
+
+import contextlib
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import runs
+import train_gpt as tg
+from conftest import (
+    AUTHORS_TINY,
+    COMMANDS,
+    RESUME_RUN,
+    TINY_RUN,
+    load_command,
+    read_metrics,
+    run_command,
+    run_main,
+    start_command,
+    timing,
+    val_steps,
+    wait_for_line,
+)
+
+# ------------------------------------------------------- a signal to a training job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])  # SIGUSR1: Slurm's warning
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
+    proc = start_command(
+        "train_gpt.py", *RESUME_RUN, "--train_tokens=1024000", f"--run_dir={tmp_path}", threads=1
+    )
+    wait_for_line(proc, "step:2/4000 train_loss")
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
+    assert f"stopped by signal {signal.Signals(signum).name} at step {step}" in out
+    assert f"resume with: python train_gpt.py --resume={tmp_path}" in out
+
+
+def signal_during_step(monkeypatch, n):
+    """A SIGTERM that arrives while training step n runs (the flag the handler sets)."""
+    real = tg.train_step
+
+    def step(*args):
+        if args[-1] == n - 1:  # the 0-based step index is train_step's last argument
+            tg.STOP.signum = signal.SIGTERM
+        return real(*args)
+
+    monkeypatch.setattr(tg, "train_step", step)
+
+
+@pytest.mark.parametrize("n", [4, 8])  # a validation step, and the last step
+def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'ref'}"], capsys)
+    assert code == 0, err
+    with monkeypatch.context() as m:
+        signal_during_step(m, n)
+        code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 0, err
+    assert f"stopped by signal SIGTERM at step {n} (its validation is still owed)" in out
+    assert val_steps(tmp_path / "run") == [0, 4, 8][: n // 4]
+    code, _, err = run_main([f"--resume={tmp_path / 'run'}"], capsys)
+    assert code == 0, err
+    ref, run = (read_metrics(tmp_path / r) for r in ("ref", "run"))
+
+    def strip(ms):
+        return [timing(m) for m in ms if m["kind"] in ("train", "val")]
+
+    assert val_steps(tmp_path / "run") == [0, 4, 8] and strip(ref) == strip(run)
+    # each save's step once, though the resumed job saved step n again with its validation
+    assert [m["step"] for m in run if m["kind"] == "checkpoint"] == sorted({n, 8})
+
+    def files():
+        return {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+
+    before = files()
+    code, out, _ = run_main([f"--resume={tmp_path / 'run'}", "--lr=0.5"], capsys)  # nothing to do
+    assert code == 0 and "the run is complete at step 8" in out
+    assert files() == before  # nothing written, not even the settings given (they never ran)
+
+
+def test_a_signal_that_reached_another_rank_stops_this_one_with_its_name(
+    tmp_path, monkeypatch, capsys
+):
+    real = runs.all_reduce
+
+    def other_rank_signalled(t, op="sum"):  # what the MAX all-reduce gives when rank 1 got SIGTERM
+        return t.fill_(signal.SIGTERM) if op == "max" and t.numel() == 1 else real(t, op)
+
+    monkeypatch.setattr(runs, "all_reduce", other_rank_signalled)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+    assert code == 0 and err == "", err
+    assert "stopped by signal SIGTERM at step 0" in out
+
+
+def test_a_first_signal_during_start_up_stops_cleanly(tmp_path, monkeypatch, capsys):
+    real_setup, real_log = runs.setup_distributed, runs.open_log
+
+    def signalled():  # Ctrl-C while the job checks its settings: it stops at once, silently
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_setup()
+
+    monkeypatch.setattr(runs, "setup_distributed", signalled)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'a'}"], capsys)
+    assert (code, out, err) == (130, "", "") and not (tmp_path / "a").exists()
+    monkeypatch.setattr(runs, "setup_distributed", real_setup)
+
+    def logged(*args, **kwargs):  # once the run directory is set up, a signal saves step 0
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_log(*args, **kwargs)
+
+    monkeypatch.setattr(runs, "open_log", logged)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+    assert code == 0 and err == "", err
+    assert (
+        f"stopped by signal SIGINT at step 0 (its validation is still owed); checkpoint: "
+        f"{tmp_path / 'checkpoint.pt'} (step 0); "
+        f"resume with: python train_gpt.py --resume={tmp_path}" in out
+    ), out
+    monkeypatch.setattr(runs, "open_log", real_log)
+    code, out, err = run_main([f"--resume={tmp_path}"], capsys)  # and that command goes on
+    assert code == 0 and val_steps(tmp_path) == [0, 4, 8] and "resumed_at:0" in out, err
+
+    def second(*args):
+        raise KeyboardInterrupt  # what the handler raises on a second signal
+
+    monkeypatch.setattr(tg, "train_step", second)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'b'}"], capsys)
+    assert code == 130 and err == "error: interrupted by a second signal; last checkpoint: none\n"
+
+
+def after_exit(*signums):
+    """python -c code that runs train_gpt.py as a script and sends itself signums at exit."""
+    return (
+        f"import atexit, os, runpy, sys; sys.argv[0] = 'train_gpt.py'; "
+        f"atexit.register(lambda: [os.kill(os.getpid(), s) for s in {list(map(int, signums))}]); "
+        f"runpy.run_path('train_gpt.py', run_name='__main__')"
+    )
+
+
+def test_a_signal_after_the_final_save_leaves_status_0(tmp_path):
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # each one, one after another
+    r = run_command(
+        "-c", after_exit(*signums), *RESUME_RUN, f"--run_dir={tmp_path}", threads=1, timeout=300
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
+
+
+# --------------------------------------------- a signal as a command starts or ends
+
+
+def when_mapped(proc, library):
+    """Wait until the process has mapped a shared library whose path holds `library` (a point
+    inside its imports), or has ended; without /proc, a moment after start-up."""
+    if not os.path.exists("/proc/self/maps"):
+        return time.sleep(0.3)
+    while proc.poll() is None:
+        try:
+            if library in Path(f"/proc/{proc.pid}/maps").read_text():
+                return
+        except OSError:  # it ended meanwhile
+            return
+        time.sleep(0.001)
+
+
+def test_sigint_while_the_trainer_starts_exits_quietly(tmp_path):
+    proc = start_command("train_gpt.py", "--preset=smoke", f"--run_dir={tmp_path / 'r'}", threads=1)
+    when_mapped(proc, "_multiarray_umath")  # torch is loading
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and err.count("\n") <= 1, err
+    assert proc.returncode in (0, 130), err
+
+
+def test_ctrl_c_while_a_command_loads_torch_is_quiet(tmp_path):
+    # The signal lands at several points of torch's import, found in /proc/PID/maps so that a
+    # faster machine does not move them: as its libraries map, and once numpy's C extension is
+    # in (CI once caught one inside numpy's, which left a half-loaded module behind)
+    commands = (
+        ["expand.py", str(tmp_path / "a"), str(tmp_path / "b")],
+        ["sample.py", str(tmp_path)],
+    )
+    for command, library in itertools.product(commands, ("libtorch", "_multiarray_umath")):
+        proc = start_command(*command, stdout=None)
+        when_mapped(proc, library)
+        assert proc.poll() is None, "the command ended before the signal: no torch import?"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and "Traceback" not in err, (command, library, err)
+
+
+SIGNAL_HOOK = """import atexit, os, signal, sys
+sig, at = getattr(signal, os.environ["HOOK_SIGNAL"]), os.environ["HOOK_AT"]
+class Hook:  # the signal lands as the command first imports the module `at`
+    def find_spec(self, name, path=None, target=None):
+        if name == at:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), sig)
+class Late:  # or later still, as the interpreter tears its modules down (its handlers reset)
+    def __del__(self, kill=os.kill, pid=os.getpid()):
+        kill(pid, sig)
+if at == "exit":  # or once the command is over, during the interpreter's shutdown
+    atexit.register(os.kill, os.getpid(), sig)
+elif at == "teardown":
+    sys.late_signal = Late()
+else:
+    sys.meta_path.insert(0, Hook())
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_as_a_command_loads_numpy_or_after_it_ended_prints_no_traceback(tmp_path):
+    # every command, at a deterministic moment: numpy's import (before torch's, or during it),
+    # the first heavy import of each; or in an atexit hook, after the command returned
+    (tmp_path / "sitecustomize.py").write_text(SIGNAL_HOOK)
+    for path in ("train_gpt.py", *COMMANDS):
+        for sig, at, status in (
+            ("SIGINT", "numpy", 130),
+            ("SIGTERM", "exit", 0),
+            ("SIGTERM", "teardown", 0),  # after the interpreter reset its signal handlers
+            ("SIGINT", "teardown", 0),
+        ):
+            env = {"PYTHONPATH": str(tmp_path), "HOOK_SIGNAL": sig, "HOOK_AT": at}
+            r = run_command(path, "--help", env=env, timeout=120)
+            assert r.returncode == status and r.stderr == "", (
+                path,
+                sig,
+                at,
+                r.returncode,
+                r.stderr,
+            )
+            assert (r.stdout != "") == (at != "numpy"), (path, at, r.stdout)
+
+
+# -------------------------------------- launchers that go: torchrun and its workers
+
+
+def process_state(pid):
+    """A process's state letter from /proc (Z: ended, not yet reaped), or None if it is gone."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_workers_whose_torchrun_died_of_a_signal_save_and_stop(tmp_path):
+    # SIGUSR1 ends torchrun at once without passing it on: each worker finds its launcher gone at
+    # the next step, and the job stops there with a checkpoint, as on any signal (no orphans)
+    proc = start_command(  # (torchrun: one thread a process)
+        "train_gpt.py",
+        *RESUME_RUN,
+        "--train_tokens=10000000",
+        f"--run_dir={tmp_path}",
+        nproc=2,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    log, deadline = tmp_path / "train.log", time.time() + 120
+    while time.time() < deadline and "step:3/" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.2)
+    workers = [
+        int(p.parent.name)
+        for p in Path("/proc").glob("[0-9]*/stat")
+        if process_state(p.parent.name)
+        and int(p.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
+    ]
+    assert len(workers) == 2, workers
+    proc.send_signal(signal.SIGUSR1)
+    proc.wait(timeout=60)
+    while time.time() < deadline + 60 and any(process_state(w) not in (None, "Z") for w in workers):
+        time.sleep(0.2)
+    orphans = [w for w in workers if process_state(w) not in (None, "Z")]
+    for w in orphans:  # (a failing test leaves none behind)
+        os.kill(w, signal.SIGKILL)
+    assert not orphans, "the workers train on as orphans"
+    assert re.search(
+        r"stopped by signal SIGHUP at step \d+[^;]*; checkpoint: \S+checkpoint.pt "
+        r"\(step \d+\); resume with: torchrun",
+        log.read_text(),
+    ), log.read_text()[-2000:]
+
+
+# a stand-in for torchrun: starts one worker with a worker's environment, says its pid, waits
+FAKE_LAUNCHER = """import os, subprocess, sys, time
+world, port, log, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": world, "OMP_NUM_THREADS": "1",
+       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "test"}
+with open(log, "w") as f:
+    worker = subprocess.Popen([sys.executable, "train_gpt.py", *args], env=env, stdout=f, stderr=f)
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def fake_launch(world: str, log, args) -> tuple:
+    """FAKE_LAUNCHER started on a free port, its worker running train_gpt.py args into log
+    -> (the launcher's Popen, the worker's pid)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    launcher = start_command("-c", FAKE_LAUNCHER, world, port, log, *args, stderr=None)
+    return launcher, int(launcher.stdout.readline())
+
+
+def kill_and_outlived(launcher, worker: int, seconds: float) -> bool:
+    """Kill the launcher; whether its worker was still running `seconds` later (then killed:
+    a failing test leaves none behind)."""
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + seconds
+    while time.time() < deadline and process_state(worker) not in (None, "Z"):
+        time.sleep(0.2)
+    orphan = process_state(worker) not in (None, "Z")
+    if orphan:
+        os.kill(worker, signal.SIGKILL)
+    return orphan
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_a_worker_whose_launcher_dies_at_start_up_gives_up(tmp_path):
+    # the launcher dies while its worker waits for a rank that never comes (world 2), or just
+    # after its worker joined (world 1): the worker knows its launcher from its start, and ends
+    # (nothing written) or stops at its next step (saved), never an orphan or a wait till timeout
+    for world, until in (("2", "libtorch_cpu"), ("1", "step:2/")):
+        log, run = tmp_path / f"worker{world}.log", tmp_path / f"run{world}"
+        args = [*RESUME_RUN, "--train_tokens=10000000", f"--run_dir={run}"]
+        launcher, worker = fake_launch(world, log, args)
+        deadline = time.time() + 120
+        while time.time() < deadline and process_state(worker) not in (None, "Z"):
+            maps = Path(f"/proc/{worker}/maps").read_text() if world == "2" else ""
+            train_log = (run / "train.log").read_text() if (run / "train.log").exists() else ""
+            if until in maps or until in train_log:
+                break
+            time.sleep(0.1)
+        time.sleep(3 if world == "2" else 0)  # (torch loaded, then into init_process_group's wait)
+        orphan = kill_and_outlived(launcher, worker, 60)
+        assert not orphan, f"world {world}: the worker goes on without its launcher"
+        if world == "2":
+            assert "error: the launcher is gone: this worker stops" in log.read_text()
+            assert not run.exists()  # nothing written
+        else:
+            assert re.search(
+                r"stopped by signal SIGHUP at step \d+[^;]*; checkpoint: \S+checkpoint.pt",
+                (run / "train.log").read_text(),
+            ), (run / "train.log").read_text()[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_an_evaluation_only_worker_ends_with_its_launcher(tmp_path):
+    # --eval_only under a launcher (one rank) validating for about 30 s (the sample's training
+    # shard, whole): the launcher killed mid-way, the worker ends within seconds, one line,
+    # nothing written (before: it validated to the end as an orphan; issue 58)
+    log = tmp_path / "worker.log"
+    args = [f"--init_from={AUTHORS_TINY}", "--eval_only=true", "--seq_len=64"]
+    args += ["--val_files=data/sample/sample_train_*.bin", f"--val_tokens={64 * 2000}"]
+    launcher, worker = fake_launch("1", log, args)
+    time.sleep(8)  # (torch loaded, the model built, validating)
+    assert process_state(worker) not in (None, "Z"), log.read_text()[-2000:]
+    assert not kill_and_outlived(launcher, worker, 10), "the worker validates on without it"
+    said = log.read_text()
+    assert said.endswith("error: the launcher is gone: this worker stops; nothing was written\n")
+    assert "val_loss" not in said and said.count("error:") == 1, said[-2000:]
+
+
+def processes_naming(text: str) -> list:
+    """The pids of the live processes whose command line holds text (from /proc)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if text in cmdline.read_text() and process_state(cmdline.parent.name) not in (
+                None,
+                "Z",
+            ):
+                pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGUSR1])
+def test_workers_whose_torchrun_dies_before_they_start_give_up_at_once(tmp_path, signum):
+    # torchrun killed while its workers start slowly (a second before Python does): each worker
+    # starts with another parent than its launcher, so only torchrun's store, which refuses
+    # it, says the launcher is gone; each ends in a few seconds with one line, nothing written
+    # (before: both waited on the store for minutes, then a C++ stack dump)
+    run = tmp_path / "run"
+    command = f"sleep 1; exec {sys.executable} train_gpt.py {' '.join(TINY_RUN)} --run_dir={run}"
+    launcher = start_command(  # torchrun --no-python bash -c COMMAND, one thread a process
+        "--no-python", "bash", "-c", command, nproc=2, stderr=subprocess.STDOUT
+    )
+    deadline = time.time() + 60
+
+    def workers():
+        return [pid for pid in processes_naming(f"--run_dir={run}") if pid != launcher.pid]
+
+    while time.time() < deadline and len(workers()) < 2:
+        time.sleep(0.05)
+    assert len(workers()) == 2, launcher.poll()
+    os.kill(launcher.pid, signum)
+    try:  # (its workers hold its output till they end)
+        said = launcher.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        said = ""
+    left = workers()
+    for pid in left:  # (a failing test leaves none behind)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlive their launcher"
+    gone = "error: the launcher is gone: this worker stops; nothing was written"
+    assert said.splitlines().count(gone) == 2 and "c10" not in said, said[-3000:]
+    assert not run.exists()
+
+
+# ---------------------------------------------------------- the sweep as a launcher
+
+
+def test_ctrl_c_on_a_sweep_lets_the_run_in_flight_save_and_stop(tmp_path):
+    # the sweep gets the signal (the trainer runs in a session of its own, as after a Ctrl-C
+    # at a terminal) and passes it on once: the trainer finishes its step and saves
+    sweep, metrics = load_command("sweep.py"), tmp_path / "metrics.jsonl"
+
+    def interrupt():
+        deadline = time.time() + 120
+        while (
+            not (metrics.exists() and '"step": 2' in metrics.read_text()) and time.time() < deadline
+        ):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* saved its checkpoint"):
+        sweep.launch(RESUME_RUN + ["--train_tokens=1024000", f"--run_dir={tmp_path}"], 1)
+    step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
+    assert (
+        step >= 2
+        and f"stopped by signal SIGINT at step {step}" in (tmp_path / "train.log").read_text()
+    )
+
+
+def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monkeypatch):
+    sweep, real = load_command("sweep.py"), subprocess.Popen
+
+    def interrupted_popen(*args, **kwargs):  # the Ctrl-C lands as the trainer is starting
+        proc = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return proc
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", interrupted_popen)
+    with pytest.raises(
+        sweep.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"
+    ):
+        sweep.launch(RESUME_RUN + [f"--run_dir={tmp_path}"], 1)
+    assert not (tmp_path / "checkpoint.pt").exists()

@@ -1,0 +1,421 @@
+"""The measurement harnesses: sweep.py (Figure 2's grid and its statistics), bench.py, and the
+scripts kept with the records."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import support
+import train_gpt as tg
+from conftest import REPO, cuda, load_command, read_metrics, run_command
+from data import shards
+
+# --------------------------------------------- sweep.py: the statistics of Figure 2
+
+
+def test_student_t_and_holm_against_tables_and_closed_forms():
+    sweep = load_command("sweep.py")
+    for df, t975 in (
+        (1, 12.706),
+        (2, 4.303),
+        (4, 2.776),
+        (9, 2.262),
+        (30, 2.042),
+    ):  # printed tables
+        assert sweep.t_critical(0.05, df) == pytest.approx(t975, abs=6e-4)
+        assert sweep.t_tail(t975, df) == pytest.approx(0.05, abs=2e-4)
+    assert sweep.t_critical(0.4, 4) == pytest.approx(0.941, abs=6e-4)  # one-sided 0.80, df 4
+    for t in (0.3, 1.0, 3.0, 20.0):  # closed forms: Cauchy (df 1) and df 2
+        assert sweep.t_tail(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-9)
+        assert sweep.t_tail(-t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), abs=1e-9)
+    # Holm by hand: sorted 0.005 0.01 0.03 0.04 times 4 3 2 1, then the running maximum
+    assert sweep.holm([0.01, 0.04, 0.03, None, 0.005]) == pytest.approx(
+        [0.03, 0.06, 0.06, None, 0.02]
+    )
+    assert sweep.holm([0.5, 0.9]) == [1.0, 1.0]
+
+
+def test_frontier_and_verdict_on_hand_made_numbers():
+    sweep = load_command("sweep.py")
+    at = sweep.frontier([(4e6, 3.0), (1e6, 4.0)])
+    assert at(2e6) == pytest.approx(3.5)  # half way in log FLOPs between 1e6 and 4e6
+    assert at(1e6) == 4.0 and at(4e6) == 3.0
+    assert at(4e6 * 1.005) == 3.0  # within the slack beyond the end point
+    assert at(5e6) is None and at(0.5e6) is None  # no extrapolation
+    # the lower envelope: a costlier dense point no better than a cheaper one is dropped
+    env = sweep.frontier([(1e6, 4.0), (4e6, 3.0), (16e6, 3.2)])
+    assert env(8e6) == 3.0 and env(16e6) == 3.0 and env(2e6) == pytest.approx(3.5)
+
+    def row(name, seed, flops, loss):
+        return dict(
+            name=name,
+            seed=seed,
+            flops_per_token=flops,
+            val_loss=loss,
+            sparsity=0.5,
+            val_se=0.01,
+            ms_per_token_masked=flops / 1e9,
+            ms_per_token_compact=flops / 2e9,
+            params=1e6,
+        )
+
+    rows, a_losses = [], [3.40, 3.41, 3.39, 3.42, 3.38]
+    for s in range(5):
+        rows += [row("dense_2", s, 1e6, 4.0 + 0.1 * s), row("dense_4", s, 4e6, 3.0 + 0.1 * s)]
+    rows += [row("gated_a", s, 2e6, loss + 0.1 * s) for s, loss in enumerate(a_losses)]
+    rows += [
+        row("gated_b", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.1, -0.1, 0.05, -0.05, 0])
+    ]
+    rows += [row("gated_c", s, 8e6, 2.0) for s in range(5)]  # beyond the dense FLOPs range
+    rows += [
+        row("dlo_control", s, 2e6, 3.5 + 0.1 * s + d)
+        for s, d in enumerate([0.01, -0.01, 0.02, -0.02, 0])
+    ]
+    rows += [row("dlo_rho0.5", s, 2e6, 3.6 + 0.1 * s + 0.001 * s) for s in range(5)]
+    e_deltas = [0.05, 0.01, 0.03, 0.045, 0.005]  # raw p 0.036, not after Holm's correction
+    rows += [row("gated_e", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate(e_deltas)]
+    rows += [row("gated_f", s, 2e6, 3.55 + 0.1 * s) for s in range(5)]  # the same in every seed
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
+    e = lines[("gated_e", "dense frontier")]
+    # (scipy's ttest_1samp)
+    assert e["p"] == pytest.approx(0.036167, abs=2e-6) and e["p_holm"] > 0.05
+    assert e["verdict"].startswith("no detectable difference (95% CI [+0.003, +0.053])")
+    assert e["detectable"] == pytest.approx(
+        (sweep.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3
+    )
+    assert (
+        lines[("gated_f", "dense frontier")]["verdict"]
+        == "above (the same difference in every seed: no test)"
+    )
+    a = lines[("gated_a", "dense frontier")]
+    deltas = [x - 3.5 for x in a_losses]  # each seed's frontier at 2e6 is 3.5 + 0.1 s
+    mean, sd = sum(deltas) / 5, math.sqrt(sum((d - sum(deltas) / 5) ** 2 for d in deltas) / 4)
+    assert a["mean"] == pytest.approx(mean) and a["sd"] == pytest.approx(sd)
+    assert a["hi"] - a["mean"] == pytest.approx(2.776 * sd / math.sqrt(5), rel=1e-3)
+    assert a["p"] == pytest.approx(1.45e-4, rel=0.01) and a["verdict"] == "better than dense"
+    b = lines[("gated_b", "dense frontier")]
+    assert b["mean"] == pytest.approx(0, abs=1e-12) and b["p"] == pytest.approx(1.0)
+    assert b["verdict"] == f"no detectable difference (95% CI [{b['lo']:+.3f}, {b['hi']:+.3f}])"
+    assert lines[("gated_c", "dense frontier")]["verdict"] == "outside the dense FLOPs range"
+    dlo = lines[("dlo_rho0.5", "dlo_control")]  # against its own control, seed by seed
+    assert dlo["mean"] == pytest.approx(0.102) and dlo["verdict"] == "worse than dlo_control"
+    assert lines[("dlo_control", "dense frontier")]["p"] == pytest.approx(1.0)
+    tested = [ln for ln in lines.values() if ln.get("p") is not None]
+    assert len(tested) == 6  # gated_a, gated_b, gated_e, dlo_control, dlo_rho0.5 twice
+    holm = sweep.holm([ln["p"] for ln in tested])
+    assert [ln["p_holm"] for ln in tested] == pytest.approx(holm)
+    assert lines[("dense_4", "")]["verdict"] == "frontier"
+    assert a["dense_ms_at_equal_flops"] == pytest.approx(2.5e-3)  # (1e-3 + 4e-3) / 2, log midpoint
+    text = sweep.verdict_text(list(lines.values()))
+    assert text.startswith(
+        "6 paired comparisons over 5 seeds, Holm-corrected: gated_a better than dense"
+    )
+    one_seed = sweep.summarise([r for r in rows if r["seed"] == 0])
+    assert "use --seeds=5" in sweep.verdict_text(one_seed)
+
+
+def test_the_frontier_holds_exactly_its_slack_beyond_the_dense_range():
+    sweep = load_command("sweep.py")
+    at = sweep.frontier([(1e6, 4.0), (4e6, 3.0)])
+    inside, outside = 0.0099, 0.0101  # in log FLOPs, either side of 1%: a gated model's gate
+    # linears beyond the end dense point, not an extrapolation
+    assert at(4e6 * math.exp(inside)) == 3.0 and at(1e6 * math.exp(-inside)) == 4.0
+    assert at(4e6 * math.exp(outside)) is None and at(1e6 * math.exp(-outside)) is None
+
+
+# ------------------------------------------------------------------ sweep.py: grids
+
+
+TINY_GRID = [
+    "--preset=smoke",
+    "--dim=32",
+    "--n_heads=4",
+    "--n_kv_heads=2",
+    "--max_seq_len=32",
+    "--seq_len=32",
+    "--batch_size=8",
+    "--device_batch_size=8",
+    "--train_tokens=1280",
+    "--val_every=0",
+    "--val_tokens=512",
+    "--untimed_steps=0",
+    "--save_every=2",
+]
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypatch, capsys):
+    sweep = load_command("sweep.py")
+    # (its val_tokens overrides the base's, as dlo_source's train_tokens does in the real grids)
+    gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5", "--val_tokens=256")
+    grid = dict(
+        base=TINY_GRID,
+        n_layers=4,
+        runs=[
+            sweep.dense(2),
+            sweep.dense(4),
+            gated,
+            sweep.dlo(0.5, "dense_2", 2, 2),
+            sweep.dlo_control("dense_2", 2),
+            sweep.mor(4),
+        ],
+    )
+    monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
+    sweep.launch(
+        TINY_GRID
+        + gated[1]
+        + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}", "--stop_step=2"],
+        1,
+    )
+    assert sweep.run_state(str(runs / "gated_mu0.5_s0")) == "resume"
+
+    def in_process(args, nproc, script="train_gpt.py", label=""):  # the rest: quicker here
+        main = tg.main if script == "train_gpt.py" else load_command(script).main
+        assert support.cli(main, args) == 0, capsys.readouterr().err
+
+    monkeypatch.setattr(sweep, "launch", in_process)
+    argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}"]
+    assert support.cli(sweep.main, argv) == 0
+    assert "resumed at step 2" in (runs / "gated_mu0.5_s0" / "train.log").read_text()
+    names = ["dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5", "dlo_control", "mor_r2"]
+    for name in names:
+        assert sweep.run_state(str(runs / f"{name}_s0")) == "done"
+    assert {p.name for p in out.iterdir()} >= {"table.md", "runs.csv", "figure.png", "README.md"}
+    assert (out / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    readme = (out / "README.md").read_text()
+    assert "Verdict: with one seed no difference can be tested" in readme
+    table = {r["name"]: r for r in sweep.read_runs(str(out / "runs.csv"))}
+    assert list(table) == names
+    for name in ("gated_mu0.5", "dlo_rho0.5", "dlo_control"):  # resumed, with the grid's job
+        assert (
+            json.loads((runs / f"{name}_s0" / "config.json").read_text())["job"]["untimed_steps"]
+            == 0
+        )
+    control = json.loads((runs / "dlo_control_s0" / "config.json").read_text())
+    assert (control["router"], control["n_layers"]) == ("none", 4)  # dense_2 expanded, no skipping
+    # unique parameters: MoR's 4 applied blocks are 3 of their own, the dense 4-layer model's 4
+    params = {name: r["params"] for name, r in table.items()}
+    assert params["dense_2"] < params["mor_r2"] < params["dense_4"]
+    for name, r in table.items():  # the table holds each run's own final validation
+        last = [m for m in read_metrics(runs / f"{name}_s0") if m["kind"] == "val"][-1]
+        assert r["val_loss"] == pytest.approx(last["val_loss"])
+        assert r["flops_per_token"] == pytest.approx(last["fwd_flops_per_token"])
+        assert r["ms_per_token_masked"] > 0 and r["ms_per_token_compact"] > 0
+        assert (r["steps"], r["tokens"]) == (last["step"], last["step"] * 8 * 32)
+    # the standard error over documents, by hand from the dense model's per-token losses
+    model = tg.load_model(str(runs / "dense_4_s0")).eval()
+    hp = model.hp
+    stream = torch.from_numpy(
+        shards.read_shard(shards.find_shards(hp.val_files)[0], hp.vocab_size)[
+            : hp.val_tokens + 1
+        ].astype(np.int64)
+    )
+    with torch.no_grad():
+        logits = model(stream[:-1].view(-1, hp.seq_len)).logits.flatten(0, 1)
+    docs, cur = [], []
+    for loss, target in zip(
+        F.cross_entropy(logits, stream[1:], reduction="none").tolist(),
+        stream[1:].tolist(),
+        strict=True,
+    ):
+        if target == shards.EOT and cur:
+            docs.append(cur)
+            cur = []
+        cur.append(loss)
+    docs.append(cur)
+    total, n = sum(map(sum, docs)), sum(map(len, docs))
+    se = (
+        math.sqrt(
+            len(docs) / (len(docs) - 1) * sum((sum(d) - total / n * len(d)) ** 2 for d in docs)
+        )
+        / n
+    )
+    assert (table["dense_4"]["val_docs"], table["dense_4"]["val_se"]) == (
+        len(docs),
+        pytest.approx(se),
+    )
+    # the table and figure again from runs.csv alone, by the record's own command
+    before = (out / "table.md").read_text()
+    (out / "table.md").unlink()
+    assert support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]) == 0
+    assert (out / "table.md").read_text() == before and "| dlo_rho0.5 | dlo_control | 1 |" in before
+    d2, d4 = (table[n] for n in ("dense_2", "dense_4"))
+
+    def x(r):
+        return math.log(r["flops_per_token"])
+
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(list(table.values()))}
+    for name in ("gated_mu0.5", "dlo_rho0.5"):
+        r = table[name]
+        if x(d2) <= x(r) <= x(d4) and d4["val_loss"] < d2["val_loss"]:  # the frontier, by hand
+            w = (x(r) - x(d2)) / (x(d4) - x(d2))
+            front = d2["val_loss"] + w * (d4["val_loss"] - d2["val_loss"])
+            assert lines[(name, "dense frontier")]["mean"] == pytest.approx(
+                r["val_loss"] - front, abs=1e-9
+            )
+    # run again: nothing is trained, no run directory changes (a user's notes in a log included)
+    with open(runs / "dense_2_s0" / "metrics.jsonl", "a") as f:
+        f.write("my note\n[1, 2]\n")
+    before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert support.cli(sweep.main, argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(": done") == 6 and "trained" not in printed
+    assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    # the grid edited (a longer budget): its finished runs are not taken as the new grid's
+    monkeypatch.setitem(grid, "base", [a.replace("=1280", "=2560") for a in TINY_GRID])
+    capsys.readouterr()
+    code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+    assert (
+        code == 2
+        and "dense_2_s0 was trained with other settings (train_tokens=1280 there, 2560 here)" in err
+    ), err
+    assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    # so is a grid with an override removed (dense_2's router=none: the default again), or a DLO
+    # run's expansion made otherwise
+    monkeypatch.setitem(grid, "base", TINY_GRID)
+    runs_of = list(grid["runs"])
+    dlo = runs_of[3]
+    for i, entry, said in (
+        (0, ("dense_2", ["--n_layers=2"]), "router=none there, skip_middle here"),
+        (3, (*dlo[:2], [*dlo[2][:-1], "--init=copy"]), "init=identity there, copy here"),
+    ):
+        monkeypatch.setitem(grid, "runs", runs_of[:i] + [entry] + runs_of[i + 1 :])
+        code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+        assert code == 2 and f"{entry[0]}_s0 was trained with other settings ({said})" in err, err
+    monkeypatch.setitem(grid, "runs", runs_of)
+    assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    # a file the sweep did not write (or changed since) is never replaced: refused before any run
+    (out / "README.md").write_text("my notes")
+    code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+    assert code == 2 and err.startswith(
+        f"error: {out / 'README.md'} is there (a file) and this command did not write it"
+    ), err
+    (out / "table.md").unlink()
+    (out / "table.md").mkdir()
+    code, err = support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]), capsys.readouterr().err
+    assert code == 2 and "table.md is there (a folder)" in err and err.count("\n") == 1, err
+    assert (out / "README.md").read_text() == "my notes" and before == {
+        p: p.read_bytes() for p in runs.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.slow
+def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told(
+    tmp_path, monkeypatch
+):
+    sweep = load_command("sweep.py")  # (its trainers run in the repository: the paths must agree)
+    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, n_layers=2, runs=[sweep.dense(2)]))
+    monkeypatch.chdir(tmp_path)
+    assert support.cli(sweep.main, ["--grid=one", "--runs=runs", "--out=out"]) == 0
+    assert sweep.run_state(str(tmp_path / "runs" / "dense_2_s0")) == "done"
+    row = sweep.read_runs(str(tmp_path / "out" / "runs.csv"))[0]
+    assert f"--run_dir={tmp_path / 'runs' / 'dense_2_s0'}" in row["command"]
+
+
+# ------------------------------------------------------------------------- bench.py
+
+
+def test_bench_target_lines_compare_each_target_and_give_the_mfu():
+    bench = load_command("bench.py")
+    rows = [
+        dict(target=p, fb_speedup=s, fb_eff=e, fb_mfu_masked=0.3614)
+        for p, s, e in ((0.0, 0.96, 0.96), (0.25, 1.1, 0.9), (0.5, 1.3, 0.79), (0.75, 2.0, 0.84))
+    ]
+    assert bench.target_lines("paper", rows) == [
+        "paper at sparsity 0.0: 0.96 compact / masked (target 0.95): met",
+        "paper at sparsity 0.5: 0.79 of the FLOP ideal (target 0.8): not met",
+        "paper at sparsity 0.75: 0.84 of the FLOP ideal (target 0.8): met",
+        "paper: MFU of the masked model at sparsity 0, fwd+bwd: 36.1%",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=cuda)]
+)  # CPU: through AOTAutograd, no Inductor (Dynamo's decisions are the same)
+def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
+    device, monkeypatch, strict_dynamo
+):
+    # bench.py times a masked and a compacted model, their blocks compiled, at four sparsities:
+    # per grad mode one graph for the masked model and one per packed length, shared by the
+    # blocks and the sparsities; each row's compile columns hold the graphs its calls compiled
+    # (the first row's, its forced gates and fitted lengths included), none where none is new
+    import torch._dynamo
+
+    if device == "cpu":
+        real = torch.compile
+        monkeypatch.setattr(
+            torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"})
+        )
+    bench = load_command("bench.py")
+    monkeypatch.setitem(
+        bench.SIZES,
+        "tiny",
+        (dict(n_layers=4, dim=256, n_heads=4, n_kv_heads=4, max_seq_len=256, seq_len=256), 4),
+    )
+    fitted, fit = [], tg.fit_lengths
+
+    def fit_lengths(raw, idx):  # the packed lengths each sparsity is timed at
+        fit(raw, idx)
+        fitted.append(tuple(raw.router.lengths))
+
+    monkeypatch.setattr(tg, "fit_lengths", fit_lengths)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    _, _, rows = bench.bench_size("tiny", device, 1, True)
+    lengths = {n for v in fitted for n in v}
+    assert len(fitted) == 4 and len(lengths) < 4 * 4
+    assert counts["stats"]["unique_graphs"] <= 2 * (1 + len(lengths)), dict(counts["stats"])
+    assert not counts["graph_break"], dict(counts["graph_break"])
+    assert rows[0]["compile_masked"] > 0 and rows[0]["compile_compact"] > 0
+    assert all(r["compile_masked"] == 0 for r in rows[1:])  # its one shape: compiled once
+    new = [bool(set(v) - {n for u in fitted[:i] for n in u}) for i, v in enumerate(fitted)]
+    assert [r["compile_compact"] > 0 for r in rows] == new  # a new length: a new graph
+
+
+# ------------------------------------------------------------------------- records/
+
+
+@pytest.mark.slow
+def test_every_script_under_records_runs_on_todays_code(tmp_path):
+    scripts = sorted(Path(REPO).glob("records/*/*.py"), key=lambda p: p.name)
+    names = ["compile_time.py", "memory_step.py", "replay.py", "table.py"]
+    assert [p.name for p in scripts] == names  # a new one: run it here
+    for script in scripts:  # each answers --help with its docstring
+        r = run_command(script, "--help")
+        assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr[-500:])
+    r = run_command(scripts[3])
+    readme = (scripts[3].parent / "README.md").read_text()  # its table, from its runs
+    assert r.returncode == 0 and r.stdout.count("\n") == 10 and r.stdout in readme, r.stdout
+    r = run_command(  # CPU Inductor, a new cache: a block's graph compiled, then reused
+        scripts[0], REPO, "--compact=0", "--steps=2", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    timed = json.loads(r.stdout)
+    assert timed["graphs"] == 1 and timed["steps"][0]["compile_s"] > 0, timed
+    assert timed["steps"][1]["compile_s"] == 0 < timed["steps"][1]["wall_s"], timed
+    r = run_command(  # today's packed_lengths on the recorded counts: the run's own redos
+        scripts[2], timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.splitlines()[:2] == [
+        "300 steps, 12 redone in the run",
+        "packed_lengths: 12 redone, packed / needed 1.285",
+    ], r.stdout + r.stderr[-2000:]
+    r = run_command(scripts[1], REPO, "1", "1", threads=1, timeout=300)
+    assert r.returncode == 0 and re.fullmatch(
+        r"device_batch=1 x 1024 n_layers=1: peak RSS "
+        r"[\d.]+ GiB \(after building the model [\d.]+ GiB\), "
+        r"step [\d.]+ s\n",
+        r.stdout,
+    ), r.stderr[-2000:]
