@@ -39,6 +39,9 @@ import train_gpt as tg  # noqa: E402
 
 CARD = "README.md"
 FILES = (hub.WEIGHTS, hub.CONFIG, CARD)
+TEMPORARY = "|".join(  # support.write_atomically's temporary files, of FILES and the record
+    re.escape(name) + r"\.[a-z0-9_]{8}\.tmp" for name in (*FILES, support.OUTPUTS)
+)
 
 
 def parser() -> support.ArgParser:
@@ -73,8 +76,9 @@ def repo_id(text: str) -> str:
 
 def check_out_dir(out: str):
     """OUT_DIR holds nothing export did not write (support.writable_dir checks its own files)."""
-    if os.path.isdir(out):
-        foreign = sorted(set(os.listdir(out)) - {*FILES, support.OUTPUTS})
+    if os.path.isdir(out):  # (a write cut by SIGKILL leaves its temporary file: NAME.*.tmp)
+        cut = {n for n in os.listdir(out) if re.fullmatch(TEMPORARY, n)}
+        foreign = sorted(set(os.listdir(out)) - {*FILES, support.OUTPUTS} - cut)
         if foreign:
             raise support.UserError(
                 f"{out} holds files export did not write ({', '.join(foreign[:3])}): "

@@ -150,8 +150,12 @@ def read_config(path: str, shown: str) -> dict:
         raise UserError(f"{shown} is over {MAX_CONFIG_BYTES} bytes: not a model's config")
     try:
         with open(path, "rb") as f:
-            config = json.loads(f.read())
-    except (OSError, ValueError, RecursionError) as e:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {shown}: {e.strerror or e}") from None
+    try:
+        config = json.loads(data)
+    except (ValueError, RecursionError) as e:
         raise UserError(f"{shown} is not readable JSON ({type(e).__name__})") from None
     if not isinstance(config, dict):
         raise UserError(f"{shown} holds {type(config).__name__}, not a JSON object")

@@ -122,6 +122,8 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
             check(state)
     except UserError as e:
         raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
+    except OSError as e:  # (not the file's fault: a permission, say)
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
     except Exception as e:  # truncated, overwritten, or from an incompatible version
         raise UserError(
             f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})"
@@ -316,11 +318,11 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
     held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
     if not resuming and held:
+        renamable = held == [PREVIOUS] and kind_of(os.path.join(run_dir, PREVIOUS)) == "a file"
         raise UserError(
             f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
             f"choose another directory, or continue it with train_gpt.py --resume="
-            f"{run_dir}"
-            + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if held == [PREVIOUS] else "")
+            f"{run_dir}" + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if renamable else "")
         )
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
         raise UserError(
@@ -328,6 +330,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         )
     if resuming:
         check_owner(run_dir, ckpt)
+        check_metrics(os.path.join(run_dir, LOGS[1]))  # (before anything is written)
     for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
         if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
             os.remove(stale)
@@ -474,12 +477,23 @@ def clock(train_ms: float, timed_steps: int) -> str:
 
 
 RECORD_KINDS = ("train", "val", "checkpoint", "warmup")  # what RunLog.record writes
+MAX_METRICS_BYTES = 1 << 30  # a resume reads metrics.jsonl whole: a run's is ~1 kB a step
+
+
+def check_metrics(path: str):
+    """metrics.jsonl within MAX_METRICS_BYTES, which a resume reads (kept_metrics)."""
+    if os.path.isfile(path) and os.path.getsize(path) > MAX_METRICS_BYTES:
+        raise UserError(
+            f"{path} is over {MAX_METRICS_BYTES >> 30} GiB, more than a run's metrics: not "
+            f"this run's to rewrite (move it away to resume; nothing was written)"
+        )
 
 
 def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
     """metrics.jsonl as a job resumed at step resumed_at rewrites it: our records past what the
     checkpoint saw are dropped, and one that a crash cut short (no newline); a line of the
     user's stays, ended by a newline; then one checkpoint record of the step, unless there is."""
+    check_metrics(path)
     kept = []
     with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
         for line in f:
@@ -520,12 +534,14 @@ class RunLog:
         if not active:
             return
         log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
+        if resumed_at is not None:  # (read before anything is rewritten)
+            kept = kept_metrics(metrics, resumed_at, val_done)
         write_atomically(config_path, json.dumps(config, indent=2).encode())
         with named(log):  # a write error carries no file name
             self.log = open(log, "w" if resumed_at is None else "a")
             if resumed_at is not None:
                 self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
-                write_atomically(metrics, kept_metrics(metrics, resumed_at, val_done))
+                write_atomically(metrics, kept)
             for name in SOURCES:  # in full, as they ran: the trainer's first, unmarked
                 with open(os.path.join(HERE, name)) as f:
                     rule = "" if name == SOURCES[0] else f"{'-' * 40} {name}\n"
@@ -771,7 +787,7 @@ def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
             return None
         return old
 
-    if not ledger.untried:
+    if not ledger.untried or ledger.last == "none":  # ("none": the run has not saved yet)
         return ledger.last
     step = d.on_master(put_back)
     if step is None:  # the newest stays, but it is not a good one

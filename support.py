@@ -424,6 +424,7 @@ def refuse(e: OSError, path: str, doing: str = "write to"):
 
 PROBE_BYTES = 1 << 20
 OUTPUTS = ".outputs.json"  # in a folder a command wrote files into: {name: sha256} of each
+# (while a file is being replaced, [old sha256, new sha256]: write_output)
 
 
 def writable_dir(path: str, outputs=()) -> str:
@@ -436,7 +437,8 @@ def writable_dir(path: str, outputs=()) -> str:
     for p in (os.path.join(path, name) for name in outputs):
         if os.path.lexists(p) and (
             os.path.islink(p)
-            or ours.get(os.path.basename(p)) != (sha256_of(p) if os.path.isfile(p) else "")
+            or not os.path.isfile(p)
+            or sha256_of(p) not in digests(ours.get(os.path.basename(p)))
         ):
             raise UserError(
                 f"{p} is there ({kind_of(p)}) and this command did not write it, or "
@@ -477,8 +479,9 @@ def written_outputs(d: str) -> dict:
             record = None
     ours = isinstance(record, dict) and all(
         name == os.path.basename(name) not in ("", ".", "..")
-        and isinstance(digest, str)
-        and re.fullmatch("[0-9a-f]{64}", digest)
+        and isinstance(digest, (str, list))
+        and 1 <= len(digests(digest)) <= 2
+        and all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests(digest))
         for name, digest in record.items()
     )
     if not ours:
@@ -489,11 +492,25 @@ def written_outputs(d: str) -> dict:
     return record
 
 
+def digests(recorded) -> list:
+    """The sha256 digests OUTPUTS accepts for a name: one, or two while it is being replaced."""
+    if recorded is None:
+        return []
+    return [recorded] if isinstance(recorded, str) else recorded
+
+
 def write_output(folder: str, name: str, data: bytes):
-    """write_atomically, its sha256 recorded in folder's OUTPUTS (writable_dir may replace it)."""
-    ours = {**written_outputs(folder), name: hashlib.sha256(data).hexdigest()}
-    write_atomically(os.path.join(folder, name), data)
-    write_atomically(os.path.join(folder, OUTPUTS), json.dumps(ours, indent=1).encode())
+    """write_atomically, with its sha256 in folder's OUTPUTS before and after the write (beside
+    the old file's, while it is replaced), so that a command cut at any point (a signal, a
+    full disk) leaves only files its rerun recognises as its own (writable_dir)."""
+    ours = written_outputs(folder)
+    new = hashlib.sha256(data).hexdigest()
+    path, record = os.path.join(folder, name), os.path.join(folder, OUTPUTS)
+    old = sha256_of(path) if kind_of(path) == "a file" and name in ours else None
+    both = [new] if old is None else [old, new]
+    write_atomically(record, json.dumps({**ours, name: both}, indent=1).encode())
+    write_atomically(path, data)
+    write_atomically(record, json.dumps({**ours, name: new}, indent=1).encode())
 
 
 HASH_BLOCK = 16 << 20  # sha256_of reads this much at a time: memory stays bounded

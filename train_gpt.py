@@ -1063,11 +1063,15 @@ def route_sums(route: dict, router: Router) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast) -> dict:
+def evaluate(
+    model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist, autocast, stop=None
+):
     """Validation over val_tokens, inference routing, all-reduced over ranks: the loss, the
     route_sums and residual norms per token, FLOPs per token at the shares that ran. Documents,
     not tokens, are the sampled units (each runs from one separator to the next): the loss is a
-    ratio of per-document sums, and val_se its standard error over them (delta method)."""
+    ratio of per-document sums, and val_se its standard error over them (delta method).
+    stop: the training job's StopSignal: a signal, or a torchrun launcher gone, cuts it (None),
+    at the same batch on every rank (agreed_signal)."""
     model.eval()
     loader.reset()
     lengths = model.router.lengths  # (put back at the end)
@@ -1077,6 +1081,10 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     # (loss | starts a document, step, rank, token): every target in the order the loader reads
     each = torch.zeros(2, steps, d.world, B * T, dtype=torch.float64, device=d.device)
     for i in range(steps):
+        if stop is not None and agreed_signal(stop, d):
+            model.train()
+            model.router.lengths = lengths
+            return None
         x, y = (to_device(t, d.device) for t in loader.next_batch())
         with autocast:
             _, loss, route, resid = model(x, targets=y, per_token=True)
@@ -1090,7 +1098,9 @@ def evaluate(model: GPT, hp: Hyperparameters, loader: DistributedLoader, d: Dist
     loss, starts = sums.pop("each").cpu().flatten(1)  # (on the CPU: index_add_ in a fixed order)
     doc = starts.long().cumsum(0)  # (tokens,) each target's document
     count = torch.bincount(doc).double()
-    total, count = torch.zeros_like(count).index_add_(0, doc, loss)[count > 0], count[count > 0]
+    present = count > 0  # (document 0 is empty when the first target starts one)
+    total = torch.zeros_like(count).index_add_(0, doc, loss)[present]
+    count = count[present]
     docs, tokens, mean = len(count), loss.numel(), (total.sum() / count.sum()).item()
     se = (
         math.sqrt(docs / (docs - 1) * (total - mean * count).square().sum().item())
@@ -1269,10 +1279,14 @@ def train(
             val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
             if val_due and not signum and run.val_done < step:
                 clock.begin(d)
-                v = evaluate(raw, hp, val_loader, d, autocast)  # the raw model: no DDP hooks
+                v = evaluate(raw, hp, val_loader, d, autocast, stop)  # raw: no DDP hooks
                 clock.compile_ms += clock.lap(d)[1]  # (its graphs count in the job's total)
-                log.validation(raw.router, v, run, steps)
-                run.val_done = step
+                if v is None:  # cut by a signal: saved with the validation owed, then stop
+                    signum = agreed_signal(stop, d)
+                    ending = True
+                else:
+                    log.validation(raw.router, v, run, steps)
+                    run.val_done = step
             # save every save_every steps and when the job ends, if anything is new
             periodic = step > start and hp.save_every and step % hp.save_every == 0
             if (ending or periodic) and (step > start or run.val_done != saved_val or not ckpt):
