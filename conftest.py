@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import routers
 import support
 import train_gpt as tg
 
@@ -280,7 +281,9 @@ def compact_matches_masked(masked, idx, given=None, evaluate=True):
             else:
                 with torch.no_grad():
                     evaluated = m.eval()(idx)
-            seen[training] = tg.packed_counts((o if training else evaluated).route).int().tolist()
+            seen[training] = (
+                routers.packed_counts((o if training else evaluated).route).int().tolist()
+            )
         outputs.append((o, evaluated))
         counts.append(seen)
         gradients.append(grads(m))

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ranks
+import routers
 import runs
 import support
 import train_gpt as tg
@@ -571,7 +573,7 @@ def test_compact_block_matches_the_dense_masked_block(length):
     for compact in (False, True):
         block.zero_grad()
         xi, gi = x.clone().requires_grad_(), g.clone().requires_grad_()
-        y = block(xi, gi, None, compact, length=given)
+        y = block(xi, gi, None, compact=compact, length=given)
         (y * w).sum().backward()
         results.append((y.detach(), grads(block), xi.grad, gi.grad))
     (y0, p0, x0, g0), (y1, p1, x1, g1) = results
@@ -584,7 +586,7 @@ def test_compact_block_matches_the_dense_masked_block(length):
     assert_close_rel(g0[open_], g1[open_], 1e-4)  # upstream zeroes it in the model
     assert torch.equal(y1[2], x[2])  # a row with every token skipped is untouched
     if given is not None and given < 24:  # one token fewer: the longest sequence loses its last
-        y2 = block(x, g, None, True, length=given - 1)
+        y2 = block(x, g, None, compact=True, length=given - 1)
         assert not torch.allclose(y2, y1, atol=1e-3)
 
 
@@ -637,8 +639,8 @@ def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
     # per block the most of the steps seen, rounded up to a multiple of T / 16, at least one
     # such unit (a block no token ran still runs a padding token), at most T
     seen = [[0, 5, 31, 32, 4], [0, 9, 16, 3, 4]]  # T = 32: units of 2
-    assert tg.packed_lengths(seen, 32) == [2, 10, 32, 32, 4]
-    assert tg.packed_lengths([[17, 64, 65, 1024]], 1024) == [64, 64, 128, 1024]
+    assert routers.packed_lengths(seen, 32) == [2, 10, 32, 32, 4]
+    assert routers.packed_lengths([[17, 64, 65, 1024]], 1024) == [64, 64, 128, 1024]
 
 
 def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
@@ -655,7 +657,7 @@ def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
     shards = f"{REPO}/data/sample/sample_train_*.bin"
     x = torch.tensor(tg.read_shard(tg.find_shards(shards)[0], hp.vocab_size)[:64].astype("int64"))
     x = x.view(2, 32)
-    assert (tg.packed_counts(masked(x).route) > 2).any()
+    assert (routers.packed_counts(masked(x).route) > 2).any()
     assert (short(x).logits - masked(x).logits).abs().max() > 1e-3  # what the redo prevents
     after = []
     for m, lengths in ((masked, None), (model, [2] * 4)):
@@ -669,7 +671,7 @@ def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
             hp,
             opt,
             loader,
-            runs.Dist(),
+            ranks.Dist(),
             contextlib.nullcontext(),
             2,
             [1.0] * len(opt.param_groups),
@@ -680,7 +682,7 @@ def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
     assert "redone" not in s0 and s1["redone"] == [1]
     assert s1["lm_loss"] == pytest.approx(s0["lm_loss"], rel=1e-5)
     assert (
-        model.router.lengths == tg.packed_lengths([s1["packed"]], 32)
+        model.router.lengths == routers.packed_lengths([s1["packed"]], 32)
         and s1["packed"] == s0["packed"]
     )
     assert p0.keys() == p1.keys()
@@ -789,8 +791,16 @@ def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
     step_s = 0.25  # a made-up step time
     assert tg.mfu(hp, step_s, 1, 1e12) == pytest.approx(step_flops / step_s / 1e12, rel=0.02)
     assert tg.mfu(hp, step_s, 2, 1e12) == pytest.approx(tg.mfu(hp, step_s, 1, 1e12) / 2)
-    sparse = tg.mfu(replace(hp, router="skip_middle"), step_s, 1, 1e12, active=[0.5, 0.5])
-    assert sparse < 0.7 * tg.mfu(hp, step_s, 1, 1e12)  # compact: only the work executed counts
+    # a step's sums (train_step): each sequence ran half of its tokens through each block
+    n, pairs = 3 * 64, 32 * 33 / 2
+    stats = {"tokens": [n], "block_active": [n / 2] * 2, "attn_pairs": [3 * pairs] * 2}
+    gated = replace(hp, router="skip_middle", compact=True)
+    sparse = tg.mfu(gated, step_s, 1, 1e12, stats)  # compact: only the work executed counts
+    executed = tg.forward_flops(gated, [0.5, 0.5], pairs=[pairs] * 2)
+    assert sparse == pytest.approx(3 * executed * 3 / step_s / 1e12)
+    assert sparse < 0.7 * tg.mfu(hp, step_s, 1, 1e12)
+    masked = replace(gated, compact=False)  # every token's work runs: the shares do not count
+    assert tg.mfu(masked, step_s, 1, 1e12, stats) == tg.mfu(masked, step_s, 1, 1e12)
     # the peak follows the device's name (as torch.cuda.get_device_name gives it), or is given
     for name, peak in (
         ("NVIDIA H100 80GB HBM3", 989e12),
@@ -900,7 +910,7 @@ def test_compile_time_is_counted_apart_from_step_time():
         clock.add(run, step_ms, compile_ms)
     clock.end(run)
     assert (run.train_ms, run.timed_steps) == (200.0, 2)  # 100 + (350 - 250)
-    assert log.lines == [
+    assert log.lines[1:] == [
         "warm-up: steps 1-1 of this job untimed, 900ms (compile 800ms)",
         "compile: 1.1s in this job",
     ]
@@ -916,8 +926,8 @@ def test_compile_time_is_counted_apart_from_step_time():
         "mlp_active": [512.0] * 4,
         "packed": [64.0] * 4,
     }
-    router = tg.GPT(hp).router
-    tg.log_step(log, router, hp, run, 10, stats, [1e-3] * 5, (350.0, 250.0), 0.0, 1)
+    router = tg.GPT(hp).router  # (RunLog.step on the fake log: its print and record)
+    runs.RunLog.step(log, run, 10, stats, router.means, [1e-3] * 5, (350.0, 250.0))
     assert log.lines[-1].endswith(" tok/s:5120 compile:250ms")  # 512 tokens in 100 ms
     assert (log.records[-1]["step_ms"], log.records[-1]["compile_ms"]) == (350.0, 250.0)
 

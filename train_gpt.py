@@ -59,6 +59,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import hub  # noqa: E402
+import ranks  # noqa: E402
 import runs  # noqa: E402
 from data.shards import (  # noqa: E402
     BYTES_EOT,
@@ -68,15 +69,7 @@ from data.shards import (  # noqa: E402
     shard_encoding,
     shard_tokens,
 )
-from ranks import (  # noqa: E402
-    Dist,
-    add_sums,
-    agreed_signal,
-    all_reduce,
-    all_reduce_sums,
-    setup_distributed,
-    watching,
-)
+from ranks import Dist, add_sums, all_reduce_sums  # noqa: E402
 from routers import (  # noqa: E402
     DLO,
     PACKS,
@@ -1081,7 +1074,7 @@ def evaluate(
     # (loss | starts a document, step, rank, token): every target in the order the loader reads
     each = torch.zeros(2, steps, d.world, B * T, dtype=torch.float64, device=d.device)
     for i in range(steps):
-        if stop is not None and agreed_signal(stop, d):
+        if stop is not None and ranks.agreed_signal(stop, d):
             model.train()
             model.router.lengths = lengths
             return None
@@ -1272,7 +1265,7 @@ def train(
         )
         clock = runs.StepClock(log, start, job.untimed_steps)
         for step in range(start, steps + 1):  # at each step boundary, then the step
-            signum = agreed_signal(stop, d)
+            signum = ranks.agreed_signal(stop, d)
             ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
             # validate every val_every steps and at the last; a signal skips it (to stop soon):
             # the checkpoint marks it owed (val_done < step), so a resume runs it first
@@ -1282,7 +1275,7 @@ def train(
                 v = evaluate(raw, hp, val_loader, d, autocast, stop)  # raw: no DDP hooks
                 clock.compile_ms += clock.lap(d)[1]  # (its graphs count in the job's total)
                 if v is None:  # cut by a signal: saved with the validation owed, then stop
-                    signum = agreed_signal(stop, d)
+                    signum = ranks.agreed_signal(stop, d)
                     ending = True
                 else:
                     log.validation(raw.router, v, run, steps)
@@ -1366,7 +1359,7 @@ def micro_steps(model, router: Router, hp, xs, ys, d, autocast, accum, step) -> 
         sums = add_sums(sums, more)
         n = packed_counts(out.route).double()
         packed = n if packed is None else torch.maximum(packed, n)
-    sums = {**all_reduce_sums(sums), "packed": all_reduce(packed, "max")}
+    sums = {**all_reduce_sums(sums), "packed": ranks.all_reduce(packed, "max")}
     # the step's one host read: every figure but the router's sums (they stay on the device)
     flat = torch.cat([t.reshape(-1) for k, t in sums.items() if k != "router"]).tolist()
     for k, t in sums.items():
@@ -1383,7 +1376,7 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     raw = built(hp, init, d.device)
     cuda = d.device.startswith("cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    with watching(d):  # (nothing written: a launcher gone ends it at once)
+    with ranks.watching(d):  # (nothing written: a launcher gone ends it at once)
         v = evaluate(raw, hp, loader, d, autocast)
     if d.master:
         print("\n".join(runs.validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
@@ -1411,7 +1404,7 @@ def main(argv):
         else:  # a new run, on the source's settings if any
             hp, ckpt = resolve(given, base), None
         job = replace(job, run_dir=job.resume or job.run_dir)
-        d = setup_distributed()
+        d = ranks.setup_distributed()
         try:
             if job.eval_only:
                 evaluate_only(hp, d, init)

@@ -12,6 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
+import ranks
 import runs
 import support
 import train_gpt as tg
@@ -292,9 +293,9 @@ def test_flex_is_refused_for_the_reason_that_applies():
         ),
     ]:
         with pytest.raises(tg.UserError) as e:
-            tg.check_run(settings, tg.Job(), runs.Dist(device=device), None)
+            tg.check_run(settings, tg.Job(), ranks.Dist(device=device), None)
         assert str(e.value) == message
-    tg.check_run(replace(hp, attn_impl="sdpa"), tg.Job(), runs.Dist(), None)  # the rest is fine
+    tg.check_run(replace(hp, attn_impl="sdpa"), tg.Job(), ranks.Dist(), None)  # the rest is fine
 
 
 def test_a_size_past_the_machine_is_one_line_before_any_model_is_built(tmp_path, capsys):

@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+import bench
+import ranks
 import routers
 import runs
 import train_gpt as tg
@@ -144,7 +146,9 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
             (out.loss + reg).backward()
         raw.router.update(sums, idx.numel(), step)
         if packs:  # each step's own counts (not train_step's window): lengths change often
-            raw.router.lengths = tg.packed_lengths([tg.packed_counts(out.route).tolist()], 256)
+            raw.router.lengths = routers.packed_lengths(
+                [routers.packed_counts(out.route).tolist()], 256
+            )
             lengths.add(tuple(raw.router.lengths))
     training_graphs = len(graphs)
     model.eval()
@@ -155,7 +159,7 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
                 0, 97, (2, 256), generator=torch.Generator().manual_seed(100 + seed)
             )
             if compact:
-                tg.fit_lengths(raw, idx)  # (compiled in place: at the shapes used next)
+                bench.fit_lengths(raw, idx)  # (compiled in place: at the shapes used next)
                 fitted.add(tuple(raw.router.lengths))
             model(idx, targets=torch.roll(idx, -1, 1))
     # per mode, one graph per shape a block is called at: per packed length (the sequence's
@@ -167,7 +171,7 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
     evaluated = {n for v in fitted for n in v} | {hp.seq_len}
     assert len(graphs) - training_graphs <= 2 * len(evaluated), (len(graphs), evaluated)
     if router == "skip_middle" and compact:  # one graph a length: shared by every block
-        assert training_graphs == len(shapes) <= tg.PACKS + 1
+        assert training_graphs == len(shapes) <= routers.PACKS + 1
         assert len(graphs) - training_graphs <= len(evaluated)
 
 
@@ -199,6 +203,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
                 tg.__file__,
                 routers.__file__,
                 runs.__file__,
+                ranks.__file__,
             ):
                 reads.append(f"{name} at line {sys._getframe(1).f_lineno}")
             return real(t, *a)
@@ -225,7 +230,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
         model.router.lengths = [hp.seq_len] * hp.n_layers  # as train() starts
     for step in (0, 1):  # the second step packs to the lengths the first one's counts gave
         stats = tg.train_step(
-            model, model.router, hp, opt, loader, runs.Dist(), contextlib.nullcontext(), 2, lrs, 0
+            model, model.router, hp, opt, loader, ranks.Dist(), contextlib.nullcontext(), 2, lrs, 0
         )
         model.router.update(stats.get("router"), stats["tokens"][0], 0)
         model.router.lr_scales(1)  # the next step's per-layer rates: DLO's eq. 10 reads them
@@ -234,7 +239,7 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     if compact and model.router.packs_in_training:
         seen = model.router.seen  # both steps' counts: the lengths hold the most of either
         assert len(seen) == 2 and seen[-1] == stats["packed"]
-        assert model.router.lengths == tg.packed_lengths(seen, hp.seq_len)
+        assert model.router.lengths == routers.packed_lengths(seen, hp.seq_len)
         assert min(model.router.lengths) < hp.seq_len  # some block packs fewer than all
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 
@@ -339,7 +344,7 @@ def test_ddp_with_compact_blocks_empty_on_one_rank(tmp_path):
 DDP_REDO = r"""
 import contextlib, os, sys, torch
 sys.path.insert(0, sys.argv[1])
-import runs, train_gpt as tg
+import ranks, train_gpt as tg
 from dataclasses import replace
 torch.distributed.init_process_group("gloo")
 rank = torch.distributed.get_rank()
@@ -350,7 +355,7 @@ model.router.lengths = torch.load(sys.argv[4])  # long enough for rank 0's rows,
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.SGD(tg.param_groups(model), lr=1.0)
 loader = tg.DistributedLoader(hp.train_files, 2, hp.seq_len, rank, 2, hp.vocab_size)
-stats = tg.train_step(ddp, model.router, hp, opt, loader, runs.Dist(rank=rank, world=2),
+stats = tg.train_step(ddp, model.router, hp, opt, loader, ranks.Dist(rank=rank, world=2),
                       contextlib.nullcontext(), 1, [1.0] * len(opt.param_groups), 0)
 torch.save({"stats": stats, "params": model.state_dict()},
            os.path.join(sys.argv[5], f"rank{rank}.pt"))
@@ -377,8 +382,8 @@ def test_ddp_ranks_redo_a_step_together_when_one_rank_outgrows_its_lengths(tmp_p
     loader = tg.DistributedLoader(hp.train_files, 4, 32, 0, 1, hp.vocab_size)
     x, y = loader.next_batch()  # the global batch: rows 0-1 rank 0's, rows 2-3 rank 1's
     with torch.no_grad():
-        counts = [tg.packed_counts(masked(x[r : r + 2]).route).tolist() for r in (0, 2)]
-    lengths = tg.packed_lengths([counts[0]], 32)
+        counts = [routers.packed_counts(masked(x[r : r + 2]).route).tolist() for r in (0, 2)]
+    lengths = routers.packed_lengths([counts[0]], 32)
     assert any(n > m for n, m in zip(counts[1], lengths, strict=True))  # rank 1 outgrows them
     assert all(n <= m for n, m in zip(counts[0], lengths, strict=True))  # rank 0 does not
     for name, obj in (("hp", hp), ("model", masked.state_dict()), ("lengths", lengths)):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ranks
 import runs
 import support
 from conftest import (
@@ -86,7 +87,7 @@ def test_a_resume_keeps_a_users_lines_whatever_their_step(tmp_path):
 
 
 def test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run(tmp_path):
-    d = runs.Dist(device="cpu")
+    d = ranks.Dist(device="cpu")
     newest = {"run_id": "aa", "step": 10}
     cases = [  # (what checkpoint.prev.pt is, whether it is put back)
         ({"run_id": "bb", "step": 5}, False),  # another run's
@@ -102,15 +103,13 @@ def test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run(tmp_path):
             os.mkfifo(run / runs.PREVIOUS)
         else:
             torch.save(prev, run / runs.PREVIOUS)
-        support.STOP.untried, support.STOP.last_ckpt = True, "the newest"
-        said = runs.last_good(d, str(run), "aa")
+        said = runs.last_good(d, runs.Ledger(str(run), "the newest"), "aa")
         step = torch.load(run / runs.CHECKPOINT, weights_only=True)["step"]
         if put_back:
             assert step == 5 and not (run / runs.PREVIOUS).exists() and "(step 5, put back" in said
         else:
             assert step == 10 and os.path.lexists(run / runs.PREVIOUS), prev
             assert said.startswith("none: no step from the newest, the newest, had a finite")
-    support.STOP.untried, support.STOP.last_ckpt = True, None
 
 
 # -------------------------------------------------------------------------- outputs

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import routers
 import train_gpt as tg
 from conftest import REPO, assert_close_rel, cuda, grads, run_command, spread_gates, tiny
 
@@ -89,7 +90,7 @@ def test_cuda_compact_path_compiles_each_packed_length_once_and_never_syncs(stri
 
     torch._dynamo.reset()  # (strict_dynamo: giving up fails)
     torch.manual_seed(0)
-    T, unit = 256, 256 // tg.PACKS
+    T, unit = 256, 256 // routers.PACKS
     hp = tiny(
         n_layers=4, dim=256, n_heads=4, n_kv_heads=4, max_seq_len=T, seq_len=T, compact=True,
         attn_impl="flex",
@@ -110,7 +111,7 @@ def test_cuda_compact_path_compiles_each_packed_length_once_and_never_syncs(stri
             out = model(idx, targets=torch.roll(idx, -1, 1))
         out.loss.backward()
         assert out.loss.isfinite()
-        raw.router.lengths = tg.packed_lengths([tg.packed_counts(out.route).tolist()], T)
+        raw.router.lengths = routers.packed_lengths([routers.packed_counts(out.route).tolist()], T)
     shapes = {n for v in lengths for n in v}
     assert counts["stats"]["unique_graphs"] == len(shapes), (dict(counts["stats"]), shapes)
     assert not counts["graph_break"], dict(counts["graph_break"])

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import routers
 import sample
 import train_gpt as tg
 from conftest import (
@@ -214,7 +215,7 @@ def test_dlo_compact_evaluation_matches():
     assert (
         torch.equal(a.route["scale"], b.route["scale"]) and (a.logits - b.logits).abs().max() < 1e-5
     )
-    models[1].router.lengths = tg.packed_counts(a.route).int().tolist()  # given: the exact fit
+    models[1].router.lengths = routers.packed_counts(a.route).int().tolist()  # given: the exact fit
     assert max(models[1].router.lengths) < 16
     c = models[1](idx)
     assert (

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ranks
 import runs
 import train_gpt as tg
 from conftest import (
@@ -95,28 +96,28 @@ def test_a_signal_never_loses_a_validation(tmp_path, monkeypatch, capsys, n):
 def test_a_signal_that_reached_another_rank_stops_this_one_with_its_name(
     tmp_path, monkeypatch, capsys
 ):
-    real = runs.all_reduce
+    real = ranks.all_reduce
 
     def other_rank_signalled(t, op="sum"):  # what the MAX all-reduce gives when rank 1 got SIGTERM
         return t.fill_(signal.SIGTERM) if op == "max" and t.numel() == 1 else real(t, op)
 
-    monkeypatch.setattr(runs, "all_reduce", other_rank_signalled)
+    monkeypatch.setattr(ranks, "all_reduce", other_rank_signalled)
     code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
     assert code == 0 and err == "", err
     assert "stopped by signal SIGTERM at step 0" in out
 
 
 def test_a_first_signal_during_start_up_stops_cleanly(tmp_path, monkeypatch, capsys):
-    real_setup, real_log = runs.setup_distributed, runs.open_log
+    real_setup, real_log = ranks.setup_distributed, runs.open_log
 
     def signalled():  # Ctrl-C while the job checks its settings: it stops at once, silently
         os.kill(os.getpid(), signal.SIGINT)
         return real_setup()
 
-    monkeypatch.setattr(runs, "setup_distributed", signalled)
+    monkeypatch.setattr(ranks, "setup_distributed", signalled)
     code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'a'}"], capsys)
     assert (code, out, err) == (130, "", "") and not (tmp_path / "a").exists()
-    monkeypatch.setattr(runs, "setup_distributed", real_setup)
+    monkeypatch.setattr(ranks, "setup_distributed", real_setup)
 
     def logged(*args, **kwargs):  # once the run directory is set up, a signal saves step 0
         os.kill(os.getpid(), signal.SIGINT)

@@ -362,13 +362,13 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
         "tiny",
         (dict(n_layers=4, dim=256, n_heads=4, n_kv_heads=4, max_seq_len=256, seq_len=256), 4),
     )
-    fitted, fit = [], tg.fit_lengths
+    fitted, fit = [], bench.fit_lengths
 
     def fit_lengths(raw, idx):  # the packed lengths each sparsity is timed at
         fit(raw, idx)
         fitted.append(tuple(raw.router.lengths))
 
-    monkeypatch.setattr(tg, "fit_lengths", fit_lengths)
+    monkeypatch.setattr(bench, "fit_lengths", fit_lengths)
     torch._dynamo.reset()
     torch.manual_seed(0)
     counts = torch._dynamo.utils.counters
