@@ -804,8 +804,11 @@ def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
 
 def open_log(d: Dist, ledger: Ledger, run: RunState, hp, job, argv, resumed: bool, **facts):
     """The job's RunLog (inactive off rank 0); config.json: the run's settings (hp), the job's,
-    facts (the world, the steps, where the weights came from), the provenance and the command
-    (argv: its arguments). Failing, RunStopped: the run directory exists."""
+    facts (the world, the steps, init_from: where the weights came from, kept across resumes),
+    the provenance and the command (argv: its arguments). Failing, RunStopped: the run
+    directory exists."""
+    if resumed:  # where the weights came from: the run's first job says
+        facts = {**facts, "init_from": logged(ledger.run_dir, "init_from")}
     config = {
         **asdict(hp),
         "job": asdict(job),

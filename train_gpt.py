@@ -1213,26 +1213,51 @@ def validation_loader(hp: Hyperparameters, d: Dist) -> DistributedLoader:
     return val_loader
 
 
-def train(
-    hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = (), init=None
-) -> str:
-    """Train (or, given a checkpoint, go on training) and return the run directory.
-    argv: the command-line arguments, for the record; init: (weights, where) to start from."""
-    check_run(hp, job, d, ckpt)  # all is checked, built and restored before anything is written
+def prepare(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict, init) -> tuple:
+    """-> (raw model, optimiser, RunState, train loader, validation loader), all checked, built
+    and restored (a checkpoint, or --init_from's weights at step 0) before anything is written."""
+    check_run(hp, job, d, ckpt)
     torch.manual_seed(hp.seed)
-    cuda, steps = d.device.startswith("cuda"), num_steps(hp)
-    accum = hp.batch_size // (hp.device_batch_size * d.world)
     train_loader, val_loader = loaders(hp, d, ckpt)
-    raw = built(hp, init, d.device) if init else GPT(hp).to(d.device)  # --init_from: at step 0
+    raw = built(hp, init, d.device) if init else GPT(hp).to(d.device)
     opt = optimizer(raw, hp)
     if ckpt is not None:
-        run = runs.restore(ckpt, job, raw, opt, train_loader, cuda)
+        run = runs.restore(ckpt, job, raw, opt, train_loader, d.device.startswith("cuda"))
     else:
         run = RunState(run_id=os.urandom(8).hex())
     for group in opt.param_groups:  # this job's settings, not a checkpoint's
         group.update(adamw_options(hp))
     if raw.router.packs() and raw.router.lengths is None:  # a new run's first step: every token
         raw.router.lengths = [hp.seq_len] * hp.n_layers
+    return raw, opt, run, train_loader, val_loader
+
+
+def wrapped(raw: GPT, job: Job, d: Dist) -> nn.Module:
+    """The model the training steps run: raw, its blocks compiled (CUDA, job.compile), in DDP
+    (more than one rank)."""
+    cuda = d.device.startswith("cuda")
+    model = compile_model(raw) if job.compile and cuda else raw
+    if d.world > 1:
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[d.local_rank] if cuda else None
+        )
+    return model
+
+
+def mixed_precision(d: Dist):
+    """The forward passes' autocast: bf16 on CUDA; on the CPU none (fp32)."""
+    if d.device.startswith("cuda"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train(
+    hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = (), init=None
+) -> str:
+    """Train (or, given a checkpoint, go on training) and return the run directory.
+    argv: the command-line arguments, for the record; init: (weights, where) to start from."""
+    raw, opt, run, train_loader, val_loader = prepare(hp, job, d, ckpt, init)
+    steps, accum = num_steps(hp), hp.batch_size // (hp.device_batch_size * d.world)
     start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
         print(f"the run is complete at step {start}")
@@ -1242,17 +1267,11 @@ def train(
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     last = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
     ledger = runs.Ledger(run_dir, last)
+    cuda = d.device.startswith("cuda")
     peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    model = compile_model(raw) if job.compile and cuda else raw
-    if d.world > 1:
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[d.local_rank] if cuda else None
-        )
-    origin = init[1] if init else None  # where the weights came from, kept across resumes
-    if ckpt is not None:
-        origin = runs.logged(run_dir, "init_from")
-    facts = dict(grad_accum=accum, num_steps=steps, init_from=origin)
+    model = wrapped(raw, job, d)
+    amp = mixed_precision(d)
+    facts = dict(grad_accum=accum, num_steps=steps, init_from=init[1] if init else None)
     with (
         ledger,
         STOP as stop,
@@ -1272,7 +1291,7 @@ def train(
             val_due = step == steps or (hp.val_every > 0 and step % hp.val_every == 0)
             if val_due and not signum and run.val_done < step:
                 clock.begin(d)
-                v = evaluate(raw, hp, val_loader, d, autocast, stop)  # raw: no DDP hooks
+                v = evaluate(raw, hp, val_loader, d, amp, stop)  # raw: no DDP hooks
                 clock.compile_ms += clock.lap(d)[1]  # (its graphs count in the job's total)
                 if v is None:  # cut by a signal: saved with the validation owed, then stop
                     signum = ranks.agreed_signal(stop, d)
@@ -1290,9 +1309,7 @@ def train(
                 break
             clock.begin(d)
             lrs = [lr_at(hp, step, steps) * f for f in [1.0] + raw.router.lr_scales(step)]
-            stats = train_step(
-                model, raw.router, hp, opt, train_loader, d, autocast, accum, lrs, step
-            )
+            stats = train_step(model, raw.router, hp, opt, train_loader, d, amp, accum, lrs, step)
             run.step += 1
             if not math.isfinite(stats["total_loss"][0]):  # no update was applied; past
                 # max_bad_steps, RunStopped naming the last good checkpoint (last_good)
@@ -1374,10 +1391,8 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     check_evaluation(hp, d.world)
     loader = validation_loader(hp, d)
     raw = built(hp, init, d.device)
-    cuda = d.device.startswith("cuda")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     with ranks.watching(d):  # (nothing written: a launcher gone ends it at once)
-        v = evaluate(raw, hp, loader, d, autocast)
+        v = evaluate(raw, hp, loader, d, mixed_precision(d))
     if d.master:
         print("\n".join(runs.validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
     return v
