@@ -14,7 +14,7 @@ run the same batch side by side, forward (no grad) and forward+backward; the med
 --repeats timed runs after one warm-up is reported. The ideal speedup is forward_flops at the
 measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the dense
 count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not.
-The compile columns give each model's compile time at that sparsity (runs.compile_ms), every
+The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
 packed lengths are new compiles a block's graph again.
 """
@@ -33,7 +33,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import runs  # noqa: E402
+import runlog  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from routers import packed_counts, packed_lengths  # noqa: E402
 
@@ -120,7 +120,7 @@ def bench_size(name, device, repeats, compile_, model=None):
     masked, compact = (tg.compile_model(m) if compile_ else m for m in (model, twin))
     rows = []
     for p in SPARSITY:
-        compiled = runs.compile_ms()  # (the masked model's graphs: from its first call here)
+        compiled = runlog.compile_ms()  # (the masked model's graphs: from its first call here)
         force_sparsity(model, idx, p)
         with torch.no_grad(), autocast:
             gates = model(idx).route["gates"]
@@ -130,7 +130,7 @@ def bench_size(name, device, repeats, compile_, model=None):
         for packs in (False, True):
             run = compact if packs else masked
             if packs:  # (the compacted model's graphs: from its first call here)
-                compiled = runs.compile_ms()
+                compiled = runlog.compile_ms()
                 twin.load_state_dict(model.state_dict())
                 fit_lengths(twin.train(), idx)  # packed lengths known on the host
 
@@ -147,7 +147,7 @@ def bench_size(name, device, repeats, compile_, model=None):
             key = "compact" if packs else "masked"
             row[f"fwd_{key}"] = timed(forward, repeats, sync)
             row[f"fb_{key}"] = timed(forward_backward, repeats, sync)
-            row[f"compile_{key}"] = (runs.compile_ms() - compiled) / 1000
+            row[f"compile_{key}"] = (runlog.compile_ms() - compiled) / 1000
         for kind in ("fwd", "fb"):
             row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
             row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal
@@ -252,7 +252,7 @@ def main(argv):
         ("bench.md", "bench.json"),
     )
     source = source_model(args.init_from, device) if args.init_from else None
-    print(runs.describe_system())
+    print(runlog.describe_system())
     print(HEADER)
     results = []
     for name in sizes or ([] if source else ["smoke"]):
@@ -269,7 +269,7 @@ def main(argv):
         out,
         "bench.md",
         (
-            f"    python bench.py {' '.join(argv)}\n\n{runs.describe_system()}\n\n"
+            f"    python bench.py {' '.join(argv)}\n\n{runlog.describe_system()}\n\n"
             f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n\n"
             f"{targets}\n"
         ).encode(),

@@ -36,6 +36,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import ranks  # noqa: E402
+import runlog  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
@@ -221,7 +222,7 @@ def expand(argv):
     ours = (runs.CHECKPOINT, "expand.json", "train.log")  # what this writes: none may be there,
     taken = [
         n
-        for n in (*ours, runs.PREVIOUS, *runs.LOGS)  # nor another run's files (moving
+        for n in (*ours, runs.PREVIOUS, *runlog.LOGS)  # nor another run's files (moving
         if os.path.lexists(os.path.join(args.out, n))
     ]  # an aborted run's aside is not ours)
     if taken:
@@ -287,7 +288,7 @@ def write_run(
         "init": args.init,
         "tau": args.tau,
         "hp": asdict(hp),
-        **runs.provenance(),
+        **runlog.provenance(),
         "command": " ".join(["python expand.py", *map(shlex.quote, argv)]),
     }
     support.write_atomically(

@@ -34,6 +34,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import hub  # noqa: E402
+import runlog  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
@@ -91,7 +92,7 @@ def last_validation(run_dir: str, step: int) -> dict:
     """The run's last validation record of step `step` in metrics.jsonl ({} if none)."""
     found = {}
     try:
-        with open(support.regular(os.path.join(run_dir, runs.LOGS[1]))) as f:
+        with open(support.regular(os.path.join(run_dir, runlog.LOGS[1]))) as f:
             for line in f:
                 try:
                     record = json.loads(line)
@@ -109,7 +110,7 @@ def last_validation(run_dir: str, step: int) -> dict:
 def run_config(run_dir: str) -> dict:
     """The run's config.json (its command and commit), {} if it cannot be read."""
     try:
-        with open(support.regular(os.path.join(run_dir, runs.LOGS[2]))) as f:
+        with open(support.regular(os.path.join(run_dir, runlog.LOGS[2]))) as f:
             config = json.load(f)
     except (OSError, ValueError, RecursionError):
         return {}

@@ -1,7 +1,6 @@
 """Run management for train_gpt.py: checkpoints (what a run carries from job to job, saved and
-read back checked), run directories (chosen, locked), the log (train.log, metrics.jsonl,
-config.json, with the provenance of every source a run executes), the clock, and a job's saves
-and stops (the ranks themselves: ranks.py).
+read back checked), run directories (chosen, locked), and a job's saves and stops (the ranks:
+ranks.py; the log and the clock: runlog.py).
 
 Guarantees: a checkpoint is written whole (a temporary file renamed over the old one) and only
 when every weight and optimiser moment is finite; the one before it is kept as PREVIOUS when a
@@ -9,10 +8,9 @@ step from it trained with a finite loss, so a run stopped by a non-finite loss b
 from the newest trained goes back to that one (last_good: only an earlier checkpoint of the same
 run); a resume reads a checkpoint checked field by field and refuses another run's, one that
 changed under it, a PREVIOUS that is not its run's and any of the run's files that is a link;
-one job at a time holds a run directory (an flock the kernel drops however the process ends); a
-resume keeps the metrics its checkpoint saw, each step once, and every line of the user's; every
-rank stops at the same step, so none waits in a collective for another, and a torchrun worker
-whose launcher is gone stops (at start-up, before it writes anything)."""
+one job at a time holds a run directory (an flock the kernel drops however the process ends);
+every rank stops at the same step, so none waits in a collective for another, and a torchrun
+worker whose launcher is gone stops (at start-up, before it writes anything)."""
 
 import contextlib
 import errno
@@ -20,36 +18,29 @@ import fcntl
 import glob
 import io
 import json
-import math
 import os
 import pickle
-import platform
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
 
-import numpy as np
 import torch
 
 import hub
 from ranks import Dist
+from runlog import LOGS, RunLog, check_metrics, provenance
 from support import (
-    HERE,
     RunStopped,
     UserError,
     check_fields,
     first_line,
-    fmt_list,
     kind_of,
-    named,
     need,
     os_error_text,
     refuse,
     setting,
-    sha256_of,
     writable_dir,
     write_atomically,
 )
@@ -60,8 +51,6 @@ from support import (
 CHECKPOINT = "checkpoint.pt"  # the run directory's newest, replaced atomically at each save
 
 PREVIOUS = "checkpoint.prev.pt"  # the one before it, if a step from it had a finite loss
-
-LOGS = ("train.log", "metrics.jsonl", "config.json")
 
 
 @dataclass
@@ -402,310 +391,6 @@ def logged(run_dir: str, key: str = "run_id"):
         if os.path.isfile(path) and os.path.getsize(path) <= hub.MAX_CONFIG_BYTES:  # (no pipe)
             with open(path, encoding="utf-8-sig") as f:  # (a BOM: an editor's, kept)
                 return json.load(f).get(key)
-
-
-# -----------------------------------------------------------------------------
-# The log: provenance, the machine, the clock
-
-# what a run executes: each one's sha256 in config.json and train.log, and its text in train.log
-SOURCES = (
-    "train_gpt.py",
-    "routers.py",
-    "runs.py",
-    "support.py",
-    "hub.py",
-    "ranks.py",
-    os.path.join("data", "shards.py"),
-)
-
-
-def provenance() -> dict:
-    """The git commit, whether the tree differs, and the sha256 of each source a run executes."""
-
-    def git(*args):
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=20)
-            return r.stdout.strip() if r.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain")) if commit else None
-    return {
-        "git_commit": commit,
-        "git_dirty": dirty,
-        **{f"sha256 {name}": sha256_of(os.path.join(HERE, name)) for name in SOURCES},
-    }
-
-
-def describe_system() -> str:
-    lines = [
-        f"python {sys.version.split()[0]}  torch {torch.__version__}  "
-        f"cuda {torch.version.cuda}  numpy {np.__version__}",
-        f"platform {platform.platform()}  cpus {os.cpu_count()}",
-    ]
-    if torch.cuda.is_available():
-        lines.append(f"gpu {torch.cuda.get_device_name()} x {torch.cuda.device_count()}")
-        with contextlib.suppress(Exception):
-            lines.append(
-                subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
-            )
-    return "\n".join(lines)
-
-
-def machine_memory() -> int:
-    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 2**62
-
-
-def check_memory(need: int, what: str, sizes: str):
-    """A UserError when `need` bytes (a lower bound, for `what`) exceed this machine's memory,
-    naming the sizes that would lower it."""
-    if need > machine_memory():
-        raise UserError(
-            f"these sizes need at least {need >> 30} GiB on one device {what}; it has "
-            f"{machine_memory() >> 30} GiB (lower {sizes})"
-        )
-
-
-def clock(train_ms: float, timed_steps: int) -> str:
-    """The timing fields of the trainer's train and validation lines: the same in both."""
-    avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
-    return f"train_time:{train_ms:.0f}ms step_avg:{avg}"
-
-
-RECORD_KINDS = ("train", "val", "checkpoint", "warmup")  # what RunLog.record writes
-MAX_METRICS_BYTES = 1 << 30  # a resume reads metrics.jsonl whole: a run's is ~1 kB a step
-
-
-def check_metrics(path: str):
-    """metrics.jsonl within MAX_METRICS_BYTES, which a resume reads (kept_metrics)."""
-    if os.path.isfile(path) and os.path.getsize(path) > MAX_METRICS_BYTES:
-        raise UserError(
-            f"{path} is over {MAX_METRICS_BYTES >> 30} GiB, more than a run's metrics: not "
-            f"this run's to rewrite (move it away to resume; nothing was written)"
-        )
-
-
-def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
-    """metrics.jsonl as a job resumed at step resumed_at rewrites it: our records past what the
-    checkpoint saw are dropped, and one that a crash cut short (no newline); a line of the
-    user's stays, ended by a newline; then one checkpoint record of the step, unless there is."""
-    check_metrics(path)
-    kept = []
-    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
-        for line in f:
-            try:
-                m = json.loads(line)
-                seen = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
-                gone = m["kind"] in RECORD_KINDS and m["step"] > seen  # (a user's line stays)
-            except (ValueError, KeyError, TypeError, RecursionError):
-                gone = line.startswith(b'{"kind": ') and not line.endswith(b"\n")
-            if not gone:
-                kept.append(line.rstrip(b"\n") + b"\n")
-    record = json.dumps({"kind": "checkpoint", "step": resumed_at}).encode() + b"\n"
-    if record not in kept:
-        kept.append(record)
-    return b"".join(kept)
-
-
-def validation_lines(router, v: dict, head: str, tail: str, step: int) -> list:
-    """evaluate's result as the log shows it: head + the line + tail, then per-layer lines."""
-    return [
-        f"{head}val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} over "
-        f"{v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
-        f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g}{tail}",
-        "  " + " ".join(f"{k}:{fmt_list(v[k])}" for k in ("block_active", "mlp_active")),
-        *router.log_lines(v, step),
-        f"  resid_norm:{fmt_list(v['resid_norm'])}",
-    ]
-
-
-class RunLog:
-    """train.log, config.json and metrics.jsonl (rank 0 only). Each job appends to train.log the
-    sources it runs, in full; a resume keeps the metrics its checkpoint saw, each step once."""
-
-    def __init__(
-        self, run_dir: str, config: dict, active: bool, resumed_at: int = None, val_done: int = -1
-    ):
-        self.active, self.resumed_at = active, resumed_at
-        if not active:
-            return
-        log, metrics, config_path = (os.path.join(run_dir, n) for n in LOGS)
-        if resumed_at is not None:  # (read before anything is rewritten)
-            kept = kept_metrics(metrics, resumed_at, val_done)
-        write_atomically(config_path, json.dumps(config, indent=2).encode())
-        with named(log):  # a write error carries no file name
-            self.log = open(log, "w" if resumed_at is None else "a")
-            if resumed_at is not None:
-                self.log.write(f"{'=' * 100}\nresumed at step {resumed_at}\n")
-                write_atomically(metrics, kept)
-            for name in SOURCES:  # in full, as they ran: the trainer's first, unmarked
-                with open(os.path.join(HERE, name)) as f:
-                    rule = "" if name == SOURCES[0] else f"{'-' * 40} {name}\n"
-                    self.log.write(rule + f.read())
-            self.metrics = open(metrics, "a")
-            dirty = {True: " (tree differs from the commit)", False: " (clean)", None: ""}
-            sources = "".join(f"source: {n} sha256 {config[f'sha256 {n}']}\n" for n in SOURCES)
-            self.log.write(
-                f"{'=' * 100}\ncommand: {config['command']}\n"
-                f"git: {config['git_commit'] or 'not a git checkout'}"
-                f"{dirty[config['git_dirty']]}\n{sources}{describe_system()}\n"
-                f"hyperparameters: {json.dumps(config)}\n{'=' * 100}\n"
-            )
-            self.log.flush()
-
-    def print(self, line: str):
-        if self.active:
-            print(line, flush=True)
-            with named(self.log.name):
-                self.log.write(line + "\n")
-                self.log.flush()
-
-    def saved(self, step: int):
-        """A checkpoint of step is on disk: said in both logs (metrics.jsonl: once per step)."""
-        self.print(f"checkpoint saved at step {step}")
-        if step != self.resumed_at:  # (a resumed job's step saved again, its validation done)
-            self.record({"kind": "checkpoint", "step": step})
-
-    def record(self, obj: dict):
-        if self.active:
-            with named(self.metrics.name):
-                self.metrics.write(json.dumps(obj) + "\n")
-                self.metrics.flush()
-
-    def step(
-        self,
-        run: RunState,
-        steps: int,
-        stats: dict,
-        means: tuple,
-        lrs: list,
-        times: tuple,
-        mfu: float = None,
-    ):
-        """A training step's line and its record (stats: train_step's sums; means: the router's,
-        made per-layer means as the blocks' shares are). times: the step's wall time and the part
-        of it spent compiling (ms); tok/s and MFU count the rest."""
-        n = stats["tokens"][0]
-        step_ms, compile_ms = times
-        line = (
-            f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
-            f"{clock(run.train_ms, run.timed_steps)} tok/s:{n / (step_ms - compile_ms) * 1000:.0f}"
-        )
-        if mfu is not None:
-            line += f" mfu:{100 * mfu:.1f}%"
-        if compile_ms:  # a graph new to this process (compile_model; a new packed length)
-            line += f" compile:{compile_ms:.0f}ms"
-        if "redone" in stats:  # compact: a sequence outgrew a packed length (train_step)
-            line += " redone:full_length"
-        self.print(line)
-        self.record(
-            {
-                "kind": "train",
-                "step": run.step,
-                "tokens": run.tokens,
-                "train_loss": stats["lm_loss"][0],
-                "total_loss": stats["total_loss"][0],
-                "lr": lrs[0],
-                "layer_lr": lrs[1:],
-                "step_ms": step_ms,
-                "compile_ms": compile_ms,
-                "packed": stats["packed"],  # per layer, the most tokens of a sequence (compact)
-                "redone": "redone" in stats,
-                **{k: [v / n for v in stats[k]] for k in ("block_active", "mlp_active", *means)},
-            }
-        )
-
-    def validation(self, router, v: dict, run: RunState, steps: int):
-        """A validation's lines (validation_lines) and its record."""
-        tail = f" {clock(run.train_ms, run.timed_steps)}"
-        for line in validation_lines(router, v, f"step:{run.step}/{steps} ", tail, run.step):
-            self.print(line)
-        self.record({"kind": "val", "step": run.step, "train_time_ms": run.train_ms, **v})
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if isinstance(error, RunStopped):  # the error line in train.log too
-            self.print(f"error: {error}")
-        self.close()
-
-    def close(self):
-        if self.active:  # every write was flushed: a failure here would only hide the first
-            for f in (self.log, self.metrics):
-                with contextlib.suppress(OSError):
-                    f.close()
-
-
-def compile_ms() -> float:
-    """This process's time in torch.compile so far, ms: Dynamo's compiles (a graph's forward,
-    Inductor included) and AOTAutograd's, of a backward graph at its first backward."""
-    from torch._dynamo.utils import compilation_time_metrics as times
-
-    return 1000 * sum(
-        sum(times.get(k, ())) for k in ("_compile.compile_inner", "backward._backward_impl")
-    )
-
-
-class StepClock:
-    """The clock: a job's first `untimed` steps are warm-up, logged once as such; train_time and
-    step_avg count the other steps of all jobs, less their compile time (a packed length new to
-    a compiled model compiles one block: compile_ms); the job's total compile time (its steps'
-    and its validations') is logged at its end."""
-
-    def __init__(self, log: RunLog, start: int, untimed: int):
-        self.log, self.start, self.untimed = log, start, untimed
-        self.ms = 0.0  # this job's warm-up time
-        self.compile_ms = 0.0  # this job's compile time
-        log.print(
-            f"clock: the first {untimed} steps of each job are untimed warm-up; train_time and "
-            f"step_avg count the other steps of all jobs, less their compile time"
-        )
-
-    def begin(self, d):
-        """Before a timed stretch (a step, a validation): the device's queued work done."""
-        d.sync()
-        self.t0, self.compiled = time.perf_counter(), compile_ms()
-
-    def lap(self, d) -> tuple:
-        """-> (ms, compile ms) since begin(), the device's work included."""
-        d.sync()
-        return 1000 * (time.perf_counter() - self.t0), compile_ms() - self.compiled
-
-    def add(self, run: RunState, step_ms: float, compile_ms: float):
-        self.compile_ms += compile_ms
-        if run.step - self.start > self.untimed:
-            run.train_ms += step_ms - compile_ms
-            run.timed_steps += 1
-        else:
-            self.ms += step_ms
-            if run.step - self.start == self.untimed:
-                self.report(run)
-
-    def end(self, run: RunState):
-        if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
-            self.report(run)
-        if self.compile_ms:
-            self.log.print(f"compile: {self.compile_ms / 1000:.1f}s in this job")
-
-    def report(self, run: RunState):
-        self.log.print(
-            f"warm-up: steps {self.start + 1}-{run.step} of this job untimed, "
-            f"{self.ms:.0f}ms (compile {self.compile_ms:.0f}ms)"
-        )
-        self.log.record(
-            {
-                "kind": "warmup",
-                "step": run.step,
-                "steps": run.step - self.start,
-                "warmup_ms": self.ms,
-                "compile_ms": self.compile_ms,
-            }
-        )
 
 
 # -----------------------------------------------------------------------------

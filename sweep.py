@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 import expand  # noqa: E402
+import runlog  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data import debian_docs, tokenize_corpus  # noqa: E402
@@ -1069,7 +1070,7 @@ def main(argv):
         f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
         f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
         f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
-        f"The table: table.md. Hardware:\n\n```\n{runs.describe_system()}\n```\n"
+        f"The table: table.md. Hardware:\n\n```\n{runlog.describe_system()}\n```\n"
     )
     support.write_output(out, "README.md", readme.encode())
     print(said, verdict_text(lines), sep="\n")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import ranks
 import routers
+import runlog
 import runs
 import support
 import train_gpt as tg
@@ -890,21 +891,21 @@ class FakeLog:
 
 
 def test_compile_time_is_counted_apart_from_step_time():
-    # runs.compile_ms grows by torch.compile's own timers when a graph compiles (a forward at
+    # runlog.compile_ms grows by torch.compile's own timers when a graph compiles (a forward at
     # its call, a backward at its first backward), not when a compiled one runs; the clock
     # leaves a step's compile time out of train_time and reports it apart, as the step line does
     torch._dynamo.reset()
     f = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager", dynamic=False)
     x = torch.randn(8, requires_grad=True)
-    before = runs.compile_ms()
+    before = runlog.compile_ms()
     loss = f(x)
-    forward = runs.compile_ms()
+    forward = runlog.compile_ms()
     loss.backward()
-    backward = runs.compile_ms()
+    backward = runlog.compile_ms()
     f(x).backward()
-    assert before < forward < backward == runs.compile_ms()
+    assert before < forward < backward == runlog.compile_ms()
     log, run = FakeLog(), runs.RunState()
-    clock = runs.StepClock(log, 0, 1)
+    clock = runlog.StepClock(log, 0, 1)
     for step_ms, compile_ms in ((900.0, 800.0), (100.0, 0.0), (350.0, 250.0)):
         run.step += 1
         clock.add(run, step_ms, compile_ms)
@@ -927,7 +928,7 @@ def test_compile_time_is_counted_apart_from_step_time():
         "packed": [64.0] * 4,
     }
     router = tg.GPT(hp).router  # (RunLog.step on the fake log: its print and record)
-    runs.RunLog.step(log, run, 10, stats, router.means, [1e-3] * 5, (350.0, 250.0))
+    runlog.RunLog.step(log, run, 10, stats, router.means, [1e-3] * 5, (350.0, 250.0))
     assert log.lines[-1].endswith(" tok/s:5120 compile:250ms")  # 512 tokens in 100 ms
     assert (log.records[-1]["step_ms"], log.records[-1]["compile_ms"]) == (350.0, 250.0)
 

@@ -10,9 +10,9 @@ This file is the paper's path, read top to bottom; banners in dependency order: 
 gated attention and the block; the skip-middle router and its controller; the model; data;
 FLOPs; settings; the training loop; main(). Importing it has no side effects. Beside it:
 routers.py (the Router base, packed lengths, and the other routers: DLO, Mixture-of-Depths,
-Mixture-of-Recursions, with their deviations), runs.py (checkpoints, run directories, the log,
-the clock, a job's saves and stops), ranks.py (the ranks of a torchrun job), support.py (command
-lines, files, signals), hub.py (models as Hugging Face folders: ours, the
+Mixture-of-Recursions, with their deviations), runs.py (checkpoints, run directories, a job's
+saves and stops), runlog.py (the log and the clock), ranks.py (the ranks of a torchrun job),
+support.py (command lines, files, signals), hub.py (models as Hugging Face folders: ours, the
 authors' released ones), data/shards.py (the shard format), expand.py (DLO's depth expansion),
 export.py, sample.py (the KV-cached decoder).
 
@@ -60,6 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import hub  # noqa: E402
 import ranks  # noqa: E402
+import runlog  # noqa: E402
 import runs  # noqa: E402
 from data.shards import (  # noqa: E402
     BYTES_EOT,
@@ -866,7 +867,7 @@ def check_model(hp: Hyperparameters):
             )
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
-    runs.check_memory(
+    runlog.check_memory(
         model_bytes(hp), "to build the model", "dim, n_layers, vocab_size or max_seq_len"
     )
 
@@ -908,7 +909,7 @@ def validate(hp: Hyperparameters, world: int):
     # (validation's per_token: bf16, fp32, log-softmax)
     rows = min(hp.loss_rows, hp.device_batch_size * hp.seq_len)
     need = model_bytes(hp) + 12 * n_weights(hp) + 10 * rows * hp.vocab_size
-    runs.check_memory(
+    runlog.check_memory(
         need, "to train", "dim, n_layers, vocab_size, max_seq_len or device_batch_size"
     )
 
@@ -1282,7 +1283,7 @@ def train(
             f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
             f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else "")
         )
-        clock = runs.StepClock(log, start, job.untimed_steps)
+        clock = runlog.StepClock(log, start, job.untimed_steps)
         for step in range(start, steps + 1):  # at each step boundary, then the step
             signum = ranks.agreed_signal(stop, d)
             ending = step == steps or signum > 0 or (step == job.stop_step and step > start)
@@ -1394,7 +1395,7 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     with ranks.watching(d):  # (nothing written: a launcher gone ends it at once)
         v = evaluate(raw, hp, loader, d, mixed_precision(d))
     if d.master:
-        print("\n".join(runs.validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
+        print("\n".join(runlog.validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
     return v
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ranks
+import runlog
 import runs
 import support
 from conftest import (
@@ -81,7 +82,7 @@ def test_a_resume_keeps_a_users_lines_whatever_their_step(tmp_path):
     users = [{"kind": "note", "step": 15}, {"step": 99}, [1, 2], "just text"]
     lines = [json.dumps(m) for m in ours[:2] + users[:2] + ours[2:] + users[2:]]
     (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n" + "[" * 100000 + "\n")
-    kept = runs.kept_metrics(str(tmp_path / "m.jsonl"), 10, 10).decode().splitlines()
+    kept = runlog.kept_metrics(str(tmp_path / "m.jsonl"), 10, 10).decode().splitlines()
     assert kept[-1] == "[" * 100000  # a user's line too deep to parse: kept, no traceback
     assert [json.loads(line) for line in kept[:-1]] == ours[:2] + users[:2] + [ours[2]] + users[2:]
 

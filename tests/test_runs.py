@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+import runlog
 import runs
 import support
 import train_gpt as tg
@@ -157,10 +158,10 @@ def test_each_job_appends_the_sources_it_ran(tmp_path, monkeypatch, capsys):
     # the sources a run records, read from a copy outside any git checkout that changes
     # between the two jobs
     src, run = tmp_path / "src", tmp_path / "run"
-    for name in runs.SOURCES:
+    for name in runlog.SOURCES:
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(REPO, name), src / name)
-    monkeypatch.setattr(runs, "HERE", str(src))
+    monkeypatch.setattr(runlog, "HERE", str(src))
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
     with open(src / "train_gpt.py", "a") as f:
@@ -220,7 +221,7 @@ def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(
     def full(self, run_dir, *args, **kwargs):  # the disk fills as the logs are opened
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(run_dir, "train.log"))
 
-    monkeypatch.setattr(runs.RunLog, "__init__", full)
+    monkeypatch.setattr(runlog.RunLog, "__init__", full)
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)
     assert (code, err) == (
         1,
@@ -235,14 +236,14 @@ def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(
 ):
     import errno
 
-    real = runs.RunLog.record
+    real = runlog.RunLog.record
 
     def record(self, obj):
         if obj.get("kind") == "train" and obj["step"] == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, obj)
 
-    monkeypatch.setattr(runs.RunLog, "record", record)
+    monkeypatch.setattr(runlog.RunLog, "record", record)
     code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
     assert (code, err) == (
         1,
