@@ -306,12 +306,19 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
     held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
+    for name in [] if resuming else held:
+        found = kind_of(os.path.join(run_dir, name))
+        if found != "a file":  # (a dangling link, say: no run to continue)
+            raise UserError(
+                f"{os.path.join(run_dir, name)} is {found}, where a run keeps its checkpoint: "
+                f"choose another directory, or move it"
+            )
     if not resuming and held:
-        renamable = held == [PREVIOUS] and kind_of(os.path.join(run_dir, PREVIOUS)) == "a file"
         raise UserError(
             f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
             f"choose another directory, or continue it with train_gpt.py --resume="
-            f"{run_dir}" + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if renamable else "")
+            f"{run_dir}"
+            + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if held == [PREVIOUS] else "")
         )
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
         raise UserError(
@@ -423,6 +430,14 @@ class Ledger:
     def __exit__(self, kind, error, traceback):
         if isinstance(error, (KeyboardInterrupt, UserError, OSError)):
             error.checkpoint = self.last  # (a RunStopped names it in its message)
+
+
+def resumed(ledger: Ledger, run: RunState) -> str:
+    """A resume's note on its first line: its step, and PREVIOUS where one of this run is kept
+    (the checkpoint before; a stop on a non-finite loss may put it back: last_good)."""
+    prev = saved_step(os.path.join(ledger.run_dir, PREVIOUS), run.run_id)
+    kept = "" if prev is None else f" ({PREVIOUS}, step {prev}, kept beside it)"
+    return f" resumed_at:{run.step}{kept}"
 
 
 def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, loader):

@@ -1281,7 +1281,7 @@ def train(
         log.print(
             f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} grad_accum:{accum} "
             f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
-            f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (f" resumed_at:{start}" if ckpt else "")
+            f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (runs.resumed(ledger, run) if ckpt else "")
         )
         clock = runlog.StepClock(log, start, job.untimed_steps)
         for step in range(start, steps + 1):  # at each step boundary, then the step

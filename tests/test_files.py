@@ -87,6 +87,23 @@ def test_a_resume_keeps_a_users_lines_whatever_their_step(tmp_path):
     assert [json.loads(line) for line in kept[:-1]] == ours[:2] + users[:2] + [ours[2]] + users[2:]
 
 
+@pytest.mark.slow
+def test_a_resume_refuses_metrics_beyond_any_runs_before_it_writes(tmp_path, capsys):
+    # metrics.jsonl is read whole on a resume: past runlog.MAX_METRICS_BYTES (a sparse file
+    # here) it is not a run's, refused in one line before config.json or train.log changes
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    before = {n: (tmp_path / n).read_bytes() for n in ("config.json", "train.log")}
+    os.truncate(tmp_path / "metrics.jsonl", runlog.MAX_METRICS_BYTES + 1)
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert (code, err) == (
+        2,
+        f"error: {tmp_path / 'metrics.jsonl'} is over 1 GiB, more than a run's metrics: not "
+        f"this run's to rewrite (move it away to resume; nothing was written)\n",
+    )
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+
+
 def test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run(tmp_path):
     d = ranks.Dist(device="cpu")
     newest = {"run_id": "aa", "step": 10}

@@ -17,6 +17,7 @@ from conftest import (
     AUTHORS_TINY,
     EVAL_ON_SAMPLE,
     REPO,
+    RESUME_RUN,
     TINY_RUN,
     TRAIN_ON_SAMPLE,
     authors_copy,
@@ -262,6 +263,39 @@ def test_a_hub_source_is_read_from_the_cache_offline_with_one_line_errors(tmp_pa
 
 
 # ------------------------------------------------------------------------ export.py
+
+
+@pytest.mark.slow
+def test_an_export_cut_at_any_write_is_finished_by_its_rerun(tmp_path, monkeypatch, capsys):
+    # a signal (or a full disk) at any of export's writes: each of its three files is recorded in
+    # .outputs.json before and after it is written, so the rerun takes every file there as its
+    # own and writes what an export never cut writes; a temporary file SIGKILL left is accepted
+    run = tmp_path / "run"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    export, real = load_command("export.py"), support.write_atomically
+    assert support.cli(export.main, [str(run), str(tmp_path / "whole")]) == 0
+    whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    assert sorted(whole) == [".outputs.json", "README.md", "config.json", "model.safetensors"]
+    for cut in range(1, 10):  # three files: the record, the file, the record again
+        out, calls = tmp_path / f"cut{cut}", []
+
+        def write(path, data, calls=calls, cut=cut):
+            calls.append(path)
+            if len(calls) == cut:
+                raise KeyboardInterrupt  # the signal, as support.cli's handler raises it
+            real(path, data)
+
+        with monkeypatch.context() as m:
+            m.setattr(support, "write_atomically", write)
+            assert support.cli(export.main, [str(run), str(out)]) == 130
+        if out.exists():
+            (out / "model.safetensors.k2j5x_0q.tmp").write_bytes(b"cut")  # (SIGKILL's leftover)
+        code = support.cli(export.main, [str(run), str(out)])
+        assert code == 0, (cut, capsys.readouterr().err)
+        done = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".tmp")}
+        assert done == whole, cut
+    capsys.readouterr()
 
 
 @pytest.mark.slow

@@ -583,6 +583,43 @@ def nan_on_call(n):
     return fake
 
 
+def test_stop_and_error_lines_say_what_is_true(tmp_path, monkeypatch, capsys):
+    # a run that never saved meets a non-finite loss: it has no last good checkpoint, said so
+    with monkeypatch.context() as m:
+        m.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(1))
+        code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'a'}"], capsys)
+    assert (code, err) == (
+        1,
+        "error: non-finite loss at step 1; no update was applied; last good checkpoint: none\n",
+    )
+    # a checkpoint.prev.pt that is a dangling link: no run to continue, nor to rename
+    (tmp_path / "b").mkdir()
+    os.symlink(tmp_path / "gone.pt", tmp_path / "b" / "checkpoint.prev.pt")
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'b'}"], capsys)
+    assert (code, err) == (
+        2,
+        f"error: {tmp_path / 'b' / 'checkpoint.prev.pt'} is a broken symbolic link, where a "
+        f"run keeps its checkpoint: choose another directory, or move it\n",
+    )
+    # a checkpoint that cannot be read (a permission) is said so, not called corrupt
+    c = tmp_path / "c"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={c}", "--stop_step=1"], capsys)
+    assert code == 0, err
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "load", denied)
+        code, _, err = run_main([f"--resume={c}"], capsys)
+    assert (code, err) == (2, f"error: cannot read {c / 'checkpoint.pt'}: Permission denied\n")
+    # a resume names the checkpoint before its newest, kept beside it (one step trained from it)
+    code, _, err = run_main([f"--resume={c}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    code, out, err = run_main([f"--resume={c}", "--stop_step=3"], capsys)
+    assert code == 0 and " resumed_at:2 (checkpoint.prev.pt, step 1, kept beside it)\n" in out, err
+
+
 def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, monkeypatch, capsys):
     ckpt = tmp_path / "run" / "checkpoint.pt"
     args = RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path / 'run'}"]

@@ -107,6 +107,28 @@ def test_a_signal_that_reached_another_rank_stops_this_one_with_its_name(
     assert "stopped by signal SIGTERM at step 0" in out
 
 
+def test_a_signal_during_a_validation_cuts_it_and_leaves_it_owed(tmp_path, monkeypatch, capsys):
+    # SIGTERM while step 4's validation runs (its first batch of two): the ranks agree on it at
+    # the next batch, the job saves with the validation owed and stops; a resume runs it first
+    real, sizes = tg.to_device, []
+
+    def to_device(batch, device):  # a step's batch: 8 sequences; a validation batch: 4
+        sizes.append(batch.size(0))
+        if batch.size(0) == 4 and 8 in sizes and "sent" not in sizes:
+            sizes.append("sent")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(batch, device)
+
+    monkeypatch.setattr(tg, "to_device", to_device)
+    code, out, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+    assert code == 0 and err == "", err
+    assert "stopped by signal SIGTERM at step 4 (its validation is still owed)" in out, out
+    assert val_steps(tmp_path) == [0] and torch.load(tmp_path / "checkpoint.pt")["val_done"] == 0
+    monkeypatch.setattr(tg, "to_device", real)
+    code, out, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert code == 0 and val_steps(tmp_path) == [0, 4, 8], err
+
+
 def test_a_first_signal_during_start_up_stops_cleanly(tmp_path, monkeypatch, capsys):
     real_setup, real_log = ranks.setup_distributed, runs.open_log
 
