@@ -117,11 +117,7 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path,
     for args in ([f"--resume={tmp_path}"], RESUME_RUN + [f"--run_dir={tmp_path}"]):
         code, _, err = run_main(args, capsys)
         assert code == 2 and err.count("\n") == 1, err
-        assert (
-            "checkpoint.pt is a broken symbolic link"
-            if "--resume" in args[0]
-            else "already holds a run that saved a checkpoint"
-        ) in err, err
+        assert "checkpoint.pt is a broken symbolic link" in err, err  # (no run to continue)
     (tmp_path / "checkpoint.pt").unlink()
     assert files() == before  # a refusal writes nothing
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh: logs kept
