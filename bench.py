@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 import runlog  # noqa: E402
 import train_gpt as tg  # noqa: E402
-from routers import packed_counts, packed_lengths  # noqa: E402
+from routers import fit_lengths  # noqa: E402
 
 SIZES = {  # (hyperparameter overrides, batch size)
     "smoke": ({k: v for k, v in tg.PRESETS["smoke"].items() if k not in tg.JOB}, 8),
@@ -43,15 +43,6 @@ SIZES = {  # (hyperparameter overrides, batch size)
     "paper": (dict(), 32),  # Table 2: 12 layers, dim 768, 1024 tokens
 }
 SPARSITY = (0.0, 0.25, 0.5, 0.75)
-
-
-@torch.no_grad()
-def fit_lengths(raw, idx: torch.Tensor):
-    """Compact: set raw's packed lengths to what a forward pass on idx packs, in its current mode
-    (bf16 on CUDA), so that a compiled model times that batch with no host read per block."""
-    raw.router.lengths = None
-    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
-        raw.router.lengths = packed_lengths([packed_counts(raw(idx).route).tolist()], idx.size(1))
 
 
 def force_sparsity(model, idx, p, seed=0):

@@ -1,7 +1,8 @@
-"""The ranks of a job: this process's place in it (Dist: rank, device, world), a torchrun
-worker's launcher watched (a worker whose launcher is gone stops, at start-up before it writes
-anything, and while it waits in C++), and what every rank agrees on: sums, maxima, and the
-signal that stops them all at the same step, so that none waits in a collective for another."""
+"""The ranks of a job: this process's place in it (Dist: rank, device, world; the device's
+memory, which bounds the sizes a job may ask for), a torchrun worker's launcher watched (a
+worker whose launcher is gone stops, at start-up before it writes anything, and while it waits
+in C++), and what every rank agrees on: sums, maxima, and the signal that stops them all at the
+same step, so that none waits in a collective for another."""
 
 import contextlib
 import gc
@@ -81,6 +82,25 @@ class Dist:
         if error is not None:
             raise error
         return result
+
+
+def machine_memory() -> int:
+    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2**62
+
+
+def check_memory(need: int, what: str, sizes: str):
+    """A UserError when `need` bytes (a lower bound, for `what`) exceed this machine's memory,
+    naming the sizes that would lower it."""
+    if need > machine_memory():
+        raise UserError(
+            f"these sizes need at least {need >> 30} GiB on one device {what}; it has "
+            f"{machine_memory() >> 30} GiB (lower {sizes})"
+        )
 
 
 GONE = "the launcher is gone: this worker stops; nothing was written"

@@ -79,6 +79,16 @@ def packed_lengths(seen: list, T: int) -> list:
     return [packed_length(int(max(c)), T) for c in zip(*seen, strict=True)]
 
 
+@torch.no_grad()
+def fit_lengths(raw, idx: torch.Tensor):
+    """Compact: set raw's packed lengths to what a forward pass on idx packs, in its current mode
+    (bf16 on CUDA), so that a compiled model runs that batch with no host read per block (as
+    bench.py and sweep.py time it)."""
+    raw.router.lengths = None
+    with torch.autocast("cuda", torch.bfloat16, enabled=idx.is_cuda):
+        raw.router.lengths = packed_lengths([packed_counts(raw(idx).route).tolist()], idx.size(1))
+
+
 # -----------------------------------------------------------------------------
 # Router: which tokens run which blocks, and how that is trained and counted
 #
@@ -399,7 +409,8 @@ class MixtureOfDepths(Router):
         if cache is not None and not bool(chosen.any()):
             return x  # a token that passes the block keeps no K/V there
         keys = chosen[..., None].to(x.dtype)  # (B, T, 1): the chosen tokens are the only keys
-        g, compact = (r[..., None] * keys).type_as(x), self.hp.compact and cache is None
+        g = (r[..., None] * keys).type_as(x)  # (B, T, 1): r on the chosen tokens, else 0
+        compact = self.hp.compact and cache is None
         return block(x, g, mask, compact=compact, pos=pos, cache=cache, keys=keys, length=length)
 
     def loss(self, route, step):

@@ -68,25 +68,6 @@ def describe_system() -> str:
     return "\n".join(lines)
 
 
-def machine_memory() -> int:
-    """Bytes of memory of one device: the GPU's when there is one, else physical RAM."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 2**62
-
-
-def check_memory(need: int, what: str, sizes: str):
-    """A UserError when `need` bytes (a lower bound, for `what`) exceed this machine's memory,
-    naming the sizes that would lower it."""
-    if need > machine_memory():
-        raise UserError(
-            f"these sizes need at least {need >> 30} GiB on one device {what}; it has "
-            f"{machine_memory() >> 30} GiB (lower {sizes})"
-        )
-
-
 def clock(train_ms: float, timed_steps: int) -> str:
     """The timing fields of the trainer's train and validation lines: the same in both."""
     avg = f"{train_ms / timed_steps:.2f}ms" if timed_steps else "-"
@@ -247,9 +228,11 @@ class RunLog:
         return self
 
     def __exit__(self, kind, error, traceback):
-        if isinstance(error, RunStopped):  # the error line in train.log too
-            self.print(f"error: {error}")
-        self.close()
+        try:
+            if isinstance(error, RunStopped):  # the error line in train.log too
+                self.print(f"error: {error}")
+        finally:  # (closed even if that line cannot be written)
+            self.close()
 
     def close(self):
         if self.active:  # every write was flushed: a failure here would only hide the first

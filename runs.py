@@ -9,8 +9,7 @@ from the newest trained goes back to that one (last_good: only an earlier checkp
 run); a resume reads a checkpoint checked field by field and refuses another run's, one that
 changed under it, a PREVIOUS that is not its run's and any of the run's files that is a link;
 one job at a time holds a run directory (an flock the kernel drops however the process ends);
-every rank stops at the same step, so none waits in a collective for another, and a torchrun
-worker whose launcher is gone stops (at start-up, before it writes anything)."""
+every rank saves and stops at the same step (ranks.agreed_signal)."""
 
 import contextlib
 import errno
@@ -125,7 +124,9 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
     return {**state, "mtime": mtime}
 
 
-UNREADABLE = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)  # torch.load's
+# what torch.load raises on a truncated, damaged or foreign file (tried: all but the last four)
+UNREADABLE = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
+UNREADABLE += (KeyError, TypeError, AttributeError, IndexError)
 
 
 def saved_step(path: str, run_id: str):
@@ -306,11 +307,11 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
     held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
-    for name in [] if resuming else held:
-        found = kind_of(os.path.join(run_dir, name))
+    for kept in held if not resuming else []:
+        found = kind_of(os.path.join(run_dir, kept))
         if found != "a file":  # (a dangling link, say: no run to continue)
             raise UserError(
-                f"{os.path.join(run_dir, name)} is {found}, where a run keeps its checkpoint: "
+                f"{os.path.join(run_dir, kept)} is {found}, where a run keeps its checkpoint: "
                 f"choose another directory, or move it"
             )
     if not resuming and held:
@@ -416,13 +417,24 @@ def all_finite(model, opt) -> bool:
 
 
 class Ledger:
-    """A training job's checkpoints, owned by its train(): the last good one (named by its stop and
-    error lines; inside `with ledger:` an error's line, support.cli, names it too) and whether no
-    step from the newest has trained yet (untried: a save then keeps no PREVIOUS, and last_good
-    may put one back)."""
+    """A training job's checkpoints, owned by its train(): the last good one, `last` ("none"
+    before the run's first save), named by its stop and error lines (inside `with ledger:` an
+    error's line, support.cli, names it too), and whether no step from the newest has trained
+    yet (untried: a save then keeps no PREVIOUS, and last_good may put one back)."""
 
-    def __init__(self, run_dir: str, last: str):
-        self.run_dir, self.last, self.untried = run_dir, last, True
+    def __init__(self, run_dir: str, step: int = None):
+        self.run_dir, self.untried = run_dir, True
+        self.saved = step is not None  # (a resume's checkpoint, of step `step`)
+        self.last = self.named(step) if self.saved else "none"
+
+    def named(self, step: int) -> str:
+        return f"{os.path.join(self.run_dir, CHECKPOINT)} (step {step})"
+
+    def save(self, step: int):
+        """A checkpoint of step is written: the newest, no step from it trained yet."""
+        self.saved = True
+        self.untried = True
+        self.last = self.named(step)
 
     def __enter__(self):
         return self
@@ -432,12 +444,15 @@ class Ledger:
             error.checkpoint = self.last  # (a RunStopped names it in its message)
 
 
-def resumed(ledger: Ledger, run: RunState) -> str:
-    """A resume's note on its first line: its step, and PREVIOUS where one of this run is kept
-    (the checkpoint before; a stop on a non-finite loss may put it back: last_good)."""
-    prev = saved_step(os.path.join(ledger.run_dir, PREVIOUS), run.run_id)
-    kept = "" if prev is None else f" ({PREVIOUS}, step {prev}, kept beside it)"
-    return f" resumed_at:{run.step}{kept}"
+def resume_note(d: Dist, ledger: Ledger, run: RunState) -> str:
+    """A resume's note on its first line (rank 0's: the others print none): its step, and
+    PREVIOUS where an earlier checkpoint of this run is kept (a stop on a non-finite loss may put
+    it back: last_good)."""
+    prev = saved_step(os.path.join(ledger.run_dir, PREVIOUS), run.run_id) if d.master else None
+    kept = prev is not None and prev < run.step  # (a save cut after its link: the same file)
+    return f" resumed_at:{run.step}" + (
+        f" ({PREVIOUS}, step {prev}, kept beside it)" if kept else ""
+    )
 
 
 def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, loader):
@@ -450,7 +465,7 @@ def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, lo
             f"replaced; last good checkpoint: {ledger.last}"
         )
     try:
-        path = d.on_master(
+        d.on_master(
             lambda: save_checkpoint(
                 ledger.run_dir,
                 checkpoint_state(run, hp, d.world, raw, opt, loader.state()),
@@ -463,7 +478,7 @@ def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, lo
             f"cannot write the checkpoint of step {run.step} ({os_error_text(e)}); "
             f"last good checkpoint: {ledger.last}"
         ) from None
-    ledger.last, ledger.untried = f"{path} (step {run.step})", True
+    ledger.save(run.step)
 
 
 def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
@@ -474,22 +489,20 @@ def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
 
     def put_back():
         """PREVIOUS renamed over the newest -> its step; None, and nothing moved, when there is
-        none, when it is not a file of this run older than the newest, when it is the same file
-        (a save cut after its link) or when it does not load."""
+        none, when it is not a file of this run older than the newest (the same file, after a
+        save cut after its link, is not) or when it does not load."""
         old, new = saved_step(prev, run_id), saved_step(path, run_id)
         if old is None or new is None or old >= new:
             return None
         try:
-            if os.path.samefile(prev, path):
-                return None
             os.replace(prev, path)
         except OSError:
             return None
         return old
 
-    if not ledger.untried or ledger.last == "none":  # ("none": the run has not saved yet)
+    if not ledger.untried or not ledger.saved:  # (a run that never saved has none to name)
         return ledger.last
-    step = d.on_master(put_back)
+    step = d.on_master(put_back, last=ledger.last)
     if step is None:  # the newest stays, but it is not a good one
         return (
             f"none: no step from the newest, {ledger.last}, had a finite loss, and no earlier "
@@ -502,13 +515,13 @@ def last_good(d: Dist, ledger: Ledger, run_id: str) -> str:
     return ledger.last
 
 
-def open_log(d: Dist, ledger: Ledger, run: RunState, hp, job, argv, resumed: bool, **facts):
+def open_log(d: Dist, ledger: Ledger, run: RunState, hp, job, argv, origin, resumed, **facts):
     """The job's RunLog (inactive off rank 0); config.json: the run's settings (hp), the job's,
-    facts (the world, the steps, init_from: where the weights came from, kept across resumes),
-    the provenance and the command (argv: its arguments). Failing, RunStopped: the run
-    directory exists."""
-    if resumed:  # where the weights came from: the run's first job says
-        facts = {**facts, "init_from": logged(ledger.run_dir, "init_from")}
+    facts (the steps), where the weights came from (origin: --init_from's source; a resumed
+    job keeps the run's first job's), the provenance and the command (argv: its arguments).
+    Failing, RunStopped: the run directory exists."""
+    if resumed:
+        origin = logged(ledger.run_dir, "init_from")
     config = {
         **asdict(hp),
         "job": asdict(job),
@@ -517,6 +530,7 @@ def open_log(d: Dist, ledger: Ledger, run: RunState, hp, job, argv, resumed: boo
         "run_dir": ledger.run_dir,
         "device": d.device,
         "run_id": run.run_id,
+        "init_from": origin,
         **provenance(),
         "command": " ".join([d.launcher, *map(shlex.quote, argv)]),
     }
@@ -524,7 +538,9 @@ def open_log(d: Dist, ledger: Ledger, run: RunState, hp, job, argv, resumed: boo
     resumed_at = run.step if resumed else None
     try:
         log = d.on_master(
-            lambda: RunLog(run_dir, config, True, resumed_at, run.val_done), False, ledger.last
+            lambda: RunLog(run_dir, config, True, resumed_at, run.val_done),
+            share=False,
+            last=ledger.last,
         )
     except (UserError, OSError) as e:
         raise RunStopped(

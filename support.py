@@ -462,10 +462,10 @@ MAX_RECORD_BYTES = 1 << 20  # OUTPUTS and the like: a few names and digests; mor
 
 
 def written_outputs(d: str) -> dict:
-    """Folder d's OUTPUTS ({name: sha256} of the files written there), {} if there is none. Ours
-    only if it is a regular file (no link, pipe or device: never opened) of at most
-    MAX_RECORD_BYTES in that exact form; anything else is a UserError, so that it is never
-    replaced (nor a file it names)."""
+    """Folder d's OUTPUTS ({name: sha256, or [old, new] while a file is replaced} of the files
+    written there), {} if there is none. Ours only if it is a regular file (no link, pipe or
+    device: never opened) of at most MAX_RECORD_BYTES in that exact form; anything else is a
+    UserError, so that it is never replaced (nor a file it names)."""
     path = os.path.join(d, OUTPUTS)
     if not os.path.lexists(path):
         return {}

@@ -53,8 +53,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import bench  # noqa: E402
 import expand  # noqa: E402
+import routers  # noqa: E402
 import runlog  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
@@ -476,7 +476,7 @@ def measure(run_dir: str, device: str) -> dict:
     ]
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
     if can_compact:  # packed lengths known on the host: no read per block
-        bench.fit_lengths(compact, idx)
+        routers.fit_lengths(compact, idx)
 
     def ready(m):  # compiled on CUDA, the same way on both paths measured
         return tg.compile_model(m) if device.startswith("cuda") else m

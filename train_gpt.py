@@ -695,7 +695,10 @@ def routed(router: str):
     return partial(setting, router=router)
 
 
-on_skip_middle, on_dlo, on_mod, on_mor = map(routed, ("skip_middle", "dlo", "mod", "mor"))
+on_skip_middle = routed("skip_middle")
+on_dlo = routed("dlo")
+on_mod = routed("mod")
+on_mor = routed("mor")
 
 
 @dataclass
@@ -867,7 +870,7 @@ def check_model(hp: Hyperparameters):
             )
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
-    runlog.check_memory(
+    ranks.check_memory(
         model_bytes(hp), "to build the model", "dim, n_layers, vocab_size or max_seq_len"
     )
 
@@ -909,7 +912,7 @@ def validate(hp: Hyperparameters, world: int):
     # (validation's per_token: bf16, fp32, log-softmax)
     rows = min(hp.loss_rows, hp.device_batch_size * hp.seq_len)
     need = model_bytes(hp) + 12 * n_weights(hp) + 10 * rows * hp.vocab_size
-    runlog.check_memory(
+    ranks.check_memory(
         need, "to train", "dim, n_layers, vocab_size, max_seq_len or device_batch_size"
     )
 
@@ -974,7 +977,8 @@ def read_source(source: str) -> tuple:
     else:
         ckpt = load_checkpoint(source)
         where = os.path.join(source, CHECKPOINT)
-        settings, weights, named, label = ckpt["hp"], ckpt["model"], where, str
+        settings, weights, named = ckpt["hp"], ckpt["model"], where
+        label = str  # (a tensor is named as the checkpoint names it)
     try:  # the source's own settings, named as its file (data paths relative to the repository)
         hp = resolve({}, saved_settings(settings))
         check_model(hp)
@@ -1074,21 +1078,21 @@ def evaluate(
     steps, sums = hp.val_tokens // (B * T * d.world), {}
     # (loss | starts a document, step, rank, token): every target in the order the loader reads
     each = torch.zeros(2, steps, d.world, B * T, dtype=torch.float64, device=d.device)
-    for i in range(steps):
-        if stop is not None and ranks.agreed_signal(stop, d):
-            model.train()
-            model.router.lengths = lengths
-            return None
-        x, y = (to_device(t, d.device) for t in loader.next_batch())
-        with autocast:
-            _, loss, route, resid = model(x, targets=y, per_token=True)
-        each[0, i, d.rank], each[1, i, d.rank] = loss.flatten(), (y == sep).flatten()
-        sums = add_sums(
-            sums, {"resid_norm": resid.double() * y.numel(), **route_sums(route, model.router)}
-        )
-    sums = all_reduce_sums({**sums, "each": each})
-    model.train()
-    model.router.lengths = lengths
+    try:
+        for i in range(steps):
+            # a collective a batch (under torchrun): every rank cuts at the same one
+            if stop is not None and ranks.agreed_signal(stop, d):
+                return None
+            x, y = (to_device(t, d.device) for t in loader.next_batch())
+            with autocast:
+                _, loss, route, resid = model(x, targets=y, per_token=True)
+            each[0, i, d.rank], each[1, i, d.rank] = loss.flatten(), (y == sep).flatten()
+            more = {"resid_norm": resid.double() * y.numel(), **route_sums(route, model.router)}
+            sums = add_sums(sums, more)
+        sums = all_reduce_sums({**sums, "each": each})
+    finally:
+        model.train()
+        model.router.lengths = lengths
     loss, starts = sums.pop("each").cpu().flatten(1)  # (on the CPU: index_add_ in a fixed order)
     doc = starts.long().cumsum(0)  # (tokens,) each target's document
     count = torch.bincount(doc).double()
@@ -1263,25 +1267,36 @@ def train(
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
         print(f"the run is complete at step {start}")
         return job.run_dir
-    d.barrier()  # every rank has checked before rank 0 creates anything
-    run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
-    STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
-    last = f"{os.path.join(run_dir, CHECKPOINT)} (step {start})" if ckpt else "none"
-    ledger = runs.Ledger(run_dir, last)
     cuda = d.device.startswith("cuda")
     peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
     model = wrapped(raw, job, d)
     amp = mixed_precision(d)
-    facts = dict(grad_accum=accum, num_steps=steps, init_from=init[1] if init else None)
+    d.barrier()  # every rank has checked before rank 0 creates anything
+    run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
+    STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
+    ledger = runs.Ledger(run_dir, start if ckpt else None)
+    origin = init[1] if init else None  # (where the weights came from)
     with (
         ledger,
         STOP as stop,
-        runs.open_log(d, ledger, run, hp, job, argv, ckpt is not None, **facts) as log,
+        runs.open_log(
+            d,
+            ledger,
+            run,
+            hp,
+            job,
+            argv,
+            origin,
+            ckpt is not None,
+            grad_accum=accum,
+            num_steps=steps,
+        ) as log,
     ):
+        note = runs.resume_note(d, ledger, run) if ckpt else ""
         log.print(
             f"params:{sum(p.numel() for p in raw.parameters())} steps:{steps} grad_accum:{accum} "
             f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
-            f"peak_flops:{peak:.4g} run_dir:{run_dir}" + (runs.resumed(ledger, run) if ckpt else "")
+            f"peak_flops:{peak:.4g} run_dir:{run_dir}{note}"
         )
         clock = runlog.StepClock(log, start, job.untimed_steps)
         for step in range(start, steps + 1):  # at each step boundary, then the step

@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-import bench
 import ranks
 import routers
 import runs
@@ -159,7 +158,7 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
                 0, 97, (2, 256), generator=torch.Generator().manual_seed(100 + seed)
             )
             if compact:
-                bench.fit_lengths(raw, idx)  # (compiled in place: at the shapes used next)
+                routers.fit_lengths(raw, idx)  # (compiled in place: at the shapes used next)
                 fitted.add(tuple(raw.router.lengths))
             model(idx, targets=torch.roll(idx, -1, 1))
     # per mode, one graph per shape a block is called at: per packed length (the sequence's

@@ -121,13 +121,14 @@ def test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run(tmp_path):
             os.mkfifo(run / runs.PREVIOUS)
         else:
             torch.save(prev, run / runs.PREVIOUS)
-        said = runs.last_good(d, runs.Ledger(str(run), "the newest"), "aa")
+        said = runs.last_good(d, runs.Ledger(str(run), 10), "aa")
         step = torch.load(run / runs.CHECKPOINT, weights_only=True)["step"]
         if put_back:
             assert step == 5 and not (run / runs.PREVIOUS).exists() and "(step 5, put back" in said
         else:
             assert step == 10 and os.path.lexists(run / runs.PREVIOUS), prev
-            assert said.startswith("none: no step from the newest, the newest, had a finite")
+            newest_named = f"{run / runs.CHECKPOINT} (step 10)"
+            assert said.startswith(f"none: no step from the newest, {newest_named}, had a finite")
 
 
 # -------------------------------------------------------------------------- outputs
