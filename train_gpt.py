@@ -1276,21 +1276,11 @@ def train(
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     ledger = runs.Ledger(run_dir, start if ckpt else None)
     origin = init[1] if init else None  # (where the weights came from)
+    facts = dict(grad_accum=accum, num_steps=steps)
     with (
         ledger,
         STOP as stop,
-        runs.open_log(
-            d,
-            ledger,
-            run,
-            hp,
-            job,
-            argv,
-            origin,
-            ckpt is not None,
-            grad_accum=accum,
-            num_steps=steps,
-        ) as log,
+        runs.open_log(d, ledger, run, hp, job, argv, origin, ckpt is not None, **facts) as log,
     ):
         note = runs.resume_note(d, ledger, run) if ckpt else ""
         log.print(
