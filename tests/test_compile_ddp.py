@@ -14,22 +14,22 @@ import runs
 import train_gpt as tg
 from conftest import REPO, assert_close_rel, grads, run_command, spread_gates, steered_model, tiny
 
+# every router, masked and (where it has one) compacted
+ROUTER_PATHS = [
+    ("none", False),
+    *[
+        (router, compact)
+        for router in ("skip_middle", "dlo", "mod", "mor")
+        for compact in (False, True)
+    ],
+]
+
 # ------------------------------------------------------------------------- compiled
 
 
 @pytest.mark.parametrize(
     "router,compact",
-    [
-        ("none", False),
-        ("skip_middle", False),
-        ("skip_middle", True),
-        ("dlo", False),
-        ("dlo", True),
-        ("mod", False),
-        ("mod", True),
-        ("mor", False),
-        ("mor", True),
-    ],
+    ROUTER_PATHS,
 )
 @pytest.mark.slow
 def test_a_compiled_training_step_equals_the_eager_one(router, compact, monkeypatch, strict_dynamo):
@@ -76,20 +76,7 @@ def test_a_compiled_training_step_equals_the_eager_one(router, compact, monkeypa
 @pytest.mark.parametrize(
     "attn,router,compact",
     [
-        *[
-            ("sdpa", r, c)
-            for r, c in [
-                ("none", False),
-                ("skip_middle", False),
-                ("skip_middle", True),
-                ("dlo", False),
-                ("dlo", True),
-                ("mod", False),
-                ("mod", True),
-                ("mor", False),
-                ("mor", True),
-            ]
-        ],
+        *[("sdpa", r, c) for r, c in ROUTER_PATHS],
         ("flex", "skip_middle", False),
         ("flex", "skip_middle", True),
         ("flex", "mod", False),

@@ -323,20 +323,12 @@ def test_a_full_disk_is_found_before_the_work_and_leaves_nothing(tmp_path, capsy
 def test_a_disk_that_fills_mid_write_names_the_file_and_keeps_what_was_there(tmp_path):
     big = tmp_path / "big.txt"  # 1.2M tokens: shards of 1M tokens are 2 MB, over the limit
     big.write_text(" word" * 1_200_000)
-    r = run_command(
-        "data/tokenize_corpus.py",
-        str(big),
-        f"--out={tmp_path / 's'}",
-        "--workers=1",
-        "--shard_tokens=1000000",
-    )
+    tokenize = ("data/tokenize_corpus.py", str(big), f"--out={tmp_path / 's'}", "--workers=1")
+    r = run_command(*tokenize, "--shard_tokens=1000000")
     assert r.returncode == 0, r.stderr
     before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
     r = run_command(
-        "data/tokenize_corpus.py",
-        str(big),
-        f"--out={tmp_path / 's'}",
-        "--workers=1",
+        *tokenize,
         "--shard_tokens=1000000",
         timeout=300,
         preexec_fn=lambda: disk_nearly_full(3 << 19),
