@@ -87,7 +87,7 @@ summary_of() {  # one stage's figures for summary.txt
         bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
                       "$(grep -h '^peak memory' "$log"); $(grep -h '^compile:' "$log");" \
-                      "redone: $(grep -c 'redone:full_length' "$log") of $(grep -c '^step:.* train_loss' "$log") steps;" \
+                      "redone: $(grep -c '^step:.* redone:full_length' "$log") of $(grep -c '^step:.* train_loss' "$log") steps;" \
                       "$(grep -h '^step:1/.* train_loss' "$log" | grep -o 'train_loss:[0-9.]*')" \
                       "-> $(grep -h '^step:.* val_loss' "$log" | tail -1 | grep -o 'val_loss:[0-9.]*')" ;;
         *) ;;
