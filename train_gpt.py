@@ -1128,21 +1128,25 @@ REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (
 
 
 def compile_model(raw: GPT) -> GPT:
-    """Regional compilation (PyTorch's recipe for a fast cold start): each block's REGIONS
-    compiled in place, with static shapes. The blocks share their code, so a graph compiled for
-    one serves all: a cold compile is one block's, not the model's. The embedding, the router,
-    Block.pack and the head run eagerly. Under compact a packed length is a shape: a new one
-    compiles a new graph of one block, at most PACKS + 1 lengths per mode (packed_length), each
-    shown in the log (compile_ms). Static rather than symbolic lengths: on an H100 (torch 2.11)
-    the whole model compiled with symbolic lengths crashed Inductor's fusion at some lengths."""
+    """Regional compilation (PyTorch's recipe for a fast cold start): each block's REGIONS and
+    the model's readout compiled in place, with static shapes. The blocks share their code, so a
+    graph compiled for one serves all: a cold compile is one block's, not the model's. The
+    embedding, the router and Block.pack run eagerly. Under compact a packed length is a shape: a
+    new one compiles a new graph of one block, at most PACKS + 1 lengths per mode
+    (packed_length), each shown in the log (compile_ms). Static rather than symbolic lengths: on
+    an H100 (torch 2.11) the whole model compiled with symbolic lengths crashed Inductor's fusion
+    at some lengths. The readout too: eagerly, the head's products with the odd vocabulary ran
+    on slow kernels, its fp32 casts unfused (records/2026-11-25_gpu_check_*, a profile). With
+    the blocks alone compiled, the masked paper step took 154 ms on an H200, the whole model
+    compiled 90 (records/2026-11-27_gpu_check_NVIDIA_H200)."""
     config = torch._dynamo.config
     # graphs per region: PACKS + 1 lengths, training and evaluation, gated and not (past the
     # default 8, Dynamo would run the rest eagerly)
     config.recompile_limit = max(config.recompile_limit, 4 * (PACKS + 1))
-    for block in raw.blocks:
-        for name in REGIONS:
-            if name not in vars(block):  # (compiled already: as it is)
-                setattr(block, name, torch.compile(getattr(block, name), dynamic=False))
+    regions = [(block, name) for block in raw.blocks for name in REGIONS] + [(raw, "readout")]
+    for module, name in regions:
+        if name not in vars(module):  # (compiled already: as it is)
+            setattr(module, name, torch.compile(getattr(module, name), dynamic=False))
     return raw
 
 
