@@ -1,6 +1,7 @@
 """Run management for train_gpt.py: checkpoints (what a run carries from job to job, saved and
-read back checked), run directories (chosen, locked), and a job's saves and stops (the ranks:
-ranks.py; the log and the clock: runlog.py).
+read back checked), run directories (chosen, locked), a job's saves and stops (the ranks:
+ranks.py; the log and the clock: runlog.py), and sweep.py's runs, side by side, each a process
+of its own (run_plans).
 
 Guarantees: a checkpoint is written whole (a temporary file renamed over the old one) and only
 when every weight and optimiser moment is finite; the one before it is kept as PREVIOUS when a
@@ -14,6 +15,7 @@ every rank saves and stops at the same step (ranks.agreed_signal)."""
 import contextlib
 import errno
 import fcntl
+import functools
 import glob
 import io
 import json
@@ -21,7 +23,9 @@ import os
 import pickle
 import shlex
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -31,6 +35,8 @@ import hub
 from ranks import Dist
 from runlog import LOGS, RunLog, check_metrics, provenance
 from support import (
+    HERE,
+    SAVE_SIGNALS,
     RunStopped,
     UserError,
     check_fields,
@@ -579,3 +585,149 @@ def report_end(log: RunLog, d: Dist, ledger: Ledger, run: RunState, start, steps
         log.print(f"the run is complete at step {run.step}")
     if d.device.startswith("cuda"):
         log.print(f"peak memory: {torch.cuda.max_memory_allocated() // 2**20} MiB")
+
+
+# -----------------------------------------------------------------------------
+# Runs side by side: sweep.py's trainers, each a process of its own
+
+
+class Stopped(Exception):
+    """A signal reached the sweep; the runs in flight saved their checkpoints and stopped."""
+
+
+@dataclass
+class Plan:
+    """One run's commands, in order (script, argv); `after`: the label of a plan to be done
+    first (a DLO run's source)."""
+
+    label: str
+    steps: list
+    after: str = ""
+    said: str = ""  # printed once it is done
+
+
+class Trainers:
+    """The trainer processes in flight, each in a session of its own, so that a Ctrl-C at the
+    terminal reaches this sweep alone, which passes each of the trainer's saving signals on once
+    to every one (to torchrun's whole group): each saves its checkpoint. Output goes to files,
+    read once a trainer ends (a pipe could fill while others run)."""
+
+    def __init__(self):
+        self.live, self.got = {}, []  # Popen -> (plan, step, nproc, stdout, stderr); signals
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self.forward) for sig in SAVE_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def forward(self, sig, _):
+        self.got.append(sig)
+        for proc in self.live:
+            self.send(proc, sig)
+
+    def send(self, proc, sig):  # to the trainer, or to torchrun's whole group
+        if self.live[proc][2] == 1:
+            proc.send_signal(sig)
+        else:
+            os.killpg(proc.pid, sig)
+
+    def start(self, plan: Plan, step: int, nproc: int):
+        """The plan's command `step`, a trainer under torchrun when nproc > 1 (expand.py: one)."""
+        script, args = plan.steps[step]
+        nproc = 1 if script == "expand.py" else nproc
+        cmd = [sys.executable, script]
+        if nproc > 1:
+            cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        files = [tempfile.TemporaryFile("w+") for _ in range(2)]
+        # signals held here until the trainer is known (passed on once, whenever they came);
+        # the trainer takes them from its start
+        signal.pthread_sigmask(signal.SIG_BLOCK, SAVE_SIGNALS)
+        try:
+            proc = subprocess.Popen(
+                cmd + args,
+                cwd=HERE,
+                stdout=files[0],
+                stderr=files[1],
+                text=True,
+                start_new_session=True,
+                preexec_fn=functools.partial(
+                    signal.pthread_sigmask, signal.SIG_UNBLOCK, SAVE_SIGNALS
+                ),
+            )
+            self.live[proc] = (plan, step, nproc, *files)
+            if self.got:  # one that came before the trainer existed
+                self.send(proc, self.got[0])
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SAVE_SIGNALS)
+
+    def ended(self) -> tuple:
+        """Wait for a trainer to end: -> (plan, step, its exit status, stdout, stderr)."""
+        while True:
+            for proc in list(self.live):
+                if proc.poll() is not None:
+                    plan, step, _, *files = self.live.pop(proc)
+                    return plan, step, proc.returncode, *map(read_back, files)
+            time.sleep(0.05)
+
+
+def read_back(f) -> str:
+    """All that was written to the temporary file f; closed (so removed)."""
+    with f:
+        f.seek(0)
+        return f.read()
+
+
+def run_plans(plans: list, nproc: int, jobs: int = 1):
+    """Run each plan's commands in order, up to `jobs` plans at once, each command a process
+    of its own (expand.py one process; a trainer under torchrun when nproc > 1), a plan after
+    the one it names. A signal: every trainer in flight saves its checkpoint, this waits for
+    them, then raises Stopped; a second, passed on too, stops them at once. A command that
+    fails: no other starts, those in flight run to their end, then its error is raised. Rerun,
+    the grid resumes (run_grid)."""
+    todo, failed, saved = list(plans), [], []
+    with Trainers() as trainers:
+        while todo or trainers.live:
+            if len(trainers.live) < jobs and not (trainers.got or failed):
+                busy = {p.label for p in todo} | {t[0].label for t in trainers.live.values()}
+                plan = next((p for p in todo if p.after not in busy), None)
+                if plan is not None:
+                    todo.remove(plan)
+                    if plan.steps:
+                        trainers.start(plan, 0, nproc)
+                    elif plan.said:
+                        print(plan.said, flush=True)
+                    continue
+            if not trainers.live:
+                break  # stopped or failed: nothing more starts
+            plan, step, code, out, err = trainers.ended()
+            script, got = plan.steps[step][0], trainers.got
+            if got and code in {0} | {128 + s for s in got} | {-s for s in got}:  # obeyed
+                # a second signal, or one while the run was starting, leaves no new checkpoint
+                saved.append(
+                    f"{plan.label} saved its checkpoint"
+                    if code == 0 and "checkpoint: none;" not in out
+                    else f"{plan.label} stopped, keeping its last checkpoint if it had one"
+                )
+            elif code:
+                tail = (err.strip().splitlines() or ["(no output)"])[-1]
+                kind = UserError if code == 2 and not got else RunStopped
+                failed.append(kind(f"{plan.label}: {script} exited {code}: {tail}"))
+            elif step + 1 < len(plan.steps):  # the plan's next command, in its place
+                trainers.start(plan, step + 1, nproc)
+            elif plan.said:
+                print(plan.said, flush=True)
+    if failed:
+        raise failed[0]
+    if trainers.got:
+        raise Stopped(
+            f"sweep stopped by {signal.Signals(trainers.got[0]).name}; {'; '.join(saved)}; "
+            f"run the same command again to go on"
+        )
+
+
+def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""):
+    """Run script with args to its end, as run_plans runs a plan of one command."""
+    run_plans([Plan(label or " ".join(args[-1:]), [(script, args)])], nproc)

@@ -4,19 +4,21 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, ~18 h
-    python sweep.py --grid=bytes_core --seeds=5     # byte-level study, 2 cores, ~3 h in 3 jobs
-                                                    # (python data/debian_docs.py first)
+    OMP_NUM_THREADS=1 python sweep.py --grid=bytes_core --seeds=5 --jobs=3
+                                      # byte-level study, 2 cores, ~3 h (data/debian_docs.py first)
     python sweep.py --report=RECORD/runs.csv        # a record's table and figure again
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
-             --first_seed=S: seeds S..K-1 only, so that jobs sharing --runs split a grid (on 2
-             cores two jobs of one thread each, OMP_NUM_THREADS=1, outrun one of two threads)
+             --jobs=J: runs at once, side by side on the one device (on 2 cores three runs of
+             one thread each, OMP_NUM_THREADS=1, outrun one of two threads)
+             --first_seed=S: seeds S..K-1 only, so that commands sharing --runs split a grid
 
 Each configuration of the grid trains through train_gpt.py in its own run directory under
---runs, as a subprocess (under torchrun when --nproc_per_node > 1). A run that finished is
-skipped and one with a checkpoint is resumed, so rerunning the command after a crash finishes
-the grid without redoing finished runs. A Ctrl-C (SIGINT, SIGTERM or SIGUSR1) reaches the run
-in flight once: it saves its checkpoint, and the sweep waits for it, then stops (status 0).
+--runs, as a subprocess (under torchrun when --nproc_per_node > 1), --jobs of them at once. A
+run that finished is skipped and one with a checkpoint is resumed, so rerunning the command
+after a crash finishes the grid without redoing finished runs. A Ctrl-C (SIGINT, SIGTERM or
+SIGUSR1) reaches each run in flight once: each saves its checkpoint, and the sweep waits for
+them, then stops (status 0).
 Then, in this process, on each run's final weights: validation cross-entropy and estimated
 FLOPs per token at the measured sparsity, and the former's standard error over documents, come
 from the run's last validation record; evaluation time per token is measured here, masked and
@@ -39,9 +41,7 @@ import json
 import math
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -215,8 +215,8 @@ GRIDS = {
     ),
 }
 # bytes' grid reduced to what answers the question (the paper's gate at its mu_end 0.5, DLO and its
-# dense control, MoD): five seeds take about 3 h on 2 cores as three one-thread jobs splitting the
-# seeds (--first_seed); the records give each study's time.
+# dense control, MoD): five seeds take about 3 h on 2 cores as three one-thread runs at once
+# (--jobs=3); the records give each study's time.
 GRIDS["bytes_core"] = dict(
     GRIDS["bytes"],
     runs=[
@@ -260,74 +260,6 @@ def run_records(run_dir: str, kind: str) -> list:
             if isinstance(m, dict) and m.get("kind") == kind:
                 out.append(m)
     return out
-
-
-class Stopped(Exception):
-    """A signal reached the sweep; the run in flight saved its checkpoint and stopped."""
-
-
-def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""):
-    """Run script to its end. It runs in a session of its own, so that a Ctrl-C at the
-    terminal reaches this sweep alone, which passes each of the trainer's saving signals on
-    once (to torchrun's whole group): the run saves its checkpoint, this waits for it, then
-    raises Stopped. A second signal, passed on too, stops the run at once."""
-    cmd = (
-        [sys.executable, script]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            script,
-        ]
-    )
-    got, proc = [], None
-
-    def send(sig):  # to the trainer, or to torchrun's whole group
-        if nproc == 1:
-            proc.send_signal(sig)
-        else:
-            os.killpg(proc.pid, sig)
-
-    def forward(sig, _):
-        got.append(sig)
-        if proc is not None:
-            send(sig)
-
-    previous = {sig: signal.signal(sig, forward) for sig in support.SAVE_SIGNALS}
-    try:
-        proc = subprocess.Popen(
-            cmd + args,
-            cwd=support.HERE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        if got:  # one that came before the trainer existed
-            send(got[0])
-        out, err = proc.communicate()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    label = label or " ".join(args[-1:])
-    if got and proc.returncode in {0} | {128 + s for s in got} | {-s for s in got}:  # obeyed
-        # a second signal, or one while the run was starting, leaves no new checkpoint
-        done = (
-            "saved its checkpoint"
-            if proc.returncode == 0 and "checkpoint: none;" not in out
-            else "stopped, keeping its last checkpoint if it had one"
-        )
-        raise Stopped(
-            f"sweep stopped by {signal.Signals(got[0]).name}; {label} {done}; run "
-            f"the same command again to go on"
-        )
-    if proc.returncode:
-        tail = (err.strip().splitlines() or ["(no output)"])[-1]
-        kind = support.UserError if proc.returncode == 2 and not got else support.RunStopped
-        raise kind(f"{label}: {script} exited {proc.returncode}: {tail}")
 
 
 EXPANSION = ("groups", "per_group", "init", "tau")  # expand.py's own settings (expand.json)
@@ -387,10 +319,11 @@ def check_settings(run_dir: str, plan: list):
         )
 
 
-def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
-    """Train every (configuration, seed) not finished yet. -> [(name, seed, run_dir, the
-    commands that train it alone)]."""
-    done = []
+def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1) -> list:
+    """Train every (configuration, seed) not finished yet, up to `jobs` at once (runs.run_plans; a
+    DLO run after its source), the settings of each run begun checked before any starts. ->
+    [(name, seed, run_dir, the commands that train it alone)]."""
+    plans, done = [], []
     for seed in seeds:
         for name, overrides, *expansion in grid["runs"]:
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
@@ -402,6 +335,7 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
                 if a.split("=")[0][2:] in tg.JOB - {"run_dir", "resume", "preset"}
             ]
             resume = ("train_gpt.py", [f"--resume={run_dir}", *job])
+            source = ""
             if expansion:  # a step-0 checkpoint, then trained as a resume
                 source, *how = [a.format(runs=runs_dir, seed=seed) for a in expansion[0]]
                 plan = [("expand.py", [source, run_dir, *how, *args]), resume]
@@ -414,14 +348,15 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int) -> list:
                 ]
             if state != "fresh":
                 check_settings(run_dir, plan)
-            for script, argv in {"fresh": plan, "resume": [resume], "done": []}[state]:
-                launch(argv, 1 if script == "expand.py" else nproc, script, label=run_dir)
-            print(f"{name} seed {seed}: {state if state == 'done' else 'trained'}", flush=True)
+            steps = {"fresh": plan, "resume": [resume], "done": []}[state]
+            said = f"{name} seed {seed}: {state if state == 'done' else 'trained'}"
+            plans.append(runs.Plan(run_dir, steps, after=source, said=said))
             # as run from the repository
             command = " && ".join(
                 f"python {script} {shlex.join(argv)}" for script, argv in plan
             ).replace(support.HERE + os.sep, "")
             done.append((name, seed, run_dir, command))
+    runs.run_plans(plans, nproc, jobs)
     return done
 
 
@@ -996,6 +931,14 @@ def parser() -> support.ArgParser:
         help="processes per run; above 1 under torchrun (default: %(default)s)",
     )
     p.add_argument(
+        "--jobs",
+        type=support.in_range(int, 1, support.MAX_PROCESSES),
+        default=1,
+        metavar="J",
+        help="runs at once, each in its own process and folder, side by side on the one device "
+        "(a DLO run after its source; on CPU set OMP_NUM_THREADS) (default: %(default)s)",
+    )
+    p.add_argument(
         "--runs",
         type=support.path_arg,
         metavar="DIR",
@@ -1036,6 +979,10 @@ def main(argv):
         raise support.UserError(
             f"--first_seed={args.first_seed} leaves no seed below --seeds={args.seeds}"
         )
+    if args.jobs > 1 and args.nproc_per_node > 1:
+        raise support.UserError(
+            f"--jobs={args.jobs} places runs side by side on one device: give --nproc_per_node=1"
+        )
     grid = GRIDS[args.grid]
     # absolute: the trainers run in the repository, this command wherever it was started
     runs_dir = os.path.abspath(args.runs or os.path.join("logs", f"sweep_{args.grid}"))
@@ -1046,8 +993,9 @@ def main(argv):
     support.writable_dir(runs_dir)
     t0 = time.time()
     try:
-        done = run_grid(grid, runs_dir, range(args.first_seed, args.seeds), args.nproc_per_node)
-    except Stopped as e:
+        seeds = range(args.first_seed, args.seeds)
+        done = run_grid(grid, runs_dir, seeds, args.nproc_per_node, args.jobs)
+    except runs.Stopped as e:
         print(e, flush=True)
         return
     rows = [

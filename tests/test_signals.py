@@ -23,7 +23,6 @@ from conftest import (
     COMMANDS,
     RESUME_RUN,
     TINY_RUN,
-    load_command,
     read_metrics,
     run_command,
     run_main,
@@ -454,40 +453,48 @@ def test_workers_whose_torchrun_dies_before_they_start_give_up_at_once(tmp_path,
 # ---------------------------------------------------------- the sweep as a launcher
 
 
-def test_ctrl_c_on_a_sweep_lets_the_run_in_flight_save_and_stop(tmp_path):
-    # the sweep gets the signal (the trainer runs in a session of its own, as after a Ctrl-C
-    # at a terminal) and passes it on once: the trainer finishes its step and saves
-    sweep, metrics = load_command("sweep.py"), tmp_path / "metrics.jsonl"
+def test_ctrl_c_on_a_sweep_lets_each_run_in_flight_save_and_stop(tmp_path):
+    # the sweep gets the signal (its trainers run in sessions of their own, as after a Ctrl-C
+    # at a terminal) and passes it on once to each of the two in flight (--jobs=2): each
+    # finishes its step and saves, and the sweep stops once both have
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    plans = [
+        runs.Plan(
+            str(d), [("train_gpt.py", RESUME_RUN + ["--train_tokens=1024000", f"--run_dir={d}"])]
+        )
+        for d in dirs
+    ]
 
     def interrupt():
         deadline = time.time() + 120
-        while (
-            not (metrics.exists() and '"step": 2' in metrics.read_text()) and time.time() < deadline
+        while time.time() < deadline and not all(
+            (d / "metrics.jsonl").exists() and '"step": 2' in (d / "metrics.jsonl").read_text()
+            for d in dirs
         ):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(sweep.Stopped, match="sweep stopped by SIGINT; .* saved its checkpoint"):
-        sweep.launch(RESUME_RUN + ["--train_tokens=1024000", f"--run_dir={tmp_path}"], 1)
-    step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
-    assert (
-        step >= 2
-        and f"stopped by signal SIGINT at step {step}" in (tmp_path / "train.log").read_text()
-    )
+    with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; ") as stopped:
+        runs.run_plans(plans, 1, jobs=2)
+    for d in dirs:
+        assert f"{d} saved its checkpoint" in str(stopped.value)
+        step = torch.load(d / "checkpoint.pt", weights_only=True)["step"]
+        assert (
+            step >= 2
+            and f"stopped by signal SIGINT at step {step}" in (d / "train.log").read_text()
+        )
 
 
 def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monkeypatch):
-    sweep, real = load_command("sweep.py"), subprocess.Popen
+    real = subprocess.Popen
 
     def interrupted_popen(*args, **kwargs):  # the Ctrl-C lands as the trainer is starting
         proc = real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGINT)
         return proc
 
-    monkeypatch.setattr(sweep.subprocess, "Popen", interrupted_popen)
-    with pytest.raises(
-        sweep.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"
-    ):
-        sweep.launch(RESUME_RUN + [f"--run_dir={tmp_path}"], 1)
+    monkeypatch.setattr(runs.subprocess, "Popen", interrupted_popen)
+    with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"):
+        runs.launch(RESUME_RUN + [f"--run_dir={tmp_path}"], 1)
     assert not (tmp_path / "checkpoint.pt").exists()

@@ -4,6 +4,7 @@ scripts kept with the records."""
 import json
 import math
 import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +151,33 @@ TINY_GRID = [
 
 
 @pytest.mark.slow
-def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypatch, capsys):
+def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
+    tmp_path, monkeypatch, capsys
+):
+    # --jobs=2: a run refused by the trainer (3 heads do not divide width 32) while another
+    # trains; that one runs to its end, the next is not started, and the refusal is the
+    # sweep's one error line
+    sweep = load_command("sweep.py")
+    longer = [a.replace("=1280", "=25600") for a in TINY_GRID]  # 100 steps: outlasts the refusal
+    runs = [
+        ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"]),
+        sweep.dense(2),
+        sweep.dense(4),
+    ]
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=longer, n_layers=4, runs=runs))
+    argv = ["--grid=tiny", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}", "--jobs=2"]
+    code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {tmp_path / 'runs' / 'bad_s0'}: train_gpt.py exited 2: error: ")
+    assert sweep.run_state(str(tmp_path / "runs" / "dense_2_s0")) == "done"
+    assert not (tmp_path / "runs" / "dense_4_s0").exists()
+    assert not (tmp_path / "out" / "runs.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
+    tmp_path, monkeypatch, capsys
+):
     sweep = load_command("sweep.py")
     # (its val_tokens overrides the base's, as dlo_source's train_tokens does in the real grids)
     gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5", "--val_tokens=256")
@@ -169,7 +196,7 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
     runs, out = tmp_path / "runs", tmp_path / "out"
     # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
-    sweep.launch(
+    sweep.runs.launch(
         TINY_GRID
         + gated[1]
         + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}", "--stop_step=2"],
@@ -177,13 +204,29 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     )
     assert sweep.run_state(str(runs / "gated_mu0.5_s0")) == "resume"
 
-    def in_process(args, nproc, script="train_gpt.py", label=""):  # the rest: quicker here
-        main = tg.main if script == "train_gpt.py" else load_command(script).main
-        assert support.cli(main, args) == 0, capsys.readouterr().err
+    events, start, ended = [], sweep.runs.Trainers.start, sweep.runs.Trainers.ended
 
-    monkeypatch.setattr(sweep, "launch", in_process)
-    argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}"]
+    def started(self, plan, step, nproc):  # what the sweep starts and sees end, in order
+        start(self, plan, step, nproc)
+        events.append(("start", plan.label, plan.steps[step][0], len(self.live)))
+
+    def finished(self):
+        plan, step, *rest = ended(self)
+        events.append(("end", plan.label, plan.steps[step][0], len(self.live)))
+        return plan, step, *rest
+
+    monkeypatch.setattr(sweep.runs.Trainers, "start", started)
+    monkeypatch.setattr(sweep.runs.Trainers, "ended", finished)
+    argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}", "--jobs=2"]
     assert support.cli(sweep.main, argv) == 0
+    # --jobs=2: two processes side by side, never more; a DLO run's expansion after its source
+    assert max(n for kind, *_, n in events if kind == "start") == 2, events
+    source = ("end", str(runs / "dense_2_s0"), "train_gpt.py")
+    source_end = next(i for i, e in enumerate(events) if e[:3] == source)
+    for name in ("dlo_rho0.5", "dlo_control"):
+        first = next(e for e in events if e[1] == str(runs / f"{name}_s0"))
+        assert first[:3] == ("start", str(runs / f"{name}_s0"), "expand.py")
+        assert events.index(first) > source_end, events
     assert "resumed at step 2" in (runs / "gated_mu0.5_s0" / "train.log").read_text()
     names = ["dense_2", "dense_4", "gated_mu0.5", "dlo_rho0.5", "dlo_control", "mor_r2"]
     for name in names:
@@ -204,6 +247,17 @@ def test_a_tiny_grid_runs_end_to_end_and_a_killed_one_resumes(tmp_path, monkeypa
     # unique parameters: MoR's 4 applied blocks are 3 of their own, the dense 4-layer model's 4
     params = {name: r["params"] for name, r in table.items()}
     assert params["dense_2"] < params["mor_r2"] < params["dense_4"]
+    # a row's command run alone gives its run's validation to the last digit: side by side,
+    # the runs did not touch each other
+    alone = shlex.split(table["dense_4"]["command"])
+    assert alone[:2] == ["python", "train_gpt.py"], alone
+    args = [a for a in alone[2:] if not a.startswith("--run_dir=")]
+    assert run_command("train_gpt.py", *args, f"--run_dir={tmp_path / 'alone'}").returncode == 0
+    val = [
+        [m for m in read_metrics(d) if m["kind"] == "val"][-1]
+        for d in (runs / "dense_4_s0", tmp_path / "alone")
+    ]
+    assert val[0]["val_loss"] == val[1]["val_loss"], val
     for name, r in table.items():  # the table holds each run's own final validation
         last = [m for m in read_metrics(runs / f"{name}_s0") if m["kind"] == "val"][-1]
         assert r["val_loss"] == pytest.approx(last["val_loss"])
