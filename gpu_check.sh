@@ -8,10 +8,10 @@
 #     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
 # GPU_CHECK_SECONDS: the budget (default 420: one call of 7 minutes). The stages, with the
-# seconds measured on one H100 on 2026-11-26 (records/2026-11-26_gpu_check_NVIDIA_H100_80GB_HBM3),
-# before the blocks were compiled apart (issue 54), and paper_compact never: they sum to 525 s
-# (so whether one call holds them all is not yet known; a second call finishes a cut stage):
-#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   22
+# seconds measured on one H200 on 2026-11-27 (records/2026-11-27_gpu_check_NVIDIA_H200, blocks
+# compiled apart, the readout eager; the bench's from 2026-11-26, the whole model compiled): they
+# sum to 648 s, so one call does not yet hold them all (a second call finishes a cut stage):
+#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   39
 #   paper_none, paper_skip_middle, paper_compact
 #            first, as a compiled run that does not learn makes the rest moot: the paper
 #            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
@@ -19,10 +19,10 @@
 #            dense, gated, and gated with compact=true (the gates of a new model at this width
 #            skip: the same run as paper_skip_middle, its skipped work not done: step time,
 #            memory, compile time and redone steps side by side); run folders outside the
-#            record (a 2.3 GB checkpoint), logs copied in (a cut stage's too)             74 each
+#            record (a 2.3 GB checkpoint), logs copied in (a cut stage's too)    57, 55, 126
 #   tests    the CUDA tests, -k cuda (tests/test_gpu.py: compiled = eager, Flex with ln g, packed
-#            lengths compiled once each and never a sync; bench's graphs)                 124
-#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)          41
+#            lengths compiled once each and never a sync; bench's graphs), each one's time 206
+#   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)          49
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
 #            masked MFU), compile time apart                                                116
@@ -151,7 +151,7 @@ stage env env_check
 stage paper_none paper_run none  # learning first: both losses must fall
 stage paper_skip_middle paper_run skip_middle
 stage paper_compact paper_run skip_middle --compact=true
-stage tests python -m pytest -q -k cuda -rs  # the suite's tests named cuda (testpaths)
+stage tests python -m pytest -q -k cuda -rs --durations=0  # the tests named cuda (testpaths)
 stage ddp ddp_run
 stage bench python bench.py "${bench[@]}" --out="$out/bench"
 echo "done in $SECONDS s: $out (commit it)"
