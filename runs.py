@@ -15,7 +15,6 @@ every rank saves and stops at the same step (ranks.agreed_signal)."""
 import contextlib
 import errno
 import fcntl
-import functools
 import glob
 import io
 import json
@@ -606,33 +605,58 @@ class Plan:
     said: str = ""  # printed once it is done
 
 
+@dataclass
+class Trainer:
+    """A command of a plan in flight, its output files, and how many of the signals that came it
+    was sent."""
+
+    plan: Plan
+    step: int
+    nproc: int
+    files: list
+    sent: int = 0
+
+
 class Trainers:
     """The trainer processes in flight, each in a session of its own, so that a Ctrl-C at the
-    terminal reaches this sweep alone, which passes each of the trainer's saving signals on once
-    to every one (to torchrun's whole group): each saves its checkpoint. Output goes to files,
-    read once a trainer ends (a pipe could fill while others run)."""
+    terminal reaches this sweep alone. Each of the trainer's saving signals that comes is passed
+    on once to every trainer in flight, or started after it (torchrun passes it to its workers):
+    each saves its checkpoint. The handler only notes a signal and the waiting loop passes it on
+    (a handler that sent could run in the middle of a start and send twice). Output goes to
+    files, read once a trainer ends (a pipe could fill while others run). Left with trainers in
+    flight (an error here), it stops them as a signal would and waits for them."""
 
     def __init__(self):
-        self.live, self.got = {}, []  # Popen -> (plan, step, nproc, stdout, stderr); signals
+        self.live, self.got = {}, []  # Popen -> Trainer; the signals that came
 
     def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self.forward) for sig in SAVE_SIGNALS}
+        self.previous = {sig: signal.signal(sig, self.note) for sig in SAVE_SIGNALS}
         return self
 
     def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        try:
+            if self.live:  # not left running where no Ctrl-C reaches them
+                self.got.append(signal.SIGTERM)
+                while self.live:
+                    self.ended()
+        finally:
+            for sig, handler in self.previous.items():
+                signal.signal(sig, handler)
 
-    def forward(self, sig, _):
+    def note(self, sig, _):
         self.got.append(sig)
-        for proc in self.live:
-            self.send(proc, sig)
 
-    def send(self, proc, sig):  # to the trainer, or to torchrun's whole group
-        if self.live[proc][2] == 1:
-            proc.send_signal(sig)
-        else:
-            os.killpg(proc.pid, sig)
+    def pass_on(self):
+        """Each signal that came, once, to each trainer in flight (torchrun: its group)."""
+        came = len(self.got)
+        for proc, trainer in self.live.items():
+            for sig in self.got[trainer.sent : came]:
+                with contextlib.suppress(ProcessLookupError):  # (ended since)
+                    if trainer.nproc == 1:
+                        proc.send_signal(sig)
+                    else:
+                        os.killpg(proc.pid, sig)
+            trainer.sent = came
 
     def start(self, plan: Plan, step: int, nproc: int):
         """The plan's command `step`, a trainer under torchrun when nproc > 1 (expand.py: one)."""
@@ -642,34 +666,30 @@ class Trainers:
         if nproc > 1:
             cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         files = [tempfile.TemporaryFile("w+") for _ in range(2)]
-        # signals held here until the trainer is known (passed on once, whenever they came);
-        # the trainer takes them from its start
-        signal.pthread_sigmask(signal.SIG_BLOCK, SAVE_SIGNALS)
-        try:
-            proc = subprocess.Popen(
-                cmd + args,
-                cwd=HERE,
-                stdout=files[0],
-                stderr=files[1],
-                text=True,
-                start_new_session=True,
-                preexec_fn=functools.partial(
-                    signal.pthread_sigmask, signal.SIG_UNBLOCK, SAVE_SIGNALS
-                ),
-            )
-            self.live[proc] = (plan, step, nproc, *files)
-            if self.got:  # one that came before the trainer existed
-                self.send(proc, self.got[0])
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, SAVE_SIGNALS)
+        proc = subprocess.Popen(
+            cmd + args,
+            cwd=HERE,
+            stdout=files[0],
+            stderr=files[1],
+            text=True,
+            start_new_session=True,
+        )
+        self.live[proc] = Trainer(plan, step, nproc, files)
 
     def ended(self) -> tuple:
-        """Wait for a trainer to end: -> (plan, step, its exit status, stdout, stderr)."""
+        """Wait for a trainer to end, passing signals on: -> (plan, step, its exit status,
+        stdout, stderr)."""
         while True:
+            self.pass_on()
             for proc in list(self.live):
                 if proc.poll() is not None:
-                    plan, step, _, *files = self.live.pop(proc)
-                    return plan, step, proc.returncode, *map(read_back, files)
+                    trainer = self.live.pop(proc)
+                    return (
+                        trainer.plan,
+                        trainer.step,
+                        proc.returncode,
+                        *map(read_back, trainer.files),
+                    )
             time.sleep(0.05)
 
 
@@ -685,13 +705,13 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
     of its own (expand.py one process; a trainer under torchrun when nproc > 1), a plan after
     the one it names. A signal: every trainer in flight saves its checkpoint, this waits for
     them, then raises Stopped; a second, passed on too, stops them at once. A command that
-    fails: no other starts, those in flight run to their end, then its error is raised. Rerun,
-    the grid resumes (run_grid)."""
+    fails: no other starts (nor a plan's next command), those in flight run to their end, then
+    its error is raised. Rerun, the grid resumes (run_grid)."""
     todo, failed, saved = list(plans), [], []
     with Trainers() as trainers:
         while todo or trainers.live:
             if len(trainers.live) < jobs and not (trainers.got or failed):
-                busy = {p.label for p in todo} | {t[0].label for t in trainers.live.values()}
+                busy = {p.label for p in todo} | {t.plan.label for t in trainers.live.values()}
                 plan = next((p for p in todo if p.after not in busy), None)
                 if plan is not None:
                     todo.remove(plan)
@@ -714,16 +734,24 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
             elif code:
                 tail = (err.strip().splitlines() or ["(no output)"])[-1]
                 kind = UserError if code == 2 and not got else RunStopped
-                failed.append(kind(f"{plan.label}: {script} exited {code}: {tail}"))
-            elif step + 1 < len(plan.steps):  # the plan's next command, in its place
+                failed.append((kind, f"{plan.label}: {script} exited {code}: {tail}"))
+                if trainers.live:
+                    print(
+                        f"{failed[-1][1]}; no other run starts: waiting for the "
+                        f"{len(trainers.live)} in flight",
+                        flush=True,
+                    )
+            elif step + 1 < len(plan.steps) and not failed:  # its next command, in its place
                 trainers.start(plan, step + 1, nproc)
-            elif plan.said:
+            elif step + 1 == len(plan.steps) and plan.said:
                 print(plan.said, flush=True)
     if failed:
-        raise failed[0]
+        kind, said = failed[0]
+        raise kind(said + (f" (and {len(failed) - 1} more runs failed)" if failed[1:] else ""))
     if trainers.got:
+        what = "; ".join(saved) or "no run was in flight"
         raise Stopped(
-            f"sweep stopped by {signal.Signals(trainers.got[0]).name}; {'; '.join(saved)}; "
+            f"sweep stopped by {signal.Signals(trainers.got[0]).name}; {what}; "
             f"run the same command again to go on"
         )
 

@@ -920,7 +920,7 @@ def parser() -> support.ArgParser:
         type=support.in_range(int, 0),
         default=0,
         metavar="S",
-        help="train and report seeds S to K - 1 only: one grid split over jobs that "
+        help="train and report seeds S to K - 1 only: one grid split over commands that "
         "share --runs (default: %(default)s)",
     )
     p.add_argument(

@@ -33,7 +33,7 @@ ROUTER_PATHS = [
 )
 @pytest.mark.slow
 def test_a_compiled_training_step_equals_the_eager_one(router, compact, monkeypatch, strict_dynamo):
-    # what compile_model compiles (each block's regions),
+    # what compile_model compiles (each block's regions and the readout),
     # through AOTAutograd (aot_eager: the layer where torch 2.11 lost the loss's gradients; the
     # CI's torch 2.11 leg runs this): the loss, the router's loss and every parameter's gradient
     # within 1e-5 of the largest, and no gradient all-zero that eager makes non-zero

@@ -787,3 +787,75 @@ def test_a_bad_shard_met_mid_run_is_status_1_naming_the_last_checkpoint(tmp_path
     assert err.startswith(
         f"error: {tmp_path}/t_000002.bin: token id 60000 is outside"
     ) and err.endswith(f"; last checkpoint: {tmp_path / 'run' / 'checkpoint.pt'} (step 4)\n"), err
+
+
+# ------------------------------------------------------ runs side by side (run_plans)
+
+
+def script(path, body: str) -> str:
+    """A command for run_plans: a Python file at path -> its path."""
+    path.write_text(body)
+    return str(path)
+
+
+def test_a_failed_command_starts_nothing_more_not_even_a_plans_next(tmp_path, capsys):
+    # two at once: one plan's command fails while the other's first runs; that one runs to its
+    # end, then neither its next command nor the third plan starts, and the failure is raised
+    flag = tmp_path / "failed"
+    fail = script(
+        tmp_path / "fail.py",
+        f"""import pathlib, sys
+pathlib.Path({str(flag)!r}).touch()
+sys.exit("error: refused")
+""",
+    )
+    wait = script(
+        tmp_path / "wait.py",
+        f"""import pathlib, time
+while not pathlib.Path({str(flag)!r}).exists():
+    time.sleep(0.01)
+time.sleep(0.5)
+""",
+    )
+    touch = script(
+        tmp_path / "touch.py", "import pathlib, sys\npathlib.Path(sys.argv[1]).touch()\n"
+    )
+    plans = [
+        runs.Plan("bad", [(fail, [])]),
+        runs.Plan("two", [(wait, []), (touch, [str(tmp_path / "next")])]),
+        runs.Plan("other", [(touch, [str(tmp_path / "other")])]),
+    ]
+    with pytest.raises(support.RunStopped, match=r"^bad: .*fail\.py exited 1: error: refused$"):
+        runs.run_plans(plans, 1, jobs=2)
+    assert "no other run starts: waiting for the 1 in flight" in capsys.readouterr().out
+    assert not (tmp_path / "next").exists() and not (tmp_path / "other").exists()
+
+
+def test_an_error_in_the_sweep_stops_its_trainers_as_a_signal_would(tmp_path, monkeypatch):
+    # run_plans fails while starting its second command: the first, in flight, is not left
+    # running where no Ctrl-C reaches it (a session of its own); it gets SIGTERM and is waited for
+    begun, saved = tmp_path / "begun", tmp_path / "saved"
+    slow = script(
+        tmp_path / "slow.py",
+        f"""import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(saved)!r}).touch(), sys.exit(0)))
+pathlib.Path({str(begun)!r}).touch()
+time.sleep(60)
+""",
+    )
+    made, real = [], runs.tempfile.TemporaryFile
+
+    def temporary_file(*args):  # the second command's files cannot be made
+        while len(made) == 2 and not begun.exists():
+            time.sleep(0.01)
+        if len(made) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(runs.tempfile, "TemporaryFile", temporary_file)
+    plans = [runs.Plan("slow", [(slow, [])]), runs.Plan("next", [(slow, [])])]
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="No space left"):
+        runs.run_plans(plans, 1, jobs=2)
+    assert saved.exists() and time.monotonic() - t0 < 30
