@@ -16,6 +16,7 @@ import support
 import train_gpt as tg
 from conftest import REPO, cuda, load_command, read_metrics, run_command
 from data import shards
+from data.tokenize_corpus import shard_bytes
 
 # --------------------------------------------- sweep.py: the statistics of Figure 2
 
@@ -148,6 +149,58 @@ TINY_GRID = [
     "--untimed_steps=0",
     "--save_every=2",
 ]
+
+
+@pytest.mark.slow
+def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeypatch, capsys):
+    # bytes_gpu, its configurations as one GPU call runs them (--jobs), on CPU at a tiny size
+    # and on a tiny byte corpus (this README's bytes), two seeds: every run trains, the record
+    # compares each routed run with its seed's frontier or control, and says how far each gated
+    # block's zero share ended from its target
+    sweep = load_command("sweep.py")
+    text = np.frombuffer((Path(REPO) / "README.md").read_bytes(), np.uint8)
+    for split, part in (("train", text[: len(text) // 2]), ("val", text[len(text) // 2 :])):
+        (tmp_path / f"b_{split}_000000.bin").write_bytes(shard_bytes(part, "bytes"))
+    grid, tokens = sweep.GRIDS["bytes_gpu"], 8 * 4 * 32  # 8 steps of 4 x 32 bytes
+    tiny = [f"--train_files={tmp_path}/b_train_*.bin", f"--val_files={tmp_path}/b_val_*.bin"]
+    tiny += [f"--train_tokens={tokens}", "--val_tokens=1024", "--save_every=4"]
+    tiny += ["--dim=32", "--n_heads=2", "--n_kv_heads=2", "--max_seq_len=32", "--seq_len=32"]
+    tiny += ["--batch_size=4", "--device_batch_size=4", "--untimed_steps=0", "--compile=false"]
+    halved = [
+        (n, [a.replace("9830400", str(tokens // 2)) for a in r], *e) for n, r, *e in grid["runs"]
+    ]
+    monkeypatch.setitem(sweep.GRIDS, "bytes_gpu", dict(grid, base=grid["base"] + tiny, runs=halved))
+    out = tmp_path / "out"
+    argv = [
+        "--grid=bytes_gpu",
+        "--seeds=2",
+        "--jobs=2",
+        f"--runs={tmp_path / 'runs'}",
+        f"--out={out}",
+    ]
+    assert support.cli(sweep.main, argv) == 0, capsys.readouterr().err
+    rows = sweep.read_runs(str(out / "runs.csv"))
+    assert sorted((r["name"], r["seed"]) for r in rows) == sorted(
+        (n, s) for n, *_ in grid["runs"] for s in (0, 1)
+    )
+    lines = {(ln["name"], ln["vs"]) for ln in sweep.summarise(rows)}
+    for name in ("gated_mu0.5", "gated_mu0.25", "dlo_rho0.5", "mod_c0.125", "mor_r3"):
+        assert (name, "dense frontier") in lines, lines
+    assert ("dlo_rho0.5", "dlo_control") in lines and ("mor_r3", "recursive_r3") in lines
+    gated = [r for r in rows if r["name"].startswith("gated")]
+    for r in gated:
+        config = json.loads(
+            (tmp_path / "runs" / f"{r['name']}_s{r['seed']}" / "config.json").read_text()
+        )
+        assert config["gamma"] == float(sweep.BYTES_GATE_GAMMA) and config["dim"] == 32
+    table = (out / "table.md").read_text()
+    for r in gated:  # each gated run's largest gap, computed here from its row
+        gap = max(
+            abs(float(z) - float(t))
+            for z, t in zip(r["gate_zero"].split(), r["target_zero"].split(), strict=True)
+            if t != "none"
+        )
+        assert f"| {r['target_zero']} | {gap:.4f} |" in table
 
 
 @pytest.mark.slow
@@ -446,15 +499,16 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
 
 @pytest.mark.slow
 def test_every_script_under_records_runs_on_todays_code(tmp_path):
-    scripts = sorted(Path(REPO).glob("records/*/*.py"), key=lambda p: p.name)
-    names = ["compile_time.py", "memory_step.py", "replay.py", "table.py"]
+    scripts = sorted(Path(REPO).glob("records/*/*.py"), key=lambda p: (p.name, str(p)))
+    names = ["compile_time.py", "memory_step.py", "replay.py", "table.py", "table.py"]
     assert [p.name for p in scripts] == names  # a new one: run it here
     for script in scripts:  # each answers --help with its docstring
         r = run_command(script, "--help")
         assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr[-500:])
-    r = run_command(scripts[3])
-    readme = (scripts[3].parent / "README.md").read_text()  # its table, from its runs
-    assert r.returncode == 0 and r.stdout.count("\n") == 10 and r.stdout in readme, r.stdout
+    for script, rows in zip(scripts[3:], (10, 5), strict=True):  # each record's table, from
+        r = run_command(script)  # its runs, as its README shows it
+        readme = (script.parent / "README.md").read_text()
+        assert r.returncode == 0 and r.stdout.count("\n") == rows and r.stdout in readme, r.stdout
     r = run_command(  # CPU Inductor, a new cache: a block's graph and the readout's compiled,
         scripts[0], REPO, "--compact=0", "--steps=2", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     )  # then reused
