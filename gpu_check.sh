@@ -9,8 +9,9 @@
 #
 # GPU_CHECK_SECONDS: the budget (default 420: one call of 7 minutes). The stages, with the
 # seconds measured on one H200 on 2026-11-27 (records/2026-11-27_gpu_check_NVIDIA_H200, blocks
-# compiled apart, the readout eager; the bench's from 2026-11-26, the whole model compiled): they
-# sum to 648 s, so one call does not yet hold them all (a second call finishes a cut stage):
+# compiled apart, the readout eager; the bench's from the H200 of 2026-11-26, the whole model
+# compiled): they sum to 629 s, so one call does not yet hold them all (a second call finishes a
+# cut stage):
 #   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   39
 #   paper_none, paper_skip_middle, paper_compact
 #            first, as a compiled run that does not learn makes the rest moot: the paper
@@ -25,7 +26,7 @@
 #   ddp      torchrun --nproc_per_node=1 (launcher, NCCL, compile; no DDP: one rank)          49
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
-#            masked MFU), compile time apart                                                116
+#            masked MFU), compile time apart                                                 97
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail

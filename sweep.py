@@ -238,13 +238,15 @@ GRIDS["bytes_core"] = dict(
 
 
 # The byte study where the blocks are the compute and a GPU is busy (issue 57): width 384 (six
-# heads of 64), 64 x 256 bytes a step, 1,200 steps, compiled, Table 2's learning rate; the core
+# heads of 64), 32 x 256 bytes a step, 1,200 steps, compiled, Table 2's learning rate; the core
 # configurations plus the paper's gate at mu_end 0.25 and Mixture-of-Recursions with its
 # recursive baseline. The controller's gamma is raised from Table 2's 1e-3 so that the gates
-# settle on their targets in 1,200 steps (BYTES_GATE_GAMMA; README: Deviations). For one GPU
-# call: python sweep.py --grid=bytes_gpu --seeds=5 --jobs=8. Its size is an estimate: no GPU has
-# run it yet.
-BYTES_GATE_GAMMA = "3e-2"  # records/2026-11-27_gate_gamma_pilot_cpu: the gaps within 0.05
+# settle on their targets in 1,200 steps (a deviation; README: Results). For one GPU call:
+# python sweep.py --grid=bytes_gpu --seeds=5 --jobs=8. Its size is an estimate that no GPU has
+# checked: about 35 PFLOPs of training for 5 seeds (3 x flops_per_token x train_tokens, summed),
+# 87 s at 400 TFLOP/s and 174 s at 200, plus for each of 55 runs its start, its compile (the
+# Inductor cache shared) and a validation of 5 MB, 8 at a time.
+BYTES_GATE_GAMMA = "3e-2"  # records/2026-11-27_gate_gamma_pilot_cpu: largest gap 0.011, 1 seed
 GRIDS["bytes_gpu"] = dict(
     GRIDS["bytes"],
     base=BYTES_BASE
@@ -252,15 +254,15 @@ GRIDS["bytes_gpu"] = dict(
         "--dim=384",
         "--n_heads=6",
         "--n_kv_heads=6",
-        "--batch_size=64",
-        "--device_batch_size=64",
-        "--train_tokens=19660800",
+        "--batch_size=32",
+        "--device_batch_size=32",
+        "--train_tokens=9830400",
         "--lr=1e-3",
         "--compile=true",
     ],
     runs=[
         (name, args + [f"--gamma={BYTES_GATE_GAMMA}"] if name.startswith("gated") else args, *rest)
-        for name, args, *rest in figure2_runs(6, 100, 19660800)
+        for name, args, *rest in figure2_runs(6, 100, 9830400)
         if name
         in (
             "dense_2",

@@ -1136,9 +1136,10 @@ def compile_model(raw: GPT) -> GPT:
     (packed_length), each shown in the log (compile_ms). Static rather than symbolic lengths: on
     an H100 (torch 2.11) the whole model compiled with symbolic lengths crashed Inductor's fusion
     at some lengths. The readout too: eagerly, the head's products with the odd vocabulary ran
-    on slow kernels, its fp32 casts unfused (records/2026-11-25_gpu_check_*, a profile). With
-    the blocks alone compiled, the masked paper step took 154 ms on an H200, the whole model
-    compiled 90 (records/2026-11-27_gpu_check_NVIDIA_H200)."""
+    on slow kernels, its fp32 casts unfused (records/2026-11-25_gpu_check_*, a profile); with
+    the blocks alone compiled, the dense paper step took 154 ms on an H200 where the whole model
+    compiled had taken 90 (records/2026-11-27_gpu_check_NVIDIA_H200; the readout the likeliest
+    cause, not yet measured)."""
     config = torch._dynamo.config
     # graphs per region: PACKS + 1 lengths, training and evaluation, gated and not (past the
     # default 8, Dynamo would run the rest eagerly)

@@ -158,6 +158,7 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     # compares each routed run with its seed's frontier or control, and says how far each gated
     # block's zero share ended from its target
     sweep = load_command("sweep.py")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two runs on 2 cores: one thread each
     text = np.frombuffer((Path(REPO) / "README.md").read_bytes(), np.uint8)
     for split, part in (("train", text[: len(text) // 2]), ("val", text[len(text) // 2 :])):
         (tmp_path / f"b_{split}_000000.bin").write_bytes(shard_bytes(part, "bytes"))
@@ -166,9 +167,13 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     tiny += [f"--train_tokens={tokens}", "--val_tokens=1024", "--save_every=4"]
     tiny += ["--dim=32", "--n_heads=2", "--n_kv_heads=2", "--max_seq_len=32", "--seq_len=32"]
     tiny += ["--batch_size=4", "--device_batch_size=4", "--untimed_steps=0", "--compile=false"]
+    full = [a for a in grid["base"] if a.startswith("--train_tokens=")][-1].split("=")[1]
+    half = f"--train_tokens={int(full) // 2}"  # DLO's source and its expansions: half each
     halved = [
-        (n, [a.replace("9830400", str(tokens // 2)) for a in r], *e) for n, r, *e in grid["runs"]
+        (n, [f"--train_tokens={tokens // 2}" if a == half else a for a in r], *e)
+        for n, r, *e in grid["runs"]
     ]
+    assert sum(half in r for _, r, *_ in grid["runs"]) == 3  # dlo_source_3, dlo_rho0.5, control
     monkeypatch.setitem(sweep.GRIDS, "bytes_gpu", dict(grid, base=grid["base"] + tiny, runs=halved))
     out = tmp_path / "out"
     argv = [
@@ -193,14 +198,18 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
             (tmp_path / "runs" / f"{r['name']}_s{r['seed']}" / "config.json").read_text()
         )
         assert config["gamma"] == float(sweep.BYTES_GATE_GAMMA) and config["dim"] == 32
+        assert (config["lr"], config["encoding"], config["n_layers"]) == (1e-3, "bytes", 6)
     table = (out / "table.md").read_text()
-    for r in gated:  # each gated run's largest gap, computed here from its row
-        gap = max(
-            abs(float(z) - float(t))
-            for z, t in zip(r["gate_zero"].split(), r["target_zero"].split(), strict=True)
-            if t != "none"
-        )
-        assert f"| {r['target_zero']} | {gap:.4f} |" in table
+    # each gated run's largest gap from the zero shares mu_start 1 -> mu_end aims at (Section
+    # 2.4, 6 layers: linear over blocks 0-2, mirrored), written out here
+    targets = {
+        "gated_mu0.5": [0, 0.25, 0.5, 0.5, 0.25, 0],
+        "gated_mu0.25": [0, 0.375, 0.75, 0.75, 0.375, 0],
+    }
+    for r in gated:
+        zero = [float(z) for z in r["gate_zero"].split()]
+        gap = max(abs(z - t) for z, t in zip(zero, targets[r["name"]], strict=True))
+        assert f"| {gap:.4f} |" in table.split(f"| {r['name']} | {r['seed']} |")[1].split("\n")[0]
 
 
 @pytest.mark.slow
@@ -270,6 +279,7 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
 
     monkeypatch.setattr(sweep.runs.Trainers, "start", started)
     monkeypatch.setattr(sweep.runs.Trainers, "ended", finished)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two runs on 2 cores: one thread each
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}", "--jobs=2"]
     assert support.cli(sweep.main, argv) == 0
     # --jobs=2: two processes side by side, never more; a DLO run's expansion after its source
@@ -302,10 +312,11 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     assert params["dense_2"] < params["mor_r2"] < params["dense_4"]
     # a row's command run alone gives its run's validation to the last digit: side by side,
     # the runs did not touch each other
-    alone = shlex.split(table["dense_4"]["command"])
-    assert alone[:2] == ["python", "train_gpt.py"], alone
-    args = [a for a in alone[2:] if not a.startswith("--run_dir=")]
-    assert run_command("train_gpt.py", *args, f"--run_dir={tmp_path / 'alone'}").returncode == 0
+    command = shlex.split(table["dense_4"]["command"])
+    assert command[:2] == ["python", "train_gpt.py"], command
+    args = [a for a in command[2:] if not a.startswith("--run_dir=")]
+    alone = run_command("train_gpt.py", *args, f"--run_dir={tmp_path / 'alone'}", threads=1)
+    assert alone.returncode == 0, alone.stderr[-2000:]
     val = [
         [m for m in read_metrics(d) if m["kind"] == "val"][-1]
         for d in (runs / "dense_4_s0", tmp_path / "alone")
