@@ -627,7 +627,8 @@ class Trainers:
     flight (an error here), it stops them as a signal would and waits for them."""
 
     def __init__(self):
-        self.live, self.got = {}, []  # Popen -> Trainer; the signals that came
+        self.live = {}  # Popen -> Trainer
+        self.got = []  # the signals that came, in order
 
     def __enter__(self):
         self.previous = {sig: signal.signal(sig, self.note) for sig in SAVE_SIGNALS}
@@ -707,7 +708,9 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
     them, then raises Stopped; a second, passed on too, stops them at once. A command that
     fails: no other starts (nor a plan's next command), those in flight run to their end, then
     its error is raised. Rerun, the grid resumes (run_grid)."""
-    todo, failed, saved = list(plans), [], []
+    todo = list(plans)  # not started
+    failed = []  # (error kind, message), in the order they came
+    saved = []  # what each run stopped by a signal left
     with Trainers() as trainers:
         while todo or trainers.live:
             if len(trainers.live) < jobs and not (trainers.got or failed):
@@ -723,7 +726,8 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
             if not trainers.live:
                 break  # stopped or failed: nothing more starts
             plan, step, code, out, err = trainers.ended()
-            script, got = plan.steps[step][0], trainers.got
+            script = plan.steps[step][0]
+            got = trainers.got
             if got and code in {0} | {128 + s for s in got} | {-s for s in got}:  # obeyed
                 # a second signal, or one while the run was starting, leaves no new checkpoint
                 saved.append(
