@@ -402,17 +402,26 @@ def test_an_evaluation_only_worker_ends_with_its_launcher(tmp_path):
     assert "val_loss" not in said and said.count("error:") == 1, said[-2000:]
 
 
-def processes_naming(text: str) -> list:
-    """The pids of the live processes whose command line holds text (from /proc)."""
+def processes_naming(text: str, launcher=None) -> list:
+    """The pids of the live processes whose command line holds text (from /proc); with a
+    launcher's Popen, only its children that have exec'd. A fork shows its parent's command line
+    till it execs: CI once counted torchrun mid-fork as a third of two workers; a worker's own
+    children (bash's sleep, a forked helper) are not workers."""
     pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for pid_dir in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
-            if text in cmdline.read_text() and process_state(cmdline.parent.name) not in (
-                None,
-                "Z",
-            ):
-                pids.append(int(cmdline.parent.name))
+            said = (pid_dir / "cmdline").read_text()
+            state, parent = (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if text not in said or state == "Z":
+                continue
+            if launcher is None or (int(parent) == launcher.pid and said != launched(launcher)):
+                pids.append(int(pid_dir.name))
     return pids
+
+
+def launched(launcher) -> str:
+    """The command line of a Popen's process as /proc holds it."""
+    return "\0".join(launcher.args) + "\0"
 
 
 @pytest.mark.slow
@@ -429,19 +438,15 @@ def test_workers_whose_torchrun_dies_before_they_start_give_up_at_once(tmp_path,
         "--no-python", "bash", "-c", command, nproc=2, stderr=subprocess.STDOUT
     )
     deadline = time.time() + 60
-
-    def workers():
-        return [pid for pid in processes_naming(f"--run_dir={run}") if pid != launcher.pid]
-
-    while time.time() < deadline and len(workers()) < 2:
+    while time.time() < deadline and len(processes_naming(f"--run_dir={run}", launcher)) < 2:
         time.sleep(0.05)
-    assert len(workers()) == 2, launcher.poll()
+    assert len(processes_naming(f"--run_dir={run}", launcher)) == 2, launcher.poll()
     os.kill(launcher.pid, signum)
     try:  # (its workers hold its output till they end)
         said = launcher.communicate(timeout=60)[0]
     except subprocess.TimeoutExpired:
         said = ""
-    left = workers()
+    left = processes_naming(f"--run_dir={run}")  # (the workers and anything they started)
     for pid in left:  # (a failing test leaves none behind)
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlive their launcher"
