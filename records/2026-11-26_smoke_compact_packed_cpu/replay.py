@@ -1,7 +1,12 @@
-"""Replay two packed-length rules on this run's recorded counts, the first today's
-routers.packed_lengths:
+"""Replay two packed-length rules on a compacted run's recorded counts (metrics.jsonl's
+"packed"), the first today's routers.packed_lengths; then today's rule over windows of other
+lengths than PACK_STEPS; then, over the run's last quarter, the share of the blocks' positions
+that its gates left (block_active), that each row packed to the fullest row's count needs, and
+that the lengths replayed at PACK_STEPS ran (a redone step at full length, again):
 
     python records/2026-11-26_smoke_compact_packed_cpu/replay.py [METRICS_JSONL]
+
+The run's seq_len is read from the config.json beside METRICS_JSONL.
 """
 
 import argparse
@@ -14,32 +19,47 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository
 
 import routers  # noqa: E402
 
-T = 128  # the smoke preset's seq_len
-unit = T // routers.PACKS
 
-
-def last_plus_unit(seen):  # the last step's counts rounded up, plus one unit of headroom
-    return [min(T, (int(n) // unit + 2) * unit) for n in seen[-1]]
-
-
-def replay(counts, rule):  # -> (steps redone, packed tokens / tokens needed), the first at T
-    lengths, redone, packed = [T] * len(counts[0]), 0, 0
+def replay(counts, rule, T, window=routers.PACK_STEPS):
+    """-> (steps redone, packed tokens / tokens needed, per step the positions run): the first
+    step at full length T, each next one at rule(the counts of the last `window` steps)."""
+    lengths, redone, ran = [T] * len(counts[0]), 0, []
     for i, c in enumerate(counts):
         over = any(n > m for n, m in zip(c, lengths, strict=True))
-        redone, packed = redone + over, packed + sum(lengths) + over * T * len(c)
-        lengths = rule(counts[max(0, i + 1 - routers.PACK_STEPS) : i + 1])
-    return redone, packed / sum(map(sum, counts))
+        redone += over
+        ran.append(sum(lengths) + over * T * len(c))
+        lengths = rule(counts[max(0, i + 1 - window) : i + 1])
+    return redone, sum(ran) / sum(map(sum, counts)), ran
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("path", nargs="?", default=HERE / "metrics.jsonl", metavar="METRICS_JSONL")
-    train = [r for r in map(json.loads, open(p.parse_args().path)) if r["kind"] == "train"]
+    path = Path(p.parse_args().path)
+    T = json.loads((path.parent / "config.json").read_text())["seq_len"]
+    train = [r for r in map(json.loads, open(path)) if r["kind"] == "train"]
     counts = [r["packed"] for r in train]
+    unit = T // routers.PACKS
+
+    def today(seen):
+        return routers.packed_lengths(seen, T)
+
+    def last_plus_unit(seen):  # the last step's counts rounded up, plus one unit of headroom
+        return [min(T, (int(n) // unit + 2) * unit) for n in seen[-1]]
+
     print(f"{len(counts)} steps, {sum(r['redone'] for r in train)} redone in the run")
-    for name, rule in (
-        ("packed_lengths", lambda seen: routers.packed_lengths(seen, T)),
-        ("last step + one unit", last_plus_unit),
-    ):
-        redone, ratio = replay(counts, rule)
+    for name, rule in (("packed_lengths", today), ("last step + one unit", last_plus_unit)):
+        redone, ratio, _ = replay(counts, rule, T)
         print(f"{name}: {redone} redone, packed / needed {ratio:.3f}")
+    for window in (1, 2, 4, 8, 16):
+        redone, ratio, _ = replay(counts, today, T, window)
+        print(f"packed_lengths over {window} steps: {redone} redone, packed / needed {ratio:.3f}")
+    last = len(counts) - len(counts) // 4  # (the first step of the last quarter, from 0)
+    ran = replay(counts, today, T)[2][last:]
+    share = len(ran) * len(counts[0]) * T
+    active = sum(sum(r["block_active"]) * T for r in train[last:]) / share
+    fullest = sum(routers.packed_length(int(n), T) for c in counts[last:] for n in c) / share
+    print(
+        f"steps {last + 1}-{len(counts)}: active {active:.3f}, fullest row {fullest:.3f}, "
+        f"ran {sum(ran) / share:.3f} of the blocks' positions"
+    )

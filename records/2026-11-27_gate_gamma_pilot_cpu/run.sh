@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# The three pilot runs, side by side (one thread each, 2 cores), into OUT (default logs/gamma_pilot).
-# bytes_core's gated_mu0.5 (sweep.py's BYTES_BASE, 1,200 steps of 8 x 256 bytes), seed 0, a
-# validation of 524,288 bytes at the end, at three values of the controller's gamma.
+# The pilot's runs into OUT (default logs/gamma_pilot), one thread each (2 cores): bytes_core's
+# gated_mu0.5 (sweep.py's BYTES_BASE, 1,200 steps of 8 x 256 bytes), a validation of 524,288
+# bytes at the end; seed 0 at three values of the controller's gamma, side by side (~6 min),
+# then the gamma chosen, 3e-2, at seeds 1 to 4, two at a time (~10 min).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-logs/gamma_pilot}
 base=$(python -c "import sweep; print(' '.join(a for a in sweep.BYTES_BASE if not a.startswith('--val_tokens')))")
-for g in 3e-3 1e-2 3e-2; do
+pilot() {  # pilot GAMMA SEED FOLDER
     # shellcheck disable=SC2086  # base: one argument per setting
     OMP_NUM_THREADS=1 python train_gpt.py $base --train_tokens=2457600 --val_tokens=524288 \
-        --router=skip_middle --n_layers=6 --mu_end=0.5 --gamma=$g --seed=0 --run_dir="$out/g$g" &
+        --router=skip_middle --n_layers=6 --mu_end=0.5 --gamma="$1" --seed="$2" --run_dir="$out/$3"
+}
+for g in 3e-3 1e-2 3e-2; do
+    pilot $g 0 "g$g" &
 done
 wait
+for pair in "1 2" "3 4"; do
+    for s in $pair; do
+        pilot 3e-2 "$s" "g3e-2_s$s" &
+    done
+    wait
+done
