@@ -516,7 +516,7 @@ def test_every_script_under_records_runs_on_todays_code(tmp_path):
     for script in scripts:  # each answers --help with its docstring
         r = run_command(script, "--help")
         assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr[-500:])
-    for script, rows in zip(scripts[3:], (10, 9), strict=True):  # each record's table, from
+    for script, rows in zip(scripts[3:], (10, 14), strict=True):  # each record's table, from
         r = run_command(script)  # its runs, as its README shows it
         readme = (script.parent / "README.md").read_text()
         assert r.returncode == 0 and r.stdout.count("\n") == rows and r.stdout in readme, r.stdout
@@ -534,6 +534,13 @@ def test_every_script_under_records_runs_on_todays_code(tmp_path):
         "300 steps, 12 redone in the run",
         "packed_lengths: 12 redone, packed / needed 1.285",
     ], r.stdout + r.stderr[-2000:]
+    assert "packed_lengths over 4 steps: 43 redone, packed / needed 1.316" in r.stdout, r.stdout
+    h200 = Path(REPO, "records/2026-11-27_gpu_check_NVIDIA_H200/paper_compact/metrics.jsonl")
+    r = run_command(scripts[2], h200, timeout=120)  # the H200 record's figures, as it quotes them
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == (
+        "steps 31-40: active 0.236, fullest row 0.311, ran 0.911 of the blocks' positions"
+    ), r.stdout + r.stderr[-2000:]
+    assert "packed_lengths over 4 steps: 2 redone, packed / needed 1.239" in r.stdout, r.stdout
     r = run_command(scripts[1], REPO, "1", "1", threads=1, timeout=300)
     assert r.returncode == 0 and re.fullmatch(
         r"device_batch=1 x 1024 n_layers=1: peak RSS "

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The pilot's runs into OUT (default logs/gamma_pilot), one thread each (2 cores): bytes_core's
 # gated_mu0.5 (sweep.py's BYTES_BASE, 1,200 steps of 8 x 256 bytes), a validation of 524,288
-# bytes at the end; seed 0 at three values of the controller's gamma, side by side (~6 min),
-# then the gamma chosen, 3e-2, at seeds 1 to 4, two at a time (~10 min).
+# bytes at the end. Seed 0 at three values of the controller's gamma, side by side (~6 min);
+# then 3e-2 at seeds 1 to 4 and 1e-1 at seeds 0 to 4, two at a time (~22 min).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-logs/gamma_pilot}
@@ -16,9 +16,11 @@ for g in 3e-3 1e-2 3e-2; do
     pilot $g 0 "g$g" &
 done
 wait
-for pair in "1 2" "3 4"; do
-    for s in $pair; do
-        pilot 3e-2 "$s" "g3e-2_s$s" &
+set -- 3e-2:1 3e-2:2 3e-2:3 3e-2:4 1e-1:0 1e-1:1 1e-1:2 1e-1:3 1e-1:4
+while (( $# )); do  # two at a time
+    for run in "${@:1:2}"; do
+        pilot "${run%:*}" "${run#*:}" "g${run%:*}_s${run#*:}" &
     done
     wait
+    shift $(( $# < 2 ? $# : 2 ))
 done
