@@ -438,13 +438,17 @@ def test_workers_whose_torchrun_dies_before_they_start_give_up_at_once(tmp_path,
         "--no-python", "bash", "-c", command, nproc=2, stderr=subprocess.STDOUT
     )
     deadline = time.time() + 60
-    while time.time() < deadline and len(processes_naming(f"--run_dir={run}", launcher)) < 2:
+    while time.time() < deadline and launcher.poll() is None:
+        if len(processes_naming(f"--run_dir={run}", launcher)) == 2:
+            break
         time.sleep(0.05)
     assert len(processes_naming(f"--run_dir={run}", launcher)) == 2, launcher.poll()
     os.kill(launcher.pid, signum)
     try:  # (its workers hold its output till they end)
         said = launcher.communicate(timeout=60)[0]
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # (killed and reaped: left names its workers alone)
+        launcher.kill()
+        launcher.wait()
         said = ""
     left = processes_naming(f"--run_dir={run}")  # (the workers and anything they started)
     for pid in left:  # (a failing test leaves none behind)

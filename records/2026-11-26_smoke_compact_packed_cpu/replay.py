@@ -1,8 +1,9 @@
 """Replay two packed-length rules on a compacted run's recorded counts (metrics.jsonl's
 "packed"), the first today's routers.packed_lengths; then today's rule over windows of other
 lengths than PACK_STEPS; then, over the run's last quarter, the share of the blocks' positions
-that its gates left (block_active), that each row packed to the fullest row's count needs, and
-that the lengths replayed at PACK_STEPS ran (a redone step at full length, again):
+that its gates left (block_active), that each row packed to the fullest row's count needs
+(rounded as packed_length rounds; "needed" in the ratios is that count unrounded), and that the
+lengths replayed at PACK_STEPS ran (a redone step at full length, again):
 
     python records/2026-11-26_smoke_compact_packed_cpu/replay.py [METRICS_JSONL]
 
@@ -11,6 +12,7 @@ The run's seq_len is read from the config.json beside METRICS_JSONL.
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -39,7 +41,7 @@ if __name__ == "__main__":
     T = json.loads((path.parent / "config.json").read_text())["seq_len"]
     train = [r for r in map(json.loads, open(path)) if r["kind"] == "train"]
     counts = [r["packed"] for r in train]
-    unit = T // routers.PACKS
+    unit = math.ceil(T / routers.PACKS)  # (as packed_length rounds)
 
     def today(seen):
         return routers.packed_lengths(seen, T)
@@ -54,7 +56,7 @@ if __name__ == "__main__":
     for window in (1, 2, 4, 8, 16):
         redone, ratio, _ = replay(counts, today, T, window)
         print(f"packed_lengths over {window} steps: {redone} redone, packed / needed {ratio:.3f}")
-    last = len(counts) - len(counts) // 4  # (the first step of the last quarter, from 0)
+    last = len(counts) - max(1, len(counts) // 4)  # (the last quarter's first step, from 0)
     ran = replay(counts, today, T)[2][last:]
     share = len(ran) * len(counts[0]) * T
     active = sum(sum(r["block_active"]) * T for r in train[last:]) / share

@@ -12,15 +12,19 @@ pilot() {  # pilot GAMMA SEED FOLDER
     OMP_NUM_THREADS=1 python train_gpt.py $base --train_tokens=2457600 --val_tokens=524288 \
         --router=skip_middle --n_layers=6 --mu_end=0.5 --gamma="$1" --seed="$2" --run_dir="$out/$3"
 }
-for g in 3e-3 1e-2 3e-2; do
-    pilot $g 0 "g$g" &
-done
-wait
-set -- 3e-2:1 3e-2:2 3e-2:3 3e-2:4 1e-1:0 1e-1:1 1e-1:2 1e-1:3 1e-1:4
-while (( $# )); do  # two at a time
-    for run in "${@:1:2}"; do
+together() {  # together GAMMA:SEED...: those runs at once; fails if one of them failed
+    local pids=() run pid
+    for run in "$@"; do
         pilot "${run%:*}" "${run#*:}" "g${run%:*}_s${run#*:}" &
+        pids+=($!)
     done
-    wait
-    shift $(( $# < 2 ? $# : 2 ))
-done
+    for pid in "${pids[@]}"; do
+        wait "$pid"
+    done
+}
+together 3e-3:0 1e-2:0 3e-2:0
+together 3e-2:1 3e-2:2
+together 3e-2:3 3e-2:4
+together 1e-1:0 1e-1:1
+together 1e-1:2 1e-1:3
+together 1e-1:4
