@@ -247,7 +247,7 @@ GRIDS["bytes_core"] = dict(
 # checked: about 35 PFLOPs of training for 5 seeds (3 x flops_per_token x train_tokens, summed),
 # 87 s at 400 TFLOP/s and 174 s at 200, plus for each of 55 runs its start, its compile (the
 # Inductor cache shared) and a validation of 5 MB, 8 at a time.
-BYTES_GATE_GAMMA = "1e-1"  # records/2026-11-27_gate_gamma_pilot_cpu: gaps 0.012-0.046, 5 seeds
+BYTES_GATE_GAMMA = "1e-1"  # records/2026-11-27_gate_gamma_pilot_cpu: gaps at most 0.046, 5 seeds
 GRIDS["bytes_gpu"] = dict(
     GRIDS["bytes"],
     base=BYTES_BASE

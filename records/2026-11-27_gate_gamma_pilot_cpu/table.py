@@ -32,12 +32,12 @@ if __name__ == "__main__":
         )
         target = [1 - m for m in tg.mean_targets(hp).tolist()]  # (Section 2.4)
         gap = max(abs(z - t) for z, t in zip(zero, target, strict=True))
-        rows.append((config["gamma"], config["seed"], val, zero, target, gap))
-    print("| gamma | seed | val CE (SE) | zero share per block | target | largest gap |")
-    print("|---|---|---|---|---|---|")
-    for gamma, seed, val, zero, target, gap in sorted(rows, key=lambda r: r[:2]):
+        rows.append((-config["mu_end"], config["gamma"], config["seed"], val, zero, target, gap))
+    print("| mu_end | gamma | seed | val CE (SE) | zero share per block | target | largest gap |")
+    print("|---|---|---|---|---|---|---|")
+    for mu_end, gamma, seed, val, zero, target, gap in sorted(rows, key=lambda r: r[:3]):
         print(
-            f"| {gamma:g} | {seed} | {val['val_loss']:.4f} ({val['val_se']:.4f}) | "
+            f"| {-mu_end:g} | {gamma:g} | {seed} | {val['val_loss']:.4f} ({val['val_se']:.4f}) | "
             f"{' '.join(f'{z:.3f}' for z in zero)} | {' '.join(f'{t:.2f}' for t in target)} | "
             f"{gap:.3f} |"
         )
