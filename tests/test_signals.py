@@ -271,10 +271,16 @@ def test_a_signal_as_a_command_loads_numpy_or_after_it_ended_prints_no_traceback
 # -------------------------------------- launchers that go: torchrun and its workers
 
 
+def process_stat(pid) -> list:
+    """A process's /proc stat fields after its name (state, parent, ...), or [] if it is gone."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return []
+
+
 def process_state(pid):
     """A process's state letter from /proc (Z: ended, not yet reaped), or None if it is gone."""
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return (process_stat(pid) or [None])[0]
 
 
 @pytest.mark.slow
@@ -411,7 +417,7 @@ def processes_naming(text: str, launcher=None) -> list:
     for pid_dir in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
             said = (pid_dir / "cmdline").read_text()
-            state, parent = (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            state, parent = (process_stat(pid_dir.name) or ["Z", 0])[:2]  # (gone: as ended)
             if text not in said or state == "Z":
                 continue
             if launcher is None or (int(parent) == launcher.pid and said != launched(launcher)):
