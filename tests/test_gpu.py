@@ -8,14 +8,23 @@ import json
 import os
 import re
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 import routers
 import train_gpt as tg
-from conftest import REPO, assert_close_rel, cuda, grads, run_command, spread_gates, tiny
+from conftest import (
+    REPO,
+    assert_close_rel,
+    cuda,
+    grads,
+    read_metrics,
+    run_command,
+    spread_gates,
+    tiny,
+)
 
 # ----------------------------------------------------------- CUDA (skipped without)
 
@@ -137,7 +146,8 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     # (GPU_CHECK_SECONDS; a stage in flight is cut, its status not taken for a result, and no
     # other starts); the next call runs what is left; with room, one call runs every stage
     out = tmp_path / "check"
-    env = {"GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "2"}
+    (tmp_path / "tmp").mkdir()  # its runs' folders go here (TMPDIR), removed once used
+    env = {"GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "2", "TMPDIR": str(tmp_path / "tmp")}
 
     def call(seconds):
         t0 = time.monotonic()
@@ -152,7 +162,8 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
         (out / "summary.txt").unlink()
         return r.stdout, summary, time.monotonic() - t0
 
-    stages = ["env", "paper_none", "paper_skip_middle", "paper_compact", "tests", "ddp", "bench"]
+    stages = ["env", "paper_none", "paper_skip_middle", "paper_masked", "paper_compact", "tests"]
+    stages += ["bench"]
     said, first, took = call(8)  # the whole dry run takes far longer
     assert took < 8 + 10 + 5, took  # the budget, timeout's grace after its TERM, a margin
     assert [line.split(":")[0] for line in first] == stages, said
@@ -171,5 +182,18 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     learned = (out / "paper_none.txt").read_text().splitlines()[-1].split()
     assert learned[:4] == ["step", "1", "training", "loss"]  # the stage's learning check
     assert float(learned[-1]) < 0.9 * float(learned[4].rstrip(","))
-    config = json.loads((out / "paper_compact" / "config.json").read_text())
-    assert config["compact"] and config["router"] == "skip_middle"
+    assert not list((tmp_path / "tmp").glob("gpu_check_runs_*"))  # the checkpoints: gone once used
+    # paper_masked and paper_compact: one run from paper_skip_middle's weights, compact or not
+    config = {n: json.loads((out / n / "config.json").read_text()) for n in stages[2:5]}
+    assert [c["compact"] for c in config.values()] == [False, False, True]
+    hp = {n: {f.name: c[f.name] for f in fields(tg.Hyperparameters)} for n, c in config.items()}
+    assert hp["paper_masked"] == {**hp["paper_compact"], "compact": False}
+    sources = {config[n]["job"]["init_from"] for n in stages[3:5]}
+    assert len(sources) == 1 and sources.pop().endswith("/paper_skip_middle"), config
+    last = [r["val_loss"] for r in read_metrics(out / "paper_skip_middle") if r["kind"] == "val"]
+    for n in stages[3:5]:  # step 1 reads the tokens that validation read: the loss it ended at
+        first = next(r for r in read_metrics(out / n) if r["kind"] == "train")
+        assert abs(first["train_loss"] - last[-1]) < 1e-3, n
+    said = (out / "paper_compact.txt").read_text().splitlines()[-1]
+    masked, compact = (float(x.rstrip(",")) for x in said.split()[4::2])
+    assert said.startswith("last validation loss: masked") and abs(compact - masked) < 1e-3, said
