@@ -218,15 +218,23 @@ def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
 ):
     # --jobs=2: a run refused by the trainer (3 heads do not divide width 32) while another
     # trains; that one runs to its end, the next is not started, and the refusal is the
-    # sweep's one error line
+    # sweep's one error line. The second starts once the refusal has exited, so the sweep sees
+    # the refusal first however fast the other run is (it looks at its trainers in order)
     sweep = load_command("sweep.py")
-    longer = [a.replace("=1280", "=25600") for a in TINY_GRID]  # 100 steps: outlasts the refusal
     runs = [
         ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"]),
         sweep.dense(2),
         sweep.dense(4),
     ]
-    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=longer, n_layers=4, runs=runs))
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=runs))
+    start = sweep.runs.Trainers.start
+
+    def after_those_in_flight(self, plan, step, nproc):
+        for proc in self.live:
+            proc.wait()
+        start(self, plan, step, nproc)
+
+    monkeypatch.setattr(sweep.runs.Trainers, "start", after_those_in_flight)
     argv = ["--grid=tiny", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}", "--jobs=2"]
     code, err = support.cli(sweep.main, argv), capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
