@@ -303,8 +303,7 @@ def test_workers_whose_torchrun_died_of_a_signal_save_and_stop(tmp_path):
     workers = [
         int(p.parent.name)
         for p in Path("/proc").glob("[0-9]*/stat")
-        if process_state(p.parent.name)
-        and int(p.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
+        if process_stat(p.parent.name)[1:2] == [str(proc.pid)]  # (its parent; [] if gone)
     ]
     assert len(workers) == 2, workers
     proc.send_signal(signal.SIGUSR1)
@@ -480,18 +479,28 @@ def test_ctrl_c_on_a_sweep_lets_each_run_in_flight_save_and_stop(tmp_path):
         for d in dirs
     ]
 
+    over = threading.Event()  # run_plans has returned: no Ctrl-C then (it would hit a later test)
+
     def interrupt():
         deadline = time.time() + 120
-        while time.time() < deadline and not all(
-            (d / "metrics.jsonl").exists() and '"step": 2' in (d / "metrics.jsonl").read_text()
-            for d in dirs
+        while (
+            not over.is_set()
+            and time.time() < deadline
+            and not all(
+                (d / "metrics.jsonl").exists() and '"step": 2' in (d / "metrics.jsonl").read_text()
+                for d in dirs
+            )
         ):
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
+        if not over.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; ") as stopped:
-        runs.run_plans(plans, 1, jobs=2)
+    try:
+        with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; ") as stopped:
+            runs.run_plans(plans, 1, jobs=2)
+    finally:
+        over.set()
     for d in dirs:
         assert f"{d} saved its checkpoint" in str(stopped.value)
         step = torch.load(d / "checkpoint.pt", weights_only=True)["step"]
