@@ -187,13 +187,20 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     config = {n: json.loads((out / n / "config.json").read_text()) for n in stages[2:5]}
     assert [c["compact"] for c in config.values()] == [False, False, True]
     hp = {n: {f.name: c[f.name] for f in fields(tg.Hyperparameters)} for n, c in config.items()}
-    assert hp["paper_masked"] == {**hp["paper_compact"], "compact": False}
+    assert hp["paper_masked"] == hp["paper_skip_middle"]
+    assert hp["paper_compact"] == {**hp["paper_masked"], "compact": True}
     sources = {config[n]["job"]["init_from"] for n in stages[3:5]}
     assert len(sources) == 1 and sources.pop().endswith("/paper_skip_middle"), config
-    last = [r["val_loss"] for r in read_metrics(out / "paper_skip_middle") if r["kind"] == "val"]
+    losses = {}  # each run's step 1 training loss and last validation loss
+    for n in stages[2:5]:
+        records = read_metrics(out / n)
+        first = next(r["train_loss"] for r in records if r["kind"] == "train")
+        losses[n] = (first, [r["val_loss"] for r in records if r["kind"] == "val"][-1])
     for n in stages[3:5]:  # step 1 reads the tokens that validation read: the loss it ended at
-        first = next(r for r in read_metrics(out / n) if r["kind"] == "train")
-        assert abs(first["train_loss"] - last[-1]) < 1e-3, n
-    said = (out / "paper_compact.txt").read_text().splitlines()[-1]
-    masked, compact = (float(x.rstrip(",")) for x in said.split()[4::2])
-    assert said.startswith("last validation loss: masked") and abs(compact - masked) < 1e-3, said
+        assert abs(losses[n][0] - losses["paper_skip_middle"][1]) < 1e-3, losses
+    said = (out / "paper_compact.txt").read_text().splitlines()[-1]  # the stage's comparison
+    assert said == (
+        f"step 1 training loss: masked {losses['paper_masked'][0]:.4f}, compact "
+        f"{losses['paper_compact'][0]:.4f}; last validation loss: masked "
+        f"{losses['paper_masked'][1]:.4f}, compact {losses['paper_compact'][1]:.4f}"
+    )
