@@ -4,7 +4,7 @@
     python bench.py --size=paper --device=cuda --compile=1
     python bench.py --init_from=SOURCE            # a model's own settings and weights
     options: --repeats=3 --out=DIR (default: a new dated folder under logs/; copy what you
-    keep to records/)
+    keep to records/) --profile=1 (profile.md: where each row's time went)
 
 For each sparsity level p in 0, 0.25, 0.5, 0.75 the first gate is set so that a fraction p
 of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so every block sees
@@ -16,7 +16,9 @@ measured per-layer sparsity (the validation metric `fwd_flops_per_token`) agains
 count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
-packed lengths are new compiles a block's graph again.
+packed lengths are new compiles a block's graph again. --profile=1: after its timing, one more
+forward+backward of each model under torch.profiler, its costliest operators (on CUDA by GPU
+time: the kernels) in profile.md, so that a target missed says where the time went.
 """
 
 import json
@@ -75,6 +77,22 @@ def timed(fn, repeats, sync):
     return statistics.median(times)
 
 
+PROFILE_ROWS = 12  # operators in each of profile.md's tables
+
+
+def profiled(fn, sync, cuda) -> str:
+    """The costliest operators of one call of fn (torch.profiler), by their own time on the
+    device (CUDA: its kernels) or the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS)
+
+
 def source_model(source, device):
     """--init_from's model, refused before any timing unless it has a compact path to time."""
     model = tg.load_model(source, device)
@@ -86,9 +104,10 @@ def source_model(source, device):
     return model
 
 
-def bench_size(name, device, repeats, compile_, model=None):
+def bench_size(name, device, repeats, compile_, model=None, profile=False):
     """name: a size of SIZES (random weights, seed 0), or a source's model (its weights; its
-    device_batch_size the batch)."""
+    device_batch_size the batch). profile: each row's profile_masked and profile_compact
+    (profiled forward+backward)."""
     if model is None:
         overrides, batch = SIZES[name]
         hp = replace(tg.Hyperparameters(), **overrides)
@@ -118,6 +137,7 @@ def bench_size(name, device, repeats, compile_, model=None):
         zero = (gates == 0).float().mean(dim=(1, 2)).tolist()
         ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
         row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)
+        profiles = {}  # each model's forward_backward, profiled once both are timed
         for packs in (False, True):
             run = compact if packs else masked
             if packs:  # (the compacted model's graphs: from its first call here)
@@ -139,6 +159,7 @@ def bench_size(name, device, repeats, compile_, model=None):
             row[f"fwd_{key}"] = timed(forward, repeats, sync)
             row[f"fb_{key}"] = timed(forward_backward, repeats, sync)
             row[f"compile_{key}"] = (runlog.compile_ms() - compiled) / 1000
+            profiles[key] = forward_backward
         for kind in ("fwd", "fb"):
             row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
             row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal
@@ -146,6 +167,8 @@ def bench_size(name, device, repeats, compile_, model=None):
             row["fb_mfu_masked"] = tg.mfu(replace(hp, batch_size=batch), row["fb_masked"], 1, peak)
         rows.append(row)
         print(format_row(row), flush=True)
+        for key, forward_backward in profiles.items() if profile else ():
+            row[f"profile_{key}"] = profiled(forward_backward, sync, cuda)
     return hp, batch, rows
 
 
@@ -223,6 +246,13 @@ def parser() -> support.ArgParser:
         help="torch.compile the blocks (on CPU too, slowly): 1/0, true/false, yes/no (default: 0)",
     )
     p.add_argument(
+        "--profile",
+        type=support.parse_bool,
+        default=False,
+        metavar="BOOL",
+        help="profile.md: each row's costliest operators, forward+backward (default: 0)",
+    )
+    p.add_argument(
         "--out",
         type=support.path_arg,
         metavar="DIR",
@@ -240,18 +270,27 @@ def main(argv):
         or os.path.join(
             "logs", time.strftime("%Y-%m-%d_%H%M%S") + "_skip_bench_" + device.split(":")[0]
         ),
-        ("bench.md", "bench.json"),
+        ("bench.md", "bench.json") + (("profile.md",) if args.profile else ()),
     )
     source = source_model(args.init_from, device) if args.init_from else None
     print(runlog.describe_system())
     print(HEADER)
     results = []
     for name in sizes or ([] if source else ["smoke"]):
-        hp, batch, rows = bench_size(name, device, repeats, compile_)
+        hp, batch, rows = bench_size(name, device, repeats, compile_, profile=args.profile)
         results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
     if source:
-        hp, batch, rows = bench_size(args.init_from, device, repeats, compile_, source)
+        hp, batch, rows = bench_size(
+            args.init_from, device, repeats, compile_, source, profile=args.profile
+        )
         results.append(dict(size=args.init_from, batch=batch, hp=asdict(hp), rows=rows))
+    profiles = []  # (moved out of the rows: bench.json keeps figures)
+    for res in results if args.profile else []:
+        for r in res["rows"]:
+            for key in ("masked", "compact"):
+                table = r.pop(f"profile_{key}").splitlines()
+                title = f"## {res['size']} at sparsity {r['sparsity']:.3f}, {key}, fwd+bwd"
+                profiles.append("\n".join([title, ""] + ["    " + line for line in table]))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
     targets = "\n".join(line for r in results for line in target_lines(r["size"], r["rows"]))
@@ -265,6 +304,8 @@ def main(argv):
             f"{targets}\n"
         ).encode(),
     )
+    if profiles:
+        support.write_output(out, "profile.md", "\n\n".join(profiles).encode() + b"\n")
     support.write_output(
         out,
         "bench.json",

@@ -34,7 +34,8 @@
 #            lengths compiled once each and never a sync; bench's graphs), each one's time 206
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
-#            masked MFU), compile time apart                                                 97
+#            masked MFU), compile time apart; bench/profile.md: each row's costliest kernels,
+#            profiled after its timing (where a missed target's time went)                  97
 # One call does not yet hold them all (a second call finishes a cut stage).
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
@@ -45,9 +46,9 @@ if ! python -c "import torch" 2>/dev/null; then
     exit 2
 fi
 tiny=()  # a dry run's sizes, after the checks' own (the last of a field wins)
-bench=(--size=paper --device=cuda --compile=1)
+bench=(--size=paper --device=cuda --compile=1 --profile=1)
 if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
-    gpu=cpu_dry_run bench=(--size=smoke --device=cpu --repeats=1)
+    gpu=cpu_dry_run bench=(--size=smoke --device=cpu --repeats=1 --profile=1)
     export CUDA_VISIBLE_DEVICES=  # on CPU even where there is a GPU
     tiny=(--n_layers=4 --dim=32 --n_heads=2 --n_kv_heads=2 --max_seq_len=64 --seq_len=64
           --batch_size=8 --device_batch_size=8 --train_tokens=$((30 * 8 * 64)) --val_tokens=512

@@ -513,6 +513,30 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
     assert [r["compile_compact"] > 0 for r in rows] == new  # a new length: a new graph
 
 
+@pytest.mark.slow
+def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch):
+    # --profile=1: profile.md, a table per row and model (forward+backward), every operator
+    # here (PROFILE_ROWS), so that forward_compact's scatter shows in each compacted table and
+    # in no masked one: each profiles its own model
+    bench = load_command("bench.py")
+    size = dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64, seq_len=64)
+    monkeypatch.setitem(bench.SIZES, "tiny", (size, 4))
+    monkeypatch.setattr(bench, "PROFILE_ROWS", 1000)
+    argv = ["--size=tiny", "--repeats=1", "--profile=1", f"--out={tmp_path}"]
+    assert support.cli(bench.main, argv) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["results"][0]["rows"]
+    assert not [k for r in rows for k in r if k.startswith("profile")]  # (figures only)
+    sections = (tmp_path / "profile.md").read_text().split("## ")[1:]
+    titles = [f"tiny at sparsity {r['sparsity']:.3f}, {k}, fwd+bwd" for r in rows for k in MODELS]
+    assert [s.split("\n")[0] for s in sections] == titles
+    for section, model in zip(sections, MODELS * len(rows), strict=True):
+        assert "Self CPU time total" in section
+        assert bool(re.search(r" aten::scatter ", section)) == (model == "compact"), section
+
+
+MODELS = ("masked", "compact")  # bench.py's two models, in the order of its rows' profiles
+
+
 # ------------------------------------------------------------------------- records/
 
 
