@@ -536,7 +536,8 @@ def test_sigkill_mid_run_resumes_from_the_last_checkpoint(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
-    # a model big enough (~20M parameters, ~230 MB with Adam) that a save takes a while
+    # a model big enough (~20M parameters, ~230 MB with Adam) that a save takes a while; 100
+    # steps, each saved: a poll that misses the first saves meets a later one
     args = [
         "--preset=smoke",
         "--n_layers=2",
@@ -546,7 +547,7 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
         "--seq_len=16",
         "--batch_size=2",
         "--device_batch_size=2",
-        "--train_tokens=160",
+        "--train_tokens=3200",
         "--val_tokens=32",
         "--val_every=0",
         "--save_every=1",
