@@ -28,8 +28,9 @@
 #            tests/test_compile_ddp.py): the same run with its skipped work done and not done,
 #            side by side (step time, memory, compile time, redone steps); failing unless
 #            compact's losses are masked's (exact, but bf16): step 1 within 0.5%, the last
-#            validation within 2%. Its folder ($TMPDIR/gpu_check_runs_*/paper_skip_middle)
-#            is removed once the pair is done; gone (another machine), both run again  ?, ?
+#            validation within 2%. The gated run's folder ($TMPDIR/gpu_check_runs_*/
+#            paper_skip_middle) is removed once the pair is done; where a call finds it gone
+#            (another machine) before then, that run and the pair run again                ?, ?
 #   tests    the CUDA tests, -k cuda (tests/test_gpu.py: compiled = eager, Flex with ln g, packed
 #            lengths compiled once each and never a sync; bench's graphs), each one's time 206
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
