@@ -17,8 +17,10 @@ count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
 packed lengths are new compiles a block's graph again. --profile=1: after its timing, one more
-forward+backward of each model under torch.profiler, its costliest operators (on CUDA by GPU
-time: the kernels) in profile.md, so that a target missed says where the time went.
+forward+backward of each model under torch.profiler, once every row is timed (a profiler can
+leave tracing behind that slows what runs after it), its costliest operators in profile.md, so
+that a target missed says where the time went: on CUDA by their own GPU time (kernels, the
+operators that launch them and, compiled, Inductor's graph calls side by side), else CPU time.
 """
 
 import json
@@ -27,6 +29,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, replace
+from functools import partial
 
 import support
 
@@ -45,6 +48,7 @@ SIZES = {  # (hyperparameter overrides, batch size)
     "paper": (dict(), 32),  # Table 2: 12 layers, dim 768, 1024 tokens
 }
 SPARSITY = (0.0, 0.25, 0.5, 0.75)
+MODELS = ("masked", "compact")  # what each row times, in this order: blocks masked, compacted
 
 
 def force_sparsity(model, idx, p, seed=0):
@@ -82,7 +86,7 @@ PROFILE_ROWS = 12  # operators in each of profile.md's tables
 
 def profiled(fn, sync, cuda) -> str:
     """The costliest operators of one call of fn (torch.profiler), by their own time on the
-    device (CUDA: its kernels) or the host."""
+    device (CUDA) or the host."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -127,7 +131,23 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, hp.vocab_size, (batch, hp.seq_len), generator=gen).to(device)
     targets = torch.roll(idx, -1, dims=1)
-    masked, compact = (tg.compile_model(m) if compile_ else m for m in (model, twin))
+    models = [tg.compile_model(m) if compile_ else m for m in (model, twin)]
+    runs = dict(zip(MODELS, models, strict=True))  # masked, compact
+
+    def compacted():  # the twin: the masked model's weights and gates, its lengths fitted
+        twin.load_state_dict(model.state_dict())
+        fit_lengths(twin.train(), idx)  # packed lengths known on the host
+
+    def forward(run):
+        with torch.no_grad(), autocast:
+            run(idx)
+
+    def forward_backward(run):  # the training loss: the head and loss in chunks
+        with autocast:
+            loss = run(idx, targets=targets).loss
+        loss.backward()
+        run.zero_grad(set_to_none=True)
+
     rows = []
     for p in SPARSITY:
         compiled = runlog.compile_ms()  # (the masked model's graphs: from its first call here)
@@ -137,29 +157,13 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
         zero = (gates == 0).float().mean(dim=(1, 2)).tolist()
         ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
         row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)
-        profiles = {}  # each model's forward_backward, profiled once both are timed
-        for packs in (False, True):
-            run = compact if packs else masked
-            if packs:  # (the compacted model's graphs: from its first call here)
+        for key, run in runs.items():
+            if key == "compact":  # (the compacted model's graphs: from its first call here)
                 compiled = runlog.compile_ms()
-                twin.load_state_dict(model.state_dict())
-                fit_lengths(twin.train(), idx)  # packed lengths known on the host
-
-            def forward(run=run):
-                with torch.no_grad(), autocast:
-                    run(idx)
-
-            def forward_backward(run=run):  # the training loss: the head and loss in chunks
-                with autocast:
-                    loss = run(idx, targets=targets).loss
-                loss.backward()
-                run.zero_grad(set_to_none=True)
-
-            key = "compact" if packs else "masked"
-            row[f"fwd_{key}"] = timed(forward, repeats, sync)
-            row[f"fb_{key}"] = timed(forward_backward, repeats, sync)
+                compacted()
+            row[f"fwd_{key}"] = timed(partial(forward, run), repeats, sync)
+            row[f"fb_{key}"] = timed(partial(forward_backward, run), repeats, sync)
             row[f"compile_{key}"] = (runlog.compile_ms() - compiled) / 1000
-            profiles[key] = forward_backward
         for kind in ("fwd", "fb"):
             row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
             row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal
@@ -167,8 +171,12 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
             row["fb_mfu_masked"] = tg.mfu(replace(hp, batch_size=batch), row["fb_masked"], 1, peak)
         rows.append(row)
         print(format_row(row), flush=True)
-        for key, forward_backward in profiles.items() if profile else ():
-            row[f"profile_{key}"] = profiled(forward_backward, sync, cuda)
+    if profile:  # after every timing (module docstring), each row's sparsity set again
+        for row in rows:
+            force_sparsity(model, idx, row["target"])
+            compacted()
+            for key, run in runs.items():
+                row[f"profile_{key}"] = profiled(partial(forward_backward, run), sync, cuda)
     return hp, batch, rows
 
 
@@ -284,13 +292,15 @@ def main(argv):
             args.init_from, device, repeats, compile_, source, profile=args.profile
         )
         results.append(dict(size=args.init_from, batch=batch, hp=asdict(hp), rows=rows))
-    profiles = []  # (moved out of the rows: bench.json keeps figures)
-    for res in results if args.profile else []:
-        for r in res["rows"]:
-            for key in ("masked", "compact"):
-                table = r.pop(f"profile_{key}").splitlines()
-                title = f"## {res['size']} at sparsity {r['sparsity']:.3f}, {key}, fwd+bwd"
-                profiles.append("\n".join([title, ""] + ["    " + line for line in table]))
+    command = f"    python bench.py {' '.join(argv)}\n\n{runlog.describe_system()}"
+    profiles = [command]  # (moved out of the rows: bench.json keeps figures)
+    if args.profile:
+        for res in results:
+            for r in res["rows"]:
+                for key in MODELS:
+                    table = r.pop(f"profile_{key}").splitlines()
+                    title = f"## {res['size']} at sparsity {r['sparsity']:.3f}, {key}, fwd+bwd"
+                    profiles.append("\n".join([title, ""] + ["    " + line for line in table]))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
     targets = "\n".join(line for r in results for line in target_lines(r["size"], r["rows"]))
@@ -299,12 +309,11 @@ def main(argv):
         out,
         "bench.md",
         (
-            f"    python bench.py {' '.join(argv)}\n\n{runlog.describe_system()}\n\n"
-            f"batch per size: {sizes_line}; median of {repeats} after one warm-up\n\n{table}\n\n"
-            f"{targets}\n"
+            f"{command}\n\nbatch per size: {sizes_line}; median of {repeats} after one "
+            f"warm-up\n\n{table}\n\n{targets}\n"
         ).encode(),
     )
-    if profiles:
+    if args.profile:
         support.write_output(out, "profile.md", "\n\n".join(profiles).encode() + b"\n")
     support.write_output(
         out,

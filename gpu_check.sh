@@ -35,8 +35,9 @@
 #            lengths compiled once each and never a sync; bench's graphs), each one's time 206
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
-#            masked MFU), compile time apart; bench/profile.md: each row's costliest kernels,
-#            profiled after its timing (where a missed target's time went)                  97
+#            masked MFU), compile time apart; bench/profile.md: each row's costliest
+#            operators by GPU time, profiled after the timing (where a missed target's time
+#            went)                                                                           97
 # One call does not yet hold them all (a second call finishes a cut stage).
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).

@@ -186,6 +186,14 @@ def test_an_output_name_taken_by_what_bench_did_not_write_is_refused_before_the_
         and (tmp_path / "c" / ".outputs.json").read_text() == "my notes"
     ), r.stderr
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".outputs.json"]
+    (tmp_path / "d").mkdir()  # nor a user's profile.md by --profile's
+    (tmp_path / "d" / "profile.md").write_text("my profile")
+    r = run_command("bench.py", "--profile=1", f"--out={tmp_path / 'd'}", timeout=120)
+    assert r.returncode == 2 and r.stderr == (
+        f"error: {tmp_path / 'd' / 'profile.md'} is there (a file) and this command did not "
+        "write it, or it changed since: move it or write elsewhere; nothing was written\n"
+    )
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["profile.md"]
 
 
 @pytest.mark.slow

@@ -479,7 +479,9 @@ def test_ctrl_c_on_a_sweep_lets_each_run_in_flight_save_and_stop(tmp_path):
         for d in dirs
     ]
 
-    over = threading.Event()  # run_plans has returned: no Ctrl-C then (it would hit a later test)
+    # run_plans has returned: no Ctrl-C then (the lock: not between the check and the kill),
+    # and the thread ends with the test, so a stray one can hit no later test
+    over, lock = threading.Event(), threading.Lock()
 
     def interrupt():
         deadline = time.time() + 120
@@ -492,15 +494,19 @@ def test_ctrl_c_on_a_sweep_lets_each_run_in_flight_save_and_stop(tmp_path):
             )
         ):
             time.sleep(0.05)
-        if not over.is_set():
-            os.kill(os.getpid(), signal.SIGINT)
+        with lock:
+            if not over.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt, daemon=True).start()
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
     try:
         with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; ") as stopped:
             runs.run_plans(plans, 1, jobs=2)
     finally:
-        over.set()
+        with lock:
+            over.set()
+        thread.join()
     for d in dirs:
         assert f"{d} saved its checkpoint" in str(stopped.value)
         step = torch.load(d / "checkpoint.pt", weights_only=True)["step"]

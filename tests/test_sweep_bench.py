@@ -216,10 +216,11 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
 def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
     tmp_path, monkeypatch, capsys
 ):
-    # --jobs=2: a run refused by the trainer (3 heads do not divide width 32) while another
-    # trains; that one runs to its end, the next is not started, and the refusal is the
-    # sweep's one error line. The second starts once the refusal has exited, so the sweep sees
-    # the refusal first however fast the other run is (it looks at its trainers in order)
+    # --jobs=2: the sweep learns of a run refused by the trainer (3 heads do not divide width
+    # 32) while another trains; that one runs to its end, the next is not started, and the
+    # refusal is the sweep's one error line. The second starts once the refusal has exited, so
+    # the sweep sees the refusal first however fast the other run is (it looks at its trainers
+    # in order)
     sweep = load_command("sweep.py")
     runs = [
         ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"]),
@@ -231,7 +232,7 @@ def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
 
     def after_those_in_flight(self, plan, step, nproc):
         for proc in self.live:
-            proc.wait()
+            proc.wait(timeout=60)
         start(self, plan, step, nproc)
 
     monkeypatch.setattr(sweep.runs.Trainers, "start", after_those_in_flight)
@@ -476,8 +477,10 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
     # blocks and the sparsities, and the readout's (with targets, and without: fit_lengths'
     # forward), shared by both models; each row's compile columns hold the graphs its calls
     # compiled (the first row's, its forced gates and fitted lengths included), none where
-    # none is new
+    # none is new; profiled once every row is timed, at the timed lengths, compiling nothing
     import torch._dynamo
+
+    import runlog
 
     if device == "cpu":
         real = torch.compile
@@ -501,9 +504,15 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
     torch.manual_seed(0)
     counts = torch._dynamo.utils.counters
     counts.clear()
-    _, _, rows = bench.bench_size("tiny", device, 1, True)
+    before = runlog.compile_ms()
+    _, _, rows = bench.bench_size("tiny", device, 1, True, profile=True)
+    assert all(r["profile_masked"] and r["profile_compact"] for r in rows)
+    columns = sum(r["compile_masked"] + r["compile_compact"] for r in rows)
+    assert math.isclose(runlog.compile_ms() - before, 1000 * columns, abs_tol=1e-6)
+    assert len(fitted) == 8 and fitted[4:] == fitted[:4]  # (timed, then profiled)
+    fitted = fitted[:4]
     lengths = {n for v in fitted for n in v}
-    assert len(fitted) == 4 and len(lengths) < 4 * 4
+    assert len(lengths) < 4 * 4
     graphs = 1 + len(lengths) + 2  # the masked model's, one per packed length, the readout's
     assert counts["stats"]["unique_graphs"] <= 2 * graphs, dict(counts["stats"])
     assert not counts["graph_break"], dict(counts["graph_break"])
