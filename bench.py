@@ -16,10 +16,10 @@ measured per-layer sparsity (the validation metric `fwd_flops_per_token`) agains
 count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
-packed lengths are new compiles a block's graph again. --profile=1: after its timing, one more
-forward+backward of each model under torch.profiler, once every row is timed (a profiler can
-leave tracing behind that slows what runs after it), its costliest operators in profile.md, so
-that a target missed says where the time went: on CUDA by their own GPU time (kernels, the
+packed lengths are new compiles a block's graph again. --profile=1: once every row is timed (a
+profiler can leave tracing behind that slows what runs after it), one more forward+backward of
+each model at each row's sparsity under torch.profiler, its costliest operators in profile.md,
+so that a target missed says where the time went: on CUDA by their own GPU time (kernels, the
 operators that launch them and, compiled, Inductor's graph calls side by side), else CPU time.
 """
 
