@@ -300,11 +300,7 @@ def test_workers_whose_torchrun_died_of_a_signal_save_and_stop(tmp_path):
     log, deadline = tmp_path / "train.log", time.time() + 120
     while time.time() < deadline and "step:3/" not in (log.read_text() if log.exists() else ""):
         time.sleep(0.2)
-    workers = [
-        int(p.parent.name)
-        for p in Path("/proc").glob("[0-9]*/stat")
-        if process_stat(p.parent.name)[1:2] == [str(proc.pid)]  # (its parent; [] if gone)
-    ]
+    workers = processes_naming(f"--run_dir={tmp_path}", proc)
     assert len(workers) == 2, workers
     proc.send_signal(signal.SIGUSR1)
     proc.wait(timeout=60)
