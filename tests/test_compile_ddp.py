@@ -4,6 +4,7 @@ host reads of a training step, and DDP around compacted and compiled blocks (glo
 import contextlib
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -160,6 +161,45 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
     if router == "skip_middle" and compact:  # one graph a length: shared by every block
         assert training_graphs - 1 == len(shapes) <= routers.PACKS + 1
         assert len(graphs) - training_graphs <= len(evaluated) + 2
+
+
+@pytest.mark.slow
+def test_one_process_evaluating_every_router_at_every_packed_length_stays_compiled(
+    monkeypatch, strict_dynamo
+):
+    # sweep.py's measure evaluates each run of a grid, compiled, in one process: every router's
+    # masked model and its compacted one at whatever lengths its runs pack. A block's regions
+    # are one code each, whose graphs every router's calls add to: past Dynamo's limit on one
+    # code (compile_model) the rest would run eagerly, and measure would time that. Each router
+    # here at every length a sequence of T packs to, one process (backend "eager": Dynamo's
+    # decisions as on CUDA): the routers' compacted blocks share a graph per length
+    import torch._dynamo
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    T = 32
+    lengths = sorted({routers.packed_length(n, T) for n in range(T + 1)})
+    idx = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(0))
+    for router in tg.ROUTERS:
+        n_layers = 5 if router == "mor" else 4
+        hp = tiny(router=router, n_layers=n_layers, max_seq_len=T, seq_len=T, dlo_rho=0.5)
+        torch.manual_seed(0)
+        masked = tg.compile_model(tg.GPT(hp).eval())
+        can_compact = not tg.ROUTERS[router].check(replace(hp, compact=True))  # (as measure)
+        compact = tg.GPT(replace(hp, compact=True)).eval() if can_compact else None
+        with torch.no_grad():
+            masked(idx)
+            if compact is not None:
+                routers.fit_lengths(compact, idx)  # (eager: the number of applied blocks)
+                applied = len(compact.router.lengths)
+                tg.compile_model(compact)
+                for n in lengths:
+                    compact.router.lengths = [n] * applied
+                    compact(idx)
+    regions = [getattr(tg.Block, name).__code__ for name in tg.REGIONS]
+    graphs = max(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(c)) for c in regions)
+    assert graphs <= len(lengths) + len(tg.ROUTERS), graphs  # and each router's masked one
 
 
 @pytest.mark.parametrize(
