@@ -21,6 +21,8 @@ profiler can leave tracing behind that slows what runs after it), one more forwa
 each model at each row's sparsity under torch.profiler, its costliest operators in profile.md,
 so that a target missed says where the time went: on CUDA by their own GPU time (kernels, the
 operators that launch them and, compiled, Inductor's graph calls side by side), else CPU time.
+Without it, a profile.md that an earlier --profile=1 wrote in --out, unchanged since, is removed
+(it would describe other figures than bench.md's).
 """
 
 import json
@@ -315,6 +317,8 @@ def main(argv):
     )
     if args.profile:
         support.write_output(out, "profile.md", "\n\n".join(profiles).encode() + b"\n")
+    else:  # (an earlier --profile's, of other figures)
+        support.remove_output(out, "profile.md")
     support.write_output(
         out,
         "bench.json",

@@ -513,6 +513,18 @@ def write_output(folder: str, name: str, data: bytes):
     write_atomically(record, json.dumps({**ours, name: new}, indent=1).encode())
 
 
+def remove_output(folder: str, name: str):
+    """Remove folder's file name if write_output wrote it, unchanged since (an earlier run's
+    output that this run does not make again); a user's file, or a changed one, is left."""
+    ours = written_outputs(folder)
+    path = os.path.join(folder, name)
+    if kind_of(path) == "a file" and sha256_of(path) in digests(ours.get(name)):
+        os.remove(path)  # (then its digest: a cut between leaves a digest of no file)
+    if name in ours and not os.path.lexists(path):
+        ours.pop(name)
+        write_atomically(os.path.join(folder, OUTPUTS), json.dumps(ours, indent=1).encode())
+
+
 HASH_BLOCK = 16 << 20  # sha256_of reads this much at a time: memory stays bounded
 
 

@@ -541,6 +541,14 @@ def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch
     assert [s.split("\n")[0] for s in sections] == titles
     for section, (_, model) in zip(sections, tables, strict=True):
         assert bool(re.search(r" aten::scatter ", section)) == (model == "compact"), section
+    # rerun there without --profile: its profile.md, of other figures, is removed; a user's, kept
+    for edit, kept in (("", False), ("mine", True)):
+        if edit:
+            (tmp_path / "profile.md").write_text(edit)
+        assert support.cli(bench.main, argv[:2] + [f"--out={tmp_path}"]) == 0
+        assert (tmp_path / "profile.md").exists() == kept  # (and recorded as ours no more)
+        assert "profile.md" not in support.written_outputs(str(tmp_path))
+        assert "--profile" not in (tmp_path / "bench.md").read_text().split("\n")[0]
 
 
 # ------------------------------------------------------------------------- records/
