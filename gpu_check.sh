@@ -32,7 +32,8 @@
 #            paper_skip_middle) is removed once the pair is done; where a call finds it gone
 #            (another machine) before then, that run and the pair run again                ?, ?
 #   tests    the CUDA tests, -k cuda (tests/test_gpu.py: compiled = eager, Flex with ln g, packed
-#            lengths compiled once each and never a sync; bench's graphs), each one's time 206
+#            lengths compiled once each and never a sync; bench's graphs), each one's time;
+#            the compacted path's in a second process at once (cuda_tests)    206 in one process
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
 #            masked MFU), compile time apart; bench/profile.md: each row's costliest
@@ -99,7 +100,7 @@ stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of t
 summary_of() {  # one stage's figures for summary.txt
     local log=$out/$1/train.log
     case $1 in
-        tests) echo "; $(tail -1 "$out/tests.txt")" ;;
+        tests) echo "; $(tail -qn1 "$out"/tests{,_compact}.txt | paste -sd ';' -)" ;;
         bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) if [ -e "$log" ]; then  # (a stage refused before its run has none)
                      echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
@@ -125,7 +126,7 @@ print('torch.compile: ok')"
 
 sample=(--train_files='data/sample/sample_train_*.bin' --val_files='data/sample/sample_train_*.bin')
 
-runs="paper_run settled_run run_paper keep"  # (the functions the stages call)
+runs="paper_run settled_run run_paper keep cuda_tests"  # (the functions the stages call)
 
 # run_paper COMMAND...: a paper-size run of train_gpt.py in a folder it makes, $work/$name, its
 # logs copied into the record (a cut one's too), then the folder removed (paper_skip_middle's
@@ -182,6 +183,17 @@ sys.exit(0 if same else "error: compact's losses are not masked's")
 EOF
 }
 
+cuda_tests() {  # the tests named cuda (testpaths) in two processes at once, the compacted
+    # path's apart (tests_compact.txt): compiling, on the CPU, is most of their time, and no test
+    # is timed
+    python -m pytest -q -k "cuda and compact" -rs --durations=0 > "$out/tests_compact.txt" 2>&1 &
+    local compact=$! status
+    python -m pytest -q -k "cuda and not compact" -rs --durations=0
+    status=$?
+    wait "$compact" || status=1
+    return "$status"
+}
+
 if [ ! -d "$settled" ] && [ ! -e "$out/paper_compact.done" ]; then  # (a call on another machine)
     rm -f "$out"/paper_{skip_middle,masked}.done  # the pair starts from one run: both again
 fi
@@ -191,7 +203,7 @@ stage paper_none paper_run none  # learning first: both losses must fall
 stage paper_skip_middle paper_run skip_middle
 stage paper_masked settled_run
 stage paper_compact settled_run --compact=true
-stage tests python -m pytest -q -k cuda -rs --durations=0  # the tests named cuda (testpaths)
+stage tests cuda_tests
 stage bench python bench.py "${bench[@]}" --out="$out/bench"
 if [ -e "$out/paper_compact.done" ]; then rm -rf "$settled"; fi  # (run_paper made it)
 rmdir "$work" 2>/dev/null  # (made above; left where it holds anything)

@@ -180,6 +180,9 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     assert "redone: 0 of 30 steps" in summary["paper_none"], summary  # (dense: none redone)
     assert summary["bench"].count("(target ") == 3 and "FLOP ideal" in summary["bench"], summary
     assert (out / "bench" / "profile.md").read_text().count("## smoke at sparsity") == 8
+    # the CUDA tests (skipped here) in two processes, the compacted path's apart: both summaries
+    assert len(re.findall(r"\d+ skipped, \d+ deselected in [\d.]+s", summary["tests"])) == 2
+    assert "SKIPPED [1] tests/test_gpu.py" in (out / "tests_compact.txt").read_text()
     learned = (out / "paper_none.txt").read_text().splitlines()[-1].split()
     assert learned[:4] == ["step", "1", "training", "loss"]  # the stage's learning check
     assert float(learned[-1]) < 0.9 * float(learned[4].rstrip(","))
