@@ -307,6 +307,10 @@ def main(argv):
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
     targets = "\n".join(line for r in results for line in target_lines(r["size"], r["rows"]))
     print(targets)
+    if args.profile:  # (before bench.md: no profile of other figures stays beside a new one)
+        support.write_output(out, "profile.md", "\n\n".join(profiles).encode() + b"\n")
+    else:  # an earlier --profile's, of other figures
+        support.remove_output(out, "profile.md")
     support.write_output(
         out,
         "bench.md",
@@ -315,10 +319,6 @@ def main(argv):
             f"warm-up\n\n{table}\n\n{targets}\n"
         ).encode(),
     )
-    if args.profile:
-        support.write_output(out, "profile.md", "\n\n".join(profiles).encode() + b"\n")
-    else:  # (an earlier --profile's, of other figures)
-        support.remove_output(out, "profile.md")
     support.write_output(
         out,
         "bench.json",

@@ -100,7 +100,7 @@ stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of t
 summary_of() {  # one stage's figures for summary.txt
     local log=$out/$1/train.log
     case $1 in
-        tests) echo "; $(tail -qn1 "$out"/tests{,_compact}.txt | paste -sd ';' -)" ;;
+        tests) echo "; $(tail -n1 "$out/tests.txt"); the compacted path's: $(tail -n1 "$out/tests_compact.txt")" ;;
         bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) if [ -e "$log" ]; then  # (a stage refused before its run has none)
                      echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
@@ -186,8 +186,10 @@ EOF
 cuda_tests() {  # the tests named cuda (testpaths) in two processes at once, the compacted
     # path's apart (tests_compact.txt): compiling, on the CPU, is most of their time, and no test
     # is timed
-    python -m pytest -q -k "cuda and compact" -rs --durations=0 > "$out/tests_compact.txt" 2>&1 &
+    python -m pytest -q -k "cuda and compact" -rs --durations=0 -p no:cacheprovider \
+        > "$out/tests_compact.txt" 2>&1 &
     local compact=$! status
+    trap 'kill "$compact" 2>/dev/null; wait "$compact"; exit 143' TERM  # (cut: none outlives it)
     python -m pytest -q -k "cuda and not compact" -rs --durations=0
     status=$?
     wait "$compact" || status=1

@@ -164,8 +164,9 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("attn", ["sdpa", "flex"])  # (Flex: CUDA's, a block mask per length)
 def test_one_process_evaluating_every_router_at_every_packed_length_stays_compiled(
-    monkeypatch, strict_dynamo
+    attn, monkeypatch, strict_dynamo
 ):
     # sweep.py's measure evaluates each run of a grid, compiled, in one process: every router's
     # masked model and its compacted one at whatever lengths its runs pack. A block's regions
@@ -183,7 +184,15 @@ def test_one_process_evaluating_every_router_at_every_packed_length_stays_compil
     idx = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(0))
     for router in tg.ROUTERS:
         n_layers = 5 if router == "mor" else 4
-        hp = tiny(router=router, n_layers=n_layers, max_seq_len=T, seq_len=T, dlo_rho=0.5)
+        hp = tiny(
+            router=router,
+            n_layers=n_layers,
+            dim=64,
+            max_seq_len=T,
+            seq_len=T,
+            dlo_rho=0.5,
+            attn_impl=attn,
+        )
         torch.manual_seed(0)
         masked = tg.compile_model(tg.GPT(hp).eval())
         can_compact = not tg.ROUTERS[router].check(replace(hp, compact=True))  # (as measure)

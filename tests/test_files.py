@@ -196,6 +196,31 @@ def test_an_output_name_taken_by_what_bench_did_not_write_is_refused_before_the_
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["profile.md"]
 
 
+def test_remove_output_removes_only_an_unchanged_file_of_ours(tmp_path):
+    # an output a rerun does not make again (bench.py's profile.md without --profile): removed
+    # while unchanged, its digest then dropped; edited since, or a link, it stays; a digest whose
+    # file is gone (a cut between the two) is dropped
+    cases = {
+        "ours, unchanged": (lambda p: None, False),
+        "ours, edited since": (lambda p: p.write_text("my edit"), True),
+        "a link in its place": (lambda p: p.unlink() or p.symlink_to(tmp_path / "x.md"), True),
+        "gone already": (lambda p: p.unlink(), False),
+    }
+    (tmp_path / "x.md").write_text("ours")  # (the link's target)
+    for i, (what, (change, kept)) in enumerate(cases.items()):
+        out = tmp_path / f"out{i}"
+        support.write_output(str(out), "profile.md", b"ours")
+        support.write_output(str(out), "bench.md", b"table")
+        change(out / "profile.md")
+        support.remove_output(str(out), "profile.md")
+        assert os.path.lexists(out / "profile.md") == kept, what
+        assert (out / "bench.md").read_bytes() == b"table"  # (and its digest kept)
+        assert support.written_outputs(str(out)).get("bench.md") == sha256(b"table"), what
+        # (a digest kept matches no file there: a later run refuses the file, as a user's)
+        assert ("profile.md" in support.written_outputs(str(out))) == kept, what
+    assert (tmp_path / "x.md").read_text() == "ours"
+
+
 @pytest.mark.slow
 def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     # a resume leaves a checkpoint.prev.pt that is not an earlier one of its run where it is
