@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 import hub  # noqa: E402
 import ranks  # noqa: E402
@@ -153,8 +154,6 @@ def causal_block_mask(T: int, device: str):
 @lru_cache(maxsize=2)
 def flex_attention_fn(compiled: bool):
     """Flex fuses (and has a backward) only compiled; on CPU it runs eagerly, forward only."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
@@ -181,7 +180,10 @@ def gated_attention(q, k, v, log_g, mask=None, axis: str = "key"):
         def mod(score, b, h, q_idx, kv_idx):  # the score_mod
             return score + log_g[b, kv_idx if axis == "key" else q_idx]
 
-        return flex_attention_fn(compiled=q.is_cuda)(
+        # in a compiled region (compile_model's) Flex itself: Dynamo would trace through the
+        # cache and the nested compile to the same graph, warning of the cache
+        flex = flex_attention if torch.compiler.is_compiling() else flex_attention_fn(q.is_cuda)
+        return flex(
             q, k, v, score_mod=None if log_g is None else mod, block_mask=mask, enable_gqa=gqa
         )
     if log_g is None:

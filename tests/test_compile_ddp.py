@@ -85,7 +85,9 @@ def test_a_compiled_training_step_equals_the_eager_one(router, compact, monkeypa
     ],
 )  # Flex: a score_mod, key masks, and a block mask per packed length
 @pytest.mark.slow
-def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, strict_dynamo):
+def test_a_compiled_model_stays_compiled(
+    router, compact, attn, monkeypatch, strict_dynamo, recwarn
+):
     # at the paper's depth (12 layers): graph breaks and recompiles are dynamo's decisions, the
     # same on CPU and CUDA: traced here with the eager backend, dynamo told to fail where it
     # would give up (its recompile limit). Flex, CUDA's attention, has no backward on CPU: its
@@ -93,6 +95,8 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
     # compile_model compiles the blocks (regions) and the readout, shapes static: the blocks share
     # their graphs, and a packed length compiles one graph, whatever vector of lengths it comes in
     import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # (once a process)
 
     real, graphs = torch.compile, []
 
@@ -154,6 +158,8 @@ def test_a_compiled_model_stays_compiled(router, compact, attn, monkeypatch, str
     # MoR: ungated blocks besides) and for each way of gating it (MoR: keys and none); and the
     # readout's: with targets, and in evaluation also without (fit_lengths' forward)
     assert not counts["graph_break"], dict(counts["graph_break"])
+    # nor traced through a cache (gated_attention: Flex itself when compiling, not its wrapper)
+    assert not [w for w in recwarn if "lru_cache" in str(w.message)], [str(w) for w in recwarn]
     shapes = {n for v in lengths for n in v} | {hp.seq_len}
     assert training_graphs <= 2 * len(shapes) + 1, (training_graphs, shapes)
     evaluated = {n for v in fitted for n in v} | {hp.seq_len}
