@@ -1143,8 +1143,8 @@ def compile_model(raw: GPT) -> GPT:
     compiled had taken 90 (records/2026-11-27_gpu_check_NVIDIA_H200; the readout the likeliest
     cause, not yet measured)."""
     config = torch._dynamo.config
-    # graphs per region: PACKS + 1 lengths, training and evaluation, gated and not, the routers'
-    # shared (sweep.py's measure evaluates them all in one process); past the default 8, Dynamo
+    # graphs per region: PACKS + 1 lengths, training and evaluation, gated and not, shared by the
+    # routers (sweep.py's measure evaluates them all in one process); past the default 8, Dynamo
     # would run the rest eagerly
     config.recompile_limit = max(config.recompile_limit, 4 * (PACKS + 1))
     regions = [(block, name) for block in raw.blocks for name in REGIONS] + [(raw, "readout")]
