@@ -200,10 +200,14 @@ def test_remove_output_removes_only_an_unchanged_file_of_ours(tmp_path):
     # an output a rerun does not make again (bench.py's profile.md without --profile): removed
     # while unchanged, its digest then dropped; edited since, or a link, it stays; a digest whose
     # file is gone (a cut between the two) is dropped
+    def link(p):
+        p.unlink()
+        p.symlink_to(tmp_path / "x.md")
+
     cases = {
         "ours, unchanged": (lambda p: None, False),
         "ours, edited since": (lambda p: p.write_text("my edit"), True),
-        "a link in its place": (lambda p: p.unlink() or p.symlink_to(tmp_path / "x.md"), True),
+        "a link in its place": (link, True),
         "gone already": (lambda p: p.unlink(), False),
     }
     (tmp_path / "x.md").write_text("ours")  # (the link's target)
