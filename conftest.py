@@ -264,9 +264,10 @@ def compact_matches_masked(masked, idx, given=None, evaluate=True):
     # the largest. given: the twin's packed lengths read on the host (None), the masked pass's
     # packed_counts in each mode ("fit": the exact fit), or the whole sequence ("full").
     # -> the twin; [(training output, evaluation output or None)] and [{training: packed counts}]
-    # for masked, then the twin (True: training, False: evaluation). Masked weights a key with
-    # g = 0 by gate_eps, compact by 0 (train_gpt's deviations): at the default 1e-6 that alone
-    # moved a gradient by 1.5e-4 of the largest, so both run at 1e-20, far below fp32's rounding
+    # for masked, then the twin (True: training, False: evaluation). Masked weights a key of
+    # weight 0 (g, or MoD's and MoR's keys) by gate_eps, compact by 0 (train_gpt's deviations): at
+    # the default 1e-6 that alone moved a gradient by 1.5e-4 of the largest (the steered model),
+    # so both run at 1e-20, far below fp32's rounding
     exact = tg.GPT(replace(masked.hp, gate_eps=1e-20))
     exact.load_state_dict(masked.state_dict())
     masked = exact
