@@ -624,11 +624,13 @@ class Trainers:
     each saves its checkpoint. The handler only notes a signal and the waiting loop passes it on
     (a handler that sent could run in the middle of a start and send twice). Output goes to
     files, read once a trainer ends (a pipe could fill while others run). Left with trainers in
-    flight (an error here), it stops them as a signal would and waits for them."""
+    flight (an error here), it stops them as a signal would and waits for them. env: the
+    processes' environment (None: this one's)."""
 
-    def __init__(self):
+    def __init__(self, env: dict = None):
         self.live = {}  # Popen -> Trainer
         self.got = []  # the signals that came, in order
+        self.env = env
 
     def __enter__(self):
         self.previous = {sig: signal.signal(sig, self.note) for sig in SAVE_SIGNALS}
@@ -674,6 +676,7 @@ class Trainers:
             stderr=files[1],
             text=True,
             start_new_session=True,
+            env=self.env,
         )
         self.live[proc] = Trainer(plan, step, nproc, files)
 
@@ -701,17 +704,28 @@ def read_back(f) -> str:
         return f.read()
 
 
+def share_of_cpus(jobs: int) -> dict:
+    """The environment of one of `jobs` processes side by side: its share of this process's CPUs
+    (at least one) for torch's threads and for Inductor's compile workers (by default each
+    process takes every CPU for each: 8 runs on 16 CPUs would start 128 workers), unless the
+    user set them."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = str(max(1, (cpus or 1) // jobs))
+    return {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share, **os.environ}
+
+
 def run_plans(plans: list, nproc: int, jobs: int = 1):
     """Run each plan's commands in order, up to `jobs` plans at once, each command a process
     of its own (expand.py one process; a trainer under torchrun when nproc > 1), a plan after
-    the one it names. A signal: every trainer in flight saves its checkpoint, this waits for
-    them, then raises Stopped; a second, passed on too, stops them at once. A command that
-    fails: no other starts (nor a plan's next command), those in flight run to their end, then
-    its error is raised. Rerun, the grid resumes (run_grid)."""
+    the one it names; more than one at once, each with its share of the CPUs (share_of_cpus). A
+    signal: every trainer in flight saves its checkpoint, this waits for them, then raises
+    Stopped; a second, passed on too, stops them at once. A command that fails: no other starts
+    (nor a plan's next command), those in flight run to their end, then its error is raised.
+    Rerun, the grid resumes (run_grid)."""
     todo = list(plans)  # not started
     failed = []  # (error kind, message), in the order they came
     saved = []  # what each run stopped by a signal left
-    with Trainers() as trainers:
+    with Trainers(share_of_cpus(jobs) if jobs > 1 else None) as trainers:
         while todo or trainers.live:
             if len(trainers.live) < jobs and not (trainers.got or failed):
                 busy = {p.label for p in todo} | {t.plan.label for t in trainers.live.values()}

@@ -4,13 +4,13 @@ estimated forward FLOPs per token, with the verdict as a number.
     python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
     python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
     python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, ~18 h
-    OMP_NUM_THREADS=1 python sweep.py --grid=bytes_core --seeds=5 --jobs=3
+    python sweep.py --grid=bytes_core --seeds=5 --jobs=3
                                       # byte-level study, 2 cores, ~3 h (data/debian_docs.py first)
     python sweep.py --report=RECORD/runs.csv        # a record's table and figure again
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
-             --jobs=J: runs at once, side by side on the one device (on 2 cores three runs of
-             one thread each, OMP_NUM_THREADS=1, outrun one of two threads)
+             --jobs=J: runs at once, side by side on the one device, each with 1/J of the CPUs
+             (at least one: on 2 cores three runs of one thread outrun one of two threads)
              --first_seed=S: seeds S..K-1 only, so that commands sharing --runs split a grid
 
 Each configuration of the grid trains through train_gpt.py in its own run directory under
@@ -995,7 +995,7 @@ def parser() -> support.ArgParser:
         default=1,
         metavar="J",
         help="runs at once, each in its own process and folder, side by side on the one device "
-        "(a DLO run after its source; on CPU set OMP_NUM_THREADS) (default: %(default)s)",
+        "(a DLO run after its source), each with its share of the CPUs (default: %(default)s)",
     )
     p.add_argument(
         "--runs",

@@ -834,6 +834,36 @@ time.sleep(0.5)
     assert not (tmp_path / "next").exists() and not (tmp_path / "other").exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPUs by affinity (Linux)")
+def test_runs_side_by_side_each_get_their_share_of_the_cpus(tmp_path, monkeypatch):
+    # each of J runs at once gets 1/J of the CPUs this process may use (at least one) for torch's
+    # threads and for Inductor's compile workers, a value the user set kept; one run at a time:
+    # this process's environment as it is
+    names = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
+    tell = script(
+        tmp_path / "tell.py",
+        f"""import json, os, sys
+print(json.dumps([os.environ.get(k) for k in {names!r}]), file=open(sys.argv[1], "w"))
+""",
+    )
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+
+    def seen(cpus: int, jobs: int) -> list:
+        monkeypatch.setattr(runs.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        out = [tmp_path / f"{cpus}_{jobs}_{i}.json" for i in range(jobs)]
+        runs.run_plans([runs.Plan(str(p), [(tell, [str(p)])]) for p in out], 1, jobs)
+        told = [json.loads(p.read_text()) for p in out]
+        assert all(t == told[0] for t in told)
+        return told[0]
+
+    assert seen(16, 8) == ["2", "2"]  # one H200 machine's 16 CPUs, bytes_gpu's --jobs=8
+    assert seen(2, 3) == ["1", "1"]  # bytes_core's three one-thread runs on 2 cores
+    assert seen(16, 1) == [None, None]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert seen(16, 2) == ["3", "8"]
+
+
 def test_an_error_in_the_sweep_stops_its_trainers_as_a_signal_would(tmp_path, monkeypatch):
     # run_plans fails while starting its second command: the first, in flight, is not left
     # running where no Ctrl-C reaches it (a session of its own); it gets SIGTERM and is waited for

@@ -158,7 +158,6 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     # compares each routed run with its seed's frontier or control, and says how far each gated
     # block's zero share ended from its target
     sweep = load_command("sweep.py")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two runs on 2 cores: one thread each
     text = np.frombuffer((Path(REPO) / "README.md").read_bytes(), np.uint8)
     for split, part in (("train", text[: len(text) // 2]), ("val", text[len(text) // 2 :])):
         (tmp_path / f"b_{split}_000000.bin").write_bytes(shard_bytes(part, "bytes"))
@@ -288,7 +287,6 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
 
     monkeypatch.setattr(sweep.runs.Trainers, "start", started)
     monkeypatch.setattr(sweep.runs.Trainers, "ended", finished)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two runs on 2 cores: one thread each
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}", "--jobs=2"]
     assert support.cli(sweep.main, argv) == 0
     # --jobs=2: two processes side by side, never more; a DLO run's expansion after its source
