@@ -57,7 +57,7 @@ def describe_system() -> str:
     lines = [
         f"python {sys.version.split()[0]}  torch {torch.__version__}  "
         f"cuda {torch.version.cuda}  numpy {np.__version__}",
-        f"platform {platform.platform()}  cpus {os.cpu_count()}",
+        f"platform {platform.platform()}  cpus {os.cpu_count()}  threads {torch.get_num_threads()}",
     ]
     if torch.cuda.is_available():
         lines.append(f"gpu {torch.cuda.get_device_name()} x {torch.cuda.device_count()}")

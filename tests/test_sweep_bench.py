@@ -187,6 +187,9 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     assert sorted((r["name"], r["seed"]) for r in rows) == sorted(
         (n, s) for n, *_ in grid["runs"] for s in (0, 1)
     )
+    share = sweep.runs.share_of_cpus(2)["OMP_NUM_THREADS"]  # each run's threads, as its log says
+    for log in (tmp_path / "runs").glob("*/train.log"):
+        assert f"  threads {share}\n" in log.read_text(), log
     lines = {(ln["name"], ln["vs"]) for ln in sweep.summarise(rows)}
     for name in ("gated_mu0.5", "gated_mu0.25", "dlo_rho0.5", "mod_c0.125", "mor_r3"):
         assert (name, "dense frontier") in lines, lines
