@@ -1131,17 +1131,12 @@ REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (
 
 def compile_model(raw: GPT) -> GPT:
     """Regional compilation (PyTorch's recipe for a fast cold start): each block's REGIONS and
-    the model's readout compiled in place, with static shapes. The blocks share their code, so a
+    the model's readout compiled in place, shapes static. The blocks share their code, so a
     graph compiled for one serves all: a cold compile is one block's, not the model's. The
     embedding, the router and Block.pack run eagerly. Under compact a packed length is a shape: a
     new one compiles a new graph of one block, at most PACKS + 1 lengths per mode
-    (packed_length), each shown in the log (compile_ms). Static rather than symbolic lengths: on
-    an H100 (torch 2.11) the whole model compiled with symbolic lengths crashed Inductor's fusion
-    at some lengths. The readout too: eagerly, the head's products with the odd vocabulary ran
-    on slow kernels, its fp32 casts unfused (records/2026-11-25_gpu_check_*, a profile); with
-    the blocks alone compiled, the dense paper step took 154 ms on an H200 where the whole model
-    compiled had taken 90 (records/2026-11-27_gpu_check_NVIDIA_H200; the readout the likeliest
-    cause, not yet measured)."""
+    (packed_length), each shown in the log (compile_ms). Why static lengths (symbolic ones
+    crashed Inductor) and a compiled readout (eagerly, slow kernels), measured: docs/gpu.md."""
     config = torch._dynamo.config
     # graphs per region: PACKS + 1 lengths, training and evaluation, gated and not, shared by the
     # routers (sweep.py's measure evaluates them all in one process); past the default 8, Dynamo
