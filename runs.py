@@ -20,6 +20,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shlex
 import signal
 import subprocess
@@ -94,7 +95,7 @@ def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
                 os.remove(prev)
         with contextlib.suppress(OSError):  # a first save has none to keep
             os.link(path, prev)
-    write_atomically(path, buf.getvalue())
+    write_atomically(path, buf.getvalue(), tag=state["run_id"])
     return path
 
 
@@ -171,6 +172,8 @@ def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> d
 def check_run_state(run: RunState):
     """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
     check_fields(run)
+    if not re.fullmatch("[0-9a-f]*", run.run_id):  # it names files (save_checkpoint)
+        raise UserError(f"run_id={run.run_id!r} is not a run's (hex digits)")
     for name in ("timed_steps", "bad_steps", "val_done"):
         if getattr(run, name) > run.step:
             raise UserError(f"{name}={getattr(run, name)} exceeds step={run.step}")
@@ -333,9 +336,12 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     if resuming:
         check_owner(run_dir, ckpt)
         check_metrics(os.path.join(run_dir, LOGS[1]))  # (before anything is written)
-    for stale in glob.glob(os.path.join(glob.escape(run_dir), CHECKPOINT + ".????????.tmp")):
-        if os.path.isfile(stale):  # a save killed half-way (SIGKILL): write_atomically's
-            os.remove(stale)
+        # a save of this run killed half-way (SIGKILL) left its temporary file, named by the
+        # run's id (save_checkpoint): that one alone is this job's to remove
+        cut = f"{CHECKPOINT}.{ckpt['run_id']}.????????.tmp"
+        for stale in glob.glob(os.path.join(glob.escape(run_dir), cut)):
+            if os.path.isfile(stale):
+                os.remove(stale)
     old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
     if not resuming:  # a folder is ours to take only if what it holds is a run's of ours
         check_aborted(run_dir, old)

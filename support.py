@@ -567,15 +567,16 @@ def named(path: str, always: bool = False):
         raise
 
 
-def write_atomically(path: str, data: bytes):
+def write_atomically(path: str, data: bytes, tag: str = ""):
     """Write data to path so that a reader sees the old file or all of the new one: a temporary
-    file beside it (mode as open() would give), fsynced, renamed over it, the rename fsynced."""
+    file beside it (mode as open() would give), fsynced, renamed over it, the rename fsynced.
+    The temporary file: PATH.<8 random>.tmp, or PATH.<tag>.<8 random>.tmp (a run's checkpoint:
+    its run_id, so that a kill's leftover is known as the run's)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
+    prefix = ".".join([os.path.basename(path), *([tag] if tag else []), ""])
     with named(path, always=True):
-        handle, tmp = tempfile.mkstemp(
-            dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp"
-        )
+        handle, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
     os.close(handle)
     umask = os.umask(0)  # the only way to read it is to set it: put it back at once
     os.umask(umask)

@@ -40,7 +40,7 @@ def test_a_folder_that_is_not_a_runs_is_refused_as_run_dir_nothing_moved(tmp_pat
     folders = {
         "export": {"model.safetensors": b"", "config.json": b'{"format": "train_gpt"}'},
         "users": {"config.json": b'{"lr": 1}', "notes.txt": b"mine"},
-        "logs_only": {"train.log": b"my log"},
+        "logs_only": {"train.log": b"my log", "checkpoint.pt.abcdefgh.tmp": b"mine"},
         "not_json": {"config.json": b"{not json", "metrics.jsonl": b"{}"},
     }
     for name, files in folders.items():

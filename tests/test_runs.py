@@ -393,14 +393,18 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     # what an older version saved: the expand_* fields, data paths relative to the repository
     ckpt["hp"].update(expand_from="", expand_groups=1, train_files="data/sample/sample_train_*.bin")
     torch.save(ckpt, run / "checkpoint.pt")
-    (run / "checkpoint.pt.k1ll3d_x.tmp").write_bytes(b"half a save")  # what SIGKILL leaves
-    (run / "checkpoint.pt.backup.tmp").write_bytes(b"a user's file")  # not a name we write
+    # what a SIGKILL mid-save leaves (the run's id in its name), and files that are not it: a
+    # user's copy, another run's leftover
+    (run / f"checkpoint.pt.{ckpt['run_id']}.k1ll3d_x.tmp").write_bytes(b"half a save")
+    others = ["checkpoint.pt.20261128.tmp", "checkpoint.pt.0123456789abcdef.k1ll3d_x.tmp"]
+    for name in others:
+        (run / name).write_bytes(b"not this run's")
     assert tg.load_model(str(run)).hp.n_layers == ckpt["hp"]["n_layers"]
     # resumed from another folder: the relative data path is the repository's
     monkeypatch.chdir(tmp_path)
     code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
     assert code == 0, err
-    assert [p.name for p in run.glob("checkpoint.pt.*.tmp")] == ["checkpoint.pt.backup.tmp"]
+    assert sorted(p.name for p in run.glob("checkpoint.pt.*.tmp")) == sorted(others)
     mask = os.umask(0)
     os.umask(mask)
     for name in ("checkpoint.pt", "config.json", "metrics.jsonl"):  # as open() would make them
@@ -442,6 +446,7 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
         (lambda s: s.pop("optimizer"), "checkpoint lacks optimizer"),
         (lambda s: s.update(step="4"), "saved step='4' is not of type int"),
         (lambda s: s["hp"].update(lr="x"), "saved lr='x' is not of type float"),
+        (lambda s: s.update(run_id="../x"), "run_id='../x' is not a run's"),  # (it names files)
         (lambda s: s.update(loader={"shard": 0}), "data position"),
         (lambda s: s.update(routing={}), "corrupt or incompatible"),
         (lambda s: s.update(rng={"cuda": []}), "corrupt or incompatible"),
@@ -563,8 +568,10 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
     proc.wait()
     state = torch.load(ckpt, weights_only=True)  # the previous checkpoint, whole
     assert state["step"] >= 1
+    assert glob.glob(f"{ckpt}.{state['run_id']}.*.tmp")  # the cut save's, named by its run
     code, _, err = run_main([f"--resume={tmp_path}", "--train_tokens=64"], capsys)  # 2 steps in all
     assert code == 0, err
+    assert not glob.glob(f"{ckpt}.*.tmp")  # removed by the resume: its run's
 
 
 def nan_on_call(n):
