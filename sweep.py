@@ -789,25 +789,39 @@ def read_runs(path: str) -> list:
                     r[k] = float(v) if v else None
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
-        bad = [
-            k
-            for k, v in r.items()
-            if isinstance(v, float)
-            and not math.isfinite(v)
-            or v is None
-            and k not in ("val_se", "val_docs")
-            or k == "flops_per_token"
-            and v is not None
-            and v <= 0
-        ]
-        if bad:
+        for k, v in r.items():
+            if need := out_of_range(k, v):
+                raise support.UserError(f"{path}:{i}: {k}={v} ({need} is needed)")
+        zero, target = r["gate_zero"].split(), r["target_zero"].split()
+        if len(zero) != len(target) or not all(
+            is_share(z) and (t == "none" or is_share(t)) for z, t in zip(zero, target, strict=True)
+        ):
             raise support.UserError(
-                f"{path}:{i}: {bad[0]}={r[bad[0]]} (a finite number"
-                f"{', above 0' if bad[0] == 'flops_per_token' else ''} is needed)"
+                f"{path}:{i}: gate_zero and target_zero: a share in [0, 1] per gated block "
+                f"each (a target may be none), or both empty"
             )
     if len({(r["name"], r["seed"]) for r in rows}) < len(rows):
         raise support.UserError(f"{path}: a (name, seed) appears twice; one row per run")
     return rows
+
+
+def out_of_range(key: str, v) -> str:
+    """What a runs.csv value of `key` must be, where v (read_runs's) is not that; else "". The
+    bounds keep the report's statistics and figure finite."""
+    if v is None:
+        return "" if key in ("val_se", "val_docs") else "a value"
+    if isinstance(v, int) and not 0 <= v < 2**63:
+        return "a count in [0, 2^63)"
+    if isinstance(v, float) and not (0 < v < 1e100 if key == "flops_per_token" else abs(v) < 1e100):
+        return "a number above 0 and below 1e100" if key == "flops_per_token" else "|x| < 1e100"
+    return ""
+
+
+def is_share(text: str) -> bool:
+    """Whether text reads as a number in [0, 1] (a zero share of runs.csv)."""
+    with contextlib.suppress(ValueError):
+        return 0 <= float(text) <= 1
+    return False
 
 
 def fmt(v, spec=".4f"):
@@ -866,6 +880,7 @@ def write_report(out: str, rows: list) -> list:
         for r in rows
         if r["gate_zero"]
     ]
+    png = figure(lines, unit)  # (drawn before anything is written)
     support.write_output(
         out,
         "table.md",
@@ -875,7 +890,8 @@ def write_report(out: str, rows: list) -> list:
             "the controller's target (1 - mu*):\n\n" + "\n".join(per_block) + "\n"
         ).encode(),
     )
-    plot(out, lines, unit)
+    if png is not None:
+        support.write_output(out, "figure.png", png)
     return lines
 
 
@@ -890,14 +906,15 @@ def off_target(row: dict) -> str:
     return f"{max(gaps):.4f}" if gaps else ""
 
 
-def plot(out: str, lines: list, unit: str) -> bool:
+def figure(lines: list, unit: str) -> bytes:
+    """figure.png's bytes (None without matplotlib, a plot-only requirement)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return None
     # left: each comparison's mean difference with its 95% interval; right: validation CE, the
     # dense means joined in black, every other configuration its own colour (tab20 without its
     # greys: 18, the 9 strong ones first), named once in the legend
@@ -951,9 +968,8 @@ def plot(out: str, lines: list, unit: str) -> bool:
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
-    support.write_output(out, "figure.png", png.getvalue())
     plt.close(fig)
-    return True
+    return png.getvalue()
 
 
 # ---------------------------------------------------------------------------- main

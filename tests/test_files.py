@@ -1,8 +1,10 @@
 """Files that are not ours: never rewritten, replaced, moved or read without bound; a full disk
 leaves what was there."""
 
+import csv
 import glob
 import hashlib
+import io
 import json
 import os
 import tracemalloc
@@ -268,14 +270,30 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     sweep = load_command("sweep.py")
     assert support.cli(sweep.main, [f"--report={tmp_path / 'report' / 'runs.csv'}"]) == 0
     capsys.readouterr()
-    # a runs.csv cut short, or too large to be one, is refused naming what is wrong (issue 58)
+    # a runs.csv cut short, too large to be one, or with values no run has, is refused naming
+    # what is wrong (issue 58), before anything is written
     whole = Path(csv_path).read_bytes()
     last = whole.rstrip(b"\n").rsplit(b"\n", 1)[0]  # (without its last row)
+
+    def edited(key, change):  # the record's runs.csv, change applied to each row's key
+        rows = list(csv.DictReader(io.StringIO(whole.decode())))
+        text = io.StringIO()
+        w = csv.DictWriter(text, list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows({**r, key: change(r[key])} for r in rows)
+        return text.getvalue().encode()
+
+    shares = "gate_zero and target_zero: a share in [0, 1] per gated block each"
     for i, (data, message) in enumerate(
         [
             (whole[:-40], "its last row is not ended: the file was cut short"),
             (last + b"\n" + b"dense,1,2\n", "not as many fields as the header: cut short?"),
             (None, "over 64 MiB: not a runs.csv of sweep.py"),
+            (edited("target_zero", lambda v: " ".join(v.split()[:2])), shares),
+            (edited("gate_zero", lambda v: v.replace("0.", "x.", 1)), shares),
+            (edited("gate_zero", lambda v: v.replace("0.", "2.", 1)), shares),
+            (edited("params", lambda v: "1" + "0" * 400), "(a count in [0, 2^63) is needed)"),
+            (edited("val_loss", lambda v: "1e308"), "val_loss=1e+308 (|x| < 1e100 is needed)"),
         ]
     ):
         (tmp_path / f"cut{i}").mkdir()
