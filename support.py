@@ -433,6 +433,11 @@ def writable_dir(path: str, outputs=()) -> str:
     a file write_output wrote, unchanged since (no user's file is replaced)."""
     if not path:
         raise UserError("expected a folder, got an empty path")
+    if OUTPUTS in outputs:  # (skipview.py --out=FILE names its own)
+        raise UserError(
+            f"{os.path.join(path, OUTPUTS)}: that name is the folder's record of what commands "
+            f"wrote there: name the output otherwise; nothing was written"
+        )
     ours = written_outputs(path) if outputs else {}  # (a command that keeps no record: not read)
     for p in (os.path.join(path, name) for name in outputs):
         if os.path.lexists(p) and (

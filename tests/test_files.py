@@ -263,6 +263,10 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
     assert support.cli(skipview.main, argv) == 2
     assert "did not write it" in capsys.readouterr().err
     assert (tmp_path / "notes.html").read_text() == "mine"
+    argv[-1] = f"--out={tmp_path}/page/{support.OUTPUTS}"  # nor the record of what it wrote
+    assert support.cli(skipview.main, argv) == 2
+    assert "that name is the folder's record" in capsys.readouterr().err
+    assert not (tmp_path / "page").exists()
     # a runs.csv saved with a BOM (as a spreadsheet does) is read as it is
     csv_path = sorted(glob.glob(os.path.join(REPO, "records", "*", "runs.csv")))[-1]
     (tmp_path / "report").mkdir()
