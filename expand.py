@@ -6,8 +6,9 @@ like any run it resumes.
                      [--tau=2] [--field=value ...]
     python train_gpt.py --resume=NEW_RUN_DIR
 
-The new run's settings are the checkpoint's, then any --field=value of train_gpt.py given here
-(the router, dlo_rho, lr, train_tokens, ...); n_layers is derived, P (R / P + q), and the other
+The new run's settings are the checkpoint's, then any run setting of train_gpt.py given here as
+--field=value (the router, dlo_rho, lr, train_tokens, ...; a job's, such as stop_step, go to
+train_gpt.py --resume); n_layers is derived, P (R / P + q), and the other
 shape fields are the checkpoint's. Its optimiser state, step and clock start afresh: our
 analogue of the paper's fine-tuning stage. With the checkpoint's train_files it reads on from
 the checkpoint's data position (tokens the source has not seen), else from the start. A dense
@@ -159,12 +160,6 @@ def expanded_settings(
         raise support.UserError(
             f"expand a dense or DLO checkpoint: the {base.router} router is tied to the layer count"
         )
-    for k in sorted(tg.JOB & set(overrides)):  # a job's settings go to train_gpt.py --resume
-        raise support.UserError(
-            f"--{k} is not for expand.py: the new run is NEW_RUN_DIR, "
-            f"its settings the checkpoint's (a job's {k} goes to "
-            f"train_gpt.py --resume)"
-        )
     shape = [k for k in tg.FIXED if k not in ("router", "n_layers")]
     changed = [
         f"{k} {getattr(base, k)} -> {overrides[k]}"
@@ -210,8 +205,8 @@ def expand(argv):
         raise support.UserError("NEW_RUN_DIR must differ from RUN_DIR: a new run is written")
     src = tg.load_checkpoint(args.run_dir)
     base = tg.saved_settings(src["hp"])
-    try:
-        overrides = tg.parse_overrides(rest)
+    try:  # the new run's settings only: a job's (train_gpt.py's Job) are for its own jobs
+        overrides = support.parse_fields((tg.Hyperparameters,), rest)
     except support.UserError as e:
         raise support.UserError(
             f"{e} (or this command's own: --groups, --per_group, --init, --tau)"

@@ -496,6 +496,7 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         (skipview.main, [str(tmp_path / "none")], "none: no such folder"),
         (skipview.main, [], "give the model once: RUN_DIR or --init_from=SOURCE"),
         (expand_.main, [str(run)], "the following arguments are required: NEW_RUN_DIR"),
+        (expand_.main, [str(run), f"{tmp_path}/s", "--stop_step=3"], "field 'stop_step'; valid"),
         (tokenize.main, [str(text), f"--out={a_file}"], f"cannot write to {a_file}"),
         (tokenize.main, [str(tmp_path / "none.txt"), f"--out={tmp_path}/s"], "no such file"),
         (tokenize.main, [str(tmp_path / "bad.jsonl"), f"--out={tmp_path}/s"], "not valid UTF-8"),
