@@ -812,8 +812,9 @@ def out_of_range(key: str, v) -> str:
         return "" if key in ("val_se", "val_docs") else "a value"
     if isinstance(v, int) and not 0 <= v < 2**63:
         return "a count in [0, 2^63)"
-    if isinstance(v, float) and not (0 < v < 1e100 if key == "flops_per_token" else abs(v) < 1e100):
-        return "a number above 0 and below 1e100" if key == "flops_per_token" else "|x| < 1e100"
+    low = 0 if key == "flops_per_token" else -1e100
+    if isinstance(v, float) and not low < v < 1e100:
+        return f"a number in ({low:g}, 1e+100)"
     return ""
 
 

@@ -297,7 +297,10 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys):
             (edited("gate_zero", lambda v: v.replace("0.", "x.", 1)), shares),
             (edited("gate_zero", lambda v: v.replace("0.", "2.", 1)), shares),
             (edited("params", lambda v: "1" + "0" * 400), "(a count in [0, 2^63) is needed)"),
-            (edited("val_loss", lambda v: "1e308"), "val_loss=1e+308 (|x| < 1e100 is needed)"),
+            (
+                edited("val_loss", lambda v: "1e308"),
+                "val_loss=1e+308 (a number in (-1e+100, 1e+100) is needed)",
+            ),
         ]
     ):
         (tmp_path / f"cut{i}").mkdir()
