@@ -152,6 +152,12 @@ def parser() -> support.ArgParser:
     return p
 
 
+def parse_settings(argv: list) -> dict:
+    """--field=value settings of the new run, Hyperparameters' alone: a job's (train_gpt.py's
+    Job) are for the jobs that train it."""
+    return support.parse_fields((tg.Hyperparameters,), argv)
+
+
 def expanded_settings(
     base: tg.Hyperparameters, overrides: dict, P: int, q: int, init: str, tau: int
 ) -> tg.Hyperparameters:
@@ -205,8 +211,8 @@ def expand(argv):
         raise support.UserError("NEW_RUN_DIR must differ from RUN_DIR: a new run is written")
     src = tg.load_checkpoint(args.run_dir)
     base = tg.saved_settings(src["hp"])
-    try:  # the new run's settings only: a job's (train_gpt.py's Job) are for its own jobs
-        overrides = support.parse_fields((tg.Hyperparameters,), rest)
+    try:
+        overrides = parse_settings(rest)
     except support.UserError as e:
         raise support.UserError(
             f"{e} (or this command's own: --groups, --per_group, --init, --tau)"

@@ -172,7 +172,7 @@ def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> d
 def check_run_state(run: RunState):
     """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
     check_fields(run)
-    if not re.fullmatch("[0-9a-f]*", run.run_id):  # it names files (save_checkpoint)
+    if not re.fullmatch("[0-9a-f]+", run.run_id):  # it names files (save_checkpoint)
         raise UserError(f"run_id={run.run_id!r} is not a run's (hex digits)")
     for name in ("timed_steps", "bad_steps", "val_done"):
         if getattr(run, name) > run.step:
@@ -336,15 +336,17 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     if resuming:
         check_owner(run_dir, ckpt)
         check_metrics(os.path.join(run_dir, LOGS[1]))  # (before anything is written)
-        # a save of this run killed half-way (SIGKILL) left its temporary file, named by the
-        # run's id (save_checkpoint): that one alone is this job's to remove
-        cut = f"{CHECKPOINT}.{ckpt['run_id']}.????????.tmp"
-        for stale in glob.glob(os.path.join(glob.escape(run_dir), cut)):
-            if os.path.isfile(stale):
-                os.remove(stale)
     old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
     if not resuming:  # a folder is ours to take only if what it holds is a run's of ours
         check_aborted(run_dir, old)
+    # a save killed half-way (SIGKILL) left its temporary file, named by its run's id
+    # (save_checkpoint): the resumed run's, or the one that never saved, whose logs go aside
+    owner = ckpt["run_id"] if resuming else logged(run_dir) if old else None
+    if isinstance(owner, str) and re.fullmatch("[0-9a-f]+", owner):  # (config.json: edited?)
+        cut = f"{CHECKPOINT}.{owner}.????????.tmp"  # (mkstemp's 8 random characters)
+        for stale in glob.glob(os.path.join(glob.escape(run_dir), cut)):
+            if os.path.isfile(stale):
+                os.remove(stale)
     if old:
         k = 1
         while os.path.exists(aside := os.path.join(run_dir, f"aborted_{k}")):

@@ -279,6 +279,12 @@ def interval(spec: str) -> tuple:
     return low, high, spec[0] == "[", spec[-1] == "]"
 
 
+def within(v, spec: str) -> bool:
+    """Whether the number v lies in the interval spec ("[low, high)", interval's)."""
+    low, high, closed_low, closed_high = interval(spec)
+    return low < v < high or (v == low and closed_low) or (v == high and closed_high)
+
+
 def field_help(cls) -> list:
     """The --help lines for dataclass cls: each field's default, spec and help; a router's own
     fields are marked with it, and the fixed ones (a resume may not change them)."""
@@ -325,11 +331,8 @@ def check_fields(obj):
         v, spec = getattr(obj, f.name), f.metadata["spec"]
         if isinstance(spec, tuple) and v not in spec:
             raise UserError(f"{f.name}={v!r}; choose from {', '.join(map(repr, spec))}")
-        if isinstance(spec, str) and spec:
-            low, high, closed_low, closed_high = interval(spec)
-            inside = low < v < high or (v == low and closed_low) or (v == high and closed_high)
-            if not inside:
-                raise UserError(f"{f.name}={v} must lie in {spec}")
+        if isinstance(spec, str) and spec and not within(v, spec):
+            raise UserError(f"{f.name}={v} must lie in {spec}")
         if isinstance(v, float) and not float32_safe(v):
             raise UserError(
                 f"{f.name}={v} is not 0 and outside float32's range (the numbers are float32): "

@@ -10,7 +10,8 @@ estimated forward FLOPs per token, with the verdict as a number.
     options: --seeds=K (default 1)  --runs=DIR (default logs/sweep_<grid>)
              --out=DIR (default records/<date>_figure2_<grid>)
              --jobs=J: runs at once, side by side on the one device, each with 1/J of the CPUs
-             (at least one: on 2 cores three runs of one thread outrun one of two threads)
+             (at least one; unless set: OMP_NUM_THREADS, TORCHINDUCTOR_COMPILE_THREADS): on 2
+             cores three runs of one thread outrun one of two threads
              --first_seed=S: seeds S..K-1 only, so that commands sharing --runs split a grid
 
 Each configuration of the grid trains through train_gpt.py in its own run directory under
@@ -336,7 +337,7 @@ def check_settings(run_dir: str, plan: list):
         source = os.path.join(args.run_dir, "config.json")
         if not (base := json_object(source)):
             raise support.UserError(f"{source}: not a run's settings (the source of {run_dir})")
-        explicit = tg.parse_overrides(rest)
+        explicit = expand.parse_settings(rest)
         hp = expand.expanded_settings(
             tg.saved_settings(base), explicit, args.groups, args.per_group, args.init, args.tau
         )
@@ -747,6 +748,9 @@ RUN_KEYS = (
 
 
 MAX_RUNS_CSV = 64 << 20  # a grid's runs.csv: about 2 kB a run; more is not one
+# where runs.csv's numbers lie (read_runs); any other: [0, 1e100), a bound that keeps the
+# report's statistics and figure finite
+RUN_RANGES = {"flops_per_token": "(0, 1e100)", "sparsity": "[0, 1]"}
 
 
 def read_runs(path: str) -> list:
@@ -790,8 +794,11 @@ def read_runs(path: str) -> list:
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
         for k, v in r.items():
-            if need := out_of_range(k, v):
-                raise support.UserError(f"{path}:{i}: {k}={v} ({need} is needed)")
+            spec = RUN_RANGES.get(k, "[0, 1e100)")
+            if v is None and k not in ("val_se", "val_docs"):
+                raise support.UserError(f"{path}:{i}: {k} is empty")
+            if isinstance(v, (int, float)) and not support.within(v, spec):
+                raise support.UserError(f"{path}:{i}: {k}={v} must lie in {spec}")
         zero, target = r["gate_zero"].split(), r["target_zero"].split()
         if len(zero) != len(target) or not all(
             is_share(z) and (t == "none" or is_share(t)) for z, t in zip(zero, target, strict=True)
@@ -803,19 +810,6 @@ def read_runs(path: str) -> list:
     if len({(r["name"], r["seed"]) for r in rows}) < len(rows):
         raise support.UserError(f"{path}: a (name, seed) appears twice; one row per run")
     return rows
-
-
-def out_of_range(key: str, v) -> str:
-    """What a runs.csv value of `key` must be, where v (read_runs's) is not that; else "". The
-    bounds keep the report's statistics and figure finite."""
-    if v is None:
-        return "" if key in ("val_se", "val_docs") else "a value"
-    if isinstance(v, int) and not 0 <= v < 2**63:
-        return "a count in [0, 2^63)"
-    low = 0 if key == "flops_per_token" else -1e100
-    if isinstance(v, float) and not low < v < 1e100:
-        return f"a number in ({low:g}, 1e+100)"
-    return ""
 
 
 def is_share(text: str) -> bool:
@@ -1012,7 +1006,8 @@ def parser() -> support.ArgParser:
         default=1,
         metavar="J",
         help="runs at once, each in its own process and folder, side by side on the one device "
-        "(a DLO run after its source), each with its share of the CPUs (default: %(default)s)",
+        "(a DLO run after its source), each with its share of the CPUs unless OMP_NUM_THREADS "
+        "or TORCHINDUCTOR_COMPILE_THREADS is set (default: %(default)s)",
     )
     p.add_argument(
         "--runs",
@@ -1094,7 +1089,9 @@ def main(argv):
         f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
         f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
         f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
-        f"The table: table.md. Hardware:\n\n```\n{runlog.describe_system()}\n```\n"
+        f"The table: table.md. Hardware (the runs, {args.jobs} at once: each one's threads in "
+        f"its train.log; the evaluation timed in this process, with the threads below):\n\n"
+        f"```\n{runlog.describe_system()}\n```\n"
     )
     support.write_output(out, "README.md", readme.encode())
     print(said, verdict_text(lines), sep="\n")

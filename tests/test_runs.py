@@ -137,6 +137,10 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, m
     capsys.readouterr()
     old_log = (tmp_path / "train.log").read_text()
     assert not (tmp_path / "checkpoint.pt").exists()
+    # had its first save been killed (SIGKILL), its half-written file: the new run removes it
+    run_id = json.loads((tmp_path / "config.json").read_text())["run_id"]
+    (tmp_path / f"checkpoint.pt.{run_id}.k1ll3d_x.tmp").write_bytes(b"half a save")
+    (tmp_path / "checkpoint.pt.0123456789abcdef.k1ll3d_x.tmp").write_bytes(b"not this run's")
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)  # nothing to resume from
     assert code == 2 and "no checkpoint (checkpoint.pt) in it" in err, err
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh, same folder
@@ -144,6 +148,8 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, m
     assert (
         "its files are in" in err and (tmp_path / "aborted_1" / "train.log").read_text() == old_log
     )
+    left = [p.name for p in tmp_path.glob("checkpoint.pt.*.tmp")]
+    assert left == ["checkpoint.pt.0123456789abcdef.k1ll3d_x.tmp"]
     assert val_steps(tmp_path) == [0, 4, 8]
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
 
@@ -568,7 +574,8 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
     proc.wait()
     state = torch.load(ckpt, weights_only=True)  # the previous checkpoint, whole
     assert state["step"] >= 1
-    assert glob.glob(f"{ckpt}.{state['run_id']}.*.tmp")  # the cut save's, named by its run
+    cut = glob.glob(f"{ckpt}.*.tmp")  # (none if the rename came between the poll and the kill)
+    assert all(f".{state['run_id']}." in name for name in cut)  # named by its run
     code, _, err = run_main([f"--resume={tmp_path}", "--train_tokens=64"], capsys)  # 2 steps in all
     assert code == 0, err
     assert not glob.glob(f"{ckpt}.*.tmp")  # removed by the resume: its run's
