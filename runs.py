@@ -341,7 +341,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         check_aborted(run_dir, old)
     # a save killed half-way (SIGKILL) left its temporary file, named by its run's id
     # (save_checkpoint): the resumed run's, or the one that never saved, whose logs go aside
-    owner = ckpt["run_id"] if resuming else logged(run_dir) if old else None
+    owner = ckpt["run_id"] if resuming else logged(run_dir)  # (a new run: None, or checked above)
     if isinstance(owner, str) and re.fullmatch("[0-9a-f]+", owner):  # (config.json: edited?)
         cut = f"{CHECKPOINT}.{owner}.????????.tmp"  # (mkstemp's 8 random characters)
         for stale in glob.glob(os.path.join(glob.escape(run_dir), cut)):

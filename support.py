@@ -582,7 +582,7 @@ def write_atomically(path: str, data: bytes, tag: str = ""):
     its run_id, so that a kill's leftover is known as the run's)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)  # an output folder is made when its first file is
-    prefix = ".".join([os.path.basename(path), *([tag] if tag else []), ""])
+    prefix = os.path.basename(path) + "." + (f"{tag}." if tag else "")
     with named(path, always=True):
         handle, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
     os.close(handle)
