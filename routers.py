@@ -218,8 +218,13 @@ class Router(nn.Module):
     def update(self, sums, count: int, step: int):
         """After a step: loss()'s sums over the global batch of `count` tokens."""
 
-    def log_lines(self, v: dict, step: int) -> list:
-        """Its lines of the validation log (v: evaluate's figures)."""
+    def log_lines(self, v: dict) -> list:
+        """Its lines of the validation log from v, evaluate's figures."""
+        return []
+
+    def state_lines(self, step: int) -> list:
+        """Its training state's lines of the validation log (a training job's alone: a model
+        only evaluated has none, its router as built)."""
         return []
 
     def zero_targets(self):
@@ -354,7 +359,7 @@ class DLO(Router):
         """eq. (10): zeta_i / zeta_bar = (1 - rho_i,t) / (1 - rho^t)."""
         return ((1 - self.rates) / (1 - self.overall(step))).tolist()  # (a host read per step)
 
-    def log_lines(self, v, step):
+    def state_lines(self, step):
         return [
             f"  train_skip_rates:{fmt_list(self.rates.tolist())} rho_t:{self.overall(step):.3f}"
         ]

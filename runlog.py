@@ -109,14 +109,16 @@ def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
     return b"".join(kept)
 
 
-def validation_lines(router, v: dict, head: str, tail: str, step: int) -> list:
-    """evaluate's result as the log shows it: head + the line + tail, then per-layer lines."""
+def validation_lines(router, v: dict, head: str, tail: str, step: int = None) -> list:
+    """evaluate's result as the log shows it: head + the line + tail, then per-layer lines; at a
+    training step, the router's state too (none where the model was only evaluated)."""
     return [
         f"{head}val_loss:{v['val_loss']:.4f} (SE {v['val_se'] or math.nan:.4f} over "
         f"{v['val_docs']} docs) sparsity:{v['sparsity']:.4f} fwd_flops/token:"
         f"{v['fwd_flops_per_token']:.4g} dense:{v['fwd_flops_per_token_dense']:.4g}{tail}",
         "  " + " ".join(f"{k}:{fmt_list(v[k])}" for k in ("block_active", "mlp_active")),
-        *router.log_lines(v, step),
+        *router.log_lines(v),
+        *(router.state_lines(step) if step is not None else []),
         f"  resid_norm:{fmt_list(v['resid_norm'])}",
     ]
 

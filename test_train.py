@@ -946,6 +946,7 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
         assert (run_dir / name).exists()
     log = (run_dir / "train.log").read_text()
     assert "class GPT(nn.Module)" in log and "torch " in log and "step:40/40 val_loss:" in log
+    assert log.count("\n  alpha:") == log.count("\n  gate_mean:") == 5  # each validation's state
     config = json.loads((run_dir / "config.json").read_text())
     assert config["n_layers"] == 2 and config["num_steps"] == 40 and config["grad_accum"] == 2
     metrics = read_metrics(run_dir)

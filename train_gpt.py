@@ -421,12 +421,12 @@ class SkipMiddle(Router):
         mean = sums[0] / count
         self.ctrl.update(mean, sums[1] / count - mean * mean)
 
-    def log_lines(self, v, step):
+    def log_lines(self, v):
+        return [f"  gate_mean:{fmt_list(v['gate_mean'])}"]
+
+    def state_lines(self, step):
         c = self.ctrl
-        return [
-            f"  gate_mean:{fmt_list(v['gate_mean'])}",
-            f"  alpha:{fmt_list(c.alpha.tolist())} beta:{fmt_list(c.beta.tolist())}",
-        ]
+        return [f"  alpha:{fmt_list(c.alpha.tolist())} beta:{fmt_list(c.beta.tolist())}"]
 
     @staticmethod
     def extra_flops(hp, T):
@@ -1403,7 +1403,7 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     with ranks.watching(d):  # (nothing written: a launcher gone ends it at once)
         v = evaluate(raw, hp, loader, d, mixed_precision(d))
     if d.master:
-        print("\n".join(runlog.validation_lines(raw.router, v, f"eval_only {init[1]} ", "", 0)))
+        print("\n".join(runlog.validation_lines(raw.router, v, f"eval_only {init[1]} ", "")))
     return v
 
 

@@ -234,6 +234,7 @@ def test_a_hub_source_is_read_from_the_cache_offline_with_one_line_errors(tmp_pa
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     code, local, err = run_main([f"--init_from={AUTHORS_TINY}", *EVAL_ON_SAMPLE], capsys)
     assert code == 0 and local.startswith(f"eval_only {AUTHORS_TINY} val_loss:"), err
+    assert "\n  gate_mean:" in local and "alpha:" not in local  # (no controller: not trained here)
 
     def evaluate(source):
         return run_command(
