@@ -885,17 +885,20 @@ def model_bytes(hp: Hyperparameters) -> int:
 
 
 def check_evaluation(hp: Hyperparameters, world: int):
-    """check_model, and a validation's settings: sequences within the RoPE table, and at least
-    one batch of tokens over the world."""
+    """check_model, and a validation's settings: sequences within the RoPE table, and val_tokens
+    whole batches over the world (as modded-nanogpt asserts), so that every validation reads
+    them all, on any number of ranks that divides them."""
     check_model(hp)
     if hp.seq_len > hp.max_seq_len:
         raise UserError(
             f"seq_len={hp.seq_len} is beyond the RoPE table (max_seq_len={hp.max_seq_len})"
         )
-    if hp.val_tokens < hp.device_batch_size * hp.seq_len * world:
+    batch = hp.device_batch_size * hp.seq_len * world
+    if hp.val_tokens % batch:
         raise UserError(
-            f"val_tokens={hp.val_tokens} is fewer than one validation batch "
-            f"({hp.device_batch_size * hp.seq_len * world} tokens)"
+            f"val_tokens={hp.val_tokens} is not a whole number of validation batches of "
+            f"device_batch_size x seq_len x world size = {batch} tokens: give a multiple, "
+            f"such as {max(1, hp.val_tokens // batch) * batch}"
         )
 
 

@@ -375,7 +375,7 @@ def bad_inputs(tmp_path):
             smoke + [f"--run_dir={tmp_path}/a_file/run"],
             f"{tmp_path}/a_file is a file, not a folder",
         ),
-        (smoke + ["--val_tokens=1e6"], "more than the validation shards hold"),
+        (smoke + ["--val_tokens=1048576"], "more than the validation shards hold"),
         (smoke + ["--lr=inf"], "lr=inf must lie in (0, inf)"),
         (smoke + ["--beta2=1"], "beta2=1.0 must lie in [0, 1)"),
         (smoke + ["--dim=100000"], "these sizes need at least"),
@@ -387,7 +387,7 @@ def bad_inputs(tmp_path):
         (smoke + ["--n_layers=3"], "even number of layers"),
         (smoke + ["--mu_end=1.5"], "must lie in [0, 1]"),
         (smoke + ["--mu_start=-0.1"], "must lie in [0, 1]"),
-        (smoke + ["--device_batch_size=3"], "not divisible"),
+        (smoke + ["--device_batch_size=3", "--val_tokens=3072"], "not divisible"),
         (smoke + ["--seq_len=256"], "seq_len=256 is beyond the RoPE table (max_seq_len=128)"),
         (
             ["--train_files=/nonexistent/x_*.bin"],
@@ -409,7 +409,11 @@ def bad_inputs(tmp_path):
             [f"--resume={tmp_path}/corrupt_run"],
             "corrupt_run/checkpoint.pt: corrupt or incompatible",
         ),
-        (smoke + ["--val_tokens=100"], "val_tokens=100 is fewer than one validation batch"),
+        (smoke + ["--val_tokens=100"], "val_tokens=100 is not a whole number of validation"),
+        (
+            smoke + ["--val_tokens=4100"],
+            "batches of device_batch_size x seq_len x world size = 512",
+        ),
         (
             smoke + [f"--run_dir={tmp_path}/pipe_run"],
             "pipe_run/config.json is a named pipe, not a file",

@@ -210,9 +210,7 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
     bench = load_command("bench.py")  # the gate on the query axis has no compact path
     assert support.cli(bench.main, [f"--init_from={AUTHORS_TINY}", f"--out={tmp_path}/b"]) == 2
     out = capsys.readouterr()
-    assert "needs the gate on the key axis; this model has router=skip_middle, gate_axis=query" in (
-        out.err
-    )
+    assert "needs the gate on the key axis; this model's is on the query axis" in out.err
     assert out.err.count("\n") == 1 and out.out == "" and not (tmp_path / "b").exists()
 
 
