@@ -393,7 +393,7 @@ def test_an_evaluation_only_worker_ends_with_its_launcher(tmp_path):
     # nothing written (before: it validated to the end as an orphan; issue 58)
     log = tmp_path / "worker.log"
     args = [f"--init_from={AUTHORS_TINY}", "--eval_only=true", "--seq_len=64"]
-    args += ["--val_files=data/sample/sample_train_*.bin", f"--val_tokens={64 * 2000}"]
+    args += ["--val_files=data/sample/sample_train_*.bin", f"--val_tokens={62 * 32 * 64}"]
     launcher, worker = fake_launch("1", log, args)
     time.sleep(8)  # (torch loaded, the model built, validating)
     assert process_state(worker) not in (None, "Z"), log.read_text()[-2000:]
