@@ -57,6 +57,8 @@ CHECKPOINT = "checkpoint.pt"  # the run directory's newest, replaced atomically 
 
 PREVIOUS = "checkpoint.prev.pt"  # the one before it, if a step from it had a finite loss
 
+RUN_ID = "[0-9a-f]+"  # a run's id (os.urandom(8).hex()): it names its checkpoint's temporary file
+
 
 @dataclass
 class RunState:
@@ -172,7 +174,7 @@ def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> d
 def check_run_state(run: RunState):
     """Values a run can reach: an edited checkpoint may hold others (a UserError)."""
     check_fields(run)
-    if not re.fullmatch("[0-9a-f]+", run.run_id):  # it names files (save_checkpoint)
+    if not re.fullmatch(RUN_ID, run.run_id):  # it names files (save_checkpoint)
         raise UserError(f"run_id={run.run_id!r} is not a run's (hex digits)")
     for name in ("timed_steps", "bad_steps", "val_done"):
         if getattr(run, name) > run.step:
@@ -342,7 +344,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     # a save killed half-way (SIGKILL) left its temporary file, named by its run's id
     # (save_checkpoint): the resumed run's, or the one that never saved, whose logs go aside
     owner = ckpt["run_id"] if resuming else logged(run_dir)  # (a new run: None, or checked above)
-    if isinstance(owner, str) and re.fullmatch("[0-9a-f]+", owner):  # (config.json: edited?)
+    if isinstance(owner, str) and re.fullmatch(RUN_ID, owner):  # (config.json: edited?)
         cut = f"{CHECKPOINT}.{owner}.????????.tmp"  # (mkstemp's 8 random characters)
         for stale in glob.glob(os.path.join(glob.escape(run_dir), cut)):
             if os.path.isfile(stale):
