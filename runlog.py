@@ -255,9 +255,11 @@ def compile_ms() -> float:
 
 class StepClock:
     """The clock: a job's first `untimed` steps are warm-up, logged once as such; train_time and
-    step_avg count the other steps of all jobs, less their compile time (a packed length new to
-    a compiled model compiles one block: compile_ms); the job's total compile time (its steps'
-    and its validations') is logged at its end."""
+    step_avg count the other steps of all jobs that compiled nothing. A step that compiled (a
+    packed length new to a compiled model compiles one block: compile_ms) is left out whole:
+    beyond the compile time that compile_ms counts, its new kernels' loading and first launches
+    took ~0.25 s on an H200 (records/2026-11-28_gpu_check_NVIDIA_H200). The job's total compile
+    time (its steps' and its validations') is logged at its end."""
 
     def __init__(self, log: RunLog, start: int, untimed: int):
         self.log, self.start, self.untimed = log, start, untimed
@@ -265,7 +267,7 @@ class StepClock:
         self.compile_ms = 0.0  # this job's compile time
         log.print(
             f"clock: the first {untimed} steps of each job are untimed warm-up; train_time and "
-            f"step_avg count the other steps of all jobs, less their compile time"
+            f"step_avg count the other steps of all jobs that compiled nothing"
         )
 
     def begin(self, d):
@@ -281,8 +283,9 @@ class StepClock:
     def add(self, run, step_ms: float, compile_ms: float):
         self.compile_ms += compile_ms
         if run.step - self.start > self.untimed:
-            run.train_ms += step_ms - compile_ms
-            run.timed_steps += 1
+            if not compile_ms:
+                run.train_ms += step_ms
+                run.timed_steps += 1
         else:
             self.ms += step_ms
             if run.step - self.start == self.untimed:
