@@ -636,6 +636,30 @@ def test_compact_model_packed_to_given_lengths_matches_masked(given):
         assert (m2(idx).logits - o0.logits).abs().max().item() > 1e-3
 
 
+def test_a_compacted_block_at_full_length_runs_as_masked_without_packing(monkeypatch):
+    # packing the whole sequence would only reorder its tokens: at length T the compacted model
+    # runs a block as the masked one does, to the bit, and packs nothing (no sort, gather or
+    # scatter); a length short of T still packs
+    hp = tiny(n_layers=6, dim=48, max_seq_len=32, seq_len=32)
+    masked = steered_model(hp)
+    twin = tg.GPT(replace(hp, compact=True))
+    twin.load_state_dict(masked.state_dict())
+    idx = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
+    expected = masked(idx).logits
+    pack, packed = tg.Block.pack, []
+
+    def counted(*args):
+        packed.append(args)
+        return pack(*args)
+
+    monkeypatch.setattr(tg.Block, "pack", staticmethod(counted))
+    twin.router.lengths = [32] * 6
+    assert torch.equal(twin(idx).logits, expected) and packed == []
+    twin.router.lengths = [32, 32, 16, 32, 32, 32]
+    twin(idx)
+    assert len(packed) == 1
+
+
 def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
     # per block the most of the steps seen, rounded up to a multiple of T / 16, at least one
     # such unit (a block no token ran still runs a padding token), at most T
