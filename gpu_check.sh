@@ -9,17 +9,16 @@
 #     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
 # GPU_CHECK_SECONDS: the budget (default 420: one call of 7 minutes). The stages, with the
-# seconds measured on one H200 on 2026-11-27 (records/2026-11-27_gpu_check_NVIDIA_H200, blocks
-# compiled apart, the readout eager; the bench's from the H200 of 2026-11-26, the whole model
-# compiled; paper_masked's and paper_compact's not yet measured: "?"):
-#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   39
+# seconds measured on one H200 at f68bedd (records/2026-11-28_gpu_check_NVIDIA_H200; the bench's
+# with Inductor's cache warm from a cut run, "cut at 72" its three rows cold):
+#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   25
 #   paper_none, paper_skip_middle
 #            first, as a compiled run that does not learn makes the rest moot: the paper
 #            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
 #            failing unless the last validation loss is under 0.9 x the first training loss;
 #            dense, and gated (its gates skip by the end: on the H200 blocks 1-10 ran 0.25
 #            of the last validation's tokens); run folders outside the record (a 2.3 GB
-#            checkpoint), logs copied in (a cut stage's too)                          57, 55
+#            checkpoint), logs copied in (a cut stage's too)                          54, 47
 #   paper_masked, paper_compact
 #            40 more steps from paper_skip_middle's weights (--init_from: gates that already
 #            skip; a new run: its controller's coefficients, Adam and schedule start afresh),
@@ -30,16 +29,17 @@
 #            compact's losses are masked's (exact, but bf16): step 1 within 0.5%, the last
 #            validation within 2%. The gated run's folder ($TMPDIR/gpu_check_runs_*/
 #            paper_skip_middle) is removed once the pair is done; where a call finds it gone
-#            (another machine) before then, that run and the pair run again                ?, ?
+#            (another machine) before then, that run and the pair run again               37, 93
 #   tests    the CUDA tests, -k cuda (tests/test_gpu.py: compiled = eager, Flex with ln g, packed
 #            lengths compiled once each and never a sync; bench's graphs), each one's time;
-#            the compacted path's in a second process at once (cuda_tests)    206 in one process
+#            the compacted path's in a second process at once (cuda_tests)                  196
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
 #            masked MFU), compile time apart; bench/profile.md: each row's costliest
 #            operators by GPU time, profiled after the timing (where a missed target's time
-#            went)                                                                           97
-# One call does not yet hold them all (a second call finishes a cut stage).
+#            went)                                                          42 (cut at 72)
+# One call does not yet hold them all: 494 s, about 550 with a cold bench (a second call
+# finishes a cut stage).
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail
