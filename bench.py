@@ -13,7 +13,10 @@ same weights, masked and compacted (its packed lengths fitted to the batch: fit_
 run the same batch side by side, forward (no grad) and forward+backward; the median of
 --repeats timed runs after one warm-up is reported. The ideal speedup is forward_flops at the
 measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the dense
-count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not.
+count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not. At
+sparsity 0 every compacted block is packed to every position, so it runs as masked
+(Block.forward_compact): that row times the masked model twice, and the packing's cost shows
+from 0.25 on.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
 packed lengths are new compiles a block's graph again. --profile=1: once every row is timed (a

@@ -23,7 +23,7 @@ Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
     paper's best capacity, 12.5% of each sequence.
   - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our block
     (the MLP reads x + r Attn, not the block output scaled once). Tokens not chosen are neither
-    queries nor keys there (weight gate_eps masked, 0 when compacted).
+    queries nor keys there (weight gate_eps masked, 0 when compacted: train_gpt's deviations).
   - Causal inference: the paper's first method, BCE (mod_aux_coef, our 0.01) teaching
     sigmoid(r) the top-k; evaluation and decoding run r > 0 (validation reports that share).
 Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
@@ -36,7 +36,7 @@ Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
   - A kept token moves by g = sigmoid(z) times the recursion's update, h + g (f(h) - h) (no
     extra scale; the authors' code adds alpha sigmoid(z) times the stack's output, residual
     included). In the stack the kept tokens run ungated; the others are neither queries nor
-    keys (weight gate_eps masked, 0 when compacted or decoding).
+    keys (weight gate_eps masked, 0 when compacted or decoding: train_gpt's deviations).
   - Causal inference: BCE (mor_aux_coef, our 0.1: at 0.01 the CPU smoke run kept almost no
     token past recursion 0) of z over the active tokens; inference keeps those with z > 0.
     Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.

@@ -2,7 +2,7 @@
 the machine, the settings, then every line the job prints), metrics.jsonl (one JSON record a
 step, validation, checkpoint and warm-up) and config.json (the settings, the provenance), all
 written on rank 0 only (docs/run-record.md); and the clock: train_time and step_avg leave out
-warm-up steps and compile time (StepClock).
+warm-up steps and steps that compiled (StepClock).
 
 Guarantees: a resume keeps the metrics its checkpoint saw, each step once, and every line of
 the user's; metrics.jsonl is read within MAX_METRICS_BYTES, before anything is rewritten."""
@@ -257,14 +257,16 @@ class StepClock:
     """The clock: a job's first `untimed` steps are warm-up, logged once as such; train_time and
     step_avg count the other steps of all jobs that compiled nothing. A step that compiled (a
     packed length new to a compiled model compiles one block: compile_ms) is left out whole:
-    beyond the compile time that compile_ms counts, its new kernels' loading and first launches
-    took ~0.25 s on an H200 (records/2026-11-28_gpu_check_NVIDIA_H200). The job's total compile
-    time (its steps' and its validations') is logged at its end."""
+    on an H200 such steps took 0.20-0.25 s more than compile_ms and a step that compiled
+    nothing (records/2026-11-28_gpu_check_NVIDIA_H200; on what, not measured). The job's total
+    compile time (its steps' and its validations') and the steps left out are logged at its
+    end."""
 
     def __init__(self, log: RunLog, start: int, untimed: int):
         self.log, self.start, self.untimed = log, start, untimed
         self.ms = 0.0  # this job's warm-up time
         self.compile_ms = 0.0  # this job's compile time
+        self.left_out = [0, 0.0]  # this job's steps that compiled after its warm-up, their ms
         log.print(
             f"clock: the first {untimed} steps of each job are untimed warm-up; train_time and "
             f"step_avg count the other steps of all jobs that compiled nothing"
@@ -283,7 +285,9 @@ class StepClock:
     def add(self, run, step_ms: float, compile_ms: float):
         self.compile_ms += compile_ms
         if run.step - self.start > self.untimed:
-            if not compile_ms:
+            if compile_ms:
+                self.left_out = [self.left_out[0] + 1, self.left_out[1] + step_ms]
+            else:
                 run.train_ms += step_ms
                 run.timed_steps += 1
         else:
@@ -295,7 +299,11 @@ class StepClock:
         if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
             self.report(run)
         if self.compile_ms:
-            self.log.print(f"compile: {self.compile_ms / 1000:.1f}s in this job")
+            n, ms = self.left_out
+            self.log.print(
+                f"compile: {self.compile_ms / 1000:.1f}s in this job; steps after the warm-up "
+                f"that compiled, left out of train_time: {n} ({ms:.0f}ms)"
+            )
 
     def report(self, run):
         self.log.print(

@@ -68,7 +68,7 @@ class RunState:
     run_id: str = setting("", help="names the run in config.json and its checkpoints")
     step: int = setting(0, "[0, inf)", "optimiser steps done: the lr schedule is a function of it")
     tokens: int = setting(0, "[0, inf)", "training tokens seen")
-    train_ms: float = setting(0.0, "[0, inf)", "wall time of the timed steps of every job")
+    train_ms: float = setting(0.0, "[0, inf)", "wall time of every job's timed steps (StepClock)")
     timed_steps: int = setting(0, "[0, inf)", "at most step, as bad_steps and val_done")
     bad_steps: int = setting(0, "[0, inf)", "non-finite losses skipped")
     val_done: int = setting(-1, "[-1, inf)", "the last step whose validation is recorded")

@@ -636,28 +636,34 @@ def test_compact_model_packed_to_given_lengths_matches_masked(given):
         assert (m2(idx).logits - o0.logits).abs().max().item() > 1e-3
 
 
-def test_a_compacted_block_at_full_length_runs_as_masked_without_packing(monkeypatch):
-    # packing the whole sequence would only reorder its tokens: at length T the compacted model
-    # runs a block as the masked one does, to the bit, and packs nothing (no sort, gather or
-    # scatter); a length short of T still packs
+def test_a_compacted_block_packed_to_every_position_runs_as_masked():
+    # packed to every position, a block would do all the work and pay for the packing too: it
+    # runs as masked, to the bit, with no scatter back (given lengths, and in evaluation where
+    # a block's count rounds up to T); a length short of T still packs and scatters
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Scatters(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket is torch.ops.aten.scatter
+            return func(*args, **(kwargs or {}))
+
     hp = tiny(n_layers=6, dim=48, max_seq_len=32, seq_len=32)
     masked = steered_model(hp)
     twin = tg.GPT(replace(hp, compact=True))
     twin.load_state_dict(masked.state_dict())
     idx = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(2))
-    expected = masked(idx).logits
-    pack, packed = tg.Block.pack, []
-
-    def counted(*args):
-        packed.append(args)
-        return pack(*args)
-
-    monkeypatch.setattr(tg.Block, "pack", staticmethod(counted))
-    twin.router.lengths = [32] * 6
-    assert torch.equal(twin(idx).logits, expected) and packed == []
-    twin.router.lengths = [32, 32, 16, 32, 32, 32]
-    twin(idx)
-    assert len(packed) == 1
+    idx[1] = 7  # no token skips: every block's count is T
+    for train, lengths in ((True, [32] * 6), (False, None), (True, [32, 32, 16, 32, 32, 32])):
+        expected = masked.train(train)(idx).logits
+        twin.train(train).router.lengths = lengths
+        with Scatters() as scatters:
+            logits = twin(idx).logits
+        assert scatters.n == (lengths is not None and min(lengths) < 32)
+        assert torch.equal(logits, expected) == (scatters.n == 0)
 
 
 def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
@@ -917,8 +923,8 @@ class FakeLog:
 def test_compile_time_is_counted_apart_from_step_time():
     # runlog.compile_ms grows by torch.compile's own timers when a graph compiles (a forward at
     # its call, a backward at its first backward), not when a compiled one runs; the clock
-    # leaves a step that compiled out of train_time and step_avg whole (its new kernels' first
-    # launches are not in compile_ms) and reports the compile time apart, as the step line does
+    # leaves a step that compiled out of train_time and step_avg whole (on a GPU it costs more
+    # than compile_ms) and reports the compile time and the steps left out apart
     torch._dynamo.reset()
     f = torch.compile(lambda x: (x.sin() * 2).sum(), backend="aot_eager", dynamic=False)
     x = torch.randn(8, requires_grad=True)
@@ -938,8 +944,19 @@ def test_compile_time_is_counted_apart_from_step_time():
     assert (run.train_ms, run.timed_steps) == (220.0, 2)  # steps 2 and 4; 3 compiled
     assert log.lines[1:] == [
         "warm-up: steps 1-1 of this job untimed, 900ms (compile 800ms)",
-        "compile: 1.1s in this job",
+        "compile: 1.1s in this job; steps after the warm-up that compiled, left out of "
+        "train_time: 1 (350ms)",
     ]
+    resumed = runlog.StepClock(log, run.step, 0)  # a job whose every timed step compiled
+    for _ in range(2):
+        run.step += 1
+        resumed.add(run, 400.0, 300.0)
+    resumed.end(run)
+    assert (run.train_ms, run.timed_steps) == (220.0, 2)  # the last job's steps, unchanged
+    assert log.lines[-1] == (
+        "compile: 0.6s in this job; steps after the warm-up that compiled, left out of "
+        "train_time: 2 (800ms)"
+    )
     assert log.records == [
         {"kind": "warmup", "step": 1, "steps": 1, "warmup_ms": 900.0, "compile_ms": 800.0}
     ]

@@ -36,8 +36,8 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
     reads the global batch's statistics; each micro-step's regulariser its own micro-batch's.
   - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (docs/flops.md
     relates this to the authors' estimator, ~1.9x ours at the paper's size).
-  - compact=True (but a block it runs at full length, as masked) and the KV-cached decoder weight
-    a key with g = 0 by exactly 0, not 1e-6.
+  - compact=True (but a block packed to every position, run as masked) and the KV-cached
+    decoder weight a key with g = 0 by exactly 0, not 1e-6.
 """
 
 import collections
@@ -262,10 +262,8 @@ class Block(nn.Module):
     def forward(self, x, g, mask, *, compact=False, pos=None, cache=None, keys=None, length=None):
         """compact: attention and FFN on the tokens with keys > 0 only, packed to `length` (see
         pack); exact, as a token with keys = g = 0 adds nothing to its residual and is invisible
-        as a key. At full length (length = T) every token runs, as packing would only reorder
-        them (at sparsity 0 the compacted model took 1.1 times the masked one's time on an H200,
-        records/2026-11-28_gpu_check_NVIDIA_H200)."""
-        if compact and g is not None and length != x.size(1):
+        as a key."""
+        if compact and g is not None:
             return self.forward_compact(x, g, mask, g if keys is None else keys, length)
         return self.every_token(x, g, mask, pos, cache, keys)
 
@@ -294,8 +292,13 @@ class Block(nn.Module):
     def forward_compact(self, x, g, mask, keys, length):
         """The active tokens packed (pack), run with their positions, scattered back: causality by
         packed index is causality by position, and the padding, after every active token, is
-        seen by no active query and (g = 0) unchanged."""
+        seen by no active query and (g = 0) unchanged. Packed to every position (Tc = T), the
+        block runs as masked (a key of g = 0 weighted by gate_eps): packing would save no work
+        and cost its sorts, gathers and scatters (at sparsity 0 the compacted model took 1.1
+        times the masked one's time on an H200, records/2026-11-28_gpu_check_NVIDIA_H200)."""
         pos, valid = self.pack(keys.squeeze(-1) > 0, length)  # (B, Tc), (B, Tc, 1)
+        if pos.size(1) == x.size(1):
+            return self.every_token(x, g, mask, keys=keys)
         index = pos[..., None].expand(-1, -1, x.size(-1))
         gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
         mask = None if mask is None else causal_block_mask(pos.size(1), str(x.device))
