@@ -16,7 +16,7 @@
 #            first, as a compiled run that does not learn makes the rest moot: the paper
 #            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
 #            failing unless the last validation loss is under 0.9 x the first training loss;
-#            dense, and gated (its gates skip by the end: on the H200 blocks 1-10 ran 0.25
+#            dense, and gated (its gates skip by the end: on the H200 blocks 1-10 ran 0.10-0.11
 #            of the last validation's tokens); run folders outside the record (a 2.3 GB
 #            checkpoint), logs copied in (a cut stage's too)                          54, 47
 #   paper_masked, paper_compact
@@ -38,8 +38,8 @@
 #            masked MFU), compile time apart; bench/profile.md: each row's costliest
 #            operators by GPU time, profiled after the timing (where a missed target's time
 #            went)                                                          42 (cut at 72)
-# One call does not yet hold them all: 494 s, about 550 with a cold bench (a second call
-# finishes a cut stage).
+# One call does not yet hold them all: 494 s, an estimated 550 with a cold bench (a second
+# call finishes a cut stage).
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail
