@@ -30,14 +30,15 @@
 #            validation within 2%. The gated run's folder ($TMPDIR/gpu_check_runs_*/
 #            paper_skip_middle) is removed once the pair is done; where a call finds it gone
 #            (another machine) before then, that run and the pair run again               37, 93
-#   tests    the CUDA tests, -k cuda (tests/test_gpu.py: compiled = eager, Flex with ln g, packed
-#            lengths compiled once each and never a sync; bench's graphs), each one's time;
-#            the compacted path's in a second process at once (cuda_tests)                  196
 #   bench    bench.py --size=paper --compile=1: masked against compacted blocks at the four
 #            sparsities, against issue 48's targets (summary.txt: each target met or not, the
 #            masked MFU), compile time apart; bench/profile.md: each row's costliest
 #            operators by GPU time, profiled after the timing (where a missed target's time
 #            went)                                                          42 (cut at 72)
+#   tests    last, as nothing in it is timed (a second call that finishes it changes no
+#            figure): the CUDA tests, -k cuda, in one process (tests/test_gpu.py: compiled =
+#            eager, Flex with ln g, packed lengths compiled once each and never a sync; bench's
+#            graphs), each one's time        196 (two processes; one process: 206 on 2026-11-27)
 # One call does not yet hold them all: 494 s, an estimated 550 with a cold bench (a second
 # call finishes a cut stage).
 # The byte grid is a result, not a check: sweep.py (README).
@@ -100,7 +101,7 @@ stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of t
 summary_of() {  # one stage's figures for summary.txt
     local log=$out/$1/train.log
     case $1 in
-        tests) echo "; $(tail -n1 "$out/tests.txt"); the compacted path's: $(tail -n1 "$out/tests_compact.txt")" ;;
+        tests) echo "; $(tail -n1 "$out/tests.txt")" ;;
         bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) if [ -e "$log" ]; then  # (a stage refused before its run has none)
                      echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
@@ -126,7 +127,7 @@ print('torch.compile: ok')"
 
 sample=(--train_files='data/sample/sample_train_*.bin' --val_files='data/sample/sample_train_*.bin')
 
-runs="paper_run settled_run run_paper keep cuda_tests"  # (the functions the stages call)
+runs="paper_run settled_run run_paper keep"  # (the functions the stages call)
 
 # run_paper COMMAND...: a paper-size run of train_gpt.py in a folder it makes, $work/$name, its
 # logs copied into the record (a cut one's too), then the folder removed (paper_skip_middle's
@@ -183,19 +184,6 @@ sys.exit(0 if same else "error: compact's losses are not masked's")
 EOF
 }
 
-cuda_tests() {  # the tests named cuda (testpaths) in two processes at once, the compacted
-    # path's apart (tests_compact.txt): compiling, on the CPU, is most of their time, and no test
-    # is timed
-    python -m pytest -q -k "cuda and compact" -rs --durations=0 -p no:cacheprovider \
-        > "$out/tests_compact.txt" 2>&1 &
-    local compact=$! status
-    trap 'kill "$compact" 2>/dev/null; wait "$compact"; exit 143' TERM  # (cut: none outlives it)
-    python -m pytest -q -k "cuda and not compact" -rs --durations=0
-    status=$?
-    wait "$compact" || status=1
-    return "$status"
-}
-
 if [ ! -d "$settled" ] && [ ! -e "$out/paper_compact.done" ]; then  # (a call on another machine)
     rm -f "$out"/paper_{skip_middle,masked}.done  # the pair starts from one run: both again
 fi
@@ -205,8 +193,8 @@ stage paper_none paper_run none  # learning first: both losses must fall
 stage paper_skip_middle paper_run skip_middle
 stage paper_masked settled_run
 stage paper_compact settled_run --compact=true
-stage tests cuda_tests
 stage bench python bench.py "${bench[@]}" --out="$out/bench"
+stage tests python -m pytest -q -k cuda -rs --durations=0  # (testpaths: every test file)
 if [ -e "$out/paper_compact.done" ]; then rm -rf "$settled"; fi  # (run_paper made it)
 rmdir "$work" 2>/dev/null  # (made above; left where it holds anything)
 echo "done in $SECONDS s: $out (commit it)"
