@@ -10,8 +10,9 @@ For each sparsity level p in 0, 0.25, 0.5, 0.75 the first gate is set so that a 
 of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so every block sees
 the same fraction skipped; g is 1 or 0 for all but a sliver of tokens). Two models with the
 same weights, masked and compacted (its packed lengths fitted to the batch: fit_lengths), then
-run the same batch side by side, forward (no grad) and forward+backward; the median of
---repeats timed runs after one warm-up is reported. The ideal speedup is forward_flops at the
+run the same batch side by side, forward (no grad) and forward+backward: after one warm-up
+of each, --repeats rounds each time all four passes once, in turn, and each pass's median is
+reported. The ideal speedup is forward_flops at the
 measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the dense
 count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not. At
 sparsity 0 every compacted block is packed to every position, so it runs as masked
@@ -74,16 +75,19 @@ def force_sparsity(model, idx, p, seed=0):
         model.router.gates[0].bias.fill_(-a * t)
 
 
-def timed(fn, repeats, sync):
-    fn()  # warm-up (and compilation)
-    sync()
-    times = []
+def timed(fns: dict, repeats, sync) -> dict:
+    """fns: {name: fn}, each already run once (its warm-up, compilation included) -> {name: median
+    seconds of `repeats` calls}. Side by side: each round calls every fn once, in turn, so that
+    a drift in the machine's speed reaches all of them alike."""
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 PROFILE_ROWS = 12  # operators in each of profile.md's tables
@@ -167,13 +171,17 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
         zero = (gates == 0).float().mean(dim=(1, 2)).tolist()
         ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
         row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)
+        passes = {}  # every model's forward and forward+backward, each run once: its warm-up
         for key, run in runs.items():
             if key == "compact":  # (the compacted model's graphs: from its first call here)
                 compiled = runlog.compile_ms()
                 compacted()
-            row[f"fwd_{key}"] = timed(partial(forward, run), repeats, sync)
-            row[f"fb_{key}"] = timed(partial(forward_backward, run), repeats, sync)
+            for kind, fn in (("fwd", forward), ("fb", forward_backward)):
+                passes[f"{kind}_{key}"] = partial(fn, run)
+                passes[f"{kind}_{key}"]()
+            sync()
             row[f"compile_{key}"] = (runlog.compile_ms() - compiled) / 1000
+        row.update(timed(passes, repeats, sync))
         for kind in ("fwd", "fb"):
             row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
             row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal

@@ -5,6 +5,7 @@ import json
 import math
 import re
 import shlex
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -450,6 +451,23 @@ def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told
 
 
 # ------------------------------------------------------------------------- bench.py
+
+
+def test_bench_times_its_passes_side_by_side_each_by_its_median(monkeypatch):
+    # bench.timed: each round calls every pass once, in turn (a drift of the machine's speed
+    # reaches them alike), and each pass's figure is the median of its own calls
+    bench = load_command("bench.py")
+    now, calls = [0.0], []
+    took = {"masked": iter([3.0, 1.0, 2.0]), "compact": iter([5.0, 4.0, 9.0])}
+
+    def call(name):
+        calls.append(name)
+        now[0] += next(took[name])
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    medians = bench.timed({n: partial(call, n) for n in took}, 3, lambda: None)
+    assert calls == ["masked", "compact"] * 3
+    assert medians == {"masked": 2.0, "compact": 5.0}
 
 
 def test_bench_target_lines_compare_each_target_and_give_the_mfu():
