@@ -9,10 +9,19 @@ the field is 0), 1 UTF-8 bytes (ids 0-255, each document preceded by BYTES_EOT).
 
 import glob
 import os
+import sys
 
 import numpy as np
 
-from support import UserError, kind_of, named
+if __name__ == "__main__":  # a library: run as a script, it could not even import support
+    print(
+        "error: data/shards.py is the shard format's library, not a command; shards are written"
+        " and checked by data/tokenize_corpus.py (--check=DIR)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
+
+from support import UserError, kind_of, named  # noqa: E402
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1

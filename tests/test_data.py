@@ -704,6 +704,15 @@ sys.exit(status)
 """
 
 
+def test_the_shard_library_run_as_a_script_says_so_in_one_line():
+    # data/shards.py is the format's library (the loader and tokenize_corpus.py import it): run
+    # as a command, one error line that names the command to use, status 2, no traceback
+    r = run_command("data/shards.py", "--help")
+    said = r.stderr.splitlines()
+    assert r.returncode == 2 and len(said) == 1 and said[0].startswith("error: "), r.stderr
+    assert "data/tokenize_corpus.py" in said[0]
+
+
 def test_data_scripts_run_without_importing_torch(tmp_path):
     fake_hub_cache(tmp_path / "hub", {"fineweb_val_000000.bin": range(100)})
     (tmp_path / "a.txt").write_text("a few words")
