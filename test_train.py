@@ -434,6 +434,41 @@ def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, comp
         assert model(idx, targets=targets).loss.item() == pytest.approx(reference.item(), rel=1e-6)
 
 
+def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
+    # under autocast the products run in bf16: each chunk's softmax gradient is cast to it once,
+    # for both products (grad_w's takes it transposed, with no second, transposing cast), and
+    # the chunks' grad_w add up in fp32; loss and gradients within bf16's rounding of fp32's
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    n, rows, vocab, dim = 64, 16, 300, 32
+    h = torch.randn(n, dim, requires_grad=True)
+    w = (0.1 * torch.randn(vocab, dim)).requires_grad_()
+    t = torch.randint(0, vocab, (n,))
+    reference = F.cross_entropy(h @ w.t(), t, reduction="sum")  # fp32
+    reference.backward()
+    expected, h.grad, w.grad = (h.grad, w.grad), None, None
+
+    class SoftmaxCasts(TorchDispatchMode):  # (rows, vocab) tensors cast to bf16, either layout
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            cast = func.overloadpacket is torch.ops.aten._to_copy
+            to_bf16 = (kwargs or {}).get("dtype") == torch.bfloat16
+            self.n += cast and to_bf16 and args[0].numel() == rows * vocab
+            return func(*args, **(kwargs or {}))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), SoftmaxCasts() as casts:
+        loss = tg.LinearCrossEntropy.apply(h, w, t, rows, True)
+    loss.backward()
+    assert casts.n == n // rows
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-2)
+    assert_close_rel(h.grad, expected[0], 3e-2)
+    assert_close_rel(w.grad, expected[1], 3e-2)
+
+
 # ------------------------------------------------------------------ gate controller
 
 

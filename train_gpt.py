@@ -491,11 +491,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, rows: int, grads: bool):
-        """h: (N, d); weight: (V, d); targets: (N,) -> scalar fp32 sum over the N rows."""
+        """h: (N, d); weight: (V, d); targets: (N,) -> scalar fp32 sum over the N rows. The
+        products run in the precision of the first (autocast's, or h's): the softmax gradient is
+        cast to it once for both, and grad_w sums the chunks in fp32. (Cast for each product
+        apart, the transposed cast for grad_w took 8 x 1.0 ms of the H200's 90 ms step,
+        records/2026-11-28_gpu_check_NVIDIA_H200, bench/profile.md, to_copy_t.)"""
         w, total, grad_h, grad_w = weight.to(h.dtype), torch.zeros((), device=h.device), [], 0.0
         for i in range(0, h.size(0), rows):
             hc, tc = h[i : i + rows], targets[i : i + rows]
-            logits = (hc @ w.t()).float()  # (n, V), the only logits alive
+            product = hc @ w.t()  # (n, V) in the products' precision
+            logits = product.float()  # the only logits alive
             picked = logits.gather(1, tc[:, None])[:, 0]
             top = logits.amax(dim=-1)
             e = logits.sub_(top[:, None]).exp_()  # in place: no second (n, V) buffer
@@ -504,8 +509,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             if grads:
                 p = e.div_(z[:, None])  # the softmax
                 p[torch.arange(len(tc), device=h.device), tc] -= 1.0
-                grad_h.append(p.to(h.dtype) @ w)
-                grad_w = grad_w + p.t() @ hc.float()
+                p = p.to(product.dtype)
+                grad_h.append(p @ w)
+                grad_w = grad_w + (p.t() @ hc).float()
         ctx.save_for_backward(torch.cat(grad_h) if grads else None, grad_w if grads else None)
         ctx.weight_dtype = weight.dtype
         return total
