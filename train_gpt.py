@@ -293,9 +293,8 @@ class Block(nn.Module):
         """The active tokens packed (pack), run with their positions, scattered back: causality by
         packed index is causality by position, and the padding, after every active token, is
         seen by no active query and (g = 0) unchanged. Packed to every position (Tc = T), the
-        block runs as masked (a key of g = 0 weighted by gate_eps): packing would save no work
-        and cost its sorts, gathers and scatters (at sparsity 0 the compacted model took 1.1
-        times the masked one's time on an H200, records/2026-11-28_gpu_check_NVIDIA_H200)."""
+        block runs as masked (a g = 0 key weighted by gate_eps): packing would only add its cost
+        (1.1x masked's time at sparsity 0 on an H200, records/2026-11-28_gpu_check_NVIDIA_H200)."""
         pos, valid = self.pack(keys.squeeze(-1) > 0, length)  # (B, Tc), (B, Tc, 1)
         if pos.size(1) == x.size(1):
             return self.every_token(x, g, mask, keys=keys)
@@ -492,10 +491,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, rows: int, grads: bool):
         """h: (N, d); weight: (V, d); targets: (N,) -> scalar fp32 sum over the N rows. The
-        products run in the precision of the first (autocast's, or h's): the softmax gradient is
-        cast to it once for both, and grad_w sums the chunks in fp32. (Cast for each product
-        apart, the transposed cast for grad_w took 8 x 1.0 ms of the H200's 90 ms step,
-        records/2026-11-28_gpu_check_NVIDIA_H200, bench/profile.md, to_copy_t.)"""
+        softmax gradient is cast once to the first product's precision (autocast's, or h's) for
+        both of its products (grad_w's transposed cast took 8 ms of an H200's 90 ms step,
+        records/2026-11-28_gpu_check_NVIDIA_H200), and grad_w sums the chunks in fp32."""
         w, total, grad_h, grad_w = weight.to(h.dtype), torch.zeros((), device=h.device), [], 0.0
         for i in range(0, h.size(0), rows):
             hc, tc = h[i : i + rows], targets[i : i + rows]
