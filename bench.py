@@ -78,7 +78,7 @@ def force_sparsity(model, idx, p, seed=0):
 def timed(fns: dict, repeats, sync) -> dict:
     """fns: {name: fn}, each already run once (its warm-up, compilation included) -> {name: median
     seconds of `repeats` calls}. Side by side: each round calls every fn once, in turn, so that
-    a drift in the machine's speed reaches all of them alike."""
+    the models' figures come from the same stretch of the machine's time."""
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -181,7 +181,10 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
                 passes[f"{kind}_{key}"]()
             sync()
             row[f"compile_{key}"] = (runlog.compile_ms() - compiled) / 1000
+        compiled = runlog.compile_ms()
         row.update(timed(passes, repeats, sync))
+        if runlog.compile_ms() > compiled:  # (a guard failed: a pass's times hold a compile)
+            print(f"warning: {name} at sparsity {p}: a timed pass compiled", file=sys.stderr)
         for kind in ("fwd", "fb"):
             row[f"{kind}_speedup"] = row[f"{kind}_masked"] / row[f"{kind}_compact"]
             row[f"{kind}_eff"] = row[f"{kind}_speedup"] / ideal

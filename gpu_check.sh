@@ -39,9 +39,10 @@
 #   tests    last, as nothing in it is timed (a second call that finishes it changes no
 #            figure): the CUDA tests, -k cuda, in one process (tests/test_gpu.py: compiled =
 #            eager, Flex with ln g, packed lengths compiled once each and never a sync; bench's
-#            graphs), each one's time        196 (two processes; one process: 206 on 2026-11-27)
-# One call does not yet hold them all: 494 s, an estimated 550 with a cold bench (a second
-# call finishes a cut stage).
+#            graphs), each one's time: in two processes at once, 125 and 187; one process cold
+#            not measured (206 on 2026-11-27: a second call, Inductor's cache partly warm)
+# One call does not yet hold them all: 494 s with the tests in two processes and a warm bench,
+# an estimated 600-660 with both as they now run, cold (a second call finishes a cut stage).
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail

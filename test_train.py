@@ -436,8 +436,8 @@ def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, comp
 
 def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
     # under autocast the products run in bf16: each chunk's softmax gradient is cast to it once,
-    # for both products (grad_w's takes it transposed, with no second, transposing cast), and
-    # the chunks' grad_w add up in fp32; loss and gradients within bf16's rounding of fp32's
+    # for both products (grad_w's takes it transposed, with no second, transposing cast); loss
+    # and gradients within bf16's rounding of fp32's
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.manual_seed(0)

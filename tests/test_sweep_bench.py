@@ -454,8 +454,8 @@ def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told
 
 
 def test_bench_times_its_passes_side_by_side_each_by_its_median(monkeypatch):
-    # bench.timed: each round calls every pass once, in turn (a drift of the machine's speed
-    # reaches them alike), and each pass's figure is the median of its own calls
+    # bench.timed: each round calls every pass once, in turn (the models' figures from the same
+    # stretch of the machine's time), and each pass's figure is the median of its own calls
     bench = load_command("bench.py")
     now, calls = [0.0], []
     took = {"masked": iter([3.0, 1.0, 2.0]), "compact": iter([5.0, 4.0, 9.0])}
