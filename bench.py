@@ -10,14 +10,13 @@ For each sparsity level p in 0, 0.25, 0.5, 0.75 the first gate is set so that a 
 of the tokens of the benchmark batch have g = 0 (the other gates stay 0, so every block sees
 the same fraction skipped; g is 1 or 0 for all but a sliver of tokens). Two models with the
 same weights, masked and compacted (its packed lengths fitted to the batch: fit_lengths), then
-run the same batch side by side, forward (no grad) and forward+backward: after one warm-up
-of each, --repeats rounds each time all four passes once, in turn, and each pass's median is
-reported. The ideal speedup is forward_flops at the
-measured per-layer sparsity (the validation metric `fwd_flops_per_token`) against the dense
-count, and efficiency = measured / ideal speedup. TARGETS (issue 48) are printed met or not. At
-sparsity 0 every compacted block is packed to every position, so it runs as masked
-(Block.forward_compact): that row times the masked model twice, and the packing's cost shows
-from 0.25 on.
+run the same batch side by side, forward (no grad) and forward+backward: after one warm-up of
+each, --repeats rounds each time all four passes once, in turn, and each pass's median is
+reported. The ideal speedup is forward_flops at the measured per-layer sparsity (the
+validation metric `fwd_flops_per_token`) against the dense count, and efficiency = measured /
+ideal speedup. TARGETS (issue 48) are printed met or not. At sparsity 0 every compacted block
+is packed to every position, so it runs as masked (Block.forward_compact): that row times the
+masked model twice, and the packing's cost shows from 0.25 on.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
 packed lengths are new compiles a block's graph again. --profile=1: once every row is timed (a

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import routers
 import support
@@ -212,6 +213,20 @@ def logits_gates(model, idx, **kw):
     """-> (logits, the skip_middle gates g (L, B, T), or None without them)."""
     out = model(idx, **kw)
     return out.logits, out.route.get("gates")
+
+
+class CountedOps(TorchDispatchMode):
+    """`with CountedOps(which) as ops:` counts in ops.n the aten calls for which
+    which(func, args, kwargs) holds (an op a path must run, or must not)."""
+
+    def __init__(self, which):
+        super().__init__()
+        self.which, self.n = which, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.n += bool(self.which(func, args, kwargs))
+        return func(*args, **kwargs)
 
 
 def spread_gates(model, std=0.15, bias=0.1, seed=1):

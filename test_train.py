@@ -32,6 +32,7 @@ from conftest import (
     REPO,
     RESUME_RUN,
     TINY_RUN,
+    CountedOps,
     assert_close_rel,
     compact_matches_masked,
     counted_flops,
@@ -438,8 +439,6 @@ def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
     # under autocast the products run in bf16: each chunk's softmax gradient is cast to it once,
     # for both products (grad_w's takes it transposed, with no second, transposing cast); loss
     # and gradients within bf16's rounding of fp32's
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     torch.manual_seed(0)
     n, rows, vocab, dim = 64, 16, 300, 32
     h = torch.randn(n, dim, requires_grad=True)
@@ -449,18 +448,11 @@ def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
     reference.backward()
     expected, h.grad, w.grad = (h.grad, w.grad), None, None
 
-    class SoftmaxCasts(TorchDispatchMode):  # (rows, vocab) tensors cast to bf16, either layout
-        def __init__(self):
-            super().__init__()
-            self.n = 0
+    def softmax_cast(func, args, kwargs):  # a (rows, vocab) tensor cast to bf16, either layout
+        cast = func.overloadpacket is torch.ops.aten._to_copy
+        return cast and kwargs.get("dtype") == torch.bfloat16 and args[0].numel() == rows * vocab
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            cast = func.overloadpacket is torch.ops.aten._to_copy
-            to_bf16 = (kwargs or {}).get("dtype") == torch.bfloat16
-            self.n += cast and to_bf16 and args[0].numel() == rows * vocab
-            return func(*args, **(kwargs or {}))
-
-    with torch.autocast("cpu", dtype=torch.bfloat16), SoftmaxCasts() as casts:
+    with torch.autocast("cpu", dtype=torch.bfloat16), CountedOps(softmax_cast) as casts:
         loss = tg.LinearCrossEntropy.apply(h, w, t, rows, True)
     loss.backward()
     assert casts.n == n // rows
@@ -675,17 +667,6 @@ def test_a_compacted_block_packed_to_every_position_runs_as_masked():
     # packed to every position, a block would do all the work and pay for the packing too: it
     # runs as masked, to the bit, with no scatter back (given lengths, and in evaluation where
     # a block's count rounds up to T); a length short of T still packs and scatters
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Scatters(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.overloadpacket is torch.ops.aten.scatter
-            return func(*args, **(kwargs or {}))
-
     hp = tiny(n_layers=6, dim=48, max_seq_len=32, seq_len=32)
     masked = steered_model(hp)
     twin = tg.GPT(replace(hp, compact=True))
@@ -695,7 +676,7 @@ def test_a_compacted_block_packed_to_every_position_runs_as_masked():
     for train, lengths in ((True, [32] * 6), (False, None), (True, [32, 32, 16, 32, 32, 32])):
         expected = masked.train(train)(idx).logits
         twin.train(train).router.lengths = lengths
-        with Scatters() as scatters:
+        with CountedOps(lambda func, *_: func.overloadpacket is torch.ops.aten.scatter) as scatters:
             logits = twin(idx).logits
         assert scatters.n == (lengths is not None and min(lengths) < 32)
         assert torch.equal(logits, expected) == (scatters.n == 0)
