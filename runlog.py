@@ -266,7 +266,7 @@ class StepClock:
         self.log, self.start, self.untimed = log, start, untimed
         self.ms = 0.0  # this job's warm-up time
         self.compile_ms = 0.0  # this job's compile time
-        self.left_out = [0, 0.0]  # this job's steps that compiled after its warm-up, their ms
+        self.left_out, self.left_out_ms = 0, 0.0  # this job's steps that compiled after warm-up
         log.print(
             f"clock: the first {untimed} steps of each job are untimed warm-up; train_time and "
             f"step_avg count the other steps of all jobs that compiled nothing"
@@ -286,7 +286,8 @@ class StepClock:
         self.compile_ms += compile_ms
         if run.step - self.start > self.untimed:
             if compile_ms:
-                self.left_out = [self.left_out[0] + 1, self.left_out[1] + step_ms]
+                self.left_out += 1
+                self.left_out_ms += step_ms
             else:
                 run.train_ms += step_ms
                 run.timed_steps += 1
@@ -299,10 +300,9 @@ class StepClock:
         if 0 < run.step - self.start < self.untimed:  # the job ended inside its warm-up
             self.report(run)
         if self.compile_ms:
-            n, ms = self.left_out
             self.log.print(
                 f"compile: {self.compile_ms / 1000:.1f}s in this job; steps after the warm-up "
-                f"that compiled, left out of train_time: {n} ({ms:.0f}ms)"
+                f"that compiled, left out of train_time: {self.left_out} ({self.left_out_ms:.0f}ms)"
             )
 
     def report(self, run):
