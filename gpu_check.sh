@@ -38,11 +38,11 @@
 #            went)                                                          42 (cut at 72)
 #   tests    last, as nothing in it is timed (a second call that finishes it changes no
 #            figure): the CUDA tests, -k cuda, in one process (tests/test_gpu.py: compiled =
-#            eager, Flex with ln g, packed lengths compiled once each and never a sync; bench's
-#            graphs), each one's time: in two processes at once, 125 and 187; one process cold
-#            not measured (206 on 2026-11-27: a second call, Inductor's cache partly warm)
-# One call does not yet hold them all: 494 s with the tests in two processes and a warm bench,
-# an estimated 600-660 with both as they now run, cold (a second call finishes a cut stage).
+#            eager, Flex with ln g, packed lengths compiled once each and never a sync), each
+#            one's time: in two processes at once, 125 and 187 (bench.py's CUDA case, 84 s, and
+#            four of the compacted test's steps, since removed); one process cold not measured
+# One call does not yet hold them all: 494 s with the tests in two processes and a warm bench;
+# as they now run, cold, an estimated 500-560 (a second call finishes a cut stage).
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import support
 import train_gpt as tg
-from conftest import REPO, cuda, load_command, read_metrics, run_command
+from conftest import REPO, load_command, read_metrics, run_command
 from data import shards
 from data.tokenize_corpus import shard_bytes
 
@@ -485,27 +485,25 @@ def test_bench_target_lines_compare_each_target_and_give_the_mfu():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=cuda)]
-)  # CPU: through AOTAutograd, no Inductor (Dynamo's decisions are the same)
-def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
-    device, monkeypatch, strict_dynamo
-):
+def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(monkeypatch, strict_dynamo):
     # bench.py times a masked and a compacted model, their blocks compiled, at four sparsities:
     # per grad mode one graph for the masked model, one per packed length, shared by the
     # blocks and the sparsities, and the readout's (with targets, and without: fit_lengths'
     # forward), shared by both models; each row's compile columns hold the graphs its calls
     # compiled (the first row's, its forced gates and fitted lengths included), none where
-    # none is new; profiled once every row is timed, at the timed lengths, compiling nothing
+    # none is new; profiled once every row is timed, at the timed lengths, compiling nothing.
+    # On CPU through AOTAutograd, no Inductor: Dynamo's decisions are the same. No CUDA case
+    # (84 s of gpu_check.sh's budget, records/2026-11-28_gpu_check_NVIDIA_H200): its bench
+    # stage compiles these graphs with Inductor at the paper's size, and the compacted path's
+    # CUDA test counts the graphs per packed length under Flex
     import torch._dynamo
 
     import runlog
 
-    if device == "cpu":
-        real = torch.compile
-        monkeypatch.setattr(
-            torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"})
-        )
+    real = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"})
+    )
     bench = load_command("bench.py")
     monkeypatch.setitem(
         bench.SIZES,
@@ -524,7 +522,7 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(
     counts = torch._dynamo.utils.counters
     counts.clear()
     before = runlog.compile_ms()
-    _, _, rows = bench.bench_size("tiny", device, 1, True, profile=True)
+    _, _, rows = bench.bench_size("tiny", "cpu", 1, True, profile=True)
     assert all(r["profile_masked"] and r["profile_compact"] for r in rows)
     columns = sum(r["compile_masked"] + r["compile_compact"] for r in rows)
     assert math.isclose(runlog.compile_ms() - before, 1000 * columns, abs_tol=1e-6)
