@@ -46,6 +46,7 @@ from support import (
     os_error_text,
     refuse,
     setting,
+    usable_cpus,
     writable_dir,
     write_atomically,
 )
@@ -715,12 +716,11 @@ def read_back(f) -> str:
 
 
 def share_of_cpus(jobs: int) -> dict:
-    """The environment of one of `jobs` processes side by side: its share of this process's CPUs
-    (at least one) for torch's threads and for Inductor's compile workers (by default each
-    process takes every CPU for each: 8 runs on 16 CPUs would start 128 workers), unless the
-    user set them."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = str(max(1, (cpus or 1) // jobs))
+    """The environment of one of `jobs` processes side by side: its share of the CPUs this
+    process may use (usable_cpus; at least one) for torch's threads and for Inductor's compile
+    workers (by default each process takes every CPU for each: 8 runs on 16 CPUs would start
+    128 workers), unless the user set them."""
+    share = str(max(1, usable_cpus() // jobs))
     return {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share, **os.environ}
 
 

@@ -356,6 +356,21 @@ def peak_flops(device_name: str, given: float = 0.0) -> float:
     return given or next((f for part, f in PEAK_FLOPS if part in device_name), 0.0)
 
 
+CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" (a container's --cpus) or "max"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity, within its cgroup's quota (rounded up)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        with open(CPU_QUOTA) as f:
+            quota, period = f.read().split()[:2]
+        cpus = min(cpus or 1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
+        pass
+    return max(1, cpus or 1)
+
+
 # -----------------------------------------------------------------------------
 # Files: named by what is there, proven writable first, written whole or not at all
 

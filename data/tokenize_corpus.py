@@ -62,6 +62,7 @@ from support import (  # noqa: E402
     path_arg,
     remove_made,
     sha256_of,
+    usable_cpus,
     writable_dir,
     write_atomically,
 )
@@ -502,7 +503,7 @@ def parser() -> ArgParser:
     p.add_argument(
         "--workers",
         type=in_range(int, 1, MAX_PROCESSES),
-        default=max(1, (os.cpu_count() or 1) - 1),
+        default=max(1, usable_cpus() - 1),
         metavar="K",
         help=f"encoding processes, at most {MAX_PROCESSES} (default: CPUs - 1, here %(default)s)",
     )

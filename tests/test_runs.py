@@ -850,9 +850,9 @@ time.sleep(0.5)
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPUs by affinity (Linux)")
 def test_runs_side_by_side_each_get_their_share_of_the_cpus(tmp_path, monkeypatch):
-    # each of J runs at once gets 1/J of the CPUs this process may use (at least one) for torch's
-    # threads and for Inductor's compile workers, a value the user set kept; one run at a time:
-    # this process's environment as it is
+    # each of J runs at once gets 1/J of the CPUs this process may use (at least one; its
+    # affinity within its cgroup's quota) for torch's threads and for Inductor's compile
+    # workers, a value the user set kept; one run at a time: this process's environment as it is
     names = ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
     tell = script(
         tmp_path / "tell.py",
@@ -863,8 +863,12 @@ print(json.dumps([os.environ.get(k) for k in {names!r}]), file=open(sys.argv[1],
     for name in names:
         monkeypatch.delenv(name, raising=False)
 
+    quota = tmp_path / "cpu.max"  # no quota (cgroup v2's "max") unless one is written here
+    quota.write_text("max 100000\n")
+    monkeypatch.setattr(support, "CPU_QUOTA", str(quota))
+
     def seen(cpus: int, jobs: int) -> list:
-        monkeypatch.setattr(runs.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        monkeypatch.setattr(support.os, "sched_getaffinity", lambda pid: set(range(cpus)))
         out = [tmp_path / f"{cpus}_{jobs}_{i}.json" for i in range(jobs)]
         runs.run_plans([runs.Plan(str(p), [(tell, [str(p)])]) for p in out], 1, jobs)
         told = [json.loads(p.read_text()) for p in out]
@@ -874,6 +878,10 @@ print(json.dumps([os.environ.get(k) for k in {names!r}]), file=open(sys.argv[1],
     assert seen(16, 8) == ["2", "2"]  # one H200 machine's 16 CPUs, bytes_gpu's --jobs=8
     assert seen(2, 3) == ["1", "1"]  # bytes_core's three one-thread runs on 2 cores
     assert seen(16, 1) == [None, None]
+    quota.write_text("350000 100000\n")  # a container's --cpus=3.5 on those 16: 4 CPUs
+    assert seen(16, 2) == ["2", "2"]
+    quota.unlink()  # no cgroup v2 file: the affinity alone
+    assert seen(16, 2) == ["8", "8"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert seen(16, 2) == ["3", "8"]
 
