@@ -318,9 +318,12 @@ class DLO(Router):
         else:  # inference rule
             run = r >= hp.dlo_beta / 2
         if hp.compact and not self.training:  # the MLP on the running tokens only, packed
-            pos, valid = block.pack(run[..., 0], self.length(layer))
-            index = pos[..., None].expand(-1, -1, a.size(-1))  # (B, Tc, d)
-            f = torch.zeros_like(a).scatter(1, index, block.mlp(a.gather(1, index)) * valid)
+            pos = block.pack(run[..., 0], self.length(layer))  # (B, Tc), None: every token
+            if pos is None:
+                f = block.mlp(a)
+            else:  # (the padding's MLP lands on tokens that do not run it: r * run = 0 there)
+                index = pos[..., None].expand(-1, -1, a.size(-1))  # (B, Tc, d)
+                f = torch.zeros_like(a).scatter(1, index, block.mlp(a.gather(1, index)))
         else:
             f = block.mlp(a)
             trace["similarity"].append(

@@ -274,32 +274,32 @@ class Block(nn.Module):
 
     @staticmethod
     def pack(active, length=None):
-        """active: (B, T) bool -> (pos, valid): the positions of each sequence's active tokens
-        first, in order, (B, Tc), and which of them are active, (B, Tc, 1). Tc = length, known on
-        the host (no sync); a sequence with more active tokens loses those past it, so whoever
-        gives lengths checks packed_counts (train_step redoes such a step at full length).
-        Without one, Tc is the most any sequence has, read on the host (a sync: evaluation) and
-        rounded up as packed_length rounds, so that a compiled block sees few shapes. At least 1:
-        with no active token a block still runs on one padding token (g = 0, x unchanged) and
-        every parameter gets a (zero) gradient: under DDP a rank where a block's parameters got
-        none would stall the all-reduce."""
-        counts = active.sum(dim=1)  # (B,)
+        """active: (B, T) bool -> pos: the positions of each sequence's active tokens first, in
+        order, then its inactive ones (the padding), (B, Tc); None where Tc = T (every position:
+        packing would only add its cost, 1.1x masked's time at sparsity 0 on an H200,
+        records/2026-11-28_gpu_check_NVIDIA_H200). Tc = length, known on the host (no sync); a
+        sequence with more active tokens loses those past it, so whoever gives lengths checks
+        packed_counts (train_step redoes such a step at full length). Without one, Tc is the
+        most any sequence has, read on the host (a sync: evaluation) and rounded up as
+        packed_length rounds, so that a compiled block sees few shapes. At least 1: with no
+        active token a block still runs on one padding token (g = 0, x unchanged) and every
+        parameter gets a (zero) gradient: under DDP a rank where a block's parameters got none
+        would stall the all-reduce."""
         T = active.size(1)
-        Tc = packed_length(int(counts.max()), T) if length is None else length
-        pos = (~active).to(torch.int8).argsort(dim=1, stable=True).narrow(1, 0, Tc)  # active first
-        return pos, (torch.arange(Tc, device=active.device) < counts[:, None])[..., None]
+        Tc = packed_length(int(active.sum(dim=1).max()), T) if length is None else length
+        return None if Tc == T else (~active).to(torch.int8).argsort(dim=1, stable=True)[:, :Tc]
 
     def forward_compact(self, x, g, mask, keys, length):
         """The active tokens packed (pack), run with their positions, scattered back: causality by
-        packed index is causality by position, and the padding, after every active token, is
-        seen by no active query and (g = 0) unchanged. Packed to every position (Tc = T), the
-        block runs as masked (a g = 0 key weighted by gate_eps): packing would only add its cost
-        (1.1x masked's time at sparsity 0 on an H200, records/2026-11-28_gpu_check_NVIDIA_H200)."""
-        pos, valid = self.pack(keys.squeeze(-1) > 0, length)  # (B, Tc), (B, Tc, 1)
-        if pos.size(1) == x.size(1):
-            return self.every_token(x, g, mask, keys=keys)
+        packed index is causality by position, and the padding, inactive tokens (keys = g = 0)
+        after every active one, is seen by no active query and left unchanged. Packed to every
+        position (pack: None), the block runs as masked (a g = 0 key weighted by gate_eps)."""
+        pos = self.pack(keys.squeeze(-1) > 0, length)  # (B, Tc), None: every position
+        if pos is None:  # (skip_middle's and MoR's key weight is their gate: masked's graph)
+            return self.every_token(x, g, mask, keys=None if keys is g else keys)
         index = pos[..., None].expand(-1, -1, x.size(-1))
-        gc, kc = (t.gather(1, pos[..., None]) * valid for t in (g, keys))  # padding: 0
+        # both gathered, even where they are one tensor: the routers share one graph per length
+        gc, kc = g.gather(1, pos[..., None]), keys.gather(1, pos[..., None])
         mask = None if mask is None else causal_block_mask(pos.size(1), str(x.device))
         return x.scatter(1, index, self.every_token(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
