@@ -300,6 +300,7 @@ def main(argv):
             "logs", time.strftime("%Y-%m-%d_%H%M%S") + "_skip_bench_" + device.split(":")[0]
         ),
         ("bench.md", "bench.json") + (("profile.md",) if args.profile else ()),
+        by=__file__,
     )
     source = source_model(args.init_from, device) if args.init_from else None
     print(runlog.describe_system())
@@ -327,9 +328,10 @@ def main(argv):
     targets = "\n".join(line for r in results for line in target_lines(r["size"], r["rows"]))
     print(targets)
     if args.profile:  # (before bench.md: no profile of other figures stays beside a new one)
-        support.write_output(out, "profile.md", "\n\n".join(profiles).encode() + b"\n")
+        page = "\n\n".join(profiles).encode() + b"\n"
+        support.write_output(out, "profile.md", page, by=__file__)
     else:  # an earlier --profile's, of other figures
-        support.remove_output(out, "profile.md")
+        support.remove_output(out, "profile.md", by=__file__)
     support.write_output(
         out,
         "bench.md",
@@ -337,6 +339,7 @@ def main(argv):
             f"{command}\n\nbatch per size: {sizes_line}; median of {repeats} after one "
             f"warm-up\n\n{table}\n\n{targets}\n"
         ).encode(),
+        by=__file__,
     )
     support.write_output(
         out,
@@ -344,6 +347,7 @@ def main(argv):
         json.dumps(
             dict(argv=argv, repeats=repeats, device=device, results=results), indent=1
         ).encode(),
+        by=__file__,
     )
     print(f"written to {out}")
 

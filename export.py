@@ -85,7 +85,7 @@ def check_out_dir(out: str):
                 f"{out} holds files export did not write ({', '.join(foreign[:3])}): "
                 "give a new or empty folder; nothing was written"
             )
-    support.writable_dir(out, FILES)
+    support.writable_dir(out, FILES, by=__file__)
 
 
 def last_validation(run_dir: str, step: int) -> dict:
@@ -250,7 +250,7 @@ def main(argv):
     }
     os.makedirs(out, exist_ok=True)
     for name, data in files.items():
-        support.write_output(out, name, data)
+        support.write_output(out, name, data, by=__file__)
     print(f"written to {out}: {', '.join(FILES)}")
     if args.push_to:
         push(out, args.push_to)

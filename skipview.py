@@ -149,7 +149,7 @@ def main(argv):
             raise support.UserError(
                 f"--out={args.out} is {support.kind_of(args.out)}; give a file name"
             )
-        support.writable_dir(folder, (name,))
+        support.writable_dir(folder, (name,), by=__file__)
     counts, per_layer, units = token_depths(model, ids, device)
     unit = {"block": "blocks", "mlp": "MLPs", "recursion": "recursions"}[model.router.skips]
     pieces = token_pieces(enc, ids)
@@ -160,7 +160,7 @@ def main(argv):
     )
     if args.out:
         page = html_page(pieces, counts, per_layer, units, f"{source}: {unit} run per token", unit)
-        support.write_output(folder, name, page.encode())
+        support.write_output(folder, name, page.encode(), by=__file__)
         print(f"written to {args.out}")
 
 

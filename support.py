@@ -441,14 +441,15 @@ def refuse(e: OSError, path: str, doing: str = "write to"):
 
 
 PROBE_BYTES = 1 << 20
-OUTPUTS = ".outputs.json"  # in a folder a command wrote files into: {name: sha256} of each
-# (while a file is being replaced, [old sha256, new sha256]: write_output)
+OUTPUTS = ".outputs.json"  # in a folder commands wrote files into, per file: {name: {"by": the
+# command's file name, "sha256": its digest, or [old, new] while it is replaced: write_output}}
 
 
-def writable_dir(path: str, outputs=()) -> str:
+def writable_dir(path: str, outputs=(), by: str = "") -> str:
     """Before any long work: folder path (or where it would be made) takes PROBE_BYTES, synced, in
     a nameless file (an empty file fits on a full disk), and each of outputs there is absent or
-    a file write_output wrote, unchanged since (no user's file is replaced)."""
+    a file that write_output wrote for command `by` (its file), unchanged since: no user's file
+    is replaced, nor another command's."""
     if not path:
         raise UserError("expected a folder, got an empty path")
     if OUTPUTS in outputs:  # (skipview.py --out=FILE names its own)
@@ -461,7 +462,7 @@ def writable_dir(path: str, outputs=()) -> str:
         if os.path.lexists(p) and (
             os.path.islink(p)
             or not os.path.isfile(p)
-            or sha256_of(p) not in digests(ours.get(os.path.basename(p)))
+            or sha256_of(p) not in digests(ours.get(os.path.basename(p)), by)
         ):
             raise UserError(
                 f"{p} is there ({kind_of(p)}) and this command did not write it, or "
@@ -485,10 +486,11 @@ MAX_RECORD_BYTES = 1 << 20  # OUTPUTS and the like: a few names and digests; mor
 
 
 def written_outputs(d: str) -> dict:
-    """Folder d's OUTPUTS ({name: sha256, or [old, new] while a file is replaced} of the files
-    written there), {} if there is none. Ours only if it is a regular file (no link, pipe or
-    device: never opened) of at most MAX_RECORD_BYTES in that exact form; anything else is a
-    UserError, so that it is never replaced (nor a file it names)."""
+    """Folder d's OUTPUTS (what each file written there is: by whom, its digests), {} if there is
+    none. Ours only if it is a regular file (no link, pipe or device: never opened) of at most
+    MAX_RECORD_BYTES in that exact form (or an older version's, {name: its digests}, which names
+    no command); anything else is a UserError, so that it is never replaced (nor a file it
+    names)."""
     path = os.path.join(d, OUTPUTS)
     if not os.path.lexists(path):
         return {}
@@ -501,11 +503,8 @@ def written_outputs(d: str) -> dict:
         except (OSError, ValueError, RecursionError):
             record = None
     ours = isinstance(record, dict) and all(
-        name == os.path.basename(name) not in ("", ".", "..")
-        and isinstance(digest, (str, list))
-        and 1 <= len(digests(digest)) <= 2
-        and all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests(digest))
-        for name, digest in record.items()
+        name == os.path.basename(name) not in ("", ".", "..") and recorded_file(entry)
+        for name, entry in record.items()
     )
     if not ours:
         raise UserError(
@@ -515,33 +514,56 @@ def written_outputs(d: str) -> dict:
     return record
 
 
-def digests(recorded) -> list:
-    """The sha256 digests OUTPUTS accepts for a name: one, or two while it is being replaced."""
-    if recorded is None:
+def recorded_file(entry) -> bool:
+    """Whether entry is what OUTPUTS holds for a file: {"by": a file name, "sha256": one digest,
+    or two while it is replaced}, or an older version's digests alone."""
+    if isinstance(entry, dict) and entry.keys() == {"by", "sha256"}:
+        by, entry = entry["by"], entry["sha256"]
+        if not (isinstance(by, str) and by == os.path.basename(by) != ""):
+            return False
+    listed = [entry] if isinstance(entry, str) else entry
+    return (
+        isinstance(listed, list)
+        and 1 <= len(listed) <= 2
+        and all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in listed)
+    )
+
+
+def digests(entry, by: str) -> list:
+    """The digests that OUTPUTS' entry for a name accepts from command `by` (its file): one, or
+    two while it is replaced; none where another command wrote it, or an older version (which
+    named none)."""
+    if not isinstance(entry, dict) or entry["by"] != os.path.basename(by):
         return []
-    return [recorded] if isinstance(recorded, str) else recorded
+    return [entry["sha256"]] if isinstance(entry["sha256"], str) else entry["sha256"]
 
 
-def write_output(folder: str, name: str, data: bytes):
-    """write_atomically, with its sha256 in folder's OUTPUTS before and after the write (beside
-    the old file's, while it is replaced), so that a command cut at any point (a signal, a
-    full disk) leaves only files its rerun recognises as its own (writable_dir)."""
+def write_output(folder: str, name: str, data: bytes, by: str):
+    """write_atomically for command `by` (its file), with the file's sha256 in folder's OUTPUTS
+    before and after the write (beside the old file's, while it is replaced), so that a command
+    cut at any point (a signal, a full disk) leaves only files its rerun recognises as its own
+    (writable_dir)."""
     ours = written_outputs(folder)
     new = hashlib.sha256(data).hexdigest()
     path, record = os.path.join(folder, name), os.path.join(folder, OUTPUTS)
-    old = sha256_of(path) if kind_of(path) == "a file" and name in ours else None
-    both = [new] if old is None else [old, new]
-    write_atomically(record, json.dumps({**ours, name: both}, indent=1).encode())
+    old = sha256_of(path) if kind_of(path) == "a file" and digests(ours.get(name), by) else None
+
+    def recorded(digest):  # the record with this file's entry
+        entry = {"by": os.path.basename(by), "sha256": digest}
+        return json.dumps({**ours, name: entry}, indent=1).encode()
+
+    write_atomically(record, recorded([new] if old is None else [old, new]))
     write_atomically(path, data)
-    write_atomically(record, json.dumps({**ours, name: new}, indent=1).encode())
+    write_atomically(record, recorded(new))
 
 
-def remove_output(folder: str, name: str):
-    """Remove folder's file name if write_output wrote it, unchanged since (an earlier run's
-    output that this run does not make again); a user's file, or a changed one, is left."""
+def remove_output(folder: str, name: str, by: str):
+    """Remove folder's file name if write_output wrote it for command `by`, unchanged since (an
+    earlier run's output that this run does not make again); a user's file, another command's,
+    or a changed one, is left."""
     ours = written_outputs(folder)
     path = os.path.join(folder, name)
-    if kind_of(path) == "a file" and sha256_of(path) in digests(ours.get(name)):
+    if kind_of(path) == "a file" and sha256_of(path) in digests(ours.get(name), by):
         os.remove(path)  # (then its digest: a cut between leaves a digest of no file)
     if name in ours and not os.path.lexists(path):
         ours.pop(name)

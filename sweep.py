@@ -828,7 +828,7 @@ def write_runs(out: str, rows: list):
     w = csv.DictWriter(text, RUN_KEYS, lineterminator="\n")
     w.writeheader()
     w.writerows({k: "" if r.get(k) is None else r[k] for k in RUN_KEYS} for r in rows)
-    support.write_output(out, "runs.csv", text.getvalue().encode())
+    support.write_output(out, "runs.csv", text.getvalue().encode(), by=__file__)
 
 
 REPORT = ("table.md", "figure.png")  # what write_report writes
@@ -884,9 +884,10 @@ def write_report(out: str, rows: list) -> list:
             + "\n\nPer gated block, the share of validation tokens with g = 0 against "
             "the controller's target (1 - mu*):\n\n" + "\n".join(per_block) + "\n"
         ).encode(),
+        by=__file__,
     )
     if png is not None:
-        support.write_output(out, "figure.png", png)
+        support.write_output(out, "figure.png", png, by=__file__)
     return lines
 
 
@@ -1042,7 +1043,7 @@ def main(argv):
     if args.report:  # the table and figure again, from a record's runs.csv
         rows = read_runs(args.report)
         out = support.writable_dir(
-            args.out or os.path.dirname(os.path.abspath(args.report)), REPORT
+            args.out or os.path.dirname(os.path.abspath(args.report)), REPORT, by=__file__
         )
         print(verdict_text(write_report(out, rows)))
         return
@@ -1060,6 +1061,7 @@ def main(argv):
     out = support.writable_dir(
         args.out or os.path.join("records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"),
         ("runs.csv", "README.md", *REPORT),
+        by=__file__,
     )
     support.writable_dir(runs_dir)
     t0 = time.time()
@@ -1093,7 +1095,7 @@ def main(argv):
         f"its train.log; the evaluation timed in this process, with the threads below):\n\n"
         f"```\n{runlog.describe_system()}\n```\n"
     )
-    support.write_output(out, "README.md", readme.encode())
+    support.write_output(out, "README.md", readme.encode(), by=__file__)
     print(said, verdict_text(lines), sep="\n")
     print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")
 

@@ -215,16 +215,47 @@ def test_remove_output_removes_only_an_unchanged_file_of_ours(tmp_path):
     (tmp_path / "x.md").write_text("ours")  # (the link's target)
     for i, (what, (change, kept)) in enumerate(cases.items()):
         out = tmp_path / f"out{i}"
-        support.write_output(str(out), "profile.md", b"ours")
-        support.write_output(str(out), "bench.md", b"table")
+        support.write_output(str(out), "profile.md", b"ours", by="bench.py")
+        support.write_output(str(out), "bench.md", b"table", by="bench.py")
         change(out / "profile.md")
-        support.remove_output(str(out), "profile.md")
+        support.remove_output(str(out), "profile.md", by="bench.py")
         assert os.path.lexists(out / "profile.md") == kept, what
         assert (out / "bench.md").read_bytes() == b"table"  # (and its digest kept)
-        assert support.written_outputs(str(out)).get("bench.md") == sha256(b"table"), what
+        entry = support.written_outputs(str(out)).get("bench.md")
+        assert entry == {"by": "bench.py", "sha256": sha256(b"table")}, what
         # (a digest kept matches no file there: a later run refuses the file, as a user's)
         assert ("profile.md" in support.written_outputs(str(out))) == kept, what
     assert (tmp_path / "x.md").read_text() == "ours"
+
+
+def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path):
+    # OUTPUTS names the command that wrote each file: to another command, one of the same name
+    # is a user's (skipview.py --out= an export's weights, bench.py's profile.md where skipview.py
+    # wrote one): refused, never replaced nor removed. A command is named by its file's name;
+    # an older version's record named none: its files are no command's
+    out = str(tmp_path / "out")
+    support.write_output(out, "profile.md", b"a page", by="skipview.py")
+    support.write_output(out, "bench.md", b"a table", by=os.path.join(REPO, "bench.py"))
+    with pytest.raises(support.UserError, match="profile.md is there .a file. and this command"):
+        support.writable_dir(out, ("bench.md", "profile.md"), by="bench.py")
+    support.remove_output(out, "profile.md", by="bench.py")
+    assert (tmp_path / "out" / "profile.md").read_bytes() == b"a page"
+    support.writable_dir(out, ("profile.md",), by="skipview.py")  # each its own
+    support.writable_dir(out, ("bench.md",), by="bench.py")
+    support.write_output(out, "bench.md", b"another table", by="bench.py")
+    support.remove_output(out, "profile.md", by="skipview.py")
+    assert sorted(os.listdir(out)) == [support.OUTPUTS, "bench.md"]
+    assert support.written_outputs(out) == {
+        "bench.md": {"by": "bench.py", "sha256": sha256(b"another table")}
+    }
+    old = tmp_path / "old"  # as an older version left it
+    old.mkdir()
+    (old / "bench.md").write_text("a table")
+    (old / support.OUTPUTS).write_text(json.dumps({"bench.md": sha256(b"a table")}))
+    with pytest.raises(support.UserError, match="this command did not write it"):
+        support.writable_dir(str(old), ("bench.md",), by="bench.py")
+    support.remove_output(str(old), "bench.md", by="bench.py")
+    assert (old / "bench.md").read_text() == "a table"
 
 
 @pytest.mark.slow
@@ -263,6 +294,11 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     assert support.cli(skipview.main, argv) == 2
     assert "did not write it" in capsys.readouterr().err
     assert (tmp_path / "notes.html").read_text() == "mine"
+    support.write_output(str(tmp_path / "e"), "model.safetensors", b"weights", by="export.py")
+    argv[-1] = f"--out={tmp_path}/e/model.safetensors"  # nor another command's (an export's)
+    assert support.cli(skipview.main, argv) == 2
+    assert "did not write it" in capsys.readouterr().err
+    assert (tmp_path / "e" / "model.safetensors").read_bytes() == b"weights"
     argv[-1] = f"--out={tmp_path}/page/{support.OUTPUTS}"  # nor the record of what it wrote
     assert support.cli(skipview.main, argv) == 2
     assert "that name is the folder's record" in capsys.readouterr().err
