@@ -145,10 +145,10 @@ def main(argv):
     folder, name = os.path.split(os.path.abspath(args.out or "."))
     if args.out:  # a page that cannot be written fails before the work; a file of the user's
         # (or a link) under its name is never replaced: written_outputs records ours
-        if os.path.lexists(args.out) and not os.path.isfile(args.out):
-            raise support.UserError(
-                f"--out={args.out} is {support.kind_of(args.out)}; give a file name"
-            )
+        there = os.path.lexists(args.out)
+        if args.out.endswith(os.sep) or (there and not os.path.isfile(args.out)):
+            kind = support.kind_of(args.out) if there else "a folder's name"
+            raise support.UserError(f"--out={args.out} is {kind}; give a file name")
         support.writable_dir(folder, (name,), by=__file__)
     counts, per_layer, units = token_depths(model, ids, device)
     unit = {"block": "blocks", "mlp": "MLPs", "recursion": "recursions"}[model.router.skips]

@@ -299,6 +299,10 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     assert support.cli(skipview.main, argv) == 2
     assert "did not write it" in capsys.readouterr().err
     assert (tmp_path / "e" / "model.safetensors").read_bytes() == b"weights"
+    argv[-1] = f"--out={tmp_path}/pages/"  # a folder's name is no page's
+    assert support.cli(skipview.main, argv) == 2
+    assert "is a folder's name; give a file name" in capsys.readouterr().err
+    assert not (tmp_path / "pages").exists()
     argv[-1] = f"--out={tmp_path}/page/{support.OUTPUTS}"  # nor the record of what it wrote
     assert support.cli(skipview.main, argv) == 2
     assert "that name is the folder's record" in capsys.readouterr().err
