@@ -188,17 +188,19 @@ class RunLog:
     ):
         """A training step's line and its record (stats: train_step's sums; means: the router's,
         made per-layer means as the blocks' shares are). times: the step's wall time and the part
-        of it spent compiling (ms); tok/s and MFU count the rest."""
+        of it spent compiling (ms). A step that compiled shows its compile time, no tok/s nor
+        MFU: its time is not a step's (StepClock leaves it out whole)."""
         n = stats["tokens"][0]
         step_ms, compile_ms = times
         line = (
             f"step:{run.step}/{steps} train_loss:{stats['lm_loss'][0]:.4f} "
-            f"{clock(run.train_ms, run.timed_steps)} tok/s:{n / (step_ms - compile_ms) * 1000:.0f}"
+            f"{clock(run.train_ms, run.timed_steps)}"
         )
-        if mfu is not None:
-            line += f" mfu:{100 * mfu:.1f}%"
         if compile_ms:  # a graph new to this process (compile_model; a new packed length)
             line += f" compile:{compile_ms:.0f}ms"
+        else:
+            line += f" tok/s:{n / step_ms * 1000:.0f}"
+            line += "" if mfu is None else f" mfu:{100 * mfu:.1f}%"
         if "redone" in stats:  # compact: a sequence outgrew a packed length (train_step)
             line += " redone:full_length"
         self.print(line)

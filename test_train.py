@@ -987,8 +987,10 @@ def test_compile_time_is_counted_apart_from_step_time():
     }
     router = tg.GPT(hp).router  # (RunLog.step on the fake log: its print and record)
     runlog.RunLog.step(log, run, 10, stats, router.means, [1e-3] * 5, (350.0, 250.0))
-    assert log.lines[-1].endswith(" tok/s:5120 compile:250ms")  # 512 tokens in 100 ms
+    assert log.lines[-1].endswith(" step_avg:110.00ms compile:250ms")  # no tok/s: not a step's
     assert (log.records[-1]["step_ms"], log.records[-1]["compile_ms"]) == (350.0, 250.0)
+    runlog.RunLog.step(log, run, 10, stats, router.means, [1e-3] * 5, (100.0, 0.0), 0.25)
+    assert log.lines[-1].endswith(" step_avg:110.00ms tok/s:5120 mfu:25.0%")  # 512 in 100 ms
 
 
 @pytest.mark.slow

@@ -1342,7 +1342,7 @@ def train(
             raw.router.update(stats.get("router"), stats["tokens"][0], step)
             times = clock.lap(d)  # (step ms, of which compile ms)
             clock.add(run, *times)
-            util = mfu(hp, (times[0] - times[1]) / 1000, d.world, peak, stats) if peak else None
+            util = mfu(hp, times[0] / 1000, d.world, peak, stats) if peak else None
             log.step(run, steps, stats, raw.router.means, lrs, times, util)
         clock.end(run)
         owed = val_due and run.val_done != run.step
