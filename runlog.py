@@ -200,7 +200,8 @@ class RunLog:
             line += f" compile:{compile_ms:.0f}ms"
         else:
             line += f" tok/s:{n / step_ms * 1000:.0f}"
-            line += "" if mfu is None else f" mfu:{100 * mfu:.1f}%"
+            if mfu is not None:
+                line += f" mfu:{100 * mfu:.1f}%"
         if "redone" in stats:  # compact: a sequence outgrew a packed length (train_step)
             line += " redone:full_length"
         self.print(line)
