@@ -306,14 +306,16 @@ def main(argv):
     print(runlog.describe_system())
     print(HEADER)
     results = []
-    for name in sizes or ([] if source else ["smoke"]):
-        hp, batch, rows = bench_size(name, device, repeats, compile_, profile=args.profile)
-        results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
-    if source:
-        hp, batch, rows = bench_size(
-            args.init_from, device, repeats, compile_, source, profile=args.profile
-        )
-        results.append(dict(size=args.init_from, batch=batch, hp=asdict(hp), rows=rows))
+    # compiled: a region past Dynamo's limit on graphs would run eagerly, its times no bench's
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for name in sizes or ([] if source else ["smoke"]):
+            hp, batch, rows = bench_size(name, device, repeats, compile_, profile=args.profile)
+            results.append(dict(size=name, batch=batch, hp=asdict(hp), rows=rows))
+        if source:
+            hp, batch, rows = bench_size(
+                args.init_from, device, repeats, compile_, source, profile=args.profile
+            )
+            results.append(dict(size=args.init_from, batch=batch, hp=asdict(hp), rows=rows))
     command = f"    python bench.py {' '.join(argv)}\n\n{runlog.describe_system()}"
     profiles = [command]  # (moved out of the rows: bench.json keeps figures)
     if args.profile:

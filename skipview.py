@@ -146,7 +146,8 @@ def main(argv):
     if args.out:  # a page that cannot be written fails before the work; a file of the user's
         # (or a link) under its name is never replaced: written_outputs records ours
         there = os.path.lexists(args.out)
-        if args.out.endswith(os.sep) or (there and not os.path.isfile(args.out)):
+        folder_name = os.path.basename(args.out) in ("", ".", "..")  # DIR/, DIR/.: there or not
+        if folder_name or (there and not os.path.isfile(args.out)):
             kind = support.kind_of(args.out) if there else "a folder's name"
             raise support.UserError(f"--out={args.out} is {kind}; give a file name")
         support.writable_dir(folder, (name,), by=__file__)

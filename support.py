@@ -356,19 +356,26 @@ def peak_flops(device_name: str, given: float = 0.0) -> float:
     return given or next((f for part, f in PEAK_FLOPS if part in device_name), 0.0)
 
 
-CPU_QUOTA = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" (a container's --cpus) or "max"
+CGROUP = "/sys/fs/cgroup"  # cgroup v2's hierarchy; this process's group: SELF_CGROUP's "0::PATH"
+SELF_CGROUP = "/proc/self/cgroup"
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may use: its affinity, within its cgroup's quota (rounded up)."""
+    """The CPUs this process may use: its affinity, within the CPU quota of its cgroup v2 group
+    and of each group above it (cpu.max, "QUOTA PERIOD": a container's --cpus, systemd's
+    CPUQuota; "max": none), rounded up."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        with open(CPU_QUOTA) as f:
-            quota, period = f.read().split()[:2]
-        cpus = min(cpus or 1, -(-int(quota) // int(period)))
-    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
-        pass
-    return max(1, cpus or 1)
+    cpus, group = cpus or 1, "/"
+    with contextlib.suppress(OSError, StopIteration):
+        with open(SELF_CGROUP) as f:
+            group = next(line[3:].strip() for line in f if line.startswith("0::"))
+    for _ in range(group.count("/") + 1):  # the group, then each parent up to the root
+        with contextlib.suppress(OSError, ValueError, ZeroDivisionError):  # (none, or "max")
+            with open(os.path.join(CGROUP, group.strip("/"), "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            cpus = min(cpus, -(-int(quota) // int(period)))
+        group = os.path.dirname(group.rstrip("/")) or "/"
+    return max(1, cpus)
 
 
 # -----------------------------------------------------------------------------
@@ -458,16 +465,9 @@ def writable_dir(path: str, outputs=(), by: str = "") -> str:
             f"wrote there: name the output otherwise; nothing was written"
         )
     ours = written_outputs(path) if outputs else {}  # (a command that keeps no record: not read)
-    for p in (os.path.join(path, name) for name in outputs):
-        if os.path.lexists(p) and (
-            os.path.islink(p)
-            or not os.path.isfile(p)
-            or sha256_of(p) not in digests(ours.get(os.path.basename(p)), by)
-        ):
-            raise UserError(
-                f"{p} is there ({kind_of(p)}) and this command did not write it, or "
-                f"it changed since: move it or write elsewhere; nothing was written"
-            )
+    for name in outputs:
+        if problem := not_own(path, name, ours, by):
+            raise UserError(f"{problem}: move it or write elsewhere; nothing was written")
     made = first_missing(path)
     existing = os.path.dirname(made) if made else os.path.abspath(path)
     if not os.path.isdir(existing):
@@ -514,6 +514,20 @@ def written_outputs(d: str) -> dict:
     return record
 
 
+def not_own(folder: str, name: str, ours: dict, by: str) -> str:
+    """Why folder's file name is not command `by`'s to replace (ours: written_outputs), or "" if
+    it is absent, or a file that write_output wrote for `by`, unchanged since."""
+    p, entry = os.path.join(folder, name), ours.get(name)
+    if not os.path.lexists(p):
+        return ""
+    digest = sha256_of(p) if kind_of(p) == "a file" else None
+    if digest in digests(entry, by):
+        return ""
+    if digest in digests(entry):  # (an older version's entry)
+        return f"{p} is there and the record of it is an older version's, which names no command"
+    return f"{p} is there ({kind_of(p)}) and this command did not write it, or it changed since"
+
+
 def recorded_file(entry) -> bool:
     """Whether entry is what OUTPUTS holds for a file: {"by": a file name, "sha256": one digest,
     or two while it is replaced}, or an older version's digests alone."""
@@ -529,13 +543,15 @@ def recorded_file(entry) -> bool:
     )
 
 
-def digests(entry, by: str) -> list:
+def digests(entry, by: str = None) -> list:
     """The digests that OUTPUTS' entry for a name accepts from command `by` (its file): one, or
-    two while it is replaced; none where another command wrote it, or an older version (which
-    named none)."""
-    if not isinstance(entry, dict) or entry["by"] != os.path.basename(by):
-        return []
-    return [entry["sha256"]] if isinstance(entry["sha256"], str) else entry["sha256"]
+    two while it is replaced; none where another command wrote it, or an older version (whose
+    entry, its digests alone, named no command: by None reads them)."""
+    if isinstance(entry, dict):
+        listed = entry["sha256"] if by is not None and entry["by"] == os.path.basename(by) else []
+    else:
+        listed = entry if by is None and entry is not None else []
+    return [listed] if isinstance(listed, str) else listed
 
 
 def write_output(folder: str, name: str, data: bytes, by: str):
@@ -544,9 +560,11 @@ def write_output(folder: str, name: str, data: bytes, by: str):
     cut at any point (a signal, a full disk) leaves only files its rerun recognises as its own
     (writable_dir)."""
     ours = written_outputs(folder)
+    if problem := not_own(folder, name, ours, by):  # (since writable_dir: a user's, or another's)
+        raise UserError(f"{problem}: not replaced; move it and run this again")
     new = hashlib.sha256(data).hexdigest()
     path, record = os.path.join(folder, name), os.path.join(folder, OUTPUTS)
-    old = sha256_of(path) if kind_of(path) == "a file" and digests(ours.get(name), by) else None
+    old = sha256_of(path) if os.path.lexists(path) else None
 
     def recorded(digest):  # the record with this file's entry
         entry = {"by": os.path.basename(by), "sha256": digest}

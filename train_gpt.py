@@ -276,18 +276,18 @@ class Block(nn.Module):
     def pack(active, length=None):
         """active: (B, T) bool -> pos: the positions of each sequence's active tokens first, in
         order, then its inactive ones (the padding), (B, Tc); None where Tc = T (every position:
-        packing would only add its cost, 1.1x masked's time at sparsity 0 on an H200,
-        records/2026-11-28_gpu_check_NVIDIA_H200). Tc = length, known on the host (no sync); a
-        sequence with more active tokens loses those past it, so whoever gives lengths checks
-        packed_counts (train_step redoes such a step at full length). Without one, Tc is the
-        most any sequence has, read on the host (a sync: evaluation) and rounded up as
-        packed_length rounds, so that a compiled block sees few shapes. At least 1: with no
-        active token a block still runs on one padding token (g = 0, x unchanged) and every
-        parameter gets a (zero) gradient: under DDP a rank where a block's parameters got none
-        would stall the all-reduce."""
+        packing would only add its cost, 1.09-1.12x masked's forward+backward time at sparsity 0
+        in three bench calls on an H200, records/2026-11-28_gpu_check_NVIDIA_H200). Tc = length,
+        known on the host (no sync); a sequence with more active tokens loses those past it, so
+        whoever gives lengths checks packed_counts (train_step redoes such a step at full
+        length). Without one, Tc is the most any sequence has, read on the host (a sync:
+        evaluation) and rounded up as packed_length rounds, so that a compiled block sees few
+        shapes. At least 1: with no active token a block still runs on one padding token (g = 0,
+        x unchanged) and every parameter gets a (zero) gradient: under DDP a rank where a
+        block's parameters got none would stall the all-reduce."""
         T = active.size(1)
         Tc = packed_length(int(active.sum(dim=1).max()), T) if length is None else length
-        return None if Tc == T else (~active).to(torch.int8).argsort(dim=1, stable=True)[:, :Tc]
+        return None if Tc >= T else (~active).to(torch.int8).argsort(dim=1, stable=True)[:, :Tc]
 
     def forward_compact(self, x, g, mask, keys, length):
         """The active tokens packed (pack), run with their positions, scattered back: causality by

@@ -231,8 +231,8 @@ def test_remove_output_removes_only_an_unchanged_file_of_ours(tmp_path):
 def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path):
     # OUTPUTS names the command that wrote each file: to another command, one of the same name
     # is a user's (skipview.py --out= an export's weights, bench.py's profile.md where skipview.py
-    # wrote one): refused, never replaced nor removed. A command is named by its file's name;
-    # an older version's record named none: its files are no command's
+    # wrote one): refused, at the start and at the write, never replaced nor removed. A command is
+    # named by its file's name; an older version's record named none: its files are no command's
     out = str(tmp_path / "out")
     support.write_output(out, "profile.md", b"a page", by="skipview.py")
     support.write_output(out, "bench.md", b"a table", by=os.path.join(REPO, "bench.py"))
@@ -248,11 +248,17 @@ def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path
     assert support.written_outputs(out) == {
         "bench.md": {"by": "bench.py", "sha256": sha256(b"another table")}
     }
+    late = str(tmp_path / "late")  # checked at a long run's start, another's by its end
+    support.writable_dir(late, ("table.md",), by="sweep.py")
+    support.write_output(late, "table.md", b"a page", by="skipview.py")
+    with pytest.raises(support.UserError, match="did not write it, or it changed since: not repl"):
+        support.write_output(late, "table.md", b"a table", by="sweep.py")
+    assert (tmp_path / "late" / "table.md").read_bytes() == b"a page"
     old = tmp_path / "old"  # as an older version left it
     old.mkdir()
     (old / "bench.md").write_text("a table")
     (old / support.OUTPUTS).write_text(json.dumps({"bench.md": sha256(b"a table")}))
-    with pytest.raises(support.UserError, match="this command did not write it"):
+    with pytest.raises(support.UserError, match="is an older version's, which names no command"):
         support.writable_dir(str(old), ("bench.md",), by="bench.py")
     support.remove_output(str(old), "bench.md", by="bench.py")
     assert (old / "bench.md").read_text() == "a table"
@@ -299,10 +305,11 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     assert support.cli(skipview.main, argv) == 2
     assert "did not write it" in capsys.readouterr().err
     assert (tmp_path / "e" / "model.safetensors").read_bytes() == b"weights"
-    argv[-1] = f"--out={tmp_path}/pages/"  # a folder's name is no page's
-    assert support.cli(skipview.main, argv) == 2
-    assert "is a folder's name; give a file name" in capsys.readouterr().err
-    assert not (tmp_path / "pages").exists()
+    for folder in ("pages/", "pages/."):  # a folder's name is no page's
+        argv[-1] = f"--out={tmp_path}/{folder}"
+        assert support.cli(skipview.main, argv) == 2
+        assert "is a folder's name; give a file name" in capsys.readouterr().err
+        assert not (tmp_path / "pages").exists()
     argv[-1] = f"--out={tmp_path}/page/{support.OUTPUTS}"  # nor the record of what it wrote
     assert support.cli(skipview.main, argv) == 2
     assert "that name is the folder's record" in capsys.readouterr().err

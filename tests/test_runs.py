@@ -863,9 +863,11 @@ print(json.dumps([os.environ.get(k) for k in {names!r}]), file=open(sys.argv[1],
     for name in names:
         monkeypatch.delenv(name, raising=False)
 
-    quota = tmp_path / "cpu.max"  # no quota (cgroup v2's "max") unless one is written here
-    quota.write_text("max 100000\n")
-    monkeypatch.setattr(support, "CPU_QUOTA", str(quota))
+    (tmp_path / "cg" / "box" / "run").mkdir(parents=True)  # this process's group: /box/run
+    (tmp_path / "self").write_text("0::/box/run\n")
+    monkeypatch.setattr(support, "CGROUP", str(tmp_path / "cg"))
+    monkeypatch.setattr(support, "SELF_CGROUP", str(tmp_path / "self"))
+    (tmp_path / "cg" / "box" / "run" / "cpu.max").write_text("max 100000\n")  # none in its own
 
     def seen(cpus: int, jobs: int) -> list:
         monkeypatch.setattr(support.os, "sched_getaffinity", lambda pid: set(range(cpus)))
@@ -878,9 +880,13 @@ print(json.dumps([os.environ.get(k) for k in {names!r}]), file=open(sys.argv[1],
     assert seen(16, 8) == ["2", "2"]  # one H200 machine's 16 CPUs, bytes_gpu's --jobs=8
     assert seen(2, 3) == ["1", "1"]  # bytes_core's three one-thread runs on 2 cores
     assert seen(16, 1) == [None, None]
-    quota.write_text("350000 100000\n")  # a container's --cpus=3.5 on those 16: 4 CPUs
+    quota = tmp_path / "cg" / "box" / "cpu.max"  # a container's --cpus=3.5, above it: 4 CPUs
+    quota.write_text("350000 100000\n")
     assert seen(16, 2) == ["2", "2"]
-    quota.unlink()  # no cgroup v2 file: the affinity alone
+    (tmp_path / "cg" / "cpu.max").write_text("200000 100000\n")  # the root's 2: the least
+    assert seen(16, 2) == ["1", "1"]
+    for path in (quota, tmp_path / "cg" / "cpu.max"):  # no quota: the affinity alone
+        path.unlink()
     assert seen(16, 2) == ["8", "8"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert seen(16, 2) == ["3", "8"]
