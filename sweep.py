@@ -550,8 +550,8 @@ def holm(ps: list) -> list:
 
 def detectable(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
     """The smallest true mean difference a paired t-test at level alpha finds with about the given
-    power (normal-shift approximation, a few points low at n = 5: about 75% for 80%):
-    (t_{1-alpha/2} + t_{power}) sd / sqrt(n), df = n - 1."""
+    power (the noncentral t taken as a shifted central t, a few points low at n = 5: about 75%
+    for 80%): (t_{1-alpha/2} + t_{power}) sd / sqrt(n), df = n - 1."""
     return (t_critical(alpha, n - 1) + t_critical(2 * (1 - power), n - 1)) * sd / math.sqrt(n)
 
 
@@ -690,11 +690,9 @@ def verdict(ln: dict) -> str:
     if ln["mean"] is None:
         return "outside the dense FLOPs range" if ln["vs"] == "dense frontier" else "no control run"
     if ln["p_holm"] is None:
-        return (
-            f"{'below' if ln['mean'] < 0 else 'above'} ("
-            + ("one seed" if ln["n"] < 2 else "the same difference in every seed")
-            + ": no test)"
-        )
+        side = "below" if ln["mean"] < 0 else "above" if ln["mean"] > 0 else "equal"
+        why = "one seed" if ln["n"] < 2 else "the same difference in every seed"
+        return f"{side} ({why}: no test)"
     than = "dense" if ln["vs"] == "dense frontier" else ln["vs"]
     if ln["p_holm"] < 0.05:
         return f"{'better' if ln['mean'] < 0 else 'worse'} than {than}"
@@ -702,13 +700,14 @@ def verdict(ln: dict) -> str:
 
 
 def verdict_text(lines: list) -> str:
+    """The verdict in words: each tested comparison's that is not "no detectable difference",
+    then each untested one's, with why (verdict)."""
     tested = [ln for ln in lines if ln["vs"] and ln.get("p_holm") is not None]
+    untested = "; ".join(
+        f"{ln['name']} {ln['verdict']}" for ln in lines if ln["vs"] and ln.get("p_holm") is None
+    )
     if not tested:
-        return (
-            "with one seed no difference can be tested (use --seeds=5)"
-            if any(ln["vs"] for ln in lines)
-            else "no comparison"
-        ) + "."
+        return f"no difference can be tested: {untested}." if untested else "no comparison."
     said = [
         f"{ln['name']} {ln['verdict']} ({ln['mean']:+.3f}, 95% CI [{ln['lo']:+.3f}, "
         f"{ln['hi']:+.3f}], Holm p = {ln['p_holm']:.3g})"
@@ -718,7 +717,7 @@ def verdict_text(lines: list) -> str:
     return (
         f"{len(tested)} paired comparisons over {max(ln['n'] for ln in tested)} seeds, "
         f"Holm-corrected: " + ("; ".join(said) if said else "no detectable difference in any") + "."
-    )
+    ) + (f" Not tested: {untested}." if untested else "")
 
 
 # ---------------------------------------------------------------------------- the record
@@ -809,6 +808,9 @@ def read_runs(path: str) -> list:
             )
     if len({(r["name"], r["seed"]) for r in rows}) < len(rows):
         raise support.UserError(f"{path}: a (name, seed) appears twice; one row per run")
+    for k in ("encoding", "corpus_sha256"):  # (the runs of one study: compared with each other)
+        if len({r[k] for r in rows}) > 1:
+            raise support.UserError(f"{path}: its runs differ in {k}: one study's runs only")
     return rows
 
 
@@ -845,7 +847,7 @@ def write_report(out: str, rows: list) -> list:
         f"every cheaper one, linear in log FLOPs between them) or control; mean over seeds, "
         f"t-based 95% interval (df = n - 1), two-sided paired t-test, Holm-corrected across "
         f"the {tests} tests. SD: of the per-seed differences. Detectable: the true difference "
-        f"a test at level 0.05 / {tests} finds with 80% power by the normal approximation "
+        f"a test at level 0.05 / {tests} finds with 80% power by the shifted-t approximation "
         f"(about 75% at n = 5). val SE: the largest over seeds of the validation estimate's "
         f"standard error over documents.",
         "",

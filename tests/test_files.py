@@ -326,12 +326,14 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     whole = Path(csv_path).read_bytes()
     last = whole.rstrip(b"\n").rsplit(b"\n", 1)[0]  # (without its last row)
 
-    def edited(key, change):  # the record's runs.csv, change applied to each row's key
+    def edited(key, change, first=None):
+        # the record's runs.csv, change applied to each row's key (or to the first rows' only)
         rows = list(csv.DictReader(io.StringIO(whole.decode())))
         text = io.StringIO()
         w = csv.DictWriter(text, list(rows[0]), lineterminator="\n")
         w.writeheader()
-        w.writerows({**r, key: change(r[key])} for r in rows)
+        changed = rows[:first] if first else rows
+        w.writerows([{**r, key: change(r[key])} for r in changed] + rows[len(changed) :])
         return text.getvalue().encode()
 
     shares = "gate_zero and target_zero: a share in [0, 1] per gated block each"
@@ -348,6 +350,8 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
             (edited("sparsity", lambda v: "1.5"), "sparsity=1.5 must lie in [0, 1]"),
             (edited("ms_per_token_masked", lambda v: "-1"), "=-1.0 must lie in [0, 1e100)"),
             (edited("flops_per_token", lambda v: "0"), "=0.0 must lie in (0, 1e100)"),
+            (edited("corpus_sha256", lambda v: "0" * 64, 1), "runs differ in corpus_sha256"),
+            (edited("encoding", lambda v: "gpt2", 1), "its runs differ in encoding: one study's"),
         ]
     ):
         (tmp_path / f"cut{i}").mkdir()

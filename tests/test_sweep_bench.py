@@ -119,8 +119,16 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert text.startswith(
         "6 paired comparisons over 5 seeds, Holm-corrected: gated_a better than dense"
     )
+    assert text.endswith(  # and what was not tested, with why
+        ". Not tested: gated_c outside the dense FLOPs range; gated_f above (the same difference "
+        "in every seed: no test)."
+    )
     one_seed = sweep.summarise([r for r in rows if r["seed"] == 0])
-    assert "use --seeds=5" in sweep.verdict_text(one_seed)
+    text = sweep.verdict_text(one_seed)
+    assert text.startswith("no difference can be tested: gated_a below (one seed: no test); ")
+    assert "gated_c outside the dense FLOPs range" in text
+    equal = dict(mean=0.0, p_holm=None, n=5, vs="dense frontier")  # neither below nor above
+    assert sweep.verdict(equal) == "equal (the same difference in every seed: no test)"
 
 
 def test_the_frontier_holds_exactly_its_slack_beyond_the_dense_range():
@@ -308,7 +316,8 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     assert {p.name for p in out.iterdir()} >= {"table.md", "runs.csv", "figure.png", "README.md"}
     assert (out / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     readme = (out / "README.md").read_text()
-    assert "Verdict: with one seed no difference can be tested" in readme
+    assert "Verdict: no difference can be tested: dense_4 frontier" not in readme
+    assert "Verdict: no difference can be tested: " in readme and "(one seed: no test)" in readme
     table = {r["name"]: r for r in sweep.read_runs(str(out / "runs.csv"))}
     assert list(table) == names
     for name in ("gated_mu0.5", "dlo_rho0.5", "dlo_control"):  # resumed, with the grid's job
