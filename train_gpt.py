@@ -275,7 +275,7 @@ class Block(nn.Module):
     @staticmethod
     def pack(active, length=None):
         """active: (B, T) bool -> pos: the positions of each sequence's active tokens first, in
-        order, then its inactive ones (the padding), (B, Tc); None where Tc = T (every position:
+        order, then its inactive ones (the padding), (B, Tc); None where Tc >= T (every position:
         packing would only add its cost, 1.09-1.12x masked's forward+backward time at sparsity 0
         in three bench calls on an H200, records/2026-11-28_gpu_check_NVIDIA_H200). Tc = length,
         known on the host (no sync); a sequence with more active tokens loses those past it, so
