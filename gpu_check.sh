@@ -106,7 +106,7 @@ summary_of() {  # one stage's figures for summary.txt
         tests) echo "; $(tail -n1 "$out/tests.txt")" ;;
         bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) if [ -e "$log" ]; then  # (a stage refused before its run has none)
-                     echo "; $(grep -h '^step:.* train_loss' "$log" | tail -1 | grep -o 'step_avg.*')" \
+                     echo "; $(grep -h '^step:.* train_loss' "$log" | grep -v ' compile:' | tail -1 | grep -o 'step_avg.*')" \
                           "$(grep -h '^peak memory' "$log"); $(grep -h '^compile:' "$log");" \
                           "redone: $(grep -c '^step:.* redone:full_length' "$log") of $(grep -c '^step:.* train_loss' "$log") steps;" \
                           "$(grep -h '^step:1/.* train_loss' "$log" | grep -o 'train_loss:[0-9.]*')" \

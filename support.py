@@ -369,13 +369,16 @@ def usable_cpus() -> int:
     with contextlib.suppress(OSError, StopIteration):
         with open(SELF_CGROUP) as f:
             group = next(line[3:].strip() for line in f if line.startswith("0::"))
-    for _ in range(group.count("/") + 1):  # the group, then each parent up to the root
-        with contextlib.suppress(OSError, ValueError, ZeroDivisionError):  # (none, or "max")
-            with open(os.path.join(CGROUP, group.strip("/"), "cpu.max")) as f:
-                quota, period = f.read().split()[:2]
-            cpus = min(cpus, -(-int(quota) // int(period)))
-        group = os.path.dirname(group.rstrip("/")) or "/"
-    return max(1, cpus)
+    group = os.path.normpath("/" + group.lstrip("/"))  # (within the hierarchy: no ".." left)
+    while True:  # the group, then each parent up to the root
+        with contextlib.suppress(OSError, ValueError):  # (no file, or "max": no quota)
+            with open(os.path.join(CGROUP, group.lstrip("/"), "cpu.max")) as f:
+                quota, period = (int(v) for v in f.read().split()[:2])
+            if quota > 0 and period > 0:
+                cpus = min(cpus, -(-quota // period))
+        if group == "/":
+            return max(1, cpus)
+        group = os.path.dirname(group)
 
 
 # -----------------------------------------------------------------------------

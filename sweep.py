@@ -848,7 +848,8 @@ def write_report(out: str, rows: list) -> list:
         f"t-based 95% interval (df = n - 1), two-sided paired t-test, Holm-corrected across "
         f"the {tests} tests. SD: of the per-seed differences. Detectable: the true difference "
         f"a test at level 0.05 / {tests} finds with 80% power by the shifted-t approximation "
-        f"(about 75% at n = 5). val SE: the largest over seeds of the validation estimate's "
+        f"(exactly, a few points less at n = 5: about 75% at 0.05 / 6). val SE: the largest over "
+        f"seeds of the validation estimate's "
         f"standard error over documents.",
         "",
         "| run | vs | n | difference | 95% CI | SD | p | Holm p | verdict | detectable | "

@@ -885,6 +885,9 @@ print(json.dumps([os.environ.get(k) for k in {names!r}]), file=open(sys.argv[1],
     assert seen(16, 2) == ["2", "2"]
     (tmp_path / "cg" / "cpu.max").write_text("200000 100000\n")  # the root's 2: the least
     assert seen(16, 2) == ["1", "1"]
+    (tmp_path / "cg" / "cpu.max").write_text("-1 100000\n")  # not a quota: the box's 4
+    (tmp_path / "self").write_text("0::/box/../box/run/\n")  # (the same group, spelt so)
+    assert seen(16, 2) == ["2", "2"]
     for path in (quota, tmp_path / "cg" / "cpu.max"):  # no quota: the affinity alone
         path.unlink()
     assert seen(16, 2) == ["8", "8"]
