@@ -469,7 +469,8 @@ def writable_dir(path: str, outputs=(), by: str = "") -> str:
         )
     ours = written_outputs(path) if outputs else {}  # (a command that keeps no record: not read)
     for name in outputs:
-        if problem := not_own(path, name, ours, by):
+        problem, _ = ownership(path, name, ours, by)
+        if problem:
             raise UserError(f"{problem}: move it or write elsewhere; nothing was written")
     made = first_missing(path)
     existing = os.path.dirname(made) if made else os.path.abspath(path)
@@ -517,18 +518,21 @@ def written_outputs(d: str) -> dict:
     return record
 
 
-def not_own(folder: str, name: str, ours: dict, by: str) -> str:
-    """Why folder's file name is not command `by`'s to replace (ours: written_outputs), or "" if
-    it is absent, or a file that write_output wrote for `by`, unchanged since."""
+def ownership(folder: str, name: str, ours: dict, by: str) -> tuple:
+    """-> (why folder's file name is not command `by`'s to replace (ours: written_outputs), or ""
+    if it is absent, or a file that write_output wrote for `by`, unchanged since; the file's
+    sha256, or None)."""
     p, entry = os.path.join(folder, name), ours.get(name)
     if not os.path.lexists(p):
-        return ""
+        return "", None
     digest = sha256_of(p) if kind_of(p) == "a file" else None
     if digest in digests(entry, by):
-        return ""
+        return "", digest
     if digest in digests(entry):  # (an older version's entry)
-        return f"{p} is there and the record of it is an older version's, which names no command"
-    return f"{p} is there ({kind_of(p)}) and this command did not write it, or it changed since"
+        why = f"{p} is there and the record of it is an older version's, which names no command"
+    else:
+        why = f"{p} is there ({kind_of(p)}) and this command did not write it, or it changed since"
+    return why, digest
 
 
 def recorded_file(entry) -> bool:
@@ -563,11 +567,11 @@ def write_output(folder: str, name: str, data: bytes, by: str):
     cut at any point (a signal, a full disk) leaves only files its rerun recognises as its own
     (writable_dir)."""
     ours = written_outputs(folder)
-    if problem := not_own(folder, name, ours, by):  # (since writable_dir: a user's, or another's)
+    problem, old = ownership(folder, name, ours, by)  # (since writable_dir: another's, a user's)
+    if problem:
         raise UserError(f"{problem}: not replaced; move it and run this again")
     new = hashlib.sha256(data).hexdigest()
     path, record = os.path.join(folder, name), os.path.join(folder, OUTPUTS)
-    old = sha256_of(path) if os.path.lexists(path) else None
 
     def recorded(digest):  # the record with this file's entry
         entry = {"by": os.path.basename(by), "sha256": digest}
