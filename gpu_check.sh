@@ -9,16 +9,15 @@
 #     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
 # GPU_CHECK_SECONDS: the budget (default 420: one call of 7 minutes). The stages, with the
-# seconds measured on one H200 at f68bedd (records/2026-11-28_gpu_check_NVIDIA_H200; the bench's
-# with Inductor's cache warm from a cut run, "cut at 72" its three rows cold):
-#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   25
+# seconds measured on one H200 at 4e62648 (records/2026-11-28_gpu_check_NVIDIA_H200_v2):
+#   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   32
 #   paper_none, paper_skip_middle
 #            first, as a compiled run that does not learn makes the rest moot: the paper
 #            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
 #            failing unless the last validation loss is under 0.9 x the first training loss;
 #            dense, and gated (its gates skip by the end: on the H200 blocks 1-10 ran 0.10-0.11
 #            of the last validation's tokens); run folders outside the record (a 2.3 GB
-#            checkpoint), logs copied in (a cut stage's too)                          54, 47
+#            checkpoint), logs copied in (a cut stage's too)                          53, 45
 #   paper_masked, paper_compact
 #            40 more steps from paper_skip_middle's weights (--init_from: gates that already
 #            skip; a new run: its controller's coefficients, Adam and schedule start afresh),
@@ -29,20 +28,20 @@
 #            compact's losses are masked's (exact, but bf16): step 1 within 0.5%, the last
 #            validation within 2%. The gated run's folder ($TMPDIR/gpu_check_runs_*/
 #            paper_skip_middle) is removed once the pair is done; where a call finds it gone
-#            (another machine) before then, that run and the pair run again               37, 93
+#            (another machine) before then, that run and the pair run again              39, 142
 #   bench    bench.py --size=paper --compile=1 --repeats=10 (the compacted model's median of 3
-#            moved by up to 10 ms between calls): masked against compacted blocks at the four
-#            sparsities, against issue 48's targets (summary.txt: each target met or not, the
-#            masked MFU), compile time apart; bench/profile.md: each row's costliest
+#            moved by up to 10 ms between calls at f68bedd): masked against compacted blocks at
+#            the four sparsities, against issue 48's targets (summary.txt: each target met or
+#            not, the masked MFU), compile time apart; bench/profile.md: each row's costliest
 #            operators by GPU time, profiled after the timing (where a missed target's time
-#            went)                                                          42 (cut at 72)
+#            went)                                                                   76
 #   tests    last, as nothing in it is timed (a second call that finishes it changes no
 #            figure): the CUDA tests, -k cuda, in one process (tests/test_gpu.py: compiled =
 #            eager, Flex with ln g, packed lengths compiled once each and never a sync), each
-#            one's time: in two processes at once, 125 and 187 (bench.py's CUDA case, 84 s, and
-#            four of the compacted test's steps, since removed); one process cold not measured
-# One call does not yet hold them all: 494 s with the tests in two processes and a warm bench;
-# as they now run, cold, an estimated 500-560 (a second call finishes a cut stage).
+#            one's time: cut at 141 cold (inside the compacted path's test), then 60 with
+#            Inductor's cache warm from the cut run
+# One call does not hold them all: 546 + 75 s in two calls; cold, more (the tests' cold time is
+# over 141 s). A second call finishes a cut stage.
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail
