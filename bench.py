@@ -19,11 +19,15 @@ is packed to every position, so it runs as masked (Block.forward_compact): that 
 masked model twice, and the packing's cost shows from 0.25 on.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
-packed lengths are new compiles a block's graph again. --profile=1: once every row is timed (a
-profiler can leave tracing behind that slows what runs after it), one more forward+backward of
-each model at each row's sparsity under torch.profiler, its costliest operators in profile.md,
-so that a target missed says where the time went: on CUDA by their own GPU time (kernels, the
-operators that launch them and, compiled, Inductor's graph calls side by side), else CPU time.
+packed lengths are new compiles a block's graph again. The host columns: each pass's median
+time until its call returned, before the wait for the device (on CUDA; on CPU the pass). Near
+the pass's own time, the device waited for the host's launches, or the host for a full launch
+queue (then the masked model's is near its time too); well below it, the device is the bound.
+--profile=1: once every row is timed (a profiler can leave tracing behind that slows what runs
+after it), one more forward+backward of each model at each row's sparsity under torch.profiler,
+its costliest operators in profile.md, so that a target missed says where the time went: on
+CUDA by their own GPU time (kernels, the operators that launch them and, compiled, Inductor's
+graph calls side by side), else CPU time.
 Without it, a profile.md that an earlier --profile=1 wrote in --out, unchanged since, is removed
 (it would describe other figures than bench.md's).
 """
@@ -76,17 +80,19 @@ def force_sparsity(model, idx, p, seed=0):
 
 def timed(fns: dict, repeats, sync) -> dict:
     """fns: {name: fn}, each already run once (its warm-up, compilation included) -> {name: median
-    seconds of `repeats` calls}. Side by side: each round calls every fn once, in turn, so that
-    the models' figures come from the same stretch of the machine's time."""
-    times = {name: [] for name in fns}
+    seconds of `repeats` calls, host_<name>: the median seconds until the call returned, before
+    the wait for the device}. Side by side: each round calls every fn once, in turn, so that the
+    models' figures come from the same stretch of the machine's time."""
+    times = {key: [] for name in fns for key in (name, f"host_{name}")}
     for _ in range(repeats):
         for name, fn in fns.items():
             sync()
             t0 = time.perf_counter()
             fn()
+            times[f"host_{name}"].append(time.perf_counter() - t0)
             sync()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 PROFILE_ROWS = 12  # operators in each of profile.md's tables
@@ -223,8 +229,9 @@ def target_lines(name, rows) -> list:
 HEADER = (
     "| size | sparsity | fwd masked ms | fwd compact ms | fwd speedup | fwd+bwd masked ms "
     "| fwd+bwd compact ms | fwd+bwd speedup | ideal (FLOPs) | fwd eff | fwd+bwd eff "
-    "| compile s masked | compile s compact |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| compile s masked | compile s compact | fwd host ms masked / compact "
+    "| fwd+bwd host ms masked / compact |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -234,7 +241,9 @@ def format_row(r):
         f"{1e3 * r['fwd_compact']:.1f} | {r['fwd_speedup']:.2f} | {1e3 * r['fb_masked']:.1f} | "
         f"{1e3 * r['fb_compact']:.1f} | {r['fb_speedup']:.2f} | {r['ideal']:.2f} | "
         f"{r['fwd_eff']:.2f} | {r['fb_eff']:.2f} | {r['compile_masked']:.1f} | "
-        f"{r['compile_compact']:.1f} |"
+        f"{r['compile_compact']:.1f} | {1e3 * r['host_fwd_masked']:.1f} / "
+        f"{1e3 * r['host_fwd_compact']:.1f} | {1e3 * r['host_fb_masked']:.1f} / "
+        f"{1e3 * r['host_fb_compact']:.1f} |"
     )
 
 

@@ -15,9 +15,9 @@
 #            first, as a compiled run that does not learn makes the rest moot: the paper
 #            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
 #            failing unless the last validation loss is under 0.9 x the first training loss;
-#            dense, and gated (its gates skip by the end: on the H200 blocks 1-10 ran 0.10-0.11
-#            of the last validation's tokens); run folders outside the record (a 2.3 GB
-#            checkpoint), logs copied in (a cut stage's too)                          53, 45
+#            dense, and gated (its gates skip by the end: on the H200 at 4e62648 blocks 1 and 10
+#            ran 0.27 of the last validation's tokens, blocks 2-9 0.001); run folders outside
+#            the record (a 2.3 GB checkpoint), logs copied in (a cut stage's too)      53, 45
 #   paper_masked, paper_compact
 #            40 more steps from paper_skip_middle's weights (--init_from: gates that already
 #            skip; a new run: its controller's coefficients, Adam and schedule start afresh),

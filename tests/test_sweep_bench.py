@@ -464,19 +464,24 @@ def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told
 
 def test_bench_times_its_passes_side_by_side_each_by_its_median(monkeypatch):
     # bench.timed: each round calls every pass once, in turn (the models' figures from the same
-    # stretch of the machine's time), and each pass's figure is the median of its own calls
+    # stretch of the machine's time), and each pass's figure is the median of its own calls,
+    # with the wait for the device (sync) and, host_, without
     bench = load_command("bench.py")
     now, calls = [0.0], []
     took = {"masked": iter([3.0, 1.0, 2.0]), "compact": iter([5.0, 4.0, 9.0])}
+    waits = iter([0.0, 0.5, 0.0, 0.25] * 3)  # before and after each call: the device's work
 
     def call(name):
         calls.append(name)
         now[0] += next(took[name])
 
+    def sync():
+        now[0] += next(waits)
+
     monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
-    medians = bench.timed({n: partial(call, n) for n in took}, 3, lambda: None)
+    medians = bench.timed({n: partial(call, n) for n in took}, 3, sync)
     assert calls == ["masked", "compact"] * 3
-    assert medians == {"masked": 2.0, "compact": 5.0}
+    assert medians == {"masked": 2.5, "compact": 5.25, "host_masked": 2.0, "host_compact": 5.0}
 
 
 def test_bench_target_lines_compare_each_target_and_give_the_mfu():
