@@ -733,6 +733,7 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
     (nor a plan's next command), those in flight run to their end, then its error is raised.
     Rerun, the grid resumes (run_grid)."""
     todo = list(plans)  # not started
+    t0 = time.monotonic()  # (each run's line says when it ended)
     failed = []  # (error kind, message), in the order they came
     saved = []  # what each run stopped by a signal left
     with Trainers(share_of_cpus(jobs) if jobs > 1 else None) as trainers:
@@ -772,7 +773,7 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
             elif step + 1 < len(plan.steps) and not failed:  # its next command, in its place
                 trainers.start(plan, step + 1, nproc)
             elif step + 1 == len(plan.steps) and plan.said:
-                print(plan.said, flush=True)
+                print(f"{plan.said} ({time.monotonic() - t0:.0f} s in)", flush=True)
     if failed:
         kind, said = failed[0]
         raise kind(said + (f" (and {len(failed) - 1} more runs failed)" if failed[1:] else ""))

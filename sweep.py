@@ -1074,10 +1074,11 @@ def main(argv):
     except runs.Stopped as e:
         print(e, flush=True)
         return
-    rows = [
-        dict(name=name, seed=seed, **measure(run_dir, args.device), command=command)
-        for name, seed, run_dir, command in done
-    ]
+    rows = []
+    for name, seed, run_dir, command in done:
+        t1 = time.time()
+        rows.append(dict(name=name, seed=seed, **measure(run_dir, args.device), command=command))
+        print(f"{name} seed {seed}: measured in {time.time() - t1:.1f} s", flush=True)
     write_runs(out, rows)
     rows = read_runs(os.path.join(out, "runs.csv"))  # the record is what runs.csv regenerates
     lines = write_report(out, rows)
