@@ -70,6 +70,7 @@ from data.shards import (  # noqa: E402
     find_shards,
     read_shard,
     shard_encoding,
+    shard_fingerprint,
     shard_tokens,
 )
 from ranks import Dist, add_sums, all_reduce_sums  # noqa: E402
@@ -576,7 +577,8 @@ class DistributedLoader:
     """Walks the shards in order, cycling. Each step takes one contiguous global batch of
     B_global * T (+1) tokens; rank r gets sequences [r B_local, (r + 1) B_local): the same global
     batch at every world size. Every header (and encoding) is checked up front, so a bad shard
-    stops the run before it starts; token ids are checked as each shard is loaded."""
+    stops the run before it starts; token ids are checked as each shard is loaded, and each is
+    fingerprinted (state()'s "read"), so that a resume finds any the run read changed."""
 
     def __init__(
         self,
@@ -596,23 +598,40 @@ class DistributedLoader:
                     f"{found} model on it (--encoding={found}), or give {encoding} shards"
                 )
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
-        self.shard = None
+        self.shard, self.read = None, {}  # read: {index: shard_fingerprint} of those loaded
         self.reset()
 
     def reset(self):
         self._load(0)
 
     def state(self) -> dict:
-        return {"shard": self.shard, "pos": self.pos}
+        return {
+            "shard": self.shard,
+            "pos": self.pos,
+            "read": [[i, *f] for i, f in sorted(self.read.items())],
+        }
 
     def restore(self, state: dict):
         self.check_position(state)
+        self.read.update({i: kept for i, *kept in state.get("read", [])})  # (kept on)
         self._load(state["shard"])
         self.pos = state["pos"]
 
     def check_position(self, state: dict):
-        """A checkpoint's data position (state()) must lie in these shards (changed or edited?)."""
+        """A checkpoint's data position (state()) must lie in these shards (changed or edited?),
+        and each shard the run had read must be the same (a shard not read yet may be added)."""
         state = state if isinstance(state, dict) else {}
+        read = state.get("read", [])  # (none in a checkpoint from before shards were read so)
+        for entry in read if isinstance(read, list) else [None]:
+            i, *kept = entry if isinstance(entry, list) and len(entry) == 4 else (None, "a shard")
+            here = type(i) is int and 0 <= i < len(self.files)
+            if not here or shard_fingerprint(self.files[i]) != kept:
+                raise UserError(
+                    f"the run had read {kept[0]} as training shard {i}, and "
+                    + (f"{self.files[i]} is another now" if here else "there is no such shard now")
+                    + " (its name, token count or first and last tokens differ): resume with "
+                    "the shards it trained on"
+                )
         shard, pos = state.get("shard"), state.get("pos")
         if not (
             type(shard) is type(pos) is int
@@ -633,6 +652,7 @@ class DistributedLoader:
     def _load(self, shard: int):
         if shard != self.shard:  # the validation shard stays in memory between evaluations
             self.tokens = read_shard(self.files[shard], self.vocab_size)
+            self.read[shard] = shard_fingerprint(self.files[shard])
         self.shard, self.pos = shard, 0
         need = self.B * self.T * self.world + 1
         if len(self.tokens) < need:

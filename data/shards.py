@@ -8,6 +8,7 @@ the field is 0), 1 UTF-8 bytes (ids 0-255, each document preceded by BYTES_EOT).
 """
 
 import glob
+import hashlib
 import os
 import sys
 
@@ -89,6 +90,22 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
             f"these shards and the model's settings do not go together"
         )
     return tokens
+
+
+FINGERPRINT_TOKENS = 2**20  # a fingerprint reads this many tokens at each end of a shard
+
+
+def shard_fingerprint(path: str) -> list:
+    """[file name, token count, sha256 of its first and last FINGERPRINT_TOKENS tokens]: a shard
+    replaced, re-tokenized or renamed has another (a resume checks each that the run had read)."""
+    count, n = shard_tokens(path), FINGERPRINT_TOKENS
+    ends = hashlib.sha256()
+    with named(path):
+        for start in (0, max(0, count - n)):
+            ends.update(
+                np.fromfile(path, np.uint16, min(n, count), offset=HEADER_BYTES + 2 * start)
+            )
+    return [os.path.basename(path), count, ends.hexdigest()]
 
 
 def find_shards(pattern: str) -> list:

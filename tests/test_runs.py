@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -350,6 +351,37 @@ def test_a_compacted_run_resumes_bit_for_bit_wherever_it_stops(tmp_path, capsys)
     r = run_command("train_gpt.py", f"--resume={tmp_path / 'seq'}", "--seq_len=16", "--stop_step=7")
     assert r.returncode == 0, r.stderr
     assert torch.load(tmp_path / "seq" / "checkpoint.pt", weights_only=True)["step"] == 7
+
+
+def test_a_resume_refuses_a_training_shard_the_run_read_that_changed(tmp_path, capsys):
+    # each shard the run had read (its fingerprint in the checkpoint, kept across resumes) must
+    # be the same file when it resumes: a replaced or re-tokenized shard would silently give
+    # another run. A shard it had not read may be added. 700 tokens a shard: 2 steps of 257
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, 50257, 700) for _ in range(4)]
+    for i, tokens in enumerate(data):
+        write_shard(tmp_path / f"train_{i}.bin", tokens)
+    run = tmp_path / "run"
+    args = RESUME_RUN + [f"--train_files={tmp_path}/train_*.bin", f"--run_dir={run}"]
+    code, _, err = run_main(args + ["--stop_step=5"], capsys)  # shards 0, 1 and 2 read
+    assert code == 0, err
+    code, _, err = run_main([f"--resume={run}", "--stop_step=7"], capsys)  # reloads 0 and 2
+    assert code == 0, err
+    read = torch.load(run / "checkpoint.pt", weights_only=True)["loader"]["read"]  # 1 kept
+    assert [entry[:3] for entry in read] == [[i, f"train_{i}.bin", 700] for i in range(4)]
+    before = (run / "metrics.jsonl").read_bytes()
+    write_shard(tmp_path / "train_1.bin", data[1][::-1])  # its tokens reversed: same size
+    code, out, err = run_main([f"--resume={run}"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(
+        f"error: the run had read train_1.bin as training shard 1, and {tmp_path}/train_1.bin "
+        "is another now"
+    ), err
+    assert (run / "metrics.jsonl").read_bytes() == before
+    write_shard(tmp_path / "train_1.bin", data[1])  # the same again, and one more not read
+    write_shard(tmp_path / "train_4.bin", data[0])
+    code, _, err = run_main([f"--resume={run}"], capsys)
+    assert code == 0, err
 
 
 def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
