@@ -67,6 +67,7 @@ import runs  # noqa: E402
 from data.shards import (  # noqa: E402
     BYTES_EOT,
     EOT,
+    check_fingerprints,
     find_shards,
     read_shard,
     shard_encoding,
@@ -621,17 +622,7 @@ class DistributedLoader:
         """A checkpoint's data position (state()) must lie in these shards (changed or edited?),
         and each shard the run had read must be the same (a shard not read yet may be added)."""
         state = state if isinstance(state, dict) else {}
-        read = state.get("read", [])  # (none in a checkpoint from before shards were read so)
-        for entry in read if isinstance(read, list) else [None]:
-            i, *kept = entry if isinstance(entry, list) and len(entry) == 4 else (None, "a shard")
-            here = type(i) is int and 0 <= i < len(self.files)
-            if not here or shard_fingerprint(self.files[i]) != kept:
-                raise UserError(
-                    f"the run had read {kept[0]} as training shard {i}, and "
-                    + (f"{self.files[i]} is another now" if here else "there is no such shard now")
-                    + " (its name, token count or first and last tokens differ): resume with "
-                    "the shards it trained on"
-                )
+        check_fingerprints(self.files, state.get("read", []))  # (none kept before they were)
         shard, pos = state.get("shard"), state.get("pos")
         if not (
             type(shard) is type(pos) is int

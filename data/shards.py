@@ -108,6 +108,21 @@ def shard_fingerprint(path: str) -> list:
     return [os.path.basename(path), count, ends.hexdigest()]
 
 
+def check_fingerprints(files: list, read):
+    """read: a checkpoint's [[index, *shard_fingerprint], ...] of the shards its run had read; a
+    UserError unless each is still files[index] (a shard not read yet may be added)."""
+    for entry in read if isinstance(read, list) else [None]:
+        i, *kept = entry if isinstance(entry, list) and len(entry) == 4 else (None, "a shard")
+        here = type(i) is int and 0 <= i < len(files)
+        if not here or shard_fingerprint(files[i]) != kept:
+            raise UserError(
+                f"the run had read {kept[0]} as training shard {i}, and "
+                + (f"{files[i]} is another now" if here else "there is no such shard now")
+                + " (its name, token count or first and last tokens differ): resume with the "
+                "shards it trained on"
+            )
+
+
 def find_shards(pattern: str) -> list:
     """The files a glob matches, sorted; a UserError when there are none or one is a folder."""
     files = sorted(glob.glob(pattern))
