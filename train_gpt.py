@@ -620,9 +620,8 @@ class DistributedLoader:
 
     def check_position(self, state: dict):
         """A checkpoint's data position (state()) must lie in these shards (changed or edited?),
-        and each shard the run had read must be the same (a shard not read yet may be added)."""
+        and the shards the run had read must be the same (check_fingerprints)."""
         state = state if isinstance(state, dict) else {}
-        check_fingerprints(self.files, state.get("read", []))  # (none kept before they were)
         shard, pos = state.get("shard"), state.get("pos")
         if not (
             type(shard) is type(pos) is int
@@ -634,6 +633,7 @@ class DistributedLoader:
                 f"not in the training shards now matched ({len(self.files)} files); "
                 f"resume with the run's own train_files and batch size"
             )
+        check_fingerprints(self.files, state.get("read", []), shard)  # ([]: kept none then)
 
     def capacity(self) -> int:
         """Global batches in one pass over all shards, as next_batch walks them."""

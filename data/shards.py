@@ -97,7 +97,8 @@ FINGERPRINT_TOKENS = 2**20  # a fingerprint reads this many tokens at each end o
 
 def shard_fingerprint(path: str) -> list:
     """[file name, token count, sha256 of its first and last FINGERPRINT_TOKENS tokens]: a shard
-    replaced, re-tokenized or renamed has another (a resume checks each that the run had read)."""
+    replaced, re-tokenized or renamed has another; a change inside it, away from both ends, is
+    not seen (reading every shard whole would slow each resume by minutes on FineWeb)."""
     count, n = shard_tokens(path), FINGERPRINT_TOKENS
     ends = hashlib.sha256()
     with named(path):
@@ -108,19 +109,35 @@ def shard_fingerprint(path: str) -> list:
     return [os.path.basename(path), count, ends.hexdigest()]
 
 
-def check_fingerprints(files: list, read):
-    """read: a checkpoint's [[index, *shard_fingerprint], ...] of the shards its run had read; a
-    UserError unless each is still files[index] (a shard not read yet may be added)."""
-    for entry in read if isinstance(read, list) else [None]:
-        i, *kept = entry if isinstance(entry, list) and len(entry) == 4 else (None, "a shard")
-        here = type(i) is int and 0 <= i < len(files)
-        if not here or shard_fingerprint(files[i]) != kept:
+def check_fingerprints(files: list, read, shard: int):
+    """read: a checkpoint's [[index, *shard_fingerprint], ...] of the shards its run had read,
+    shard: the one it is in. A UserError unless each is still files[index]. A shard not read yet
+    may be added, but not once the run has been round them all (read one after shard): the
+    order it goes round them again in is theirs."""
+    if not isinstance(read, list) or not all(
+        isinstance(e, list) and [type(v) for v in e] == [int, str, int, str] for e in read
+    ):
+        raise UserError(
+            "the checkpoint's list of the training shards its run read is not one this trainer "
+            "writes (an edited or damaged checkpoint)"
+        )
+    for i, *kept in read:
+        if not 0 <= i < len(files):
             raise UserError(
-                f"the run had read {kept[0]} as training shard {i}, and "
-                + (f"{files[i]} is another now" if here else "there is no such shard now")
-                + " (its name, token count or first and last tokens differ): resume with the "
-                "shards it trained on"
+                f"the run had read {kept[0]} as training shard {i}, and {len(files)} match now: "
+                f"go on with the shards it trained on"
             )
+        if shard_fingerprint(files[i]) != kept:
+            raise UserError(
+                f"the run had read {kept[0]} as training shard {i}, and {files[i]} is another "
+                f"now (its name, token count, or first or last tokens differ): go on with the "
+                f"shards it trained on"
+            )
+    if any(i > shard for i, *_ in read) and len(read) != len(files):
+        raise UserError(
+            f"the run has been through its {len(read)} training shards and goes round them "
+            f"again: {len(files)} match now; go on with the shards it trained on"
+        )
 
 
 def find_shards(pattern: str) -> list:
