@@ -20,9 +20,9 @@ masked model twice, and the packing's cost shows from 0.25 on.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
 packed lengths are new compiles a block's graph again. The host columns: each pass's median
-time until its call returned, before the wait for the device (on CUDA; on CPU the pass). Near
-the pass's own time, the device waited for the host's launches, or the host for a full launch
-queue (then the masked model's is near its time too); well below it, the device is the bound.
+time until its call returned, before the wait for the device (on CUDA; on CPU the pass). Well
+below the pass's own time, the device was the bound; near it, the host was held: by its
+launches, a full launch queue or a sync (which, the figures alone do not say).
 --profile=1: once every row is timed (a profiler can leave tracing behind that slows what runs
 after it), one more forward+backward of each model at each row's sparsity under torch.profiler,
 its costliest operators in profile.md, so that a target missed says where the time went: on
@@ -215,7 +215,7 @@ def target_lines(name, rows) -> list:
     lines, at = [], {r["target"]: r for r in rows}
     for p, kind, least in TARGETS:
         got = at[p][f"fb_{kind}"]
-        what = "compact / masked" if kind == "speedup" else "of the FLOP ideal"
+        what = "speedup (masked / compact time)" if kind == "speedup" else "of the FLOP ideal"
         verdict = "met" if got >= least else "not met"
         lines.append(f"{name} at sparsity {p}: {got:.2f} {what} (target {least}): {verdict}")
     if "fb_mfu_masked" in rows[0]:

@@ -733,7 +733,7 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
     (nor a plan's next command), those in flight run to their end, then its error is raised.
     Rerun, the grid resumes (run_grid)."""
     todo = list(plans)  # not started
-    t0 = time.monotonic()  # (each run's line says when it ended)
+    t0 = time.monotonic()  # (each run's line says when it ended, since this call began)
     failed = []  # (error kind, message), in the order they came
     saved = []  # what each run stopped by a signal left
     with Trainers(share_of_cpus(jobs) if jobs > 1 else None) as trainers:

@@ -1076,9 +1076,9 @@ def main(argv):
         return
     rows = []
     for name, seed, run_dir, command in done:
-        t1 = time.time()
+        t1 = time.perf_counter()
         rows.append(dict(name=name, seed=seed, **measure(run_dir, args.device), command=command))
-        print(f"{name} seed {seed}: measured in {time.time() - t1:.1f} s", flush=True)
+        print(f"{name} seed {seed}: measured in {time.perf_counter() - t1:.1f} s", flush=True)
     write_runs(out, rows)
     rows = read_runs(os.path.join(out, "runs.csv"))  # the record is what runs.csv regenerates
     lines = write_report(out, rows)

@@ -579,7 +579,7 @@ class DistributedLoader:
     B_global * T (+1) tokens; rank r gets sequences [r B_local, (r + 1) B_local): the same global
     batch at every world size. Every header (and encoding) is checked up front, so a bad shard
     stops the run before it starts; token ids are checked as each shard is loaded, and each is
-    fingerprinted (state()'s "read"), so that a resume finds any the run read changed."""
+    fingerprinted (state()'s "read"), so that a resume finds one replaced or re-tokenized."""
 
     def __init__(
         self,
@@ -603,6 +603,7 @@ class DistributedLoader:
         self.reset()
 
     def reset(self):
+        self.laps = 0  # passes finished over every shard
         self._load(0)
 
     def state(self) -> dict:
@@ -610,11 +611,14 @@ class DistributedLoader:
             "shard": self.shard,
             "pos": self.pos,
             "read": [[i, *f] for i, f in sorted(self.read.items())],
+            "laps": self.laps,
+            "files": len(self.files),
         }
 
     def restore(self, state: dict):
         self.check_position(state)
         self.read.update({i: kept for i, *kept in state.get("read", [])})  # (kept on)
+        self.laps = state.get("laps", 0)  # (unknown before they were counted)
         self._load(state["shard"])
         self.pos = state["pos"]
 
@@ -633,7 +637,7 @@ class DistributedLoader:
                 f"not in the training shards now matched ({len(self.files)} files); "
                 f"resume with the run's own train_files and batch size"
             )
-        check_fingerprints(self.files, state.get("read", []), shard)  # ([]: kept none then)
+        check_fingerprints(self.files, state)
 
     def capacity(self) -> int:
         """Global batches in one pass over all shards, as next_batch walks them."""
@@ -643,7 +647,7 @@ class DistributedLoader:
     def _load(self, shard: int):
         if shard != self.shard:  # the validation shard stays in memory between evaluations
             self.tokens = read_shard(self.files[shard], self.vocab_size)
-            self.read[shard] = shard_fingerprint(self.files[shard])
+            self.read[shard] = shard_fingerprint(self.files[shard], self.tokens)
         self.shard, self.pos = shard, 0
         need = self.B * self.T * self.world + 1
         if len(self.tokens) < need:
@@ -658,6 +662,8 @@ class DistributedLoader:
         buf = torch.from_numpy(self.tokens[start : start + self.B * self.T + 1].astype(np.int64))
         self.pos += self.B * self.T * self.world
         if self.pos + self.B * self.T * self.world + 1 > len(self.tokens):
+            if self.shard + 1 == len(self.files):
+                self.laps += 1
             self._load((self.shard + 1) % len(self.files))
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 

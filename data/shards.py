@@ -95,31 +95,41 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
 FINGERPRINT_TOKENS = 2**20  # a fingerprint reads this many tokens at each end of a shard
 
 
-def shard_fingerprint(path: str) -> list:
-    """[file name, token count, sha256 of its first and last FINGERPRINT_TOKENS tokens]: a shard
-    replaced, re-tokenized or renamed has another; a change inside it, away from both ends, is
-    not seen (reading every shard whole would slow each resume by minutes on FineWeb)."""
-    count, n = shard_tokens(path), FINGERPRINT_TOKENS
+def shard_fingerprint(path: str, tokens: np.ndarray = None) -> list:
+    """[file name, token count, sha256 of its first and last FINGERPRINT_TOKENS tokens] (tokens:
+    the shard's, read already; else its two ends are read here): a shard replaced, re-tokenized
+    or renamed has another; a change inside it, away from both ends, is not seen (hashing whole
+    shards would read every shard a run had read at each resume: up to ~20 GB on FineWeb)."""
+    count, n = shard_tokens(path) if tokens is None else len(tokens), FINGERPRINT_TOKENS
     ends = hashlib.sha256()
     with named(path):
         for start in (0, max(0, count - n)):
             ends.update(
                 np.fromfile(path, np.uint16, min(n, count), offset=HEADER_BYTES + 2 * start)
+                if tokens is None
+                else tokens[start : start + n]
             )
     return [os.path.basename(path), count, ends.hexdigest()]
 
 
-def check_fingerprints(files: list, read, shard: int):
-    """read: a checkpoint's [[index, *shard_fingerprint], ...] of the shards its run had read,
-    shard: the one it is in. A UserError unless each is still files[index]. A shard not read yet
-    may be added, but not once the run has been round them all (read one after shard): the
-    order it goes round them again in is theirs."""
-    if not isinstance(read, list) or not all(
-        isinstance(e, list) and [type(v) for v in e] == [int, str, int, str] for e in read
+def check_fingerprints(files: list, state: dict):
+    """state: a training loader's checkpoint state, with "read", [[index, *shard_fingerprint],
+    ...] of the shards its run had read, "laps", the passes it finished over them all, and
+    "files", their number (a checkpoint from before keeps none: nothing is checked). A UserError
+    unless each shard read is still files[index] and, once the run has been round them all, their
+    number is the same (the order it goes round in again is set). A shard not read yet, after the
+    one the run is in, may be added, removed or changed before then."""
+    if "read" not in state:
+        return
+    read, laps, count = state["read"], state.get("laps"), state.get("files")
+    if not (
+        isinstance(read, list)
+        and all(isinstance(e, list) and [type(v) for v in e] == [int, str, int, str] for e in read)
+        and type(laps) is type(count) is int
     ):
         raise UserError(
-            "the checkpoint's list of the training shards its run read is not one this trainer "
-            "writes (an edited or damaged checkpoint)"
+            "the checkpoint's record of the training shards its run read is not one this "
+            "trainer writes (an edited or damaged checkpoint)"
         )
     for i, *kept in read:
         if not 0 <= i < len(files):
@@ -133,10 +143,10 @@ def check_fingerprints(files: list, read, shard: int):
                 f"now (its name, token count, or first or last tokens differ): go on with the "
                 f"shards it trained on"
             )
-    if any(i > shard for i, *_ in read) and len(read) != len(files):
+    if laps and count != len(files):
         raise UserError(
-            f"the run has been through its {len(read)} training shards and goes round them "
-            f"again: {len(files)} match now; go on with the shards it trained on"
+            f"the run has been round its {count} training shards and goes round them again: "
+            f"{len(files)} match now; go on with the shards it trained on"
         )
 
 

@@ -357,7 +357,7 @@ def test_a_resume_refuses_a_training_shard_the_run_read_that_changed(tmp_path, c
     # each shard the run had read (its fingerprint in the checkpoint, kept across resumes) must
     # be the same file when it resumes: a replaced or re-tokenized shard would silently give
     # another run. A shard it had not read may be added, but not once the run has been round
-    # them all. 700 tokens a shard: 2 steps of 257
+    # them all (in any of them, the last too). 700 tokens a shard: 2 steps of 257
     rng = np.random.default_rng(0)
     data = [rng.integers(0, 50257, 700) for _ in range(4)]
     for i, tokens in enumerate(data[:3]):
@@ -370,18 +370,18 @@ def test_a_resume_refuses_a_training_shard_the_run_read_that_changed(tmp_path, c
     write_shard(tmp_path / "train_3.bin", data[3])
     code, _, err = run_main([f"--resume={tmp_path / 'more'}", "--stop_step=7"], capsys)
     assert code == 0, err
-    read = torch.load(tmp_path / "more" / "checkpoint.pt", weights_only=True)["loader"]["read"]
-    assert [entry[:2] for entry in read] == [[i, f"train_{i}.bin"] for i in range(4)]
+    state = torch.load(tmp_path / "more" / "checkpoint.pt", weights_only=True)["loader"]
+    assert [e[:2] for e in state["read"]] == [[i, f"train_{i}.bin"] for i in range(4)]
+    assert (state["laps"], state["files"]) == (0, 4)
     (tmp_path / "train_3.bin").unlink()
     code, _, err = run_main([f"--resume={run}", "--stop_step=7"], capsys)  # reloads 0 and 2
-    assert code == 0, err  # round again: in shard 0
+    assert code == 0, err  # round once: in shard 0
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
-    assert [entry[:3] for entry in ckpt["loader"]["read"]] == [
-        [i, f"train_{i}.bin", 700] for i in range(3)
-    ]  # 1 kept from the checkpoint
-    before = (run / "metrics.jsonl").read_bytes()
+    assert [e[:3] for e in ckpt["loader"]["read"]] == [[i, f"train_{i}.bin", 700] for i in range(3)]
+    assert (ckpt["loader"]["laps"], ckpt["loader"]["files"]) == (1, 3)  # (1 kept from before)
 
     def refused(start):
+        before = (run / "metrics.jsonl").read_bytes()
         code, out, err = run_main([f"--resume={run}"], capsys)
         assert code == 2 and out == "" and err.count("\n") == 1, err
         assert err.startswith("error: " + start), err
@@ -390,14 +390,16 @@ def test_a_resume_refuses_a_training_shard_the_run_read_that_changed(tmp_path, c
     write_shard(tmp_path / "train_1.bin", data[1][::-1])  # its tokens reversed: same size
     refused(f"the run had read train_1.bin as training shard 1, and {tmp_path}/train_1.bin is")
     write_shard(tmp_path / "train_1.bin", data[1])
-    write_shard(tmp_path / "train_3.bin", data[3])  # not read, but the run goes round again
-    refused("the run has been through its 3 training shards and goes round them again: 4 match")
-    (tmp_path / "train_3.bin").unlink()
     edited = copy.deepcopy(ckpt)
     edited["loader"]["read"][1][2] = 700.0
     torch.save(edited, run / "checkpoint.pt")
-    refused("the checkpoint's list of the training shards its run read is not one this trainer")
+    refused("the checkpoint's record of the training shards its run read is not one this")
     torch.save(ckpt, run / "checkpoint.pt")
+    code, _, err = run_main([f"--resume={run}", "--stop_step=11"], capsys)  # in the last again
+    assert code == 0, err
+    write_shard(tmp_path / "train_3.bin", data[3])  # not read, but the run goes round again
+    refused("the run has been round its 3 training shards and goes round them again: 4 match")
+    (tmp_path / "train_3.bin").unlink()
     code, _, err = run_main([f"--resume={run}"], capsys)
     assert code == 0, err
 
