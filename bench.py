@@ -22,7 +22,7 @@ graph its calls there compiled (forced gates and fitted lengths included): a spa
 packed lengths are new compiles a block's graph again. The host columns: each pass's median
 time until its call returned, before the wait for the device (on CUDA; on CPU the pass). Well
 below the pass's own time, the device was the bound; near it, the host was held: by its
-launches, a full launch queue or a sync (which, the figures alone do not say).
+launches, a full launch queue or a sync, which the figures alone do not say.
 --profile=1: once every row is timed (a profiler can leave tracing behind that slows what runs
 after it), one more forward+backward of each model at each row's sparsity under torch.profiler,
 its costliest operators in profile.md, so that a target missed says where the time went: on
