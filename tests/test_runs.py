@@ -376,9 +376,9 @@ def test_a_resume_refuses_a_training_shard_the_run_read_that_changed(tmp_path, c
     (tmp_path / "train_3.bin").unlink()
     code, _, err = run_main([f"--resume={run}", "--stop_step=7"], capsys)  # reloads 0 and 2
     assert code == 0, err  # round once: in shard 0
-    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)  # shard 1's kept from before
     assert [e[:3] for e in ckpt["loader"]["read"]] == [[i, f"train_{i}.bin", 700] for i in range(3)]
-    assert (ckpt["loader"]["laps"], ckpt["loader"]["files"]) == (1, 3)  # (1 kept from before)
+    assert (ckpt["loader"]["laps"], ckpt["loader"]["files"]) == (1, 3)
 
     def refused(start):
         before = (run / "metrics.jsonl").read_bytes()
