@@ -616,7 +616,8 @@ class DistributedLoader:
         }
 
     def restore(self, state: dict):
-        self.check_position(state)
+        """state: a checkpoint's, which loaders() checked (check_position) before anything was
+        written (not again here: the fingerprints read every shard the run had read)."""
         self.read.update({i: kept for i, *kept in state.get("read", [])})  # (kept on)
         self.laps = state.get("laps", 0)  # (unknown before they were counted)
         self._load(state["shard"])
