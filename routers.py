@@ -249,6 +249,11 @@ class Router(nn.Module):
         return ""
 
     @staticmethod
+    def idle(hp) -> dict:
+        """{field: why}: its own fields that these settings leave unread (giving one: an error)."""
+        return {}
+
+    @staticmethod
     def extra_flops(hp, T: int) -> float:
         """Its own forward FLOPs on a sequence of T tokens."""
         return 0.0
@@ -541,11 +546,13 @@ class MixtureOfRecursions(Router):
         unchosen = "mor_routed=false" if not hp.mor_routed else "mor_recursions=1" if N == 1 else ""
         if unchosen and hp.compact:  # (recursion 0 runs every token)
             return f"compact=true: with {unchosen} every token runs everywhere"
-        if unchosen and hp.mor_aux_coef != type(hp).mor_aux_coef:
-            return (
-                f"mor_aux_coef={hp.mor_aux_coef} has no effect with {unchosen}: no router chooses"
-            )
         return ""
+
+    @staticmethod
+    def idle(hp):
+        unchosen = "mor_routed=false" if not hp.mor_routed else "mor_recursions=1"
+        chosen = hp.mor_routed and hp.mor_recursions > 1
+        return {} if chosen else {"mor_aux_coef": f"{unchosen}: no router chooses"}
 
     @staticmethod
     def extra_flops(hp, T):

@@ -329,6 +329,24 @@ def test_gate_settings_that_make_no_sense_are_refused():
     tg.validate(tiny(**ok, gate_axis="query", gate_init="zero"), 1)
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--router=none", "--mu_end=0.5"], "router=none has none"),
+        (["--router=none", "--mod_capacity=0.125"], "router=none has none"),
+        (["--router=mod", "--gate_axis=key"], "router=mod has none"),
+        (["--controller=sparsity", "--gamma=0.001"], "gamma=0.001 has no effect"),
+        (["--controller=proportional", "--delta=0.01"], "delta=0.01 has no effect"),
+        (["--router=mor", "--mor_routed=false", "--mor_aux_coef=0.1"], "mor_aux_coef=0.1 has no"),
+    ],
+)
+def test_a_knob_that_does_nothing_is_refused_even_at_its_default(args, message, tmp_path, capsys):
+    # each is given at its default value, where it looks untouched to check_model
+    code, _, err = run_main([*args, f"--run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_odd_layer_count_is_rejected_when_gated():
     with pytest.raises(tg.UserError, match="even"):
         tg.validate(tiny(n_layers=3), 1)

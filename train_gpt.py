@@ -407,10 +407,6 @@ class SkipMiddle(Router):
 
     @staticmethod
     def check(hp):
-        defaults, knobs = Hyperparameters(), CONTROLLERS[hp.controller].split()
-        for f in ("mu_start", "mu_end", "gamma", "delta", "fixed_coef"):
-            if f not in knobs and getattr(hp, f) != getattr(defaults, f):
-                return f"{f}={getattr(hp, f)} has no effect with controller={hp.controller}"
         if hp.n_layers % 2:
             return f"n_layers={hp.n_layers}: a gated model needs an even number of layers"
         if hp.compact and hp.gate_axis == "query":
@@ -419,6 +415,13 @@ class SkipMiddle(Router):
                 "tokens still attend to a skipped token, so it cannot be dropped"
             )
         return ""
+
+    @staticmethod
+    def idle(hp):  # the controller knobs its controller does not read
+        knobs = {k for read in CONTROLLERS.values() for k in read.split()}
+        return dict.fromkeys(
+            knobs - set(CONTROLLERS[hp.controller].split()), f"controller={hp.controller}"
+        )
 
     def loss(self, route, step):
         g = route["gates"].detach().double()
@@ -868,6 +871,8 @@ def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
     become absolute (to resume from any folder): given ones from here, others the repository's."""
     merged = {**PRESETS[given.get("preset", "")], **given}
     hp = replace(base or Hyperparameters(), **{k: v for k, v in merged.items() if k not in JOB})
+    check_fields(hp)  # (the router among them, before check_knobs reads it)
+    check_knobs(hp, merged)
     for f in ("train_files", "val_files"):
         root = "" if f in given else os.path.dirname(os.path.abspath(__file__))
         hp = replace(hp, **{f: os.path.abspath(os.path.join(root, getattr(hp, f)))})
@@ -892,17 +897,27 @@ def check_model(hp: Hyperparameters):
         raise UserError(
             f"encoding=bytes has 256 token ids: give vocab_size=256 (not {hp.vocab_size})"
         )
-    for f in fields(Hyperparameters):  # another router's knob does nothing here
-        owner = f.metadata["router"]
-        if owner not in ("", hp.router) and getattr(hp, f.name) != f.default:
-            raise UserError(
-                f"{f.name} sets the {owner} router's behaviour; router={hp.router} has none"
-            )
+    check_knobs(hp, [f.name for f in fields(hp) if getattr(hp, f.name) != f.default])
     if problem := ROUTERS[hp.router].check(hp):
         raise UserError(problem)
     ranks.check_memory(
         model_bytes(hp), "to build the model", "dim, n_layers, vocab_size or max_seq_len"
     )
+
+
+def check_knobs(hp: Hyperparameters, names):
+    """A UserError if a field among `names` does nothing under hp: another router's, or one its
+    router leaves unread (Router.idle). names: those given (resolve: even at their defaults), or
+    those not at their defaults (check_model: a model file's too)."""
+    idle = ROUTERS[hp.router].idle(hp)
+    for f in fields(Hyperparameters):
+        owner = f.metadata["router"]
+        if f.name in names and owner not in ("", hp.router):
+            raise UserError(
+                f"{f.name} sets the {owner} router's behaviour; router={hp.router} has none"
+            )
+        if f.name in names and f.name in idle:
+            raise UserError(f"{f.name}={getattr(hp, f.name)} has no effect with {idle[f.name]}")
 
 
 def model_bytes(hp: Hyperparameters) -> int:
