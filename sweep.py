@@ -60,7 +60,7 @@ import runlog  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data import debian_docs, tokenize_corpus  # noqa: E402
-from data.shards import find_shards, read_shard  # noqa: E402
+from data.shards import check_fingerprints, find_shards, read_shard  # noqa: E402
 
 # ---------------------------------------------------------------------------- grids
 
@@ -450,6 +450,10 @@ def measure(run_dir: str, device: str) -> dict:
     config = json_object(os.path.join(run_dir, "config.json"))
     model = tg.load_model(run_dir, device).eval()
     hp = model.hp
+    try:  # the corpus hashed below holds the training shards the run read (its checkpoint's)
+        check_fingerprints(find_shards(hp.train_files), tg.load_checkpoint(run_dir)["loader"])
+    except support.UserError as e:
+        raise support.UserError(f"{run_dir}: {e}") from None
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
     compact = tg.load_model(run_dir, device, compact=True).eval() if can_compact else model
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[

@@ -15,7 +15,15 @@ import torch.nn.functional as F
 
 import support
 import train_gpt as tg
-from conftest import REPO, load_command, read_metrics, run_command
+from conftest import (
+    REPO,
+    RESUME_RUN,
+    load_command,
+    read_metrics,
+    run_command,
+    run_main,
+    write_shard,
+)
 from data import shards
 from data.tokenize_corpus import shard_bytes
 
@@ -444,6 +452,24 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     assert (out / "README.md").read_text() == "my notes" and before == {
         p: p.read_bytes() for p in runs.rglob("*") if p.is_file()
     }
+
+
+def test_a_runs_row_is_refused_where_a_training_shard_it_read_changed(tmp_path, capsys):
+    # the row's corpus_sha256 hashes the shards there when it is measured: one the run read
+    # that changed since would credit the run with a corpus it never saw
+    sweep = load_command("sweep.py")
+    tokens = np.random.default_rng(0).integers(0, 50257, 2000)
+    write_shard(tmp_path / "train_0.bin", tokens)
+    run = tmp_path / "run"
+    args = RESUME_RUN + [f"--train_files={tmp_path}/train_*.bin", f"--run_dir={run}"]
+    code, _, err = run_main(args, capsys)
+    assert code == 0, err
+    row = sweep.measure(str(run), "cpu")
+    write_shard(tmp_path / "train_0.bin", tokens[::-1])  # the same size, other tokens
+    with pytest.raises(support.UserError, match=f"^{run}: the run had read train_0.bin as"):
+        sweep.measure(str(run), "cpu")
+    write_shard(tmp_path / "train_0.bin", tokens)
+    assert sweep.measure(str(run), "cpu")["corpus_sha256"] == row["corpus_sha256"]
 
 
 @pytest.mark.slow
