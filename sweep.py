@@ -630,6 +630,10 @@ def summarise(rows: list) -> list:
     }
     run = {(r["name"], r["seed"]): r for r in rows}
     lines = []
+
+    def of_seeds(some):  # how many of the rows' seeds a line holds
+        return len(some) if len(some) == len(seeds) else f"{len(some)} of {len(seeds)}"
+
     for name in dict.fromkeys(r["name"] for r in rows):
         mine = [r for r in rows if r["name"] == name]
         base = {
@@ -650,7 +654,7 @@ def summarise(rows: list) -> list:
         ms = [t for r in mine if (t := time_fronts[r["seed"]](r["flops_per_token"]))]
         base["dense_ms_at_equal_flops"] = statistics.mean(ms) if ms else None
         if name.startswith("dense_"):
-            lines.append(dict(base, name=name, vs="", seeds=len(mine), verdict="frontier"))
+            lines.append(dict(base, name=name, vs="", seeds=of_seeds(mine), verdict="frontier"))
             continue
         for vs in ("dense frontier", control_of(name)):
             if vs is None or vs != "dense frontier" and not any(r["name"] == vs for r in rows):
@@ -668,8 +672,9 @@ def summarise(rows: list) -> list:
                 base,
                 name=name,
                 vs=vs,
-                # fewer where a seed's point is out of the frontier's range or has no control
-                seeds=len(deltas) if len(deltas) == len(mine) else f"{len(deltas)} of {len(mine)}",
+                # fewer where a seed has no run, its point is out of the frontier's range, or it
+                # has no control
+                seeds=of_seeds(deltas),
             )
             line.update(
                 paired(deltas)

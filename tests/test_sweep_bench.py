@@ -135,6 +135,13 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     text = sweep.verdict_text(one_seed)
     assert text.startswith("no difference can be tested: gated_a below (one seed: no test); ")
     assert "gated_c outside the dense FLOPs range" in text
+    # a run missing (dense_4's seed 0): each line says how many of the study's seeds it holds
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows[:1] + rows[2:])}
+    assert lines[("dense_4", "")]["seeds"] == "4 of 5" and lines[("dense_2", "")]["seeds"] == 5
+    assert lines[("gated_a", "dense frontier")]["seeds"] == "4 of 5"  # seed 0's frontier: none
+    assert lines[("dlo_rho0.5", "dlo_control")]["seeds"] == 5
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows[:-1])}  # gated_f seed 4
+    assert lines[("gated_f", "dense frontier")]["seeds"] == "4 of 5"
     equal = dict(mean=0.0, p_holm=None, n=5, vs="dense frontier")  # neither below nor above
     assert sweep.verdict(equal) == "equal (the same difference in every seed: no test)"
 
