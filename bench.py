@@ -24,10 +24,11 @@ time until its call returned, before the wait for the device (on CUDA; on CPU th
 below the pass's own time, the device was the bound; near it, the host was held: by its
 launches, a full launch queue or a sync, which the figures alone do not say.
 --profile=1: once every row is timed (a profiler can leave tracing behind that slows what runs
-after it), one more forward+backward of each model at each row's sparsity under torch.profiler,
-its costliest operators in profile.md, so that a target missed says where the time went: on
-CUDA by their own GPU time (kernels, the operators that launch them and, compiled, Inductor's
-graph calls side by side), else CPU time.
+after it), one more forward and forward+backward of each model at each row's sparsity under
+torch.profiler, their costliest operators in profile.md, so that a target missed says where the
+time went: on CUDA by their own GPU time (kernels, the operators that launch them and, compiled,
+Inductor's graph calls side by side), and by their own host time (launches, guards, a wait for
+the device), which says what held a pass whose host time is near its wall time.
 Without it, a profile.md that an earlier --profile=1 wrote in --out, unchanged since, is removed
 (it would describe other figures than bench.md's).
 """
@@ -98,17 +99,18 @@ def timed(fns: dict, repeats, sync) -> dict:
 PROFILE_ROWS = 12  # operators in each of profile.md's tables
 
 
-def profiled(fn, sync, cuda) -> str:
-    """The costliest operators of one call of fn (torch.profiler), by their own time on the
-    device (CUDA) or the host."""
+def profiled(fn, sync, cuda) -> list:
+    """The costliest operators of one call of fn (torch.profiler) -> [(by, table)]: by their own
+    time on the device (CUDA), and on the host (where the host's time went: launches, waits)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         fn()
         sync()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=PROFILE_ROWS)
+    ops = prof.key_averages()
+    sorts = [("device", "self_device_time_total")] * cuda + [("host", "self_cpu_time_total")]
+    return [(by, ops.table(sort_by=key, row_limit=PROFILE_ROWS)) for by, key in sorts]
 
 
 def source_model(source, device):
@@ -129,8 +131,8 @@ def source_model(source, device):
 
 def bench_size(name, device, repeats, compile_, model=None, profile=False):
     """name: a size of SIZES (random weights, seed 0), or a source's model (its weights; its
-    device_batch_size the batch). profile: each row's profile_masked and profile_compact
-    (profiled forward+backward)."""
+    device_batch_size the batch). profile: each row's "profiles", [(what, table)], each model's
+    passes profiled (profiled)."""
     if model is None:
         overrides, batch = SIZES[name]
         hp = replace(tg.Hyperparameters(), **overrides)
@@ -201,8 +203,12 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
         for row in rows:
             force_sparsity(model, idx, row["target"])
             compacted()
-            for key, run in runs.items():
-                row[f"profile_{key}"] = profiled(partial(forward_backward, run), sync, cuda)
+            row["profiles"] = [
+                (f"{key}, {kind}, by {by} time", table)
+                for key, run in runs.items()
+                for kind, fn in (("fwd", forward), ("fwd+bwd", forward_backward))
+                for by, table in profiled(partial(fn, run), sync, cuda)
+            ]
     return hp, batch, rows
 
 
@@ -288,7 +294,7 @@ def parser() -> support.ArgParser:
         type=support.parse_bool,
         default=False,
         metavar="BOOL",
-        help="profile.md: each row's costliest operators, forward+backward (default: 0)",
+        help="profile.md: each row's costliest operators, each pass (default: 0)",
     )
     p.add_argument(
         "--out",
@@ -330,10 +336,10 @@ def main(argv):
     if args.profile:
         for res in results:
             for r in res["rows"]:
-                for key in MODELS:
-                    table = r.pop(f"profile_{key}").splitlines()
-                    title = f"## {res['size']} at sparsity {r['sparsity']:.3f}, {key}, fwd+bwd"
-                    profiles.append("\n".join([title, ""] + ["    " + line for line in table]))
+                for what, table in r.pop("profiles"):
+                    title = f"## {res['size']} at sparsity {r['sparsity']:.3f}, {what}"
+                    lines = ["    " + line for line in table.splitlines()]
+                    profiles.append("\n".join([title, ""] + lines))
     sizes_line = ", ".join(f"{r['size']}={r['batch']}" for r in results)
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
     targets = "\n".join(line for r in results for line in target_lines(r["size"], r["rows"]))

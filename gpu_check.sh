@@ -33,8 +33,9 @@
 #            moved by up to 10 ms between calls at f68bedd): masked against compacted blocks at
 #            the four sparsities, against issue 48's targets (summary.txt: each target met or
 #            not, the masked MFU), compile time apart; bench/profile.md: each row's costliest
-#            operators by GPU time, profiled after the timing (where a missed target's time
-#            went)                                                                   76
+#            operators, forward and forward+backward, by GPU and by host time, profiled after
+#            the timing (where a missed target's time went; at 4e62648 forward+backward by GPU
+#            time alone)                                                             76
 #   tests    last, as nothing in it is timed (a second call that finishes it changes no
 #            figure): the CUDA tests, -k cuda, in one process (tests/test_gpu.py: compiled =
 #            eager, Flex with ln g, packed lengths compiled once each and never a sync), each

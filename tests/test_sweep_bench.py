@@ -591,10 +591,11 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(monkeypatch, s
 
 @pytest.mark.slow
 def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch):
-    # --profile=1: profile.md, a table per row and model (forward+backward), every operator
-    # here (PROFILE_ROWS), so that forward_compact's scatter shows in each compacted table where
-    # tokens skip, and in no masked one: each profiles its own model (at sparsity 0 every
-    # compacted block runs at full length, as masked: no packing)
+    # --profile=1: profile.md, a table per row, model and pass (forward, forward+backward; on
+    # CPU by host time alone), every operator here (PROFILE_ROWS), so that forward_compact's
+    # scatter shows in each compacted table where tokens skip, and in no masked one: each
+    # profiles its own model and pass (at sparsity 0 every compacted block runs at full length,
+    # as masked: no packing; forward alone, no scatter's backward)
     bench = load_command("bench.py")
     size = dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64, seq_len=64)
     monkeypatch.setitem(bench.SIZES, "tiny", (size, 4))
@@ -604,12 +605,14 @@ def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch
     rows = json.loads((tmp_path / "bench.json").read_text())["results"][0]["rows"]
     assert not [k for r in rows for k in r if k.startswith("profile")]  # (figures only)
     sections = (tmp_path / "profile.md").read_text().split("## ")[1:]
-    tables = [(r["sparsity"], model) for r in rows for model in bench.MODELS]
-    titles = [f"tiny at sparsity {p:.3f}, {model}, fwd+bwd" for p, model in tables]
+    passes = ("fwd", "fwd+bwd")
+    tables = [(r["sparsity"], m, kind) for r in rows for m in bench.MODELS for kind in passes]
+    titles = [f"tiny at sparsity {p:.3f}, {m}, {kind}, by host time" for p, m, kind in tables]
     assert [s.split("\n")[0] for s in sections] == titles
-    for section, (sparsity, model) in zip(sections, tables, strict=True):
+    for section, (sparsity, model, kind) in zip(sections, tables, strict=True):
         packs = model == "compact" and sparsity > 0
         assert bool(re.search(r" aten::scatter ", section)) == packs, section
+        assert bool(re.search(r" ScatterBackward", section)) == (packs and kind != "fwd")
     # rerun there without --profile: its profile.md, of other figures, is removed; a user's, kept
     for edit, kept in (("", False), ("mine", True)):
         if edit:
