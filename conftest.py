@@ -362,13 +362,13 @@ EVAL_ON_SAMPLE = [
     "--val_files=data/sample/sample_val_*.bin",
     "--val_tokens=2048",
     "--seq_len=64",
-    "--batch_size=8",
     "--device_batch_size=8",
 ]
 
 TRAIN_ON_SAMPLE = [  # a new run of the source's settings, on the sample
     "--train_files=data/sample/sample_train_*.bin",
     *EVAL_ON_SAMPLE[1:],
+    "--batch_size=8",
     "--train_tokens=5120",
 ]
 

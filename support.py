@@ -262,12 +262,14 @@ def saved_fields(cls, saved) -> dict:
     return out
 
 
-def setting(default, spec="", help="", *, fixed=False, router=""):
+def setting(default, spec="", help="", *, fixed=False, router="", use=""):
     """A dataclass field with its facts, which the code reads (check_fields, field_help, the
     trainer's resume and validate). spec: an interval "[low, high)" (each end open or closed,
     inf allowed) or a tuple of choices; help: its meaning for --help; fixed: a resume may not
-    change it; router: the router that alone reads it ("": every router)."""
-    facts = {"spec": spec, "help": help, "fixed": fixed, "router": router}
+    change it; router: the router that alone reads it ("": every router); use: "train" where
+    only training reads it, "init" where only a new model's initial weights do ("": evaluation
+    too)."""
+    facts = {"spec": spec, "help": help, "fixed": fixed, "router": router, "use": use}
     return field(default=default, metadata=facts)
 
 
@@ -299,6 +301,8 @@ def field_help(cls) -> list:
             marks.append(f"router={router}")
         if f.metadata["fixed"]:
             marks.append("fixed")
+        if f.metadata["use"]:
+            marks.append(f"{f.metadata['use']} only")
         shown = [spec, f"({', '.join(marks)})" if marks else "", text]
         lines.append(f"  {flag:<36} {' '.join(t for t in shown if t)}".rstrip())
     return lines
@@ -312,7 +316,8 @@ def usage(run, job, presets: dict) -> str:
             "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
             "Every field of Hyperparameters and Job, with its default; booleans take true/false "
             "(1/0).",
-            "(fixed): a resume may not change it; (router=NAME): read by that router only.",
+            "(fixed): a resume may not change it; (router=NAME): read by that router only; "
+            "(train only): read by training alone; (init only): by a new model's initial weights.",
             "",
             "the run's settings (Hyperparameters: saved in its checkpoint):",
             *field_help(run),

@@ -728,6 +728,10 @@ def routed(router: str):
     return partial(setting, router=router)
 
 
+trains = partial(setting, use="train")  # a field that training alone reads (not --eval_only)
+initial = partial(setting, use="init")  # one that a new model's initial weights alone read
+
+
 on_skip_middle = routed("skip_middle")
 on_dlo = routed("dlo")
 on_mod = routed("mod")
@@ -739,10 +743,13 @@ class Hyperparameters:
     """What defines a run: a checkpoint stores it, a resume restores it. Each field is a
     support.setting: its range or choices (checked), its help (--help); fixed=True where a resume
     may not change it (shapes, which blocks are routed, the gate's axis); on_ROUTER where that
-    router alone reads it. The comments in it are for readers: no code reads them."""
+    router alone reads it; trains, or use="train", where training alone reads it (--eval_only
+    refuses it), initial, or use="init", where a new model's initial weights alone do (--resume
+    and --init_from refuse it: check_source). The comments in it are for readers: no code reads
+    them."""
 
     # data
-    train_files: str = setting("data/fineweb10B/fineweb_train_*.bin", help="training shards (glob)")
+    train_files: str = trains("data/fineweb10B/fineweb_train_*.bin", help="training shards (glob)")
     val_files: str = setting("data/fineweb10B/fineweb_val_*.bin", help="validation shards (glob)")
     encoding: str = setting("gpt2", ("gpt2", "bytes"), "GPT-2 BPE | UTF-8 bytes", fixed=True)
     # model (paper Table 2)
@@ -756,7 +763,7 @@ class Hyperparameters:
     rope_theta: float = setting(10000.0, "(0, inf)", "RoPE base")
     rope_scaling: bool = setting(False, help="Llama 3.1's RoPE scaling (the authors' option)")
     max_seq_len: int = setting(1024, "[1, inf)", "RoPE table size (longest context to sample)")
-    init_std: float = setting(0.02, "(0, inf)", "normal init of every weight matrix")
+    init_std: float = initial(0.02, "(0, inf)", "normal init of every weight matrix")
     embed_dtype: str = setting("float32", ("float32", "bfloat16"), "bfloat16: as the authors'")
     sandwich_norm: bool = setting(True, help="x + Norm(F(Norm(x))); false: pre-norm", fixed=True)
     attn_impl: str = setting("auto", ("auto", "flex", "sdpa"), "auto: flex on CUDA at hd >= 16")
@@ -764,46 +771,46 @@ class Hyperparameters:
     compact: bool = setting(False, help="run routed blocks on their tokens only (exact)")
     gate_eps: float = setting(1e-6, "(0, 1)", "floor on a gate inside ln g (Section 2.2)")
     # router=skip_middle: gates and sparsity control (Section 2.4)
-    gate_init: str = on_skip_middle("normal", ("normal", "zero"), "N(0, init_std) | g = 1")
+    gate_init: str = on_skip_middle("normal", ("normal", "zero"), "N(0, std) | g = 1", use="init")
     gate_axis: str = on_skip_middle("key", ("key", "query"), "ln g per key | query", fixed=True)
-    controller: str = on_skip_middle("proportional_tol", tuple(CONTROLLERS), "Table 1")
-    mu_start: float = on_skip_middle(1.0, "[0, 1]", "mean-gate target at block 0")
+    controller: str = on_skip_middle("proportional_tol", tuple(CONTROLLERS), "Table 1", use="train")
+    mu_start: float = on_skip_middle(1.0, "[0, 1]", "mean-gate target at block 0", use="train")
     # mu_end: our choice of one point on Figure 2's sweep of it from 1 to 0
-    mu_end: float = on_skip_middle(0.5, "[0, 1]", "... at block L/2 - 1, linear between")
-    gamma: float = on_skip_middle(1e-3, "[0, inf)", "coefficient update (eq. 6)")
-    delta: float = on_skip_middle(1e-2, "[0, inf)", "tolerance on |deviation| (eq. 6)")
-    fixed_coef: float = on_skip_middle(0.1, "[0, inf)", "alpha = beta of sparsity* controllers")
+    mu_end: float = on_skip_middle(0.5, "[0, 1]", "... at block L/2 - 1, linearly", use="train")
+    gamma: float = on_skip_middle(1e-3, "[0, inf)", "coefficient update (eq. 6)", use="train")
+    delta: float = on_skip_middle(1e-2, "[0, inf)", "tolerance on |deviation| (eq. 6)", use="train")
+    fixed_coef: float = on_skip_middle(0.1, "[0, inf)", "sparsity*: alpha = beta", use="train")
     # router=dlo: DLO (Tan et al. 2024, Section 3)
-    dlo_rho: float = on_dlo(0.25, "[0, 1)", "rho, the share of MLP calls skipped")
-    dlo_anneal_steps: int = on_dlo(500, "[0, inf)", "T': the skip rate rises to rho (eq. 9)")
+    dlo_rho: float = on_dlo(0.25, "[0, 1)", "rho, the share of MLP calls skipped", use="train")
+    dlo_anneal_steps: int = on_dlo(500, "[0, inf)", "T': steps to reach rho (eq. 9)", use="train")
     dlo_beta: float = on_dlo(2.0, "(0, inf)", "r = (beta + (2 sigmoid(hW) - 1) gamma) / 2")
     dlo_gamma: float = on_dlo(0.05, "[0, inf)", "gamma of eq. 1")
     # router=mod: Mixture-of-Depths (Raposo et al. 2024)
-    mod_capacity: float = on_mod(0.125, "(0, 1]", "share of a sequence a routed block runs")
+    mod_capacity: float = on_mod(0.125, "(0, 1]", "routed block's share of tokens", use="train")
     mod_every: int = on_mod(2, "[1, inf)", "route every mod_every-th block", fixed=True)
-    mod_aux_coef: float = on_mod(0.01, "(0, inf)", "BCE weight teaching r > 0 the top-k")
+    mod_aux_coef: float = on_mod(0.01, "(0, inf)", "BCE weight: r > 0 for the top-k", use="train")
     # router=mor: Mixture-of-Recursions (Bae et al. 2025), Middle-Cycle sharing
     mor_recursions: int = on_mor(3, "[1, inf)", "N_r runs of (L - 2) / N_r blocks", fixed=True)
     mor_routed: bool = on_mor(True, help="false: the recursive baseline (every token)", fixed=True)
-    mor_aux_coef: float = on_mor(0.1, "(0, inf)", "BCE weight teaching z > 0 the top-k")
+    mor_aux_coef: float = on_mor(0.1, "(0, inf)", "BCE weight: z > 0 for the top-k", use="train")
     # optimisation (Table 2)
-    lr: float = setting(1e-3, "(0, inf)", "AdamW peak learning rate, one for all parameters")
-    beta1: float = setting(0.8, "[0, 1)", "AdamW betas")
-    beta2: float = setting(0.95, "[0, 1)")
-    adam_eps: float = setting(1e-10, "(0, inf)")
-    weight_decay: float = setting(0.0, "[0, inf)")
-    warmup_frac: float = setting(0.1, "[0, 1]", "linear warm-up over this fraction of steps ...")
-    warmup_start: float = setting(0.1, "[0, 1]", "... from this fraction of lr, then cosine to 0")
-    batch_size: int = setting(512, "[1, inf)", "global batch in sequences (x 1024 = 524,288)")
+    lr: float = trains(1e-3, "(0, inf)", "AdamW peak learning rate, one for all parameters")
+    beta1: float = trains(0.8, "[0, 1)", "AdamW betas")
+    beta2: float = trains(0.95, "[0, 1)")
+    adam_eps: float = trains(1e-10, "(0, inf)")
+    weight_decay: float = trains(0.0, "[0, inf)")
+    warmup_frac: float = trains(0.1, "[0, 1]", "linear warm-up over this fraction of steps ...")
+    warmup_start: float = trains(0.1, "[0, 1]", "... from this fraction of lr, then cosine to 0")
+    batch_size: int = trains(512, "[1, inf)", "global batch in sequences (x 1024 = 524,288)")
     device_batch_size: int = setting(32, "[1, inf)", "sequences per forward (accumulation derived)")
     seq_len: int = setting(1024, "[1, inf)", "training and validation length, <= max_seq_len")
     loss_rows: int = setting(4096, "[1, inf)", "tokens whose logits exist at once in the loss")
-    train_tokens: int = setting(10_000_000_000, "[1, inf)", "budget; steps = it / global batch")
-    seed: int = setting(0, "[0, 9223372036854775808)")
+    train_tokens: int = trains(10_000_000_000, "[1, inf)", "budget; steps = it / global batch")
+    seed: int = initial(0, "[0, 9223372036854775808)")
     # evaluation and checkpoints
-    val_every: int = setting(250, "[0, inf)", "steps between validations (0: only at the end)")
+    val_every: int = trains(250, "[0, inf)", "steps between validations (0: only at the end)")
     val_tokens: int = setting(10_485_760, "[1, inf)", "validation tokens, split over ranks")
-    save_every: int = setting(250, "[0, inf)", "steps between checkpoints (0: only at the end)")
+    save_every: int = trains(250, "[0, inf)", "steps between checkpoints (0: only at the end)")
 
 
 PRESETS = {
@@ -851,6 +858,8 @@ class Job:
 
 
 FIXED = [f.name for f in fields(Hyperparameters) if f.metadata["fixed"]]
+INITIAL = {f.name for f in fields(Hyperparameters) if f.metadata["use"] == "init"}
+TRAINING = INITIAL | {f.name for f in fields(Hyperparameters) if f.metadata["use"] == "train"}
 
 
 def parse_overrides(argv) -> dict:
@@ -1056,7 +1065,9 @@ def built(hp: Hyperparameters, init: tuple, device: str) -> GPT:
 
 
 def check_source(given: dict, job: Job):
-    """--init_from's and --eval_only's company: each job field that would do nothing refused."""
+    """--resume's, --init_from's and --eval_only's company: each field that would do nothing
+    refused (a field of a new model's initial weights, INITIAL; under --eval_only, a job field
+    or one that training alone reads, TRAINING)."""
     if job.init_from and ({"resume", "preset"} & given.keys()):
         raise UserError(
             "--init_from starts from the source's settings: drop --resume (which goes on with a "
@@ -1064,9 +1075,15 @@ def check_source(given: dict, job: Job):
         )
     if job.eval_only and not job.init_from:
         raise UserError("--eval_only validates the model of --init_from=SOURCE: give it")
-    idle = sorted((given.keys() & JOB) - {"init_from", "eval_only"})
+    idle = sorted(given.keys() & (JOB - {"init_from", "eval_only"} | TRAINING))
     if job.eval_only and idle:
         raise UserError(f"--eval_only trains nothing: drop --{idle[0]}")
+    start = "resume" if job.resume else "init_from" if job.init_from else ""
+    if start and (idle := sorted(given.keys() & INITIAL)):
+        raise UserError(
+            f"--{idle[0]} sets a new model's initial weights, and --{start} takes "
+            f"{'the checkpoint' if job.resume else 'the source'}'s: drop it"
+        )
 
 
 def resume_settings(given: dict) -> tuple:

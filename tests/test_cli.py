@@ -36,7 +36,7 @@ def test_every_fields_facts_are_well_formed():
     for cls in (tg.Hyperparameters, tg.Job, runs.RunState):
         for f in tg.fields(cls):
             facts = f.metadata
-            assert set(facts) == {"spec", "help", "fixed", "router"}, f.name
+            assert set(facts) == {"spec", "help", "fixed", "router", "use"}, f.name
             spec, default = facts["spec"], f.default
             if isinstance(spec, tuple):
                 assert default in spec and all(type(c) is str for c in spec), f.name
@@ -48,6 +48,8 @@ def test_every_fields_facts_are_well_formed():
                 assert spec == "", f.name  # a text or a boolean: checked where it is used
             assert facts["router"] in ("", *tg.ROUTERS), f.name
             assert not facts["fixed"] or cls is tg.Hyperparameters, f.name
+            assert facts["use"] in ("", "train", "init"), f.name
+            assert not facts["use"] or cls is tg.Hyperparameters and not facts["fixed"], f.name
             support.check_fields(cls())  # the defaults pass their own checks
 
 
@@ -67,6 +69,9 @@ def test_help_lists_every_field_with_its_default_and_facts(capsys):
         assert spec in line and f.metadata["help"] in line, line
         assert (f"(router={router}" in line) == bool(router), line
         assert ("fixed)" in line) == f.metadata["fixed"], line  # what a resume may not change
+        use = f.metadata["use"]  # what evaluation does not read, or only initial weights do
+        assert any(f"{u} only)" in line for u in ("train", "init")) == bool(use), line
+        assert f"{use} only)" in line or not use, line
     assert "{none|skip_middle|dlo|mod|mor}" in lines["--router"]  # the registry's names
 
 

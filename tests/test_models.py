@@ -197,6 +197,8 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
             "trains nothing: drop --",
         ),
         (["--eval_only=true", "--preset=smoke"], "--eval_only validates the model of --init_from"),
+        ([f"--init_from={AUTHORS_TINY}", "--init_std=0.02"], "--init_std sets a new model's"),
+        ([f"--init_from={AUTHORS_TINY}", "--seed=0"], "and --init_from takes the source's: drop"),
         (
             [f"--init_from={AUTHORS_TINY}", "--n_layers=6"],
             "layers.4.attention.wq.weight is missing",
@@ -207,6 +209,11 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
         )
         assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "run").exists()
+    # --eval_only: a setting that training alone reads would do nothing (at its default too)
+    for given in ("--lr=0.5", "--train_files=nowhere/*.bin", "--mu_end=0.5", "--seed=0"):
+        code, out, err = run_main([f"--init_from={AUTHORS_TINY}", *EVAL_ON_SAMPLE, given], capsys)
+        drop = given.split("=")[0]
+        assert (code, out, err) == (2, "", f"error: --eval_only trains nothing: drop {drop}\n")
     bench = load_command("bench.py")  # the gate on the query axis has no compact path
     assert support.cli(bench.main, [f"--init_from={AUTHORS_TINY}", f"--out={tmp_path}/b"]) == 2
     out = capsys.readouterr()

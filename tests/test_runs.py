@@ -430,6 +430,20 @@ def test_resuming_with_another_layout_of_routed_blocks_is_refused(tmp_path, caps
     assert code == 2 and "different model shape: mod_every 1 -> 2" in err, err
 
 
+def test_a_resume_refuses_the_settings_of_a_new_models_initial_weights(tmp_path, capsys):
+    # the weights and random state are the checkpoint's: --seed, --init_std and --gate_init
+    # would do nothing (at their defaults too), yet config.json and export would record them
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    for given in ("--seed=7", "--init_std=0.5", "--gate_init=zero", "--seed=0"):
+        code, out, err = run_main([f"--resume={tmp_path}", given], capsys)
+        name = given.split("=")[0]
+        said = f"{name} sets a new model's initial weights, and --resume takes the checkpoint's"
+        assert (code, out, err) == (2, "", f"error: {said}: drop it\n")
+    assert before == {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+
+
 def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=4"], capsys)
     assert code == 0, err
