@@ -248,10 +248,12 @@ class Router(nn.Module):
         """What makes these settings wrong for it: an error line, or "" when they are right."""
         return ""
 
-    @staticmethod
-    def idle(hp) -> dict:
-        """{field: why}: its own fields that these settings leave unread (giving one: an error)."""
-        return {}
+    weighs_keys = True  # whether a block's keys are weighted (by g or the router's keys)
+
+    @classmethod
+    def idle(cls, hp) -> dict:
+        """{field: why}: the fields these settings leave unread (giving one: an error)."""
+        return {} if cls.weighs_keys else {"gate_eps": f"router={hp.router}, which weights no key"}
 
     @staticmethod
     def extra_flops(hp, T: int) -> float:
@@ -267,6 +269,8 @@ class Router(nn.Module):
 class Dense(Router):
     """router=none: the dense model, all hooks at their defaults."""
 
+    weighs_keys = False
+
     @staticmethod
     def check(hp):
         return "compact=true: router=none runs every token everywhere" if hp.compact else ""
@@ -280,7 +284,7 @@ class DLO(Router):
     "similarity" (training) eq. 4's cosine of the MLP's input and output."""
 
     skips, packs_in_training = "mlp", False
-    layer_modules = "routers"
+    layer_modules, weighs_keys = "routers", False
 
     def __init__(self, hp):
         super().__init__(hp)

@@ -381,10 +381,14 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
             for val in (True, False):
                 if fill[val]:
                     corpus.add(buffers[val][: fill[val]], val if is_val else None)
-            if is_val and not any("_train_" in n for n in corpus.shards) and corpus.shards:
+            if not any("_train_" in n for n in corpus.shards) and corpus.shards:
                 raise UserError(
-                    f"all {n_docs} documents went to validation: "
-                    f"no training shard; nothing was written"
+                    f"all {n_docs} documents went to validation: no training shard; nothing "
+                    f"was written"
+                    if is_val
+                    else f"the {n_tokens:,} tokens fill one shard (--shard_tokens={shard_tokens}),"
+                    f" the validation one: no training shard; give a smaller --shard_tokens, or "
+                    f"--val_every=K; nothing was written"
                 )
             written = corpus.commit()
     finally:

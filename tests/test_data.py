@@ -197,7 +197,8 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
 def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_path):
     big = "many words make many tokens " * 40
     (tmp_path / "big.txt").write_text(big)
-    (tmp_path / "small.txt").write_text("few words")
+    small = "few words make a corpus " * 12  # 62 tokens: two shards (one would be refused)
+    (tmp_path / "small.txt").write_text(small)
     (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n')
     out = tmp_path / "shards"
     out.mkdir()
@@ -219,14 +220,14 @@ def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_pa
 
     n_big = -(-(1 + len(gpt2().encode_ordinary(big))) // 50)
     assert n_big > 2
-    for src, n_shards in (("big.txt", n_big), ("small.txt", 1)):
+    for src, n_shards in (("big.txt", n_big), ("small.txt", 2)):
         r = tokenize(src)
         assert r.returncode == 0, r.stderr
         assert (
             len([p for p in out.iterdir() if re.fullmatch(r"corpus_(val|train)_\d+\.bin", p.name)])
             == n_shards
         )
-    assert f"removed {n_big - 1} shard(s) of the previous corpus 'corpus'" in r.stderr
+    assert f"removed {n_big - 2} shard(s) of the previous corpus 'corpus'" in r.stderr
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     r = tokenize("blank.jsonl")  # no documents: an error, and the corpus stays as it was
     assert r.returncode == 2 and r.stderr == (
@@ -234,9 +235,10 @@ def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_pa
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert all((out / n).read_bytes() == data for n, data in others.items())
-    assert list(tg.read_shard(str(out / "corpus_val_000000.bin"))) == [
-        50256
-    ] + gpt2().encode_ordinary("few words")
+    assert (
+        list(tg.read_shard(str(out / "corpus_val_000000.bin")))
+        == ([50256] + gpt2().encode_ordinary(small))[:50]
+    )
 
 
 def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
@@ -345,7 +347,7 @@ def test_a_shard_that_appears_while_tokenizing_is_not_replaced(tmp_path, monkeyp
 def test_a_corpus_cut_short_at_either_manifest_write_stays_its_own(tmp_path, monkeypatch):
     tokenize = load_command("data/tokenize_corpus.py")
     (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
-    (tmp_path / "short.txt").write_text("few words")
+    (tmp_path / "short.txt").write_text("few words " * 12)  # 26 tokens: two shards of 20
     out, real = tmp_path / "s", tokenize.write_atomically
 
     def corpus():
@@ -368,9 +370,10 @@ def test_a_corpus_cut_short_at_either_manifest_write_stays_its_own(tmp_path, mon
         if fail_at == 1:
             assert corpus() == before  # nothing moved yet
         else:  # the new corpus is in place, the previous one's extra shards are gone
-            assert sorted(n for n in corpus() if n.endswith(".bin")) == ["c_val_000000.bin"]
+            shards = sorted(n for n in corpus() if n.endswith(".bin"))
+            assert shards == ["c_train_000001.bin", "c_val_000000.bin"]
         # either way every file is still known as this corpus's: the next run goes on
-        assert len(tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)) == 1
+        assert len(tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)) == 2
         assert not list(out.glob(".c.*"))
         shutil.rmtree(out)
 
@@ -401,7 +404,7 @@ def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
 # ------------------------------------------------------------------ bytes as tokens
 
 
-def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path):
+def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path, capsys):
     # a .txt file's bytes exactly, invalid UTF-8 included; a JSON text's UTF-8; each document
     # after a NUL byte; every 2nd document to validation; a NUL inside a document is refused
     tokenize = load_command("data/tokenize_corpus.py")
@@ -439,6 +442,14 @@ def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path):
             "bytes",
             is_val=lambda i: True,
         )
+    # without is_val the first shard is validation: a corpus that fills one has no training
+    # shard, and is refused as well, by the command, with nothing written
+    files = [str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")]
+    code = support.cli(tokenize.main, [*files, f"--out={tmp_path / 'one'}", "--encoding=bytes"])
+    err = capsys.readouterr().err
+    last = err.split("\n")[-2]  # (after the progress line)
+    assert code == 2 and err.count("error: ") == 1 and last.startswith("error: the 61 tokens fill")
+    assert not (tmp_path / "one").exists() or not list((tmp_path / "one").iterdir())
     # skipview: a character's bytes show it once, at its first byte; a stray byte as U+FFFD
     pieces = load_command("skipview.py").token_pieces(
         shards.encoding("bytes"), list("aé🙂".encode()) + [0xFF, 98]
@@ -725,6 +736,7 @@ def test_data_scripts_run_without_importing_torch(tmp_path):
                 str(tmp_path / "a.txt"),
                 f"--out={tmp_path / 's'}",
                 "--workers=1",
+                "--shard_tokens=2",  # (4 tokens: a validation and a training shard)
             ],
             0,
         ),
@@ -736,6 +748,10 @@ def test_data_scripts_run_without_importing_torch(tmp_path):
         r = run_command("-c", NO_TORCH, *args, env=env, timeout=300)
         assert r.returncode == status and "torch was imported" not in r.stderr, (args, r.stderr)
     assert list(tg.read_shard(str(tmp_path / "f" / "fineweb_val_000000.bin"))) == list(range(100))
-    assert list(tg.read_shard(str(tmp_path / "s" / "corpus_val_000000.bin"))) == [
-        50256
-    ] + gpt2().encode_ordinary("a few words")
+    written = [
+        tg.read_shard(str(tmp_path / "s" / f"corpus_{n}.bin"))
+        for n in ("val_000000", "train_000001")
+    ]
+    assert [t for shard in written for t in shard] == [50256] + gpt2().encode_ordinary(
+        "a few words"
+    )
