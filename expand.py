@@ -206,7 +206,10 @@ def main(argv):
 
 
 def expand(argv):
-    args, rest = parser().parse_known_args(argv)
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    if args.init not in ("linear", "slerp"):
+        p.refuse(p.given(argv) & {"tau"}, f"with --init={args.init}: linear and slerp read it")
     if os.path.abspath(args.out) == os.path.abspath(args.run_dir):
         raise support.UserError("NEW_RUN_DIR must differ from RUN_DIR: a new run is written")
     src = tg.load_checkpoint(args.run_dir)

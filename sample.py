@@ -139,6 +139,8 @@ def main(argv):
     args = p.parse_args(argv)
     source = p.model_source(args)
     n, temperature, top_k, seed = args.tokens, args.temperature, args.top_k, args.seed
+    if temperature == 0:
+        p.refuse(p.given(argv) & {"top_k", "seed"}, "with --temperature=0 (the likeliest token)")
     device = args.device
     model = tg.load_model(source, device)
     hp = model.hp

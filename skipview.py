@@ -131,6 +131,8 @@ def main(argv):
     p = parser()
     args = p.parse_args(argv)
     source = p.model_source(args)
+    if args.text is not None:
+        p.refuse(p.given(argv) & {"val_tokens"}, "with --text (the page shows the text)")
     device = args.device
     model = tg.load_model(source, device)
     hp = model.hp

@@ -197,6 +197,17 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
+    def given(self, argv) -> set:
+        """The options argv gives (by dest), at any value: one that the others leave unread is
+        refused even where it holds its default."""
+        actions = (self._option_string_actions.get(a.partition("=")[0]) for a in argv)
+        return {a.dest for a in actions if a is not None}
+
+    def refuse(self, idle: set, why: str):
+        """An error for the first of the options given (given()) that the others leave unread."""
+        if idle:
+            self.error(f"--{sorted(idle)[0]} does nothing {why}")
+
     def add_model_source(self):
         """A model to read: RUN_DIR (positional, as before) or --init_from=SOURCE (a run folder, a
         folder in Hugging Face layout, hf:OWNER/NAME[@REVISION]); model_source() picks it."""

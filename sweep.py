@@ -1051,8 +1051,10 @@ def parser() -> support.ArgParser:
 
 
 def main(argv):
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.report:  # the table and figure again, from a record's runs.csv
+        p.refuse(p.given(argv) - {"report", "out"}, "with --report (runs.csv is the study)")
         rows = read_runs(args.report)
         out = support.writable_dir(
             args.out or os.path.dirname(os.path.abspath(args.report)), REPORT, by=__file__

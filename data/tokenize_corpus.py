@@ -566,7 +566,8 @@ def main(argv):
         need(args.check, "a folder")
     elif args.from_shards is not None:
         find_shards(args.from_shards)
-    given = [k for k, v in vars(args).items() if v != p.get_default(k) and v != []]
+    given = p.given(argv) | ({"files"} if args.files else set())  # (at any value)
+    given = [k for k in vars(args) if k in given]
     if extra := [k for k in given if k not in MODES[mode]]:
         raise UserError(
             ("FILEs do" if extra[0] == "files" else f"--{extra[0]} does")

@@ -515,6 +515,14 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         (tokenize.main, ["--bogus=1"], "unrecognized arguments: --bogus=1"),
         (fetch.main, [f"--out={a_file}"], f"cannot write to {a_file}"),
         (fetch.main, ["--bogus"], "unrecognized arguments: --bogus"),
+        # an option that the others leave unread, given even at its default (ArgParser.given)
+        (sample.main, [str(run), "--temperature=0", "--top_k=0"], "--top_k does nothing with"),
+        (sample.main, [str(run), "--temperature=0", "--seed", "0"], "--seed does nothing with"),
+        (skipview.main, [str(run), "--text=hi", "--val_tokens=5"], "--val_tokens does nothing"),
+        (expand_.main, [str(run), f"{tmp_path}/s", "--tau=2"], "--tau does nothing with --init"),
+        (sweep.main, [f"--report={a_file}", "--jobs=1"], "--jobs does nothing with --report"),
+        (tokenize.main, ["--check=data/sample", "--name=corpus"], "--name does not apply"),
+        (tokenize.main, ["--val_every=0"], "--val_every does not apply to the embedded"),
     ]
     runner = {tokenize.main: tokenize.run}
     for main, argv, message in cases:
