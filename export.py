@@ -81,8 +81,9 @@ def check_out_dir(out: str):
         cut = {n for n in os.listdir(out) if re.fullmatch(TEMPORARY, n)}
         foreign = sorted(set(os.listdir(out)) - {*FILES, support.OUTPUTS} - cut)
         if foreign:
+            more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
             raise support.UserError(
-                f"{out} holds files export did not write ({', '.join(foreign[:3])}): "
+                f"{out} holds files export did not write ({', '.join(foreign[:3])}{more}): "
                 "give a new or empty folder; nothing was written"
             )
     support.writable_dir(out, FILES, by=__file__)

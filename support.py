@@ -146,8 +146,9 @@ def in_range(kind, low, high=math.inf):
             ):
                 return value
         size = "" if kind is int else ", 0 or of float32 size"
+        end = ")" if high == math.inf else "]"  # (finite only)
         raise argparse.ArgumentTypeError(
-            f"expected {kind.__name__} in [{low}, {high}]{size}, got {text!r}"
+            f"expected {kind.__name__} in [{low}, {high}{end}{size}, got {text!r}"
         )
 
     convert.kind, convert.low, convert.high = kind, low, high

@@ -772,13 +772,16 @@ def read_runs(path: str) -> list:
     try:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8-sig")
-        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+        table = csv.DictReader(io.StringIO(text, newline=""))
+        rows = list(table)
     except (UnicodeDecodeError, csv.Error) as e:
         raise support.UserError(f"{path}: not a runs.csv of sweep.py ({e})") from None
-    if not rows or set(RUN_KEYS) - set(rows[0]):
+    if set(RUN_KEYS) - set(table.fieldnames or ()):
         raise support.UserError(
             f"{path}: not a runs.csv of sweep.py (columns: {', '.join(RUN_KEYS)})"
         )
+    if not rows:
+        raise support.UserError(f"{path}: a runs.csv with no run in it")
     if not text.endswith("\n"):
         raise support.UserError(f"{path}: its last row is not ended: the file was cut short")
     for i, r in enumerate(rows, 2):

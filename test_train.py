@@ -893,6 +893,9 @@ def test_lr_schedule():
     assert tg.lr_at(hp, 10, 100) == pytest.approx(1.0)
     assert tg.lr_at(hp, 55, 100) == pytest.approx(0.5)
     assert tg.lr_at(hp, 100, 100) == pytest.approx(0.0, abs=1e-12)
+    assert tg.lr_at(hp, 0, 5) == pytest.approx(0.1)  # a share of no whole step: one step
+    none = replace(hp, warmup_frac=0.0)  # no warm-up: the cosine from the first step
+    assert [tg.lr_at(none, s, 100) for s in (0, 50)] == pytest.approx([1.0, 0.5])
 
 
 def test_the_schedule_reads_the_warmup_length_and_start_factor_each_as_itself():

@@ -987,8 +987,9 @@ def num_steps(hp: Hyperparameters) -> int:
 
 
 def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
-    """Linear warm-up from warmup_start * lr over warmup_frac of the steps, then cosine to 0."""
-    warmup = max(1, int(hp.warmup_frac * total))
+    """Linear warm-up from warmup_start * lr over warmup_frac of the steps (at least one step,
+    none at 0), then cosine to 0."""
+    warmup = max(1, int(hp.warmup_frac * total)) if hp.warmup_frac else 0
     if step < warmup:
         return hp.lr * (hp.warmup_start + (1 - hp.warmup_start) * step / warmup)
     progress = (step - warmup) / max(1, total - warmup)

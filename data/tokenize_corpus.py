@@ -123,9 +123,9 @@ class Corpus:
         self.found = self.present()
         foreign = [n for n, (sha, _) in self.found.items() if sha not in ours.get(n, ())]
         if foreign:
+            more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
             self.refuse(
-                os.path.join(out, foreign[0]) + f" (and {len(foreign) - 1} more) is named "
-                f"like a shard of corpus {name!r}"
+                f"{os.path.join(out, foreign[0])}{more} is named like a shard of corpus {name!r}"
             )
         if check_only:
             return

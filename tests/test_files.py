@@ -342,6 +342,8 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
             (whole[:-40], "its last row is not ended: the file was cut short"),
             (last + b"\n" + b"dense,1,2\n", "not as many fields as the header: cut short?"),
             (None, "over 64 MiB: not a runs.csv of sweep.py"),
+            (whole.split(b"\n", 1)[0] + b"\n", "runs.csv: a runs.csv with no run in it"),
+            (b"name,seed\n", "not a runs.csv of sweep.py (columns: name, seed, val_loss"),
             (edited("target_zero", lambda v: " ".join(v.split()[:2])), shares),
             (edited("gate_zero", lambda v: v.replace("0.", "x.", 1)), shares),
             (edited("gate_zero", lambda v: v.replace("0.", "2.", 1)), shares),
