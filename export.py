@@ -185,7 +185,7 @@ def authors_config(hp) -> dict:
     gating, a bfloat16 embedding, SwiGLU 4 x dim, sandwich norm, skip_middle)."""
     for name, theirs in hub.AUTHORS_IMPLIED.items():
         ours = getattr(hp, name)
-        if ours != theirs and name != "gate_eps":  # (on the query axis softmax cancels it)
+        if ours != theirs:
             raise support.UserError(
                 f"{name}={ours}: the authors' model has {name}={theirs} only, so it cannot "
                 f"express this run; export it with --format=ours"

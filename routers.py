@@ -248,12 +248,17 @@ class Router(nn.Module):
         """What makes these settings wrong for it: an error line, or "" when they are right."""
         return ""
 
-    weighs_keys = True  # whether a block's keys are weighted (by g or the router's keys)
+    @staticmethod
+    def weighs_keys(hp) -> bool:
+        """Whether a block's keys are weighted (by g, or the router's own), so gate_eps is read."""
+        return True
 
     @classmethod
     def idle(cls, hp) -> dict:
-        """{field: why}: the fields these settings leave unread (giving one: an error)."""
-        return {} if cls.weighs_keys else {"gate_eps": f"router={hp.router}, which weights no key"}
+        """{field: why}: the fields these settings leave unread (giving one: an error); a router
+        adds its own to these."""
+        why = f"router={hp.router} as set: no key is weighted"
+        return {} if cls.weighs_keys(hp) else {"gate_eps": why}
 
     @staticmethod
     def extra_flops(hp, T: int) -> float:
@@ -269,7 +274,9 @@ class Router(nn.Module):
 class Dense(Router):
     """router=none: the dense model, all hooks at their defaults."""
 
-    weighs_keys = False
+    @staticmethod
+    def weighs_keys(hp):
+        return False
 
     @staticmethod
     def check(hp):
@@ -284,7 +291,7 @@ class DLO(Router):
     "similarity" (training) eq. 4's cosine of the MLP's input and output."""
 
     skips, packs_in_training = "mlp", False
-    layer_modules, weighs_keys = "routers", False
+    layer_modules = "routers"
 
     def __init__(self, hp):
         super().__init__(hp)
@@ -379,6 +386,10 @@ class DLO(Router):
     @staticmethod
     def extra_flops(hp, T):
         return hp.n_layers * T * 2 * hp.dim  # routers, all tokens
+
+    @staticmethod
+    def weighs_keys(hp):  # (attention runs for every token, unweighted)
+        return False
 
     def routing_state(self):
         return {"rates": self.rates.cpu().clone()}
@@ -547,16 +558,27 @@ class MixtureOfRecursions(Router):
                 f"mor_recursions blocks mor_recursions={N} times; need L - 2 a positive "
                 f"multiple of it (n_layers={' or '.join(map(str, near))})"
             )
-        unchosen = "mor_routed=false" if not hp.mor_routed else "mor_recursions=1" if N == 1 else ""
+        unchosen = MixtureOfRecursions.unchosen(hp)
         if unchosen and hp.compact:  # (recursion 0 runs every token)
             return f"compact=true: with {unchosen} every token runs everywhere"
         return ""
 
     @staticmethod
-    def idle(hp):
-        unchosen = "mor_routed=false" if not hp.mor_routed else "mor_recursions=1"
-        chosen = hp.mor_routed and hp.mor_recursions > 1
-        return {} if chosen else {"mor_aux_coef": f"{unchosen}: no router chooses"}
+    def unchosen(hp) -> str:
+        """The setting under which no router chooses (every token, every recursion), or ""."""
+        if not hp.mor_routed:
+            return "mor_routed=false"
+        return "mor_recursions=1" if hp.mor_recursions == 1 else ""
+
+    @classmethod
+    def weighs_keys(cls, hp):  # (a recursion's keys: the tokens it runs)
+        return not cls.unchosen(hp)
+
+    @classmethod
+    def idle(cls, hp):
+        unchosen = cls.unchosen(hp)
+        unread = {"mor_aux_coef": f"{unchosen}: no router chooses"} if unchosen else {}
+        return {**super().idle(hp), **unread}
 
     @staticmethod
     def extra_flops(hp, T):

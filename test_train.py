@@ -338,8 +338,11 @@ def test_gate_settings_that_make_no_sense_are_refused():
         (["--controller=sparsity", "--gamma=0.001"], "gamma=0.001 has no effect"),
         (["--controller=proportional", "--delta=0.01"], "delta=0.01 has no effect"),
         (["--router=mor", "--mor_routed=false", "--mor_aux_coef=0.1"], "mor_aux_coef=0.1 has no"),
-        (["--router=none", "--gate_eps=1e-6"], "with router=none, which weights no key"),
+        (["--router=none", "--gate_eps=1e-6"], "with router=none as set: no key is weighted"),
         (["--router=dlo", "--gate_eps=0.5"], "gate_eps=0.5 has no effect with router=dlo"),
+        (["--router=mor", "--mor_recursions=1", "--n_layers=3", "--gate_eps=1e-6"], "gate_eps"),
+        (["--gate_axis=query", "--gate_eps=1e-6"], "router=skip_middle as set: no key is weighted"),
+        (["--warmup_frac=0", "--warmup_start=0.1"], "has no effect with warmup_frac=0"),
     ],
 )
 def test_a_knob_that_does_nothing_is_refused_even_at_its_default(args, message, tmp_path, capsys):

@@ -417,11 +417,14 @@ class SkipMiddle(Router):
         return ""
 
     @staticmethod
-    def idle(hp):  # the controller knobs its controller does not read
+    def weighs_keys(hp):  # (on the query axis softmax cancels ln g)
+        return hp.gate_axis == "key"
+
+    @classmethod
+    def idle(cls, hp):  # and the controller knobs its controller does not read
         knobs = {k for read in CONTROLLERS.values() for k in read.split()}
-        return dict.fromkeys(
-            knobs - set(CONTROLLERS[hp.controller].split()), f"controller={hp.controller}"
-        )
+        unread = knobs - set(CONTROLLERS[hp.controller].split())
+        return {**super().idle(hp), **dict.fromkeys(unread, f"controller={hp.controller}")}
 
     def loss(self, route, step):
         g = route["gates"].detach().double()
@@ -916,9 +919,11 @@ def check_model(hp: Hyperparameters):
 
 def check_knobs(hp: Hyperparameters, names):
     """A UserError if a field among `names` does nothing under hp: another router's, or one its
-    router leaves unread (Router.idle). names: those given (resolve: even at their defaults), or
-    those not at their defaults (check_model: a model file's too)."""
+    router (Router.idle) or the schedule leaves unread. names: those given (resolve: even at
+    their defaults), or those not at their defaults (check_model: a model file's too)."""
     idle = ROUTERS[hp.router].idle(hp)
+    if not hp.warmup_frac:  # (lr_at: no warm-up)
+        idle["warmup_start"] = "warmup_frac=0: no warm-up"
     for f in fields(Hyperparameters):
         owner = f.metadata["router"]
         if f.name in names and owner not in ("", hp.router):
