@@ -442,6 +442,18 @@ def corpus_sha256(train_files: str, val_files: str) -> str:
     )
 
 
+def check_corpus(run_dir: str):
+    """The training shards the run read are those there (its checkpoint's fingerprints: names,
+    sizes, first and last tokens; not the middles, nor the shards it did not read, nor the
+    validation shards), as its row's corpus_sha256 hashes the shards there when measured."""
+    ckpt = tg.load_checkpoint(run_dir)
+    files = find_shards(tg.resolve({}, tg.saved_settings(ckpt["hp"])).train_files)
+    try:
+        check_fingerprints(files, ckpt["loader"], "measure it on the shards it trained on")
+    except support.UserError as e:
+        raise support.UserError(f"{run_dir}: {e}") from None
+
+
 def measure(run_dir: str, device: str) -> dict:
     """One row of runs.csv: the run's final validation record, its settings and commit, the
     sparsity each block reached against its target, and evaluation time per token on its final
@@ -450,10 +462,6 @@ def measure(run_dir: str, device: str) -> dict:
     config = json_object(os.path.join(run_dir, "config.json"))
     model = tg.load_model(run_dir, device).eval()
     hp = model.hp
-    try:  # the corpus hashed below holds the training shards the run read (its checkpoint's)
-        check_fingerprints(find_shards(hp.train_files), tg.load_checkpoint(run_dir)["loader"])
-    except support.UserError as e:
-        raise support.UserError(f"{run_dir}: {e}") from None
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
     compact = tg.load_model(run_dir, device, compact=True).eval() if can_compact else model
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[
@@ -1088,6 +1096,8 @@ def main(argv):
     except runs.Stopped as e:
         print(e, flush=True)
         return
+    for *_, run_dir, _ in done:  # (one changed corpus: before any run is measured)
+        check_corpus(run_dir)
     rows = []
     for name, seed, run_dir, command in done:
         t1 = time.perf_counter()

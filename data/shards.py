@@ -112,13 +112,13 @@ def shard_fingerprint(path: str, tokens: np.ndarray = None) -> list:
     return [os.path.basename(path), count, ends.hexdigest()]
 
 
-def check_fingerprints(files: list, state: dict):
+def check_fingerprints(files: list, state: dict, then: str = "go on with the shards it trained on"):
     """state: a training loader's checkpoint state, with "read", [[index, *shard_fingerprint],
     ...] of the shards its run had read, "laps", the passes it finished over them all, and
     "files", their number (a checkpoint from before keeps none: nothing is checked). A UserError
     unless each shard read is still files[index] and, once the run has been round them all, their
     number is the same (the order it goes round in again is set). A shard not read yet, after the
-    one the run is in, may be added, removed or changed before then."""
+    one the run is in, may be added, removed or changed before then. then: the advice."""
     if "read" not in state:
         return
     read, laps, count = state["read"], state.get("laps"), state.get("files")
@@ -135,18 +135,17 @@ def check_fingerprints(files: list, state: dict):
         if not 0 <= i < len(files):
             raise UserError(
                 f"the run had read {kept[0]} as training shard {i}, and {len(files)} match now: "
-                f"go on with the shards it trained on"
+                f"{then}"
             )
         if shard_fingerprint(files[i]) != kept:
             raise UserError(
                 f"the run had read {kept[0]} as training shard {i}, and {files[i]} is another "
-                f"now (its name, token count, or first or last tokens differ): go on with the "
-                f"shards it trained on"
+                f"now (its name, token count, or first or last tokens differ): {then}"
             )
     if laps and count != len(files):
         raise UserError(
             f"the run has been round its {count} training shards and goes round them again: "
-            f"{len(files)} match now; go on with the shards it trained on"
+            f"{len(files)} match now: {then}"
         )
 
 

@@ -17,11 +17,9 @@ import support
 import train_gpt as tg
 from conftest import (
     REPO,
-    RESUME_RUN,
     load_command,
     read_metrics,
     run_command,
-    run_main,
     write_shard,
 )
 from data import shards
@@ -461,22 +459,27 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     }
 
 
-def test_a_runs_row_is_refused_where_a_training_shard_it_read_changed(tmp_path, capsys):
-    # the row's corpus_sha256 hashes the shards there when it is measured: one the run read
-    # that changed since would credit the run with a corpus it never saw
+def test_a_grid_is_not_measured_where_a_training_shard_a_run_read_changed(
+    tmp_path, monkeypatch, capsys
+):
+    # a row's corpus_sha256 hashes the shards there when it is measured: one the run read that
+    # changed since would credit the run with a corpus it never saw. Refused before any run is
+    # measured, and nothing written
     sweep = load_command("sweep.py")
     tokens = np.random.default_rng(0).integers(0, 50257, 2000)
     write_shard(tmp_path / "train_0.bin", tokens)
-    run = tmp_path / "run"
-    args = RESUME_RUN + [f"--train_files={tmp_path}/train_*.bin", f"--run_dir={run}"]
-    code, _, err = run_main(args, capsys)
-    assert code == 0, err
-    row = sweep.measure(str(run), "cpu")
+    base = TINY_GRID + [f"--train_files={tmp_path}/train_*.bin"]
+    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=base, n_layers=2, runs=[sweep.dense(2)]))
+    argv = ["--grid=one", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
+    assert support.cli(sweep.main, argv) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     write_shard(tmp_path / "train_0.bin", tokens[::-1])  # the same size, other tokens
-    with pytest.raises(support.UserError, match=f"^{run}: the run had read train_0.bin as"):
-        sweep.measure(str(run), "cpu")
-    write_shard(tmp_path / "train_0.bin", tokens)
-    assert sweep.measure(str(run), "cpu")["corpus_sha256"] == row["corpus_sha256"]
+    assert support.cli(sweep.main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'runs' / 'dense_2_s0'}: the run had read train_0")
+    assert err.endswith(": measure it on the shards it trained on\n") and err.count("\n") == 1
+    assert before == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
 
 
 @pytest.mark.slow
