@@ -3,7 +3,7 @@ becomes a step-0 checkpoint with q new layers after each group, which train_gpt.
 like any run it resumes.
 
     python expand.py RUN_DIR NEW_RUN_DIR [--groups=P] [--per_group=q] [--init=identity]
-                     [--tau=2] [--field=value ...]
+                     [--field=value ...]            # --init=linear|slerp [--tau=2]
     python train_gpt.py --resume=NEW_RUN_DIR
 
 The new run's settings are the checkpoint's, then any run setting of train_gpt.py given here as

@@ -774,7 +774,9 @@ class Hyperparameters:
     compact: bool = setting(False, help="run routed blocks on their tokens only (exact)")
     gate_eps: float = setting(1e-6, "(0, 1)", "floor on a gate inside ln g (Section 2.2)")
     # router=skip_middle: gates and sparsity control (Section 2.4)
-    gate_init: str = on_skip_middle("normal", ("normal", "zero"), "N(0, std) | g = 1", use="init")
+    gate_init: str = on_skip_middle(
+        "normal", ("normal", "zero"), "N(0, init_std) | g = 1", use="init"
+    )
     gate_axis: str = on_skip_middle("key", ("key", "query"), "ln g per key | query", fixed=True)
     controller: str = on_skip_middle("proportional_tol", tuple(CONTROLLERS), "Table 1", use="train")
     mu_start: float = on_skip_middle(1.0, "[0, 1]", "mean-gate target at block 0", use="train")
