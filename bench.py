@@ -109,7 +109,8 @@ def profiled(fn, sync, cuda) -> list:
         fn()
         sync()
     ops = prof.key_averages()
-    sorts = [("device", "self_device_time_total")] * cuda + [("host", "self_cpu_time_total")]
+    sorts = [("device", "self_device_time_total")] if cuda else []
+    sorts.append(("host", "self_cpu_time_total"))
     return [(by, ops.table(sort_by=key, row_limit=PROFILE_ROWS)) for by, key in sorts]
 
 

@@ -146,7 +146,7 @@ def in_range(kind, low, high=math.inf):
             ):
                 return value
         size = "" if kind is int else ", 0 or of float32 size"
-        end = ")" if high == math.inf else "]"  # (finite only)
+        end = ")" if high == math.inf else "]"  # (inf itself is refused: not finite)
         raise argparse.ArgumentTypeError(
             f"expected {kind.__name__} in [{low}, {high}{end}{size}, got {text!r}"
         )

@@ -864,6 +864,7 @@ class Job:
 
 FIXED = [f.name for f in fields(Hyperparameters) if f.metadata["fixed"]]
 INITIAL = {f.name for f in fields(Hyperparameters) if f.metadata["use"] == "init"}
+# what training alone reads: the initial weights' settings, and those marked "train"
 TRAINING = INITIAL | {f.name for f in fields(Hyperparameters) if f.metadata["use"] == "train"}
 
 
@@ -1083,13 +1084,15 @@ def check_source(given: dict, job: Job):
         )
     if job.eval_only and not job.init_from:
         raise UserError("--eval_only validates the model of --init_from=SOURCE: give it")
-    idle = sorted(given.keys() & (JOB - {"init_from", "eval_only"} | TRAINING))
-    if job.eval_only and idle:
-        raise UserError(f"--eval_only trains nothing: drop --{idle[0]}")
+    if job.eval_only:
+        idle = sorted(given.keys() & (JOB - {"init_from", "eval_only"} | TRAINING))
+        if idle:
+            raise UserError(f"--eval_only trains nothing: drop --{idle[0]}")
     start = "resume" if job.resume else "init_from" if job.init_from else ""
-    if start and (idle := sorted(given.keys() & INITIAL)):
+    moot = sorted(given.keys() & INITIAL)
+    if start and moot:
         raise UserError(
-            f"--{idle[0]} sets a new model's initial weights, and --{start} takes "
+            f"--{moot[0]} sets a new model's initial weights, and --{start} takes "
             f"{'the checkpoint' if job.resume else 'the source'}'s: drop it"
         )
 
