@@ -194,6 +194,8 @@ def expanded_settings(
         raise support.UserError(
             f"router={hp.router} is tied to the layer count; expand into a dense or DLO model"
         )
+    # first: check_model's message would name n_layers, which is derived here
+    ranks.check_memory(tg.model_bytes(hp), "to build the expanded model", "--per_group or --groups")
     tg.validate(hp, world=1)
     return hp
 

@@ -480,6 +480,9 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
     shutil.copytree(run, edited)  # its checkpoint edited to the other encoding (the same shapes)
     ckpt = torch.load(edited / "checkpoint.pt", weights_only=True)
     torch.save({**ckpt, "hp": {**ckpt["hp"], "encoding": "bytes"}}, edited / "checkpoint.pt")
+    dense = tmp_path / "dense"  # its settings a dense model's (expand reads them first)
+    shutil.copytree(run, dense)
+    torch.save({**ckpt, "hp": {**ckpt["hp"], "router": "none"}}, dense / "checkpoint.pt")
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff"}\n')
     cases = [
         (
@@ -520,6 +523,7 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         (sample.main, [str(run), "--temperature=0", "--seed", "0"], "--seed does nothing with"),
         (skipview.main, [str(run), "--text=hi", "--val_tokens=5"], "--val_tokens does nothing"),
         (expand_.main, [str(run), f"{tmp_path}/s", "--tau=2"], "--tau does nothing with --init"),
+        (expand_.main, [str(dense), f"{tmp_path}/s", "--per_group=100000000"], "--per_group or"),
         (sweep.main, [f"--report={a_file}", "--jobs=1"], "--jobs does nothing with --report"),
         (tokenize.main, ["--check=data/sample", "--name=corpus"], "--name does not apply"),
         (tokenize.main, ["--val_every=0"], "--val_every does not apply to the embedded"),
