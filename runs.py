@@ -153,9 +153,10 @@ def saved_step(path: str, run_id: str):
     return step if type(step) is int else None
 
 
-def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> dict:
+def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict, validation=None):
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS); loader: its
-    position (DistributedLoader.state), the global batch's."""
+    position (DistributedLoader.state), the global batch's; validation: the validation loader's
+    state, whose shards a resume checks (none: a new run's)."""
     return {
         **asdict(run),
         "hp": asdict(hp),
@@ -165,6 +166,7 @@ def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict) -> d
         "routing": raw.router.routing_state(),
         "packing": {"lengths": raw.router.lengths, "seen": raw.router.seen},  # compact's redo
         "loader": loader,
+        "validation": validation or {},
         "rng": {
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if next(raw.parameters()).is_cuda else [],
@@ -471,7 +473,7 @@ def resume_note(d: Dist, ledger: Ledger, run: RunState) -> str:
     )
 
 
-def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, loader):
+def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, loader, val_loader):
     """checkpoint_state as RUN_DIR/checkpoint.pt (rank 0) if every weight is finite; else, or
     failing, RunStopped. The old one stays as PREVIOUS if a step from it was finite (not
     ledger.untried): last_good."""
@@ -484,7 +486,7 @@ def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, lo
         d.on_master(
             lambda: save_checkpoint(
                 ledger.run_dir,
-                checkpoint_state(run, hp, d.world, raw, opt, loader.state()),
+                checkpoint_state(run, hp, d.world, raw, opt, loader.state(), val_loader.state()),
                 keep=not ledger.untried,
             ),
             last=ledger.last,

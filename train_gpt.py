@@ -624,10 +624,15 @@ class DistributedLoader:
     def restore(self, state: dict):
         """state: a checkpoint's, which loaders() checked (check_position) before anything was
         written (not again here: the fingerprints read every shard the run had read)."""
-        self.read.update({i: kept for i, *kept in state.get("read", [])})  # (kept on)
+        self.keep(state)
         self.laps = state.get("laps", 0)  # (unknown before they were counted)
         self._load(state["shard"])
         self.pos = state["pos"]
+
+    def keep(self, state: dict):
+        """The fingerprints of the shards that a checkpoint's run had read (state: its state(),
+        checked), kept on in this job's."""
+        self.read.update({i: kept for i, *kept in state.get("read", [])})
 
     def check_position(self, state: dict):
         """A checkpoint's data position (state()) must lie in these shards (changed or edited?),
@@ -1270,15 +1275,28 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
 
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
-    """The training and validation loaders of this rank, checked: every shard sound, enough
-    validation tokens, and the checkpoint's data position (if any) in these shards."""
+    """The training and validation loaders of this rank, checked: every shard sound, no shard
+    both, enough validation tokens, and with a checkpoint its data position in these shards and
+    every shard its run had read, for training or validation, the same (check_fingerprints: a
+    log's validation losses are on one set of tokens)."""
     B = hp.batch_size // d.world  # the rank's sequences of a step, all its micro-steps
     train_loader = DistributedLoader(
         hp.train_files, B, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
     )
+    val_loader = validation_loader(hp, d)
+    both = [v for v in val_loader.files if any(os.path.samefile(v, t) for t in train_loader.files)]
+    if both:
+        raise UserError(
+            f"{both[0]} is a training shard and a validation shard (train_files and val_files "
+            f"both match it): the model would be validated on tokens it trains on"
+        )
     if ckpt is not None:
         train_loader.check_position(ckpt["loader"])
-    return train_loader, validation_loader(hp, d)
+        validation = ckpt.get("validation", {})  # (none before it was kept: not checked)
+        then = "resume with the validation shards the run was validated on"
+        check_fingerprints(val_loader.files, validation, then, "validation")
+        val_loader.keep(validation)
+    return train_loader, val_loader
 
 
 def validation_loader(hp: Hyperparameters, d: Dist) -> DistributedLoader:
@@ -1385,7 +1403,7 @@ def train(
             # save every save_every steps and when the job ends, if anything is new
             periodic = step > start and hp.save_every and step % hp.save_every == 0
             if (ending or periodic) and (step > start or run.val_done != saved_val or not ckpt):
-                runs.save_run_checkpoint(d, ledger, run, hp, raw, opt, train_loader)
+                runs.save_run_checkpoint(d, ledger, run, hp, raw, opt, train_loader, val_loader)
                 log.saved(step)
                 saved_val = run.val_done
             if ending:

@@ -112,13 +112,20 @@ def shard_fingerprint(path: str, tokens: np.ndarray = None) -> list:
     return [os.path.basename(path), count, ends.hexdigest()]
 
 
-def check_fingerprints(files: list, state: dict, then: str = "go on with the shards it trained on"):
-    """state: a training loader's checkpoint state, with "read", [[index, *shard_fingerprint],
-    ...] of the shards its run had read, "laps", the passes it finished over them all, and
-    "files", their number (a checkpoint from before keeps none: nothing is checked). A UserError
-    unless each shard read is still files[index] and, once the run has been round them all, their
-    number is the same (the order it goes round in again is set). A shard not read yet, after the
-    one the run is in, may be added, removed or changed before then. then: the advice."""
+def check_fingerprints(
+    files: list,
+    state: dict,
+    then: str = "go on with the shards it trained on",
+    kind: str = "training",
+):
+    """state: a loader's checkpoint state (kind: its shards', training or validation), with
+    "read", [[index, *shard_fingerprint], ...] of the shards its run had read, "laps", the passes
+    it finished over them all, and "files", their number (a checkpoint from before keeps none:
+    nothing is checked). A UserError unless each shard read is still files[index] and, once the
+    run has been round them all, their number is the same (the order it goes round in again is
+    set). A shard not read yet, after the one the run is in, may be added, removed or changed
+    before then. then: the advice."""
+    state = state if isinstance(state, dict) else {"read": None}  # (not a record: refused below)
     if "read" not in state:
         return
     read, laps, count = state["read"], state.get("laps"), state.get("files")
@@ -128,23 +135,23 @@ def check_fingerprints(files: list, state: dict, then: str = "go on with the sha
         and type(laps) is type(count) is int
     ):
         raise UserError(
-            "the checkpoint's record of the training shards its run read is not one this "
+            f"the checkpoint's record of the {kind} shards its run read is not one this "
             "trainer writes (an edited or damaged checkpoint)"
         )
     for i, *kept in read:
         if not 0 <= i < len(files):
             raise UserError(
-                f"the run had read {kept[0]} as training shard {i}, and {len(files)} match now: "
+                f"the run had read {kept[0]} as {kind} shard {i}, and {len(files)} match now: "
                 f"{then}"
             )
         if shard_fingerprint(files[i]) != kept:
             raise UserError(
-                f"the run had read {kept[0]} as training shard {i}, and {files[i]} is another "
+                f"the run had read {kept[0]} as {kind} shard {i}, and {files[i]} is another "
                 f"now (its name, token count, or first or last tokens differ): {then}"
             )
     if laps and count != len(files):
         raise UserError(
-            f"the run has been round its {count} training shards and goes round them again: "
+            f"the run has been round its {count} {kind} shards and goes round them again: "
             f"{len(files)} match now: {then}"
         )
 

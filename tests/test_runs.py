@@ -404,6 +404,39 @@ def test_a_resume_refuses_a_training_shard_the_run_read_that_changed(tmp_path, c
     assert code == 0, err
 
 
+def test_a_resume_refuses_a_validation_shard_the_run_was_validated_on_that_changed(
+    tmp_path, capsys
+):
+    # a log's validation losses are on one set of tokens: a validation shard that the run had
+    # read (kept by every job's checkpoint, even one that validated nothing) must be the same
+    # file when it resumes. Two shards of 200 tokens, one validation batch of 4 x 32 each
+    rng = np.random.default_rng(1)
+    data = [rng.integers(0, 50257, 200) for _ in range(2)]
+    for i, tokens in enumerate(data):
+        write_shard(tmp_path / f"val_{i}.bin", tokens)
+    run = tmp_path / "run"
+    args = RESUME_RUN + [f"--val_files={tmp_path}/val_*.bin", f"--run_dir={run}"]
+    code, _, err = run_main(args + ["--stop_step=2"], capsys)  # validated at step 0: both read
+    assert code == 0, err
+    code, _, err = run_main([f"--resume={run}", "--stop_step=3"], capsys)  # no validation
+    assert code == 0, err
+    kept = torch.load(run / "checkpoint.pt", weights_only=True)["validation"]["read"]
+    assert [e[:3] for e in kept] == [[i, f"val_{i}.bin", 200] for i in range(2)]
+    write_shard(tmp_path / "val_1.bin", data[1][::-1])  # its tokens reversed: same size
+    before = (run / "metrics.jsonl").read_bytes()
+    code, out, err = run_main([f"--resume={run}"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(
+        f"error: the run had read val_1.bin as validation shard 1, and {tmp_path}/val_1.bin is "
+        f"another now (its name, token count, or first or last tokens differ): resume with the "
+        f"validation shards the run was validated on"
+    ), err
+    assert (run / "metrics.jsonl").read_bytes() == before
+    write_shard(tmp_path / "val_1.bin", data[1])
+    code, _, err = run_main([f"--resume={run}"], capsys)
+    assert code == 0, err
+
+
 def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=1"], capsys)
     assert code == 0, err
