@@ -385,13 +385,15 @@ def check_aborted(run_dir: str, old: list):
 
 def check_owner(run_dir: str, ckpt: dict):
     """A resumed checkpoint is this folder's run's: the run_id its config.json records. Another
-    run's logs would be cut by the resume; no config.json and no metrics: expand.py's new run,
-    whose first job this is. And PREVIOUS, which the next save replaces, is this run's too."""
+    run's logs would be cut by the resume, and a config.json that is not a run's overwritten;
+    no config.json and no metrics: expand.py's new run, whose first job this is. And PREVIOUS,
+    which the next save replaces, is this run's too."""
     path, run_id = os.path.join(run_dir, CHECKPOINT), logged(run_dir)
-    if run_id is None and os.path.lexists(os.path.join(run_dir, "metrics.jsonl")):
+    config = os.path.join(run_dir, "config.json")
+    if run_id is None and any(os.path.lexists(p) for p in (config, os.path.join(run_dir, LOGS[1]))):
         raise UserError(
-            f"{os.path.join(run_dir, 'config.json')} is missing or unreadable, so nothing says "
-            f"that {path} (run_id {ckpt['run_id']}) is this folder's run: put it back"
+            f"{config} is missing, unreadable or not a run's (no run_id), so nothing says "
+            f"that {path} (run_id {ckpt['run_id']}) is this folder's run: put the run's back"
         )
     if run_id is not None and run_id != ckpt["run_id"]:
         raise UserError(

@@ -834,6 +834,23 @@ def read_runs(path: str) -> list:
     return rows
 
 
+def check_record(out: str, grid: dict, seeds: range):
+    """A record in OUT is replaced only by one that measures each of its runs again: one of a
+    grid split over commands (--first_seed) would lose the others' rows."""
+    path = os.path.join(out, "runs.csv")
+    if not os.path.exists(path):
+        return
+    plan = {(name, seed) for seed in seeds for name, *_ in grid["runs"]}
+    lost = sorted({(r["name"], r["seed"]) for r in read_runs(path)} - plan)
+    if lost:
+        more = f" and {len(lost) - 1} more" if lost[1:] else ""
+        raise support.UserError(
+            f"{path} holds runs that this command does not measure ({lost[0][0]} seed "
+            f"{lost[0][1]}{more}), and would lose them: give another --out, or measure every "
+            f"seed at once (--seeds=K without --first_seed, the same --runs)"
+        )
+
+
 def is_share(text: str) -> bool:
     """Whether text reads as a number in [0, 1] (a zero share of runs.csv)."""
     with contextlib.suppress(ValueError):
@@ -1088,10 +1105,11 @@ def main(argv):
         ("runs.csv", "README.md", *REPORT),
         by=__file__,
     )
+    seeds = range(args.first_seed, args.seeds)
+    check_record(out, grid, seeds)
     support.writable_dir(runs_dir)
     t0 = time.time()
     try:
-        seeds = range(args.first_seed, args.seeds)
         done = run_grid(grid, runs_dir, seeds, args.nproc_per_node, args.jobs)
     except runs.Stopped as e:
         print(e, flush=True)

@@ -539,11 +539,18 @@ def test_a_checkpoint_from_another_run_or_shape_or_damaged_is_refused(tmp_path, 
     assert (
         code == 2
         and out == ""
-        and f"{b / 'config.json'} is missing or unreadable, so nothing says that" in err
-        and err.endswith("is this folder's run: put it back\n")
+        and f"{b / 'config.json'} is missing, unreadable or not a run's (no run_id), so" in err
+        and err.endswith("is this folder's run: put the run's back\n")
         and err.count("\n") == 1
     ), err
     assert (b / "metrics.jsonl").read_bytes() == metrics and not (b / "config.json").exists()
+    # a config.json that is not a run's (the user's own) is not overwritten, logs or none
+    (b / "metrics.jsonl").unlink()
+    (b / "config.json").write_text('{"my": "notes"}')
+    code, out, err = run_main([f"--resume={b}"], capsys)
+    assert code == 2 and out == "" and "not a run's (no run_id)" in err, err
+    assert (b / "config.json").read_text() == '{"my": "notes"}'
+    (b / "metrics.jsonl").write_bytes(metrics)
     state = torch.load(a / "checkpoint.pt", weights_only=True)
     for change, message in [
         (lambda s: s["hp"].update(dim=64), "weights do not fit"),

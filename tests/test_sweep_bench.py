@@ -482,6 +482,32 @@ def test_a_grid_is_not_measured_where_a_training_shard_a_run_read_changed(
     assert before == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
 
 
+def test_a_grid_split_over_commands_does_not_lose_the_record_of_another(
+    tmp_path, monkeypatch, capsys
+):
+    # --first_seed splits a grid over commands that share --runs: one whose record would drop
+    # the rows of another's (the same --out) is refused before it trains; measuring every seed
+    # at once replaces it, each run measured again
+    sweep = load_command("sweep.py")
+    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, n_layers=2, runs=[sweep.dense(2)]))
+    common = ["--grid=one", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
+    assert support.cli(sweep.main, common) == 0
+    capsys.readouterr()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert support.cli(sweep.main, common + ["--seeds=2", "--first_seed=1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {tmp_path / 'out' / 'runs.csv'} holds runs that this command does not measure "
+        f"(dense_2 seed 0), and would lose them: give another --out, or measure every seed at "
+        f"once (--seeds=K without --first_seed, the same --runs)\n"
+    )
+    assert before == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert not (tmp_path / "runs" / "dense_2_s1").exists()  # nothing trained
+    assert support.cli(sweep.main, common + ["--seeds=2"]) == 0
+    rows = sweep.read_runs(str(tmp_path / "out" / "runs.csv"))
+    assert [(r["name"], r["seed"]) for r in rows] == [("dense_2", 0), ("dense_2", 1)]
+
+
 @pytest.mark.slow
 def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told(
     tmp_path, monkeypatch
