@@ -12,7 +12,9 @@ copied. Set HF_HUB_CACHE next to the data folder if you want to be sure.
 A file already in the data folder with a valid header and size is skipped, so an interrupted
 fetch resumes where it stopped. Every file is checked after download (magic, version, token
 count against the file size) before it takes its final name; a bad one is reported and fetched
-again. Several files download at once (--workers, default 8).
+again. So a file of a shard's name in the data folder that is not a whole shard was not written
+here: it is refused before anything is fetched, never replaced. Several files download at once
+(--workers, default 8).
 
 Why not huggingface_hub.snapshot_download(local_dir=...): in that mode (huggingface_hub 2.4)
 a file found in the Hugging Face cache is copied, not linked (20.8 GB twice); offline it does
@@ -34,6 +36,8 @@ from support import (  # noqa: E402
     cli,
     exit_quietly_on_signals,
     in_range,
+    kind_of,
+    os_error_text,
     path_arg,
     writable_dir,
 )
@@ -47,13 +51,15 @@ REPO = "kjj0/fineweb10B-gpt2"
 N_TRAIN = 103
 
 
-def valid(path: str) -> bool:
+def damage(path: str) -> str:
+    """Why the file at path is not a whole shard (named), or "" where it is one."""
+    if kind_of(path) != "a file":
+        return f"{path} is {kind_of(path)}"
     try:
         shard_tokens(path)
-        return True
-    except UserError as e:
-        print(f"{os.path.basename(path)}: {e}; fetching it again", flush=True)
-        return False
+    except (UserError, OSError) as e:
+        return os_error_text(e)
+    return ""
 
 
 def place(src: str, dest: str) -> None:
@@ -74,7 +80,7 @@ def fetch(name: str, out: str, counter: str) -> str:
     from huggingface_hub import hf_hub_download
 
     dest = os.path.join(out, name)
-    if os.path.exists(dest) and valid(dest):
+    if os.path.exists(dest):  # (whole: main checked)
         print(f"{counter} {name}: present, skipped", flush=True)
         return None
     for force in (False, True):  # a bad file in the cache is downloaded once more
@@ -82,7 +88,10 @@ def fetch(name: str, out: str, counter: str) -> str:
             cached = hf_hub_download(REPO, name, repo_type="dataset", force_download=force)
         except Exception as e:  # offline, not cached, or the hub is unreachable
             return f"{type(e).__name__}"
-        if valid(cached):
+        problem = damage(cached)
+        if problem:
+            print(f"{problem}; fetching it again", flush=True)
+        else:
             try:
                 place(cached, dest)
             except OSError as e:
@@ -129,6 +138,13 @@ def main(argv) -> None:
     out, workers, count = args.out, args.workers, args.count
     names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
     writable_dir(out)  # before any download starts
+    for name in names:  # (this command's own are whole: written aside, then renamed)
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and damage(path):
+            raise UserError(
+                f"{damage(path)}: it is there and is not a whole shard, so this command did not "
+                f"write it: move it away and run this again; nothing was fetched"
+            )
     first = fetch(names[0], out, f"[1/{len(names)}]")  # alone: offline, each of the others
     failed = [(names[0], first)] if first else []  # would wait through the same retries
     if not first:

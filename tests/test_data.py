@@ -61,16 +61,29 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     assert "250 tokens" in r.stdout
     r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
     assert r.returncode == 0 and r.stdout.count("present, skipped") == 2
-    # a damaged file in the data folder is noticed and fetched again
-    # (a new file: the good one may be a hard link to the cache, which must stay intact)
+    # a file of a shard's name that is not a whole one was not written here (this command
+    # renames whole ones into place): refused before anything is fetched, left as it is; once
+    # moved away, fetched (a new file: the good one may be a hard link to the cache, which
+    # must stay intact)
     damaged = (out / "fineweb_train_000001.bin").read_bytes()[:1200]
     (out / "fineweb_train_000001.bin").unlink()
     (out / "fineweb_train_000001.bin").write_bytes(damaged)
+    (out / "fineweb_val_000000.bin").unlink()
     r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
-    assert r.returncode == 0 and "fetching it again" in r.stdout
-    assert (out / "fineweb_train_000001.bin").read_bytes() == (
-        snap / "fineweb_train_000001.bin"
-    ).read_bytes()
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(
+        f"error: {out / 'fineweb_train_000001.bin'}: "
+    ) and r.stderr.endswith(
+        ": it is there and is not a whole shard, so this command did not write it: move it away "
+        "and run this again; nothing was fetched\n"
+    )
+    assert (out / "fineweb_train_000001.bin").read_bytes() == damaged
+    assert not (out / "fineweb_val_000000.bin").exists()
+    (out / "fineweb_train_000001.bin").unlink()
+    r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
+    assert r.returncode == 0, r.stderr
+    for name in ("fineweb_val_000000.bin", "fineweb_train_000001.bin"):
+        assert (out / name).read_bytes() == (snap / name).read_bytes()
     # a file neither online nor cached: one clear line, exit 2, nothing under its name
     r = run_command("data/cached_fineweb10B.py", "2", f"--out={out}", env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
