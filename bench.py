@@ -34,7 +34,6 @@ Without it, a profile.md that an earlier --profile=1 wrote in --out, unchanged s
 """
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import runlog  # noqa: E402
+import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from routers import fit_lengths  # noqa: E402
 
@@ -154,7 +154,7 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
     idx = torch.randint(0, hp.vocab_size, (batch, hp.seq_len), generator=gen).to(device)
     targets = torch.roll(idx, -1, dims=1)
     models = [tg.compile_model(m) if compile_ else m for m in (model, twin)]
-    runs = dict(zip(MODELS, models, strict=True))  # masked, compact
+    by_model = dict(zip(MODELS, models, strict=True))  # masked, compact
 
     def compacted():  # the twin: the masked model's weights and gates, its lengths fitted
         twin.load_state_dict(model.state_dict())
@@ -180,7 +180,7 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
         ideal = tg.forward_flops(hp) / tg.forward_flops(hp, [1 - z for z in zero])
         row = dict(size=name, target=p, sparsity=sum(zero) / len(zero), ideal=ideal)
         passes = {}  # every model's forward and forward+backward, each run once: its warm-up
-        for key, run in runs.items():
+        for key, run in by_model.items():
             if key == "compact":  # (the compacted model's graphs: from its first call here)
                 compiled = runlog.compile_ms()
                 compacted()
@@ -206,7 +206,7 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
             compacted()
             row["profiles"] = [
                 (f"{key}, {kind}, by {by} time", table)
-                for key, run in runs.items()
+                for key, run in by_model.items()
                 for kind, fn in (("fwd", forward), ("fwd+bwd", forward_backward))
                 for by, table in profiled(partial(fn, run), sync, cuda)
             ]
@@ -311,10 +311,7 @@ def main(argv):
     sizes, repeats, compile_, out = args.size or [], args.repeats, args.compile, args.out
     device = args.device
     out = support.writable_dir(
-        out
-        or os.path.join(
-            "logs", time.strftime("%Y-%m-%d_%H%M%S") + "_skip_bench_" + device.split(":")[0]
-        ),
+        out or runs.new_run_dir("skip_bench_" + device.split(":")[0]),  # (never another's)
         ("bench.md", "bench.json") + (("profile.md",) if args.profile else ()),
         by=__file__,
     )

@@ -14,9 +14,9 @@ refused, in one line). README.md is the model card: the model, the command and c
 trained it (and whether the tree had changes), the source it started from, the steps trained,
 the validation of these weights (loss, sparsity, FLOPs per token) if one was made at their step,
 and how to load it here. The checkpoint is read once: all of it describes the weights written.
-OUT_DIR may hold only files export wrote. A push needs the network and a token
-(huggingface_hub's login); without them it is one error line, after the local files are
-written.
+OUT_DIR may hold only files export wrote, which it replaces (an earlier export's, of any run).
+A push needs the network and a token (huggingface_hub's login); without them it is one error
+line, after the local files are written.
 """
 
 import argparse
@@ -49,7 +49,10 @@ def parser() -> support.ArgParser:
     p = support.ArgParser("python export.py", __doc__)
     p.add_argument("run_dir", type=support.path_arg, metavar="RUN_DIR", help="a run's folder")
     p.add_argument(
-        "out_dir", type=support.path_arg, metavar="OUT_DIR", help="the folder to write (new)"
+        "out_dir",
+        type=support.path_arg,
+        metavar="OUT_DIR",
+        help="the folder to write: new, or an earlier export's (replaced)",
     )
     p.add_argument(
         "--format",
