@@ -161,8 +161,11 @@ def nonempty(text: str) -> str:
     return text
 
 
-def path_arg(text: str) -> str:  # a file or folder: what is there is checked where it is used
-    return nonempty(text)
+def path_arg(text: str) -> str:
+    """A file or folder (what is there is checked where it is used); a leading ~ is the home
+    folder, as a shell makes it of a word, though not after --name= (a folder named ~ is one
+    that `rm -r ~` would lose the home with)."""
+    return os.path.expanduser(nonempty(text))
 
 
 def check_device(name: str) -> str:
@@ -249,6 +252,8 @@ def parse_fields(classes, argv) -> dict:
                 if not (value.is_integer() and abs(value) <= 2**53):
                     raise ValueError
                 given[name] = int(value)
+            elif kind is str:  # (paths among them: ~ as path_arg reads it)
+                given[name] = os.path.expanduser(text)
             else:
                 given[name] = parse_bool(text) if kind is bool else kind(text)
         except (ValueError, argparse.ArgumentTypeError):

@@ -465,6 +465,23 @@ def test_training_refuses_a_malformed_shard_before_starting(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_leading_tilde_in_a_path_is_the_home_folder_in_every_command(
+    tmp_path, monkeypatch, capsys
+):
+    # the shell leaves --run_dir=~/r as it is: a folder named ~ made here, which `rm -r ~`
+    # would then take the home with. Every command's paths: train_gpt.py's fields, the others'
+    # path options (support.path_arg)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # (where a folder named ~ would be made)
+    given = support.parse_fields((tg.Hyperparameters, tg.Job), ["--train_files=~/d/*.bin"])
+    assert given == {"train_files": f"{tmp_path}/d/*.bin"}
+    args = load_command("sweep.py").parser().parse_args(["--runs=~/r", "--out=~"])
+    assert (args.runs, args.out) == (f"{tmp_path}/r", str(tmp_path))
+    code, _, err = run_main(RESUME_RUN + ["--run_dir=~/run", "--stop_step=1"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "run" / "checkpoint.pt").is_file() and not (tmp_path / "~").exists()
+
+
 # --------------------------------------------------------------- the other commands
 
 
