@@ -1275,8 +1275,8 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
 
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
-    """The training and validation loaders of this rank, checked: every shard sound, no shard
-    both, enough validation tokens, and with a checkpoint its data position in these shards and
+    """The training and validation loaders of this rank, checked: every shard sound, enough
+    validation tokens, and with a checkpoint its data position in these shards and
     every shard its run had read, for training or validation, the same (check_fingerprints: a
     log's validation losses are on one set of tokens)."""
     B = hp.batch_size // d.world  # the rank's sequences of a step, all its micro-steps
@@ -1284,12 +1284,6 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
         hp.train_files, B, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
     )
     val_loader = validation_loader(hp, d)
-    both = [v for v in val_loader.files if any(os.path.samefile(v, t) for t in train_loader.files)]
-    if both:
-        raise UserError(
-            f"{both[0]} is a training shard and a validation shard (train_files and val_files "
-            f"both match it): the model would be validated on tokens it trains on"
-        )
     if ckpt is not None:
         train_loader.check_position(ckpt["loader"])
         validation = ckpt.get("validation", {})  # (none before it was kept: not checked)
@@ -1383,6 +1377,11 @@ def train(
             f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
             f"peak_flops:{peak:.4g} run_dir:{run_dir}{note}"
         )
+        if any(os.path.samefile(v, t) for v in val_loader.files for t in train_loader.files):
+            log.print(  # (gpu_check.sh's paper runs: the sample's validation shard is too small)
+                "note: some validation shards are training shards too: the validation losses "
+                "are on tokens the model trains on"
+            )
         clock = runlog.StepClock(log, start, job.untimed_steps)
         for step in range(start, steps + 1):  # at each step boundary, then the step
             signum = ranks.agreed_signal(stop, d)

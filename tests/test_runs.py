@@ -437,6 +437,19 @@ def test_a_resume_refuses_a_validation_shard_the_run_was_validated_on_that_chang
     assert code == 0, err
 
 
+def test_a_run_validated_on_its_training_shards_says_so_in_its_log(tmp_path, capsys):
+    # allowed (gpu_check.sh's paper runs do it: the sample's validation shard is too small for
+    # their batch), but the record says it, however the shard is named (here: a link to it)
+    sample = os.path.join(os.path.dirname(tg.__file__), "data", "sample")
+    (tmp_path / "v.bin").symlink_to(os.path.join(sample, "sample_train_000001.bin"))
+    note = "note: some validation shards are training shards too: the validation losses are on"
+    for run, extra in (("own", []), ("linked", [f"--val_files={tmp_path}/v.bin"])):
+        args = RESUME_RUN + extra + [f"--run_dir={tmp_path / run}", "--stop_step=1"]
+        code, _, err = run_main(args + ["--val_tokens=128"], capsys)
+        assert code == 0, err
+        assert (note in (tmp_path / run / "train.log").read_text()) == (run == "linked")
+
+
 def test_resume_refuses_a_different_model_shape(tmp_path, capsys):
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=1"], capsys)
     assert code == 0, err
