@@ -52,8 +52,9 @@ N_TRAIN = 103
 
 
 def damage(path: str) -> str:
-    """Why the file at path is not a whole shard (named), or "" where it is one."""
-    if kind_of(path) != "a file":
+    """Why the file at path is not a whole shard (named), or "" where it is one (a link to a
+    file is one: the Hugging Face cache's files are links to its blobs)."""
+    if not os.path.isfile(path):
         return f"{path} is {kind_of(path)}"
     try:
         shard_tokens(path)
@@ -140,9 +141,10 @@ def main(argv) -> None:
     writable_dir(out)  # before any download starts
     for name in names:  # (this command's own are whole: written aside, then renamed)
         path = os.path.join(out, name)
-        if os.path.lexists(path) and damage(path):
+        problem = damage(path) if os.path.lexists(path) else ""
+        if problem:
             raise UserError(
-                f"{damage(path)}: it is there and is not a whole shard, so this command did not "
+                f"{problem}: it is there and is not a whole shard, so this command did not "
                 f"write it: move it away and run this again; nothing was fetched"
             )
     first = fetch(names[0], out, f"[1/{len(names)}]")  # alone: offline, each of the others

@@ -35,15 +35,21 @@ from data import shards
 
 
 def fake_hub_cache(root, files):
-    """A Hugging Face cache holding `files` (name -> tokens) for the FineWeb dataset repo."""
+    """A Hugging Face cache holding `files` (name -> tokens) for the FineWeb dataset repo, laid
+    out as huggingface_hub lays it out: each file a blob, named by its hash, and a link to it
+    under the commit's snapshot."""
     repo = root / "datasets--kjj0--fineweb10B-gpt2"
     commit = "0123456789abcdef0123456789abcdef01234567"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
-    snap = repo / "snapshots" / commit
+    snap, blobs = repo / "snapshots" / commit, repo / "blobs"
     snap.mkdir(parents=True)
+    blobs.mkdir()
     for name, tokens in files.items():
-        write_shard(snap / name, tokens)
+        write_shard(blobs / name, tokens)
+        blob = blobs / hashlib.sha256((blobs / name).read_bytes()).hexdigest()
+        (blobs / name).rename(blob)
+        (snap / name).symlink_to(os.path.relpath(blob, snap))
     return snap
 
 
@@ -84,6 +90,12 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     assert r.returncode == 0, r.stderr
     for name in ("fineweb_val_000000.bin", "fineweb_train_000001.bin"):
         assert (out / name).read_bytes() == (snap / name).read_bytes()
+    # a link to a whole shard (the user's own) is one: kept as it is
+    (out / "fineweb_val_000000.bin").unlink()
+    (out / "fineweb_val_000000.bin").symlink_to(snap / "fineweb_val_000000.bin")
+    r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
+    assert r.returncode == 0 and r.stdout.count("present, skipped") == 2, r.stdout + r.stderr
+    assert (out / "fineweb_val_000000.bin").is_symlink()
     # a file neither online nor cached: one clear line, exit 2, nothing under its name
     r = run_command("data/cached_fineweb10B.py", "2", f"--out={out}", env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1

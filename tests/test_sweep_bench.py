@@ -482,6 +482,7 @@ def test_a_grid_is_not_measured_where_a_training_shard_a_run_read_changed(
     assert before == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
 
 
+@pytest.mark.slow
 def test_a_grid_split_over_commands_does_not_lose_the_record_of_another(
     tmp_path, monkeypatch, capsys
 ):
