@@ -34,6 +34,7 @@ Without it, a profile.md that an earlier --profile=1 wrote in --out, unchanged s
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,7 +49,6 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import runlog  # noqa: E402
-import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from routers import fit_lengths  # noqa: E402
 
@@ -310,8 +310,11 @@ def main(argv):
     args = parser().parse_args(argv)
     sizes, repeats, compile_, out = args.size or [], args.repeats, args.compile, args.out
     device = args.device
+    # the default: a new name, as a run's (6 random hex digits: two benches started in one second
+    # do not share it), the folder made at the first write (bad input makes none)
+    name = f"{time.strftime('%Y-%m-%d_%H%M%S')}_skip_bench_{device.split(':')[0]}"
     out = support.writable_dir(
-        out or runs.new_run_dir("skip_bench_" + device.split(":")[0]),  # (never another's)
+        out or os.path.join("logs", f"{name}_{os.urandom(3).hex()}"),
         ("bench.md", "bench.json") + (("profile.md",) if args.profile else ()),
         by=__file__,
     )

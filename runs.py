@@ -153,10 +153,11 @@ def saved_step(path: str, run_id: str):
     return step if type(step) is int else None
 
 
-def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict, validation=None):
+def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict, validated=None):
     """Everything a job needs to go on exactly where this one is (CHECKPOINT_KEYS); loader: its
-    position (DistributedLoader.state), the global batch's; validation: the validation loader's
-    state, whose shards a resume checks (none: a new run's)."""
+    position (DistributedLoader.state), the global batch's; validated: the record of the shards
+    its validations read (DistributedLoader.fingerprints), which a resume checks (none: a run
+    that expand.py begins)."""
     return {
         **asdict(run),
         "hp": asdict(hp),
@@ -166,7 +167,7 @@ def checkpoint_state(run: RunState, hp, world: int, raw, opt, loader: dict, vali
         "routing": raw.router.routing_state(),
         "packing": {"lengths": raw.router.lengths, "seen": raw.router.seen},  # compact's redo
         "loader": loader,
-        "validation": validation or {},
+        "validation": validated or {},
         "rng": {
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if next(raw.parameters()).is_cuda else [],
@@ -390,7 +391,8 @@ def check_owner(run_dir: str, ckpt: dict):
     which the next save replaces, is this run's too."""
     path, run_id = os.path.join(run_dir, CHECKPOINT), logged(run_dir)
     config = os.path.join(run_dir, "config.json")
-    if run_id is None and any(os.path.lexists(p) for p in (config, os.path.join(run_dir, LOGS[1]))):
+    logs = (config, os.path.join(run_dir, "metrics.jsonl"))
+    if run_id is None and any(os.path.lexists(p) for p in logs):
         raise UserError(
             f"{config} is missing, unreadable or not a run's (no run_id), so nothing says "
             f"that {path} (run_id {ckpt['run_id']}) is this folder's run: put the run's back"
@@ -475,7 +477,7 @@ def resume_note(d: Dist, ledger: Ledger, run: RunState) -> str:
     )
 
 
-def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, loader, val_loader):
+def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, loader, validated):
     """checkpoint_state as RUN_DIR/checkpoint.pt (rank 0) if every weight is finite; else, or
     failing, RunStopped. The old one stays as PREVIOUS if a step from it was finite (not
     ledger.untried): last_good."""
@@ -488,7 +490,7 @@ def save_run_checkpoint(d: Dist, ledger: Ledger, run: RunState, hp, raw, opt, lo
         d.on_master(
             lambda: save_checkpoint(
                 ledger.run_dir,
-                checkpoint_state(run, hp, d.world, raw, opt, loader.state(), val_loader.state()),
+                checkpoint_state(run, hp, d.world, raw, opt, loader.state(), validated),
                 keep=not ledger.untried,
             ),
             last=ledger.last,

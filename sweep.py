@@ -13,6 +13,7 @@ estimated forward FLOPs per token, with the verdict as a number.
              (at least one; unless set: OMP_NUM_THREADS, TORCHINDUCTOR_COMPILE_THREADS): on 2
              cores three runs of one thread outrun one of two threads
              --first_seed=S: seeds S..K-1 only, so that commands sharing --runs split a grid
+             (each its own --out; then --seeds=K measures the whole grid into one record)
 
 Each configuration of the grid trains through train_gpt.py in its own run directory under
 --runs, as a subprocess (under torchrun when --nproc_per_node > 1), --jobs of them at once. A
@@ -836,18 +837,24 @@ def read_runs(path: str) -> list:
 
 def check_record(out: str, grid: dict, seeds: range):
     """A record in OUT is replaced only by one that measures each of its runs again: one of a
-    grid split over commands (--first_seed) would lose the others' rows."""
+    grid split over commands (--first_seed) would lose the others' rows. Checked before the
+    runs and again before the record is written (a command beside this one may have written
+    it since)."""
     path = os.path.join(out, "runs.csv")
     if not os.path.exists(path):
         return
-    plan = {(name, seed) for seed in seeds for name, *_ in grid["runs"]}
-    lost = sorted({(r["name"], r["seed"]) for r in read_runs(path)} - plan)
+    try:
+        held = {(r["name"], r["seed"]) for r in read_runs(path)}
+    except support.UserError as e:
+        raise support.UserError(f"{e}; this command would replace it: give another --out") from None
+    lost = sorted(held - {(name, seed) for seed in seeds for name, *_ in grid["runs"]})
     if lost:
         more = f" and {len(lost) - 1} more" if lost[1:] else ""
         raise support.UserError(
             f"{path} holds runs that this command does not measure ({lost[0][0]} seed "
-            f"{lost[0][1]}{more}), and would lose them: give another --out, or measure every "
-            f"seed at once (--seeds=K without --first_seed, the same --runs)"
+            f"{lost[0][1]}{more}: not among this grid's runs and seeds), and would lose them: "
+            f"give another --out, or one command that measures them all (one grid's seeds split "
+            f"by --first_seed: each part its own --out, then --seeds=K over the same --runs)"
         )
 
 
@@ -960,7 +967,7 @@ def figure(lines: list, unit: str) -> bytes:
     colours = [tab20[i] for i in [*range(0, 20, 2), *range(1, 20, 2)] if i not in (14, 15)]
     names = [n for n in dict.fromkeys(ln["name"] for ln in lines) if not n.startswith("dense_")]
     colour = {n: colours[i % len(colours)] for i, n in enumerate(names)}
-    tested = [ln for ln in lines if ln["vs"] and ln.get("lo") is not None]
+    tested = [ln for ln in lines if ln["vs"] and ln.get("p_holm") is not None]
     for y, ln in enumerate(tested):
         ax.errorbar(
             ln["mean"],
@@ -1035,7 +1042,8 @@ def parser() -> support.ArgParser:
         default=0,
         metavar="S",
         help="train and report seeds S to K - 1 only: one grid split over commands that "
-        "share --runs (default: %(default)s)",
+        "share --runs, each with its own --out, then --seeds=K measures them all "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--nproc_per_node",
@@ -1124,6 +1132,7 @@ def main(argv):
         t1 = time.perf_counter()
         rows.append(dict(name=name, seed=seed, **measure(run_dir, args.device), command=command))
         print(f"{name} seed {seed}: measured in {time.perf_counter() - t1:.1f} s", flush=True)
+    check_record(out, grid, seeds)
     write_runs(out, rows)
     rows = read_runs(os.path.join(out, "runs.csv"))  # the record is what runs.csv regenerates
     lines = write_report(out, rows)

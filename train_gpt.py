@@ -624,15 +624,10 @@ class DistributedLoader:
     def restore(self, state: dict):
         """state: a checkpoint's, which loaders() checked (check_position) before anything was
         written (not again here: the fingerprints read every shard the run had read)."""
-        self.keep(state)
+        self.read.update({i: kept for i, *kept in state.get("read", [])})  # (kept on)
         self.laps = state.get("laps", 0)  # (unknown before they were counted)
         self._load(state["shard"])
         self.pos = state["pos"]
-
-    def keep(self, state: dict):
-        """The fingerprints of the shards that a checkpoint's run had read (state: its state(),
-        checked), kept on in this job's."""
-        self.read.update({i: kept for i, *kept in state.get("read", [])})
 
     def check_position(self, state: dict):
         """A checkpoint's data position (state()) must lie in these shards (changed or edited?),
@@ -650,6 +645,17 @@ class DistributedLoader:
                 f"resume with the run's own train_files and batch size"
             )
         check_fingerprints(self.files, state)
+
+    def fingerprints(self, batches: int) -> dict:
+        """A checkpoint's record (state()'s form, for check_fingerprints) of the shards that the
+        first `batches` global batches read: a validation's, the same at every one."""
+        step, read = self.B * self.T * self.world, []
+        for i, path in enumerate(self.files):
+            if batches <= 0:
+                break
+            read.append([i, *shard_fingerprint(path)])
+            batches -= (shard_tokens(path) - 1) // step  # (as next_batch walks the shard)
+        return {"read": read, "laps": 0, "files": len(self.files)}
 
     def capacity(self) -> int:
         """Global batches in one pass over all shards, as next_batch walks them."""
@@ -999,6 +1005,11 @@ def num_steps(hp: Hyperparameters) -> int:
     return hp.train_tokens // (hp.batch_size * hp.seq_len)
 
 
+def val_batches(hp: Hyperparameters, world: int) -> int:
+    """The global batches of one validation (check_evaluation: val_tokens is whole ones)."""
+    return hp.val_tokens // (hp.device_batch_size * hp.seq_len * world)
+
+
 def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
     """Linear warm-up from warmup_start * lr over warmup_frac of the steps (at least one step,
     none at 0), then cosine to 0."""
@@ -1156,7 +1167,7 @@ def evaluate(
     lengths = model.router.lengths  # (put back at the end)
     model.router.lengths = None  # each block's count read on the host: exact
     B, T, sep = hp.device_batch_size, hp.seq_len, BYTES_EOT if hp.encoding == "bytes" else EOT
-    steps, sums = hp.val_tokens // (B * T * d.world), {}
+    steps, sums = val_batches(hp, d.world), {}
     # (loss | starts a document, step, rank, token): every target in the order the loader reads
     each = torch.zeros(2, steps, d.world, B * T, dtype=torch.float64, device=d.device)
     try:
@@ -1276,9 +1287,9 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
-    validation tokens, and with a checkpoint its data position in these shards and
-    every shard its run had read, for training or validation, the same (check_fingerprints: a
-    log's validation losses are on one set of tokens)."""
+    validation tokens, and with a checkpoint its data position in these shards and every shard
+    its run had read the same (check_fingerprints), the validation shards its validations read
+    too (DistributedLoader.fingerprints: a log's validation losses are on one set of tokens)."""
     B = hp.batch_size // d.world  # the rank's sequences of a step, all its micro-steps
     train_loader = DistributedLoader(
         hp.train_files, B, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
@@ -1286,10 +1297,9 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     val_loader = validation_loader(hp, d)
     if ckpt is not None:
         train_loader.check_position(ckpt["loader"])
-        validation = ckpt.get("validation", {})  # (none before it was kept: not checked)
+        validated = ckpt.get("validation", {})  # (none before it was kept: not checked)
         then = "resume with the validation shards the run was validated on"
-        check_fingerprints(val_loader.files, validation, then, "validation")
-        val_loader.keep(validation)
+        check_fingerprints(val_loader.files, validated, then, "validation")
     return train_loader, val_loader
 
 
@@ -1298,7 +1308,7 @@ def validation_loader(hp: Hyperparameters, d: Dist) -> DistributedLoader:
     val_loader = DistributedLoader(
         hp.val_files, hp.device_batch_size, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
     )
-    if hp.val_tokens // (hp.device_batch_size * hp.seq_len * d.world) > val_loader.capacity():
+    if val_batches(hp, d.world) > val_loader.capacity():
         raise UserError(
             f"val_tokens={hp.val_tokens} is more than the validation shards hold "
             f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
@@ -1351,6 +1361,9 @@ def train(
     """Train (or, given a checkpoint, go on training) and return the run directory.
     argv: the command-line arguments, for the record; init: (weights, where) to start from."""
     raw, opt, run, train_loader, val_loader = prepare(hp, job, d, ckpt, init)
+    validated = val_loader.fingerprints(val_batches(hp, d.world))  # (each checkpoint's)
+    inodes = {(s.st_dev, s.st_ino) for s in map(os.stat, train_loader.files)}
+    overlap = any((s.st_dev, s.st_ino) in inodes for s in map(os.stat, val_loader.files))
     steps, accum = num_steps(hp), hp.batch_size // (hp.device_batch_size * d.world)
     start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
@@ -1377,7 +1390,7 @@ def train(
             f"world:{d.world} attn:{attention_impl(hp, cuda)} device:{d.device} "
             f"peak_flops:{peak:.4g} run_dir:{run_dir}{note}"
         )
-        if any(os.path.samefile(v, t) for v in val_loader.files for t in train_loader.files):
+        if overlap:
             log.print(  # (gpu_check.sh's paper runs: the sample's validation shard is too small)
                 "note: some validation shards are training shards too: the validation losses "
                 "are on tokens the model trains on"
@@ -1402,7 +1415,7 @@ def train(
             # save every save_every steps and when the job ends, if anything is new
             periodic = step > start and hp.save_every and step % hp.save_every == 0
             if (ending or periodic) and (step > start or run.val_done != saved_val or not ckpt):
-                runs.save_run_checkpoint(d, ledger, run, hp, raw, opt, train_loader, val_loader)
+                runs.save_run_checkpoint(d, ledger, run, hp, raw, opt, train_loader, validated)
                 log.saved(step)
                 saved_val = run.val_done
             if ending:

@@ -407,9 +407,10 @@ def test_a_resume_refuses_a_training_shard_the_run_read_that_changed(tmp_path, c
 def test_a_resume_refuses_a_validation_shard_the_run_was_validated_on_that_changed(
     tmp_path, capsys
 ):
-    # a log's validation losses are on one set of tokens: a validation shard that the run had
-    # read (kept by every job's checkpoint, even one that validated nothing) must be the same
-    # file when it resumes. Two shards of 200 tokens, one validation batch of 4 x 32 each
+    # a log's validation losses are on one set of tokens: a validation shard that its
+    # validations read (in every checkpoint, a job's that validated nothing too) must be the
+    # same file when it resumes; one they do not read may be added. Two shards of 200 tokens,
+    # one validation batch of 4 x 32 each
     rng = np.random.default_rng(1)
     data = [rng.integers(0, 50257, 200) for _ in range(2)]
     for i, tokens in enumerate(data):
@@ -422,6 +423,7 @@ def test_a_resume_refuses_a_validation_shard_the_run_was_validated_on_that_chang
     assert code == 0, err
     kept = torch.load(run / "checkpoint.pt", weights_only=True)["validation"]["read"]
     assert [e[:3] for e in kept] == [[i, f"val_{i}.bin", 200] for i in range(2)]
+    write_shard(tmp_path / "val_2.bin", data[0])  # past val_tokens: never read
     write_shard(tmp_path / "val_1.bin", data[1][::-1])  # its tokens reversed: same size
     before = (run / "metrics.jsonl").read_bytes()
     code, out, err = run_main([f"--resume={run}"], capsys)

@@ -5,6 +5,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -497,13 +498,33 @@ def test_a_grid_split_over_commands_does_not_lose_the_record_of_another(
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     assert support.cli(sweep.main, common + ["--seeds=2", "--first_seed=1"]) == 2
     err = capsys.readouterr().err
-    assert err == (
-        f"error: {tmp_path / 'out' / 'runs.csv'} holds runs that this command does not measure "
-        f"(dense_2 seed 0), and would lose them: give another --out, or measure every seed at "
-        f"once (--seeds=K without --first_seed, the same --runs)\n"
-    )
+    assert (
+        err.startswith(
+            f"error: {tmp_path / 'out' / 'runs.csv'} holds runs that this command does not measure "
+            f"(dense_2 seed 0: not among this grid's runs and seeds), and would lose them: give "
+            f"another --out, or one command that measures them all"
+        )
+        and err.count("\n") == 1
+    ), err
     assert before == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     assert not (tmp_path / "runs" / "dense_2_s1").exists()  # nothing trained
+    # a command beside it that wrote its record into the same --out while this one trained
+    # (its own --out given, empty at the start): checked again before the record is written
+    run_grid = sweep.run_grid
+
+    def beside(*args):
+        done = run_grid(*args)
+        shutil.copytree(tmp_path / "out", tmp_path / "later", dirs_exist_ok=True)
+        return done
+
+    monkeypatch.setattr(sweep, "run_grid", beside)
+    later = [a for a in common if not a.startswith("--out=")] + [f"--out={tmp_path / 'later'}"]
+    assert support.cli(sweep.main, later + ["--seeds=2", "--first_seed=1"]) == 2
+    assert (
+        "holds runs that this command does not measure (dense_2 seed 0" in capsys.readouterr().err
+    )
+    assert {p.name: p.read_bytes() for p in (tmp_path / "later").iterdir()} == before
+    monkeypatch.setattr(sweep, "run_grid", run_grid)
     assert support.cli(sweep.main, common + ["--seeds=2"]) == 0
     rows = sweep.read_runs(str(tmp_path / "out" / "runs.csv"))
     assert [(r["name"], r["seed"]) for r in rows] == [("dense_2", 0), ("dense_2", 1)]
