@@ -1287,9 +1287,10 @@ def check_run(hp: Hyperparameters, job: Job, d: Dist, ckpt: dict):
 
 def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     """The training and validation loaders of this rank, checked: every shard sound, enough
-    validation tokens, and with a checkpoint its data position in these shards and every shard
-    its run had read the same (check_fingerprints), the validation shards its validations read
-    too (DistributedLoader.fingerprints: a log's validation losses are on one set of tokens)."""
+    validation tokens, and with a checkpoint its data position in these shards and the shards
+    its run read the same files (check_fingerprints): the training shards it had read, and the
+    validation shards its validations read (DistributedLoader.fingerprints), so that a log's
+    validation losses are on one set of tokens."""
     B = hp.batch_size // d.world  # the rank's sequences of a step, all its micro-steps
     train_loader = DistributedLoader(
         hp.train_files, B, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
@@ -1297,7 +1298,7 @@ def loaders(hp: Hyperparameters, d: Dist, ckpt: dict = None) -> tuple:
     val_loader = validation_loader(hp, d)
     if ckpt is not None:
         train_loader.check_position(ckpt["loader"])
-        validated = ckpt.get("validation", {})  # (none before it was kept: not checked)
+        validated = ckpt.get("validation", {})  # (an older checkpoint has none: not checked)
         then = "resume with the validation shards the run was validated on"
         check_fingerprints(val_loader.files, validated, then, "validation")
     return train_loader, val_loader
