@@ -70,8 +70,8 @@ from data.shards import (  # noqa: E402
     check_fingerprints,
     find_shards,
     read_shard,
-    shard_encoding,
     shard_fingerprint,
+    shard_header,
     shard_tokens,
 )
 from ranks import Dist, add_sums, all_reduce_sums  # noqa: E402
@@ -583,9 +583,10 @@ class GPT(nn.Module):
 class DistributedLoader:
     """Walks the shards in order, cycling. Each step takes one contiguous global batch of
     B_global * T (+1) tokens; rank r gets sequences [r B_local, (r + 1) B_local): the same global
-    batch at every world size. Every header (and encoding) is checked up front, so a bad shard
-    stops the run before it starts; token ids are checked as each shard is loaded, and each is
-    fingerprinted (state()'s "read"), so that a resume finds one replaced or re-tokenized."""
+    batch at every world size. Every header (its encoding, and a token count of at least one
+    global batch) is checked up front, so a bad shard stops the run before it starts, not when
+    it is reached; token ids are checked as each shard is loaded, and each is fingerprinted
+    (state()'s "read"), so that a resume finds one replaced or re-tokenized."""
 
     def __init__(
         self,
@@ -597,12 +598,18 @@ class DistributedLoader:
         vocab_size: int = 2**16,
         encoding: str = None,
     ):
-        self.files = find_shards(pattern)
+        self.files, need = find_shards(pattern), B_local * T * world + 1
         for path in self.files:
-            if encoding not in (None, found := shard_encoding(path)):
+            count, found = shard_header(path)
+            if encoding not in (None, found):
                 raise UserError(
                     f"{path} holds {found} tokens, but encoding={encoding}: train a "
                     f"{found} model on it (--encoding={found}), or give {encoding} shards"
+                )
+            if count < need:  # (a corpus's last shard may be short)
+                raise UserError(
+                    f"{path}: {count} tokens, fewer than one global batch ({need}): "
+                    f"leave it out of the pattern, or give a smaller batch"
                 )
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard, self.read = None, {}  # read: {index: shard_fingerprint} of those loaded
@@ -667,12 +674,6 @@ class DistributedLoader:
             self.tokens = read_shard(self.files[shard], self.vocab_size)
             self.read[shard] = shard_fingerprint(self.files[shard], self.tokens)
         self.shard, self.pos = shard, 0
-        need = self.B * self.T * self.world + 1
-        if len(self.tokens) < need:
-            raise UserError(
-                f"{self.files[shard]}: {len(self.tokens)} tokens, fewer than "
-                f"one global batch ({need})"
-            )
 
     def next_batch(self):
         """-> x, y: (B_local, T) int64, inputs and next-token targets."""
