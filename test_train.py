@@ -777,6 +777,33 @@ def test_loader_reads_what_the_test_wrote(tmp_path):
             assert y.flatten().tolist() == list(range(start + 1, start + 17))
 
 
+def test_loader_passes_over_a_shard_shorter_than_one_global_batch(tmp_path):
+    # one global batch: 2 sequences of 4 (+1). Shard 1 (8 tokens) and the last (3, a corpus's
+    # last shard, say) hold none: never read, in the first pass or the next (the pass counted
+    # where the last shard ends it); a shard's tail short of a batch is left, as ever
+    sizes = [20, 8, 12, 3]
+    start = np.cumsum([0] + sizes)
+    for i, n in enumerate(sizes):
+        write_shard(tmp_path / f"d_{i}.bin", np.arange(start[i], start[i] + n))
+    loader = tg.DistributedLoader(str(tmp_path / "d_*.bin"), 2, 4, 0, 1)
+    firsts, laps = [], []
+    for _ in range(6):
+        firsts.append(loader.next_batch()[0][0, 0].item())
+        laps.append(loader.laps)
+    # shard 0: tokens 0..19, 2 batches (0, 8); shard 2: 28..39, 1 batch (28); then round again
+    assert firsts == [0, 8, 28, 0, 8, 28] and laps == [0, 0, 1, 1, 1, 2]
+    assert loader.capacity() == 3
+    assert sorted(loader.read) == [0, 2]
+    assert loader.fingerprints(3)["read"] == [
+        [0, *tg.shard_fingerprint(loader.files[0])],
+        [2, *tg.shard_fingerprint(loader.files[2])],
+    ]
+    with pytest.raises(
+        tg.UserError, match=r"no shard that \S+ matches holds one global batch \(9 "
+    ):
+        tg.DistributedLoader(str(tmp_path / "d_[13].bin"), 2, 4, 0, 1)
+
+
 def test_loader_rejects_bad_magic_and_truncation(tmp_path):
     write_shard(tmp_path / "bad.bin", range(100), magic=1234)
     with pytest.raises(tg.UserError, match="magic"):

@@ -583,10 +583,11 @@ class GPT(nn.Module):
 class DistributedLoader:
     """Walks the shards in order, cycling. Each step takes one contiguous global batch of
     B_global * T (+1) tokens; rank r gets sequences [r B_local, (r + 1) B_local): the same global
-    batch at every world size. Every header (its encoding, and a token count of at least one
-    global batch) is checked up front, so a bad shard stops the run before it starts, not when
-    it is reached; token ids are checked as each shard is loaded, and each is fingerprinted
-    (state()'s "read"), so that a resume finds one replaced or re-tokenized."""
+    batch at every world size; a shard's last tokens short of one are left, and a shard shorter
+    than one global batch (a corpus's last, say) is passed over, never read. Every header (and
+    encoding) is checked up front, so a bad shard stops the run before it starts; token ids are
+    checked as each shard is loaded, and each is fingerprinted (state()'s "read"), so that a
+    resume finds one replaced or re-tokenized."""
 
     def __init__(
         self,
@@ -598,7 +599,8 @@ class DistributedLoader:
         vocab_size: int = 2**16,
         encoding: str = None,
     ):
-        self.files, need = find_shards(pattern), B_local * T * world + 1
+        self.files, step = find_shards(pattern), B_local * T * world
+        self.batches = []  # per shard: the global batches next_batch takes from it
         for path in self.files:
             count, found = shard_header(path)
             if encoding not in (None, found):
@@ -606,18 +608,19 @@ class DistributedLoader:
                     f"{path} holds {found} tokens, but encoding={encoding}: train a "
                     f"{found} model on it (--encoding={found}), or give {encoding} shards"
                 )
-            if count < need:  # (a corpus's last shard may be short)
-                raise UserError(
-                    f"{path}: {count} tokens, fewer than one global batch ({need}): "
-                    f"leave it out of the pattern, or give a smaller batch"
-                )
+            self.batches.append(max(0, (count - 1) // step))
+        if not any(self.batches):
+            raise UserError(
+                f"no shard that {pattern} matches holds one global batch ({step + 1} tokens): "
+                f"give a smaller batch, or more tokens a shard"
+            )
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard, self.read = None, {}  # read: {index: shard_fingerprint} of those loaded
         self.reset()
 
     def reset(self):
         self.laps = 0  # passes finished over every shard
-        self._load(0)
+        self._load(next(i for i, n in enumerate(self.batches) if n))
 
     def state(self) -> dict:
         return {
@@ -656,18 +659,18 @@ class DistributedLoader:
     def fingerprints(self, batches: int) -> dict:
         """A checkpoint's record (state()'s form, for check_fingerprints) of the shards that the
         first `batches` global batches read: a validation's, the same at every one."""
-        step, read = self.B * self.T * self.world, []
-        for i, path in enumerate(self.files):
+        read = []
+        for i, n in enumerate(self.batches):
             if batches <= 0:
                 break
-            read.append([i, *shard_fingerprint(path)])
-            batches -= (shard_tokens(path) - 1) // step  # (as next_batch walks the shard)
+            if n:  # (a shard passed over is never read)
+                read.append([i, *shard_fingerprint(self.files[i])])
+                batches -= n
         return {"read": read, "laps": 0, "files": len(self.files)}
 
     def capacity(self) -> int:
         """Global batches in one pass over all shards, as next_batch walks them."""
-        step = self.B * self.T * self.world
-        return sum(max(0, (shard_tokens(path) - 1) // step) for path in self.files)
+        return sum(self.batches)
 
     def _load(self, shard: int):
         if shard != self.shard:  # the validation shard stays in memory between evaluations
@@ -681,9 +684,14 @@ class DistributedLoader:
         buf = torch.from_numpy(self.tokens[start : start + self.B * self.T + 1].astype(np.int64))
         self.pos += self.B * self.T * self.world
         if self.pos + self.B * self.T * self.world + 1 > len(self.tokens):
-            if self.shard + 1 == len(self.files):
-                self.laps += 1
-            self._load((self.shard + 1) % len(self.files))
+            shard = self.shard
+            while True:  # to the next shard that holds a global batch, counting the passes
+                if shard + 1 == len(self.files):
+                    self.laps += 1
+                shard = (shard + 1) % len(self.files)
+                if self.batches[shard]:
+                    break
+            self._load(shard)
         return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
 
 
