@@ -1,5 +1,6 @@
 """Which tokens skip: colour each token of a text by how many blocks it ran (skip_middle: the
-blocks whose gate is non-zero for it; mod: the routed blocks that chose it), how many MLPs
+blocks whose gate is non-zero for it; mod: the unrouted blocks and the routed ones that chose
+it), how many MLPs
 it ran (DLO) or how many recursions (Mixture-of-Recursions: its depth), from a run's
 checkpoint or another model source.
 

@@ -1,9 +1,9 @@
 """The paper's Figure 2 in one command: dense baselines and gated models, cross-entropy against
 estimated forward FLOPs per token, with the verdict as a number.
 
-    python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~8 min
-    python sweep.py --grid=gpu1                     # one H100, ~27 min, FineWeb
-    python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, ~18 h
+    python sweep.py --grid=cpu                      # 2 CPU cores, embedded sample, ~9 min
+    python sweep.py --grid=gpu1                     # one H100, ~29 min, FineWeb
+    python sweep.py --grid=paper --nproc_per_node=8 # Table 2 settings, 8 GPUs, ~19 h
     python sweep.py --grid=bytes_core --seeds=5 --jobs=3
                                       # byte-level study, 2 cores, ~3 h (data/debian_docs.py first)
     python sweep.py --report=RECORD/runs.csv        # a record's table and figure again
@@ -161,9 +161,9 @@ BYTES_BASE = [
 GRIDS = {
     # Table 2 for every run (dense 2..12 layers, 10B tokens each). Estimated wall time on
     # 8 H100s: the 12-layer model costs 3 x 0.32 GFLOPs per token; at ~40% of 8 x 989 TFLOPs
-    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~18 h for the 19 runs (smaller ones faster).
+    # that is ~3 M tokens/s, ~1 h per 10B-token run, ~19 h for the 20 runs (smaller ones faster).
     "paper": dict(base=[], n_layers=12, runs=figure2_runs(12, 500, 10_000_000_000)),
-    # One H100 in ~27 min: 17 runs of ~95 s each, ~30 s of it compilation. An
+    # One H100 in ~29 min: 18 runs of ~95 s each, ~30 s of it compilation. An
     # 8-layer dim-512 model at seq 512 costs ~0.35 GFLOPs per training token; at ~150 TFLOPs
     # achieved that is ~400k tokens/s, so 24M tokens (730 steps of 32k tokens) per run.
     "gpu1": dict(
@@ -183,7 +183,7 @@ GRIDS = {
         n_layers=8,
         runs=figure2_runs(8, 100, 24_000_000),
     ),
-    # The mechanics on the embedded sample, 2 CPU cores, ~8 min (15 runs): a demonstration only
+    # The mechanics on the embedded sample, 2 CPU cores, ~9 min (16 runs): a demonstration only
     # (tiny models, 120 steps, the output head dominates the FLOPs).
     "cpu": dict(
         base=[
