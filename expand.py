@@ -223,8 +223,11 @@ def expand(argv):
             f"{e} (or this command's own: --groups, --per_group, --init, --tau)"
         ) from None
     hp = expanded_settings(base, overrides, args.groups, args.per_group, args.init, args.tau)
-    position = src["loader"] if hp.train_files == base.train_files else {"shard": 0, "pos": 0}
-    tg.loaders(hp, ranks.Dist(), {"loader": position})  # checked now: resuming would refuse it
+    if hp.train_files == base.train_files:
+        position = src["loader"]
+        tg.loaders(hp, ranks.Dist(), {"loader": position})  # checked now: resuming would refuse it
+    else:  # other shards: from their first global batch (the loader's own start)
+        position = tg.loaders(hp, ranks.Dist())[0].state()
     ours = (runs.CHECKPOINT, "expand.json", "train.log")  # what this writes: none may be there,
     taken = [
         n

@@ -3,12 +3,22 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import expand
 import train_gpt as tg
-from conftest import disk_nearly_full, load_command, read_metrics, run_command, run_main, tiny
+from conftest import (
+    TINY_RUN,
+    disk_nearly_full,
+    load_command,
+    read_metrics,
+    run_command,
+    run_main,
+    tiny,
+    write_shard,
+)
 
 
 def expanded(init, R=4, P=2, q=1, tau=2):
@@ -77,6 +87,28 @@ def test_a_dlo_expansion_moves_each_router_with_its_layer():
 
 
 @pytest.mark.slow
+def test_an_expansion_onto_other_shards_starts_at_their_first_global_batch(tmp_path, capsys):
+    # their first shard holds no global batch (the loader passes over it): the new run starts
+    # where a run of its own would, and trains (its position at shard 0 was refused)
+    tokens = np.random.default_rng(0).integers(0, 50257, 3000)
+    write_shard(tmp_path / "o_0.bin", tokens[:100])
+    write_shard(tmp_path / "o_1.bin", tokens)
+    source = TINY_RUN + ["--router=none", "--batch_size=4", "--device_batch_size=4"]
+    source += ["--train_tokens=512", "--val_tokens=256", f"--run_dir={tmp_path / 'dense'}"]
+    code, _, err = run_main(source, capsys)
+    assert code == 0, err
+    code, _, err = run_main(
+        [tmp_path / "dense", tmp_path / "new", "--train_files=" + str(tmp_path / "o_*.bin")],
+        capsys,
+        load_command("expand.py").main,
+    )
+    assert code == 0, err
+    loader = tg.load_checkpoint(str(tmp_path / "new"))["loader"]
+    assert (loader["shard"], loader["pos"], loader["laps"]) == (1, 0, 0)
+    code, _, err = run_main([f"--resume={tmp_path / 'new'}"], capsys)
+    assert code == 0, err
+
+
 def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     base = [
         "--preset=smoke",
