@@ -515,6 +515,7 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     # what a SIGKILL mid-save leaves (the run's id in its name), and files that are not it: a
     # user's copy, another run's leftover
     (run / f"checkpoint.pt.{ckpt['run_id']}.k1ll3d_x.tmp").write_bytes(b"half a save")
+    (run / f"checkpoint.prev.pt.{ckpt['run_id']}.k1ll3d_x.tmp").write_bytes(b"half a copy")
     others = ["checkpoint.pt.20261128.tmp", "checkpoint.pt.0123456789abcdef.k1ll3d_x.tmp"]
     for name in others:
         (run / name).write_bytes(b"not this run's")
@@ -523,7 +524,7 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     monkeypatch.chdir(tmp_path)
     code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
     assert code == 0, err
-    assert sorted(p.name for p in run.glob("checkpoint.pt.*.tmp")) == sorted(others)
+    assert sorted(p.name for p in run.glob("checkpoint*.tmp")) == sorted(others)
     mask = os.umask(0)
     os.umask(mask)
     for name in ("checkpoint.pt", "config.json", "metrics.jsonl"):  # as open() would make them
@@ -751,6 +752,18 @@ def test_stop_and_error_lines_say_what_is_true(tmp_path, monkeypatch, capsys):
     assert code == 0, err
     code, out, err = run_main([f"--resume={c}", "--stop_step=3"], capsys)
     assert code == 0 and " resumed_at:2 (checkpoint.prev.pt, step 1, kept beside it)\n" in out, err
+
+    # where the file system has no hard links, the one before the newest is kept as a copy
+    def no_links(*args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "link", no_links)
+        code, _, err = run_main([f"--resume={c}", "--stop_step=4"], capsys)
+    prev = c / "checkpoint.prev.pt"
+    assert code == 0 and not os.path.samefile(prev, c / "checkpoint.pt"), err
+    assert torch.load(prev, weights_only=True)["step"] == 3
+    assert not list(c.glob("*.tmp"))
 
 
 def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, monkeypatch, capsys):
