@@ -134,7 +134,7 @@ def parser() -> support.ArgParser:
         "--per_group",
         type=support.in_range(int, 1),
         default=1,
-        metavar="Q",
+        metavar="q",
         help="new layers appended to each group (default: %(default)s)",
     )
     p.add_argument(

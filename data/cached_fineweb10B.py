@@ -90,9 +90,7 @@ def fetch(name: str, out: str, counter: str) -> str:
         except Exception as e:  # offline, not cached, or the hub is unreachable
             return f"{type(e).__name__}"
         problem = damage(cached)
-        if problem:
-            print(f"{problem}; fetching it again", flush=True)
-        else:
+        if not problem:
             try:
                 place(cached, dest)
             except OSError as e:
@@ -103,7 +101,9 @@ def fetch(name: str, out: str, counter: str) -> str:
                 flush=True,
             )
             return None
-    return "malformed after a fresh download"
+        if not force:
+            print(f"{problem}; fetching it again", flush=True)
+    return f"{problem}, after a fresh download too"
 
 
 def parser() -> ArgParser:

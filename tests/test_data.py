@@ -119,6 +119,25 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     assert not (tmp_path / "data2").exists()
 
 
+def test_a_bad_download_is_fetched_once_more_then_reported(tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+
+    from data import cached_fineweb10B
+
+    bad, calls = tmp_path / "bad.bin", []
+    bad.write_bytes(b"not a shard")
+
+    def download(repo, name, repo_type, force_download):
+        calls.append(force_download)
+        return str(bad)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
+    assert calls == [False, True] and why.endswith(", after a fresh download too"), why
+    assert capsys.readouterr().out.count("; fetching it again\n") == 1  # (not after the last)
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------- tokenize_corpus.py
 
 
