@@ -236,6 +236,9 @@ def parse_fields(classes, argv) -> dict:
     """--field=value pairs for the fields of the dataclasses, each typed against its default
     (an int may be written 10_000, or 1e6 while a float holds it exactly)."""
     defaults = {f.name: getattr(cls(), f.name) for cls in classes for f in fields(cls)}
+    choices = {
+        f.name for cls in classes for f in fields(cls) if type(f.metadata.get("spec")) is tuple
+    }
     given = {}
     for arg in argv:
         name, eq, text = arg[2:].partition("=")
@@ -252,8 +255,8 @@ def parse_fields(classes, argv) -> dict:
                 if not (value.is_integer() and abs(value) <= 2**53):
                     raise ValueError
                 given[name] = int(value)
-            elif kind is str:  # (paths among them: ~ as path_arg reads it)
-                given[name] = os.path.expanduser(text)
+            elif kind is str:  # a path unless it has choices: ~ as path_arg reads it
+                given[name] = text if name in choices else os.path.expanduser(text)
             else:
                 given[name] = parse_bool(text) if kind is bool else kind(text)
         except (ValueError, argparse.ArgumentTypeError):
