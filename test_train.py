@@ -711,6 +711,16 @@ def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
     seen = [[0, 5, 31, 32, 4], [0, 9, 16, 3, 4]]  # T = 32: units of 2
     assert routers.packed_lengths(seen, 32) == [2, 10, 32, 32, 4]
     assert routers.packed_lengths([[17, 64, 65, 1024]], 1024) == [64, 64, 128, 1024]
+    # a router's lengths come from the counts of its last PACK_STEPS steps: one step's count
+    # holds for 16 steps after it, then drops out
+    router = tg.ROUTERS["skip_middle"](tiny(n_layers=2, seq_len=32, max_seq_len=32))
+    router.lengths = [32, 32]
+    held = []
+    for step in range(routers.PACK_STEPS + 1):
+        router.saw([30, 3] if step == 0 else [1, 3])
+        held.append(router.lengths)
+    assert held == [[30, 4]] * routers.PACK_STEPS + [[2, 4]]
+    assert len(router.seen) == routers.PACK_STEPS
 
 
 def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
@@ -780,8 +790,9 @@ def test_loader_reads_what_the_test_wrote(tmp_path):
 def test_loader_passes_over_a_shard_shorter_than_one_global_batch(tmp_path):
     # one global batch: 2 sequences of 4 (+1). Shard 1 (8 tokens) and the last (3, a corpus's
     # last shard, say) hold none: never read, in the first pass or the next (the pass counted
-    # where the last shard ends it); a shard's tail short of a batch is left, as ever
-    sizes = [20, 8, 12, 3]
+    # where the last shard ends it); a shard's tail short of a batch is left, as ever, and a
+    # shard of k batches and the one token more that the last target needs gives all k
+    sizes = [17, 8, 12, 3]
     start = np.cumsum([0] + sizes)
     for i, n in enumerate(sizes):
         write_shard(tmp_path / f"d_{i}.bin", np.arange(start[i], start[i] + n))
@@ -790,8 +801,8 @@ def test_loader_passes_over_a_shard_shorter_than_one_global_batch(tmp_path):
     for _ in range(6):
         firsts.append(loader.next_batch()[0][0, 0].item())
         laps.append(loader.laps)
-    # shard 0: tokens 0..19, 2 batches (0, 8); shard 2: 28..39, 1 batch (28); then round again
-    assert firsts == [0, 8, 28, 0, 8, 28] and laps == [0, 0, 1, 1, 1, 2]
+    # shard 0: tokens 0..16, 2 batches (0, 8); shard 2: 25..36, 1 batch (25); then round again
+    assert firsts == [0, 8, 25, 0, 8, 25] and laps == [0, 0, 1, 1, 1, 2]
     assert loader.capacity() == 3
     assert sorted(loader.read) == [0, 2]
     assert loader.fingerprints(3)["read"] == [

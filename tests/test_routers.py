@@ -128,8 +128,8 @@ def test_zero_router_scores_are_one_and_the_model_is_dense():
     idx = torch.randint(0, 97, (3, 16))
     ref = dense(idx).logits
     dlo.router.rates = torch.zeros(4, dtype=torch.float64)  # training: skip rate 0 everywhere
-    for model in (dlo.eval(), dlo.train()):
-        out = model(idx)
+    for training in (False, True):
+        out = dlo.train(training)(idx)
         scale = out.route["scale"]
         assert torch.equal(scale, torch.ones_like(scale)) and out.route["mlp"].all()  # r = 1
         assert (out.logits - ref).abs().max().item() <= 1e-6
@@ -152,6 +152,31 @@ def test_dlo_training_runs_the_top_tokens_by_score():
         for b in range(3):
             assert r[layer, b][ran[layer, b]].min() >= r[layer, b][~ran[layer, b]].max()
     assert 0.975 < r.min() and r.max() < 1.025
+    # eq. (3)'s floor: (1 - 0.3) 16 = 11.2 and (1 - 0.7) 16 = 4.8 tokens of each sequence
+    model.router.rates = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    runs = model(torch.randint(0, 97, (3, 16))).route["mlp"].sum(dim=2)
+    assert runs.tolist() == [[11, 11, 11], [4, 4, 4]]
+
+
+def test_dlo_similarity_is_the_cosine_of_the_mlps_input_and_output_by_hand():
+    # eq. (4): cos(A(h), M(A(h))), M the MLP sublayer with its residual (routers.py's choice):
+    # its input a, its output a + f, f the MLP branch
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(router="dlo", n_layers=2)).train()
+    seen = []
+    for block in model.blocks:
+
+        def recording(a, mlp=block.mlp):
+            f = mlp(a)
+            seen.append((a.double(), f.double()))
+            return f
+
+        block.mlp = recording
+    similarity = model(torch.randint(0, 97, (3, 16))).route["similarity"]  # (L, B, T)
+    for layer, (a, f) in enumerate(seen):
+        out = a + f
+        cos = (a * out).sum(-1) / (a.norm(dim=-1) * out.norm(dim=-1))
+        assert (similarity[layer].double() - cos).abs().max() < 1e-5
 
 
 def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
@@ -476,16 +501,39 @@ def test_mor_settings_that_make_no_sense_are_refused():
     tg.validate(tiny(router="mor", n_layers=3, mor_recursions=1), 1)  # one block, applied once
 
 
-def test_a_mor_run_resumes_exactly(tmp_path, capsys):
-    args = TINY_RUN + [
-        "--router=mor",
-        "--n_layers=5",
-        "--train_tokens=2048",
-        "--val_every=2",
-        "--val_tokens=512",
-    ]
-    code, _, err = run_main(args + [f"--run_dir={tmp_path / 'full'}"], capsys)
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ["mor", "dlo"])
+def test_a_routed_run_resumes_exactly_and_trains_at_its_layer_rates(
+    router, tmp_path, monkeypatch, capsys
+):
+    # the routers' state outside their parameters (DLO's skip rates: eq. 3's top-k, eq. 10's
+    # rates) comes back with a resume; each step's learning rates per block are the schedule's
+    # times the router's lr_scales (DLO eq. 10; every other router: 1), and the optimiser's
+    args = (
+        TINY_RUN
+        + [
+            f"--router={router}",
+            "--n_layers=5",
+            "--train_tokens=2048",
+            "--val_every=2",
+            "--val_tokens=512",
+        ]
+        + (["--dlo_anneal_steps=0"] if router == "dlo" else [])
+    )
+    scales, step_fn = [], tg.train_step
+
+    def recording(model, router, hp, opt, loader, d, autocast, accum, lrs, step):
+        scales.append(router.lr_scales(step))
+        assert lrs[1:] == [lrs[0] * s for s in scales[-1]]
+        out = step_fn(model, router, hp, opt, loader, d, autocast, accum, lrs, step)
+        assert [group["lr"] for group in opt.param_groups] == lrs
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(tg, "train_step", recording)
+        code, _, err = run_main(args + [f"--run_dir={tmp_path / 'full'}"], capsys)
     assert code == 0, err[-2000:]
+    assert len(scales) == 4 and (max(map(max, scales)) > 1.01) == (router == "dlo")
     code, _, err = run_main(args + [f"--run_dir={tmp_path / 'part'}", "--stop_step=2"], capsys)
     assert code == 0, err[-2000:]
     code, _, err = run_main([f"--resume={tmp_path / 'part'}"], capsys)
@@ -496,4 +544,4 @@ def test_a_mor_run_resumes_exactly(tmp_path, capsys):
 
     a, b = (strip(read_metrics(tmp_path / r)) for r in ("full", "part"))
     assert len(a) == 4 + 3 and a == b
-    assert len(a[-1]["block_active"]) == 5 and a[-1]["block_active"][2] < 1  # inference shares
+    assert len(a[-1]["block_active"]) == 5 and min(a[-1]["mlp_active"]) < 1  # inference shares
