@@ -14,7 +14,8 @@ DLO (Tan et al. 2024), `router=dlo`:
     instructions); expand.py starts a new run (fresh AdamW, step 0) from expanded weights.
   - The router reads the block's input h_i; r scales only the MLP branch.
   - Eq. 4's M_i(A_i(h)) is the MLP sublayer's output with its residual, a + f (a: its input,
-    f: the branch): the paper puts the cosine in [0, 1], which cos(a, f) need not be.
+    f: the branch): the paper's range for the cosine, [0, 1], fits a + f (near a) better
+    than the branch alone.
   - Eq. 8 is used as a skip rate (the share labelled 0): as written it counts labels 1, which
     contradicts its use as rho_i in top-k and eq. 10. rho_{i,1} is step 1's annealed rate.
   - Labels (eq. 5) rank the L x S similarities within each sequence; eqs. 6 and 8 average over
