@@ -1123,7 +1123,8 @@ def check_source(given: dict, job: Job):
 
 
 def resume_settings(given: dict) -> tuple:
-    """-> (hp, checkpoint): the checkpoint's settings with the given ones on top; none fixed."""
+    """-> (hp, checkpoint): the checkpoint's settings with the given ones on top; none fixed,
+    and a step of as many tokens (its sequences may be cut otherwise)."""
     run_dir = given["resume"]
     if given.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
@@ -1140,6 +1141,12 @@ def resume_settings(given: dict) -> tuple:
     ]
     if changed:
         raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
+    step = base.batch_size * base.seq_len  # the tokens of a step, which num_steps and lr_at count
+    if hp.batch_size * hp.seq_len != step:
+        raise UserError(
+            f"a resume keeps the tokens of a step, batch_size x seq_len = {step} (the schedule "
+            f"counts steps of them): give a batch_size and seq_len whose product is {step}"
+        )
     return hp, ckpt
 
 

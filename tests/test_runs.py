@@ -348,7 +348,13 @@ def test_a_compacted_run_resumes_bit_for_bit_wherever_it_stops(tmp_path, capsys)
     # at another seq_len the saved lengths do not apply: the resume packs from full lengths
     code, _, err = run_main(run + [f"--run_dir={tmp_path / 'seq'}", "--stop_step=5"], capsys)
     assert code == 0, err
-    r = run_command("train_gpt.py", f"--resume={tmp_path / 'seq'}", "--seq_len=16", "--stop_step=7")
+    r = run_command(
+        "train_gpt.py",
+        f"--resume={tmp_path / 'seq'}",
+        "--seq_len=16",
+        "--batch_size=16",  # (a step of as many tokens)
+        "--stop_step=7",
+    )
     assert r.returncode == 0, r.stderr
     assert torch.load(tmp_path / "seq" / "checkpoint.pt", weights_only=True)["step"] == 7
 
@@ -496,10 +502,17 @@ def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=4"], capsys)
     assert code == 0, err
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    for more in (["--train_tokens=512"], ["--batch_size=32"]):  # 2 steps in all, 4 done
+    code, out, err = run_main([f"--resume={tmp_path}", "--train_tokens=512"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1  # 2 steps in all, 4 done
+    assert err.startswith("error: the checkpoint is at step 4 but these settings make 2 steps")
+    # a step of other tokens would count the schedule's steps and the budget otherwise (a
+    # finished run trained on, one half done complete); its sequences may be cut otherwise
+    for more in (["--batch_size=32"], ["--seq_len=16"], ["--batch_size=4", "--seq_len=32"]):
         code, out, err = run_main([f"--resume={tmp_path}", *more], capsys)
-        assert code == 2 and out == "" and err.count("\n") == 1
-        assert err.startswith("error: the checkpoint is at step 4 but these settings make 2 steps")
+        assert (code, out) == (2, "") and err == (
+            "error: a resume keeps the tokens of a step, batch_size x seq_len = 256 (the "
+            "schedule counts steps of them): give a batch_size and seq_len whose product is 256\n"
+        ), err
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
 
