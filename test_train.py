@@ -827,6 +827,9 @@ def test_loader_rejects_bad_magic_and_truncation(tmp_path):
         tg.read_shard(str(tmp_path / "tiny.bin"))
     with pytest.raises(tg.UserError, match="no shards"):
         tg.find_shards(str(tmp_path / "missing_*.bin"))
+    # a name with [ ] in it, matching nothing as a glob: the file it names
+    write_shard(tmp_path / "d[1].bin", range(100))
+    assert tg.find_shards(str(tmp_path / "d[1].bin")) == [str(tmp_path / "d[1].bin")]
 
 
 def test_embedded_sample_is_valid():

@@ -87,7 +87,7 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
     if biggest >= vocab_size:
         raise UserError(
             f"{path}: token id {biggest} is outside the vocabulary (vocab_size={vocab_size}): "
-            f"these shards and the model's settings do not go together"
+            f"these shards are not of that vocabulary"
         )
     return tokens
 
@@ -157,8 +157,11 @@ def check_fingerprints(
 
 
 def find_shards(pattern: str) -> list:
-    """The files a glob matches, sorted; a UserError when there are none or one is a folder."""
+    """The files a glob matches, sorted (where it matches none, the file it names, if any: a
+    name with [ ] in it); a UserError when there are none or one is a folder."""
     files = sorted(glob.glob(pattern))
+    if not files and os.path.isfile(pattern):  # (tr[1].bin: a glob of tr1.bin)
+        files = [pattern]
     for path in files:
         if not os.path.isfile(path):
             raise UserError(f"{pattern} matches {path}, which is {kind_of(path)}, not a shard file")
