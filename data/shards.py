@@ -87,7 +87,7 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
     if biggest >= vocab_size:
         raise UserError(
             f"{path}: token id {biggest} is outside the vocabulary (vocab_size={vocab_size}): "
-            f"these shards are not of that vocabulary"
+            f"these shards were made for another"
         )
     return tokens
 
