@@ -320,7 +320,7 @@ def main(argv):
     )
     source = source_model(args.init_from, device) if args.init_from else None
     print(runlog.describe_system())
-    print(HEADER)
+    print(HEADER, flush=True)  # (piped: before the first row, which may take minutes)
     results = []
     # compiled: a region past Dynamo's limit on graphs would run eagerly, its times no bench's
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
