@@ -549,8 +549,8 @@ def test_controller_losses_match_hand_computed_values():
     # per layer mean 1, .5, .5, 1; population variance 0, .125, .125, 0
     c = controller("sparsity")
     assert c.loss(gates).item() == pytest.approx(0.3 * (1 + 0.5 + 0.5 + 1) / 4)
-    c = controller("sparsity_variance")
-    assert c.loss(gates).item() == pytest.approx(0.3 * (3 + 0.25) / 4)
+    c = controller("sparsity_variance")  # beta = -fixed_coef: the variance rewarded
+    assert c.loss(gates).item() == pytest.approx(0.3 * (3 - 0.25) / 4)
     c = controller("sparsity_variance_l2")  # targets mean 1, .5, .5, 1; var 0, .25, .25, 0
     assert c.loss(gates).item() == pytest.approx(0.3 * (2 * 0.125**2) / 4)
     # every gate 0.5: means miss their targets by -0.5, 0, 0, -0.5; variances by 0, -.25, -.25, 0

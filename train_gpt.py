@@ -27,13 +27,21 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
   - ln g is added to the logit of the *key* j (eq. 3: g_j multiplies exp(q_i k_j)). The
     authors' code adds it on the query axis, which softmax cancels, so their attention was
     never gated: `gate_axis=query` reproduces that (no compact path: skipped tokens stay keys).
+    Eq. 3's sum over j < i is read as j <= i, a token its own key (else token 0 has none).
   - ReLU in eq. 1 and eq. 2's clamp have subgradient 1 at their bounds (clamp_keep_grad, on
     every torch), so `gate_init=zero` gates learn.
   - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
   - Eq. 6's tolerance applies to |deviation| (authors' code): coefficients fall as well as rise;
-    beta uses it with variance targets mu*(1 - mu*); eq. 4's variance is over N (their code: N - 1).
+    beta uses it with variance targets mu*(1 - mu*); eq. 4's variance is over N (their loss's:
+    N - 1).
     `adaptive` is Table 1's gamma sign(dev) with no tolerance (theirs applies delta). The controller
     reads the global batch's statistics; each micro-step's regulariser its own micro-batch's.
+  - Table 1's fixed coefficients (the paper gives none): alpha = fixed_coef, 0.1 for each
+    sparsity* controller (the authors': 0.01, 0.01, 0.1); `sparsity_variance` sets beta =
+    -fixed_coef, rewarding variance as Section 2.4 means it to (some gates zero, not all).
+  - Validation reads val_tokens, 10,485,760 (modded-nanogpt's), at each val_every; Figure 2
+    measured 100M: `--eval_only --init_from=RUN --val_tokens=99876864` (whole batches on 1, 2,
+    4 or 8 ranks; the validation shard holds 100M).
   - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (docs/flops.md
     relates this to the authors' estimator, ~1.9x ours at the paper's size).
   - compact=True (but a block packed to every position, run as masked) and the KV-cached
@@ -339,11 +347,12 @@ class GateController(nn.Module):
         mu = mean_targets(hp)
         adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
         init = 0.0 if adaptive else hp.fixed_coef
+        beta = {"sparsity": 0.0, "sparsity_variance": -init}.get(self.kind, init)  # (docstring)
         for name, v in (
             ("mu", mu),  # (L,) mean targets
             ("var", mu * (1 - mu)),  # (L,) Bernoulli variance targets
             ("alpha", torch.full_like(mu, init)),
-            ("beta", torch.full_like(mu, init if self.kind != "sparsity" else 0.0)),
+            ("beta", torch.full_like(mu, beta)),
         ):
             self.register_buffer(name, v, persistent=False)
 
@@ -804,7 +813,7 @@ class Hyperparameters:
     mu_end: float = on_skip_middle(0.5, "[0, 1]", "... at block L/2 - 1, linearly", use="train")
     gamma: float = on_skip_middle(1e-3, "[0, inf)", "coefficient update (eq. 6)", use="train")
     delta: float = on_skip_middle(1e-2, "[0, inf)", "tolerance on |deviation| (eq. 6)", use="train")
-    fixed_coef: float = on_skip_middle(0.1, "[0, inf)", "sparsity*: alpha = beta", use="train")
+    fixed_coef: float = on_skip_middle(0.1, "[0, inf)", "sparsity*: alpha = |beta|", use="train")
     # router=dlo: DLO (Tan et al. 2024, Section 3)
     dlo_rho: float = on_dlo(0.25, "[0, 1)", "rho, the share of MLP calls skipped", use="train")
     dlo_anneal_steps: int = on_dlo(500, "[0, inf)", "T': steps to reach rho (eq. 9)", use="train")
