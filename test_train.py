@@ -927,6 +927,42 @@ def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
         assert support.peak_flops(name, given=1e12) == 1e12
 
 
+# ----------------------------------------------------------------------- validation
+
+
+def test_validation_loss_per_token_its_documents_and_se_by_hand(tmp_path):
+    # val_loss is the mean over tokens (per-document sums over their lengths), not a mean of the
+    # documents' means; a document runs from a separator (a target) to the next, and a first
+    # target that is one leaves no empty document before it; val_se is the delta method's
+    hp = tiny(router="none", vocab_size=256, encoding="bytes", device_batch_size=2, val_tokens=64)
+    tokens = np.random.default_rng(0).integers(1, 256, 65)
+    tokens[[1, 4, 20, 21, 50]] = tg.BYTES_EOT  # targets 0, 3, 19, 20, 49: one of one token
+    write_shard(tmp_path / "v_0.bin", tokens)
+    torch.manual_seed(0)
+    model = tg.GPT(hp)
+    loader = tg.DistributedLoader(str(tmp_path / "v_*.bin"), 2, 16, 0, 1, 256)
+    v = tg.evaluate(model, hp, loader, tg.Dist(), contextlib.nullcontext())
+    stream = torch.from_numpy(tokens.astype(np.int64))
+    x, y = stream[:-1].view(4, 16), stream[1:]
+    with torch.no_grad():
+        losses = F.cross_entropy(model(x).logits.flatten(0, 1), y, reduction="none")
+    docs, cur = [], []
+    for loss, target in zip(losses.tolist(), y.tolist(), strict=True):
+        if target == tg.BYTES_EOT and cur:
+            docs.append(cur)
+            cur = []
+        cur.append(loss)
+    docs.append(cur)
+    assert [len(d) for d in docs] == [3, 16, 1, 29, 15]
+    total, n = sum(map(sum, docs)), sum(map(len, docs))
+    assert abs(total / n - np.mean([sum(d) / len(d) for d in docs])) > 1e-3  # (they differ)
+    deviations = sum((sum(d) - total / n * len(d)) ** 2 for d in docs)
+    se = math.sqrt(len(docs) / (len(docs) - 1) * deviations) / n
+    assert v["val_docs"] == 5
+    assert v["val_loss"] == pytest.approx(total / n, rel=1e-6)
+    assert v["val_se"] == pytest.approx(se, rel=1e-5)
+
+
 # ---------------------------------------------------- the training loop, end to end
 
 
