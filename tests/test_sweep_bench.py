@@ -154,6 +154,42 @@ def test_the_frontier_holds_exactly_its_slack_beyond_the_dense_range():
     assert at(4e6 * math.exp(outside)) is None and at(1e6 * math.exp(-outside)) is None
 
 
+@pytest.mark.slow
+def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_names_holm_p(
+    tmp_path, monkeypatch
+):
+    # a record's table comes from its committed runs.csv by the record's own command, cell for
+    # cell (p beside Holm p, the largest val SE over seeds, ...); the figure's label for each
+    # comparison gives the Holm p its verdict follows (the table's)
+    import matplotlib.axes
+
+    sweep, labels = load_command("sweep.py"), []
+    set_yticks = matplotlib.axes.Axes.set_yticks
+
+    def recording(self, ticks, tick_labels=None, **kw):
+        labels.extend(tick_labels or [])
+        return set_yticks(self, ticks, tick_labels, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", recording)
+    records, holm = sorted(Path(REPO, "records").glob("*/runs.csv")), []
+    assert len(records) >= 3
+    for csv_path in records:
+        out = tmp_path / csv_path.parent.name
+        out.mkdir()
+        shutil.copy(csv_path, out / "runs.csv")
+        assert support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]) == 0
+        table = (out / "table.md").read_text()
+        assert table == (csv_path.parent / "table.md").read_text(), csv_path
+        header = next(ln for ln in table.splitlines() if ln.startswith("| run | vs |"))
+        column = [c.strip() for c in header.split("|")].index
+        for row in table.splitlines()[table.splitlines().index(header) + 2 :]:
+            cells = [c.strip() for c in row.split("|")]
+            if len(cells) == len(header.split("|")) and cells[2] and cells[column("Holm p")]:
+                p = float(cells[column("Holm p")])
+                holm.append(f"{cells[1]} - {cells[2]}\nHolm p = {p:.2g}")
+    assert len(holm) >= 18 and labels == holm  # (each record's tested comparisons, in order)
+
+
 # ------------------------------------------------------------------ sweep.py: grids
 
 
