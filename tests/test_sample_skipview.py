@@ -26,6 +26,15 @@ def test_generate_samples_reproducibly_and_reports_the_cache():
     # a temperature too small for float32 logits / T: the likeliest token, as greedy decoding
     greedy, _ = sample.generate(model, [1, 2, 3], 10, temperature=0)
     assert sample.generate(model, [1, 2, 3], 10, temperature=1e-40)[0] == greedy
+    # greedy decoding through the cache appends what the full forward pass's last position
+    # ranks first, each time (weights large enough that the positions decide it)
+    torch.manual_seed(0)
+    hp = tiny(n_layers=2, max_seq_len=16, seq_len=16, gate_init="zero", init_std=0.5)
+    sharp, want = tg.GPT(hp).eval(), [1, 2, 3]
+    with torch.no_grad():
+        while len(want) < 13:
+            want.append(int(sharp(torch.tensor([want])).logits[0, -1].argmax()))
+    assert sample.generate(sharp, [1, 2, 3], 10, temperature=0)[0] == want
 
 
 @pytest.mark.parametrize("axis", ["key", "query"])
