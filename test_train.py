@@ -1177,7 +1177,8 @@ def test_two_processes_match_one(tmp_path, capsys, router):
     ]
     args += ["--n_layers=5"] if router == "mor" else []
     code, _, err = run_main(args + [f"--run_dir={tmp_path / 'one'}"], capsys)  # one: this process
-    two = run_command("train_gpt.py", *args, f"--run_dir={tmp_path / 'two'}", nproc=2)
+    peak = ["--peak_flops=1e10"]  # (a job's: the records compared below do not hold it)
+    two = run_command("train_gpt.py", *args, *peak, f"--run_dir={tmp_path / 'two'}", nproc=2)
     assert code == 0, err[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
     m1, m2 = (
@@ -1194,3 +1195,10 @@ def test_two_processes_match_one(tmp_path, capsys, router):
     assert m1[-1]["val_se"] == pytest.approx(m2[-1]["val_se"], abs=1e-4)
     key = "gate_mean" if router == "skip_middle" else "block_active"  # the routing, per block
     assert m1[-1][key] == pytest.approx(m2[-1][key], abs=1e-4)
+    # MFU: 3x the forward FLOPs of a step's tokens over its time, over both devices' peaks
+    hp = tg.saved_settings(tg.load_checkpoint(str(tmp_path / "two"))["hp"])
+    mfu = re.findall(r"step:(\d)/3 .* mfu:([\d.]+)%", (tmp_path / "two" / "train.log").read_text())
+    assert [int(step) for step, _ in mfu] == [1, 2, 3]
+    for (_, shown), m in zip(mfu, m2, strict=False):
+        want = 3 * tg.flops_per_token(hp) * 8 * 32 / (m["step_ms"] / 1000) / (2 * 1e10)
+        assert float(shown) == pytest.approx(100 * want, abs=0.06), (shown, want)
