@@ -84,6 +84,8 @@ def test_the_authors_layout_loads_as_their_code_reads_it(case):
     )
     config = json.loads((folder / "config.json").read_text())
     scaled = config.get("use_scaled_rope", True)  # (their class's default)
+    # zero_init_masks: their mask linears start at 0, every gate 1, as our gate_init=zero
+    assert hp.gate_init == ("zero" if config["zero_init_masks"] else "normal")
     assert (hp.rope_scaling, hp.rope_theta) == (scaled, config.get("rope_theta", 500000))
     if scaled:  # what the case is about, undone: the logits move
         assert (outputs(rope_scaling=False)[1] - expected["logits"]).abs().max() > 1e-3
@@ -395,6 +397,7 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     assert capsys.readouterr().err == ""
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["SkipMiddleModel"] and config["use_scaled_rope"] is False
+    assert config["zero_init_masks"] is False  # (the run's gate_init: normal)
     assert (config["dim"], config["n_layers"], config["ffn_dim_multiplier"]) == (64, 2, 4)
     tensors = load_file(out / "model.safetensors")
     assert all(k.startswith("model.") for k in tensors) and len(tensors) == 2 * 11 + 4 + 2
