@@ -89,7 +89,7 @@ CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
 
 def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
     """torch.save to RUN_DIR/checkpoint.pt (write_atomically), keep: the old one as PREVIOUS too
-    (a hard link to it, or a copy where the file system has none)."""
+    (a hard link to it, or where the file system has none a copy, if there is room)."""
     path, prev = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -101,9 +101,10 @@ def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
             os.link(path, prev)
         except FileNotFoundError:  # a first save has none to keep
             pass
-        except OSError:  # a file system without hard links: a copy, written as the new one is
-            with open(path, "rb") as f:
-                write_atomically(prev, f.read(), tag=state["run_id"])
+        except OSError:  # no hard links here: a copy, streamed; none if it fails (a full disk:
+            # the new checkpoint comes first), as where there is none to keep
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                write_atomically(prev, f, tag=state["run_id"])
     write_atomically(path, buf.getvalue(), tag=state["run_id"])
     return path
 
@@ -355,8 +356,8 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     # (save_checkpoint): the resumed run's, or the one that never saved, whose logs go aside
     owner = ckpt["run_id"] if resuming else logged(run_dir)  # (a new run: None, or checked above)
     if isinstance(owner, str) and re.fullmatch(RUN_ID, owner):  # (config.json: edited?)
-        for name in (CHECKPOINT, PREVIOUS):  # (PREVIOUS: a copy, where there are no links)
-            cut = f"{name}.{owner}.????????.tmp"  # (mkstemp's 8 random characters)
+        for saved in (CHECKPOINT, PREVIOUS):  # (PREVIOUS: a copy, where there are no links)
+            cut = f"{saved}.{owner}.????????.tmp"  # (mkstemp's 8 random characters)
             for stale in glob.glob(os.path.join(glob.escape(run_dir), cut)):
                 if os.path.isfile(stale):
                     os.remove(stale)

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
@@ -662,9 +663,10 @@ def named(path: str, always: bool = False):
         raise
 
 
-def write_atomically(path: str, data: bytes, tag: str = ""):
-    """Write data to path so that a reader sees the old file or all of the new one: a temporary
-    file beside it (mode as open() would give), fsynced, renamed over it, the rename fsynced.
+def write_atomically(path: str, data, tag: str = ""):
+    """Write data (bytes, or a file open to read: copied in pieces) to path so that a reader sees
+    the old file or all of the new one: a temporary file beside it (mode as open() would give),
+    fsynced, renamed over it, the rename fsynced.
     The temporary file: PATH.<8 random>.tmp, or PATH.<tag>.<8 random>.tmp (a run's checkpoint:
     its run_id, so that a kill's leftover is known as the run's)."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -678,7 +680,10 @@ def write_atomically(path: str, data: bytes, tag: str = ""):
     try:
         os.chmod(tmp, 0o666 & ~umask)
         with named(path, always=True), open(tmp, "wb") as f:
-            f.write(data)
+            if hasattr(data, "read"):
+                shutil.copyfileobj(data, f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         with named(path, always=True):

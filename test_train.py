@@ -830,6 +830,9 @@ def test_loader_rejects_bad_magic_and_truncation(tmp_path):
     # a name with [ ] in it, matching nothing as a glob: the file it names
     write_shard(tmp_path / "d[1].bin", range(100))
     assert tg.find_shards(str(tmp_path / "d[1].bin")) == [str(tmp_path / "d[1].bin")]
+    (tmp_path / "e[1].bin").mkdir()  # (said so, as a folder the glob matches is)
+    with pytest.raises(tg.UserError, match=r"e\[1\]\.bin, which is a folder, not a shard"):
+        tg.find_shards(str(tmp_path / "e[1].bin"))
 
 
 def test_embedded_sample_is_valid():

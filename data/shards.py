@@ -87,7 +87,7 @@ def read_shard(path: str, vocab_size: int = 2**16) -> np.ndarray:
     if biggest >= vocab_size:
         raise UserError(
             f"{path}: token id {biggest} is outside the vocabulary (vocab_size={vocab_size}): "
-            f"these shards were made for another"
+            f"these shards hold another vocabulary's tokens"
         )
     return tokens
 
@@ -157,10 +157,10 @@ def check_fingerprints(
 
 
 def find_shards(pattern: str) -> list:
-    """The files a glob matches, sorted (where it matches none, the file it names, if any: a
-    name with [ ] in it); a UserError when there are none or one is a folder."""
+    """The files a glob matches, sorted (where it matches none, the path it names, if any: a
+    name with [ ] in it); a UserError when there are none or one is not a file."""
     files = sorted(glob.glob(pattern))
-    if not files and os.path.isfile(pattern):  # (tr[1].bin: a glob of tr1.bin)
+    if not files and os.path.lexists(pattern):  # (tr[1].bin: a glob of tr1.bin; checked below)
         files = [pattern]
     for path in files:
         if not os.path.isfile(path):

@@ -53,6 +53,16 @@ def test_the_authors_released_model_reproduces_their_logits():
         ).abs().max() > 1e-2
 
 
+def test_the_authors_zero_init_masks_is_our_gate_init_zero_both_ways(tmp_path):
+    # their mask linears start at 0 (every gate 1) where zero_init_masks is true: our
+    # gate_init=zero, read from their config and written into it
+    export = load_command("export.py")
+    for flag, ours in ((True, "zero"), (False, "normal")):
+        source = authors_copy(tmp_path, ours, config=lambda c, f=flag: {**c, "zero_init_masks": f})
+        hp = tg.read_source(source)[0]
+        assert hp.gate_init == ours and export.authors_config(hp)["zero_init_masks"] is flag
+
+
 AUTHORS_CASES = Path(REPO) / "data" / "fixtures" / "authors_cases"  # made by their code: README
 
 
@@ -397,7 +407,6 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     assert capsys.readouterr().err == ""
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["SkipMiddleModel"] and config["use_scaled_rope"] is False
-    assert config["zero_init_masks"] is False  # (the run's gate_init: normal)
     assert (config["dim"], config["n_layers"], config["ffn_dim_multiplier"]) == (64, 2, 4)
     tensors = load_file(out / "model.safetensors")
     assert all(k.startswith("model.") for k in tensors) and len(tensors) == 2 * 11 + 4 + 2

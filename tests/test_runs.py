@@ -507,7 +507,7 @@ def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
     assert err.startswith("error: the checkpoint is at step 4 but these settings make 2 steps")
     # a step of other tokens would count the schedule's steps and the budget otherwise (a
     # finished run trained on, one half done complete); its sequences may be cut otherwise
-    for more in (["--batch_size=32"], ["--seq_len=16"], ["--batch_size=4", "--seq_len=32"]):
+    for more in (["--batch_size=32"], ["--seq_len=16"], ["--batch_size=4", "--seq_len=16"]):
         code, out, err = run_main([f"--resume={tmp_path}", *more], capsys)
         assert (code, out) == (2, "") and err == (
             "error: a resume keeps the tokens of a step, batch_size x seq_len = 256 (the "
@@ -777,6 +777,16 @@ def test_stop_and_error_lines_say_what_is_true(tmp_path, monkeypatch, capsys):
     assert code == 0 and not os.path.samefile(prev, c / "checkpoint.pt"), err
     assert torch.load(prev, weights_only=True)["step"] == 3
     assert not list(c.glob("*.tmp"))
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:  # no room for the copy: none kept, the save goes on
+        m.setattr(os, "link", no_links)
+        m.setattr(shutil, "copyfileobj", full)
+        code, _, err = run_main([f"--resume={c}", "--stop_step=5"], capsys)
+    assert code == 0 and torch.load(c / "checkpoint.pt", weights_only=True)["step"] == 5, err
+    assert not prev.exists() and not list(c.glob("*.tmp"))
 
 
 def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, monkeypatch, capsys):
