@@ -177,6 +177,22 @@ def val_steps(run_dir):
     return [m["step"] for m in read_metrics(run_dir) if m["kind"] == "val"]
 
 
+def documents_by_hand(losses, targets, sep) -> tuple:
+    """The reference for evaluate's statistics, written out: per-token losses split into
+    documents, each starting at a target that is the separator (no empty first one). -> (the
+    documents' losses, the mean per token, its standard error by the delta method)."""
+    docs, cur = [], []
+    for loss, target in zip(losses, targets, strict=True):
+        if target == sep and cur:
+            docs.append(cur)
+            cur = []
+        cur.append(loss)
+    docs.append(cur)
+    total, n = sum(map(sum, docs)), sum(map(len, docs))
+    deviations = sum((sum(d) - total / n * len(d)) ** 2 for d in docs)
+    return docs, total / n, math.sqrt(len(docs) / (len(docs) - 1) * deviations) / n
+
+
 def sha256(data):
     """The SHA-256 of data, in hexadecimal."""
     return hashlib.sha256(data).hexdigest()

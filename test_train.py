@@ -36,6 +36,7 @@ from conftest import (
     assert_close_rel,
     compact_matches_masked,
     counted_flops,
+    documents_by_hand,
     grads,
     logits_gates,
     math_sdpa,
@@ -949,20 +950,11 @@ def test_validation_loss_per_token_its_documents_and_se_by_hand(tmp_path):
     x, y = stream[:-1].view(4, 16), stream[1:]
     with torch.no_grad():
         losses = F.cross_entropy(model(x).logits.flatten(0, 1), y, reduction="none")
-    docs, cur = [], []
-    for loss, target in zip(losses.tolist(), y.tolist(), strict=True):
-        if target == tg.BYTES_EOT and cur:
-            docs.append(cur)
-            cur = []
-        cur.append(loss)
-    docs.append(cur)
+    docs, mean, se = documents_by_hand(losses.tolist(), y.tolist(), tg.BYTES_EOT)
     assert [len(d) for d in docs] == [3, 16, 1, 29, 15]
-    total, n = sum(map(sum, docs)), sum(map(len, docs))
-    assert abs(total / n - np.mean([sum(d) / len(d) for d in docs])) > 1e-3  # (they differ)
-    deviations = sum((sum(d) - total / n * len(d)) ** 2 for d in docs)
-    se = math.sqrt(len(docs) / (len(docs) - 1) * deviations) / n
+    assert abs(mean - np.mean([sum(d) / len(d) for d in docs])) > 1e-3  # (they differ)
     assert v["val_docs"] == 5
-    assert v["val_loss"] == pytest.approx(total / n, rel=1e-6)
+    assert v["val_loss"] == pytest.approx(mean, rel=1e-6)
     assert v["val_se"] == pytest.approx(se, rel=1e-5)
 
 

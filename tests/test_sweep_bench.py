@@ -18,6 +18,7 @@ import support
 import train_gpt as tg
 from conftest import (
     REPO,
+    documents_by_hand,
     load_command,
     read_metrics,
     run_command,
@@ -408,24 +409,8 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     )
     with torch.no_grad():
         logits = model(stream[:-1].view(-1, hp.seq_len)).logits.flatten(0, 1)
-    docs, cur = [], []
-    for loss, target in zip(
-        F.cross_entropy(logits, stream[1:], reduction="none").tolist(),
-        stream[1:].tolist(),
-        strict=True,
-    ):
-        if target == shards.EOT and cur:
-            docs.append(cur)
-            cur = []
-        cur.append(loss)
-    docs.append(cur)
-    total, n = sum(map(sum, docs)), sum(map(len, docs))
-    se = (
-        math.sqrt(
-            len(docs) / (len(docs) - 1) * sum((sum(d) - total / n * len(d)) ** 2 for d in docs)
-        )
-        / n
-    )
+    losses = F.cross_entropy(logits, stream[1:], reduction="none").tolist()
+    docs, _, se = documents_by_hand(losses, stream[1:].tolist(), shards.EOT)
     assert (table["dense_4"]["val_docs"], table["dense_4"]["val_se"]) == (
         len(docs),
         pytest.approx(se),
