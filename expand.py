@@ -8,8 +8,9 @@ like any run it resumes.
 
 The new run's settings are the checkpoint's, then any run setting of train_gpt.py given here as
 --field=value (the router, dlo_rho, lr, train_tokens, ...; a job's, such as stop_step, go to
-train_gpt.py --resume); n_layers is derived, P (R / P + q), and the other
-shape fields are the checkpoint's. Its optimiser state, step and clock start afresh: our
+train_gpt.py --resume); n_layers is derived, P (R / P + q), and the other shape fields are the
+checkpoint's, as are the weights (so no setting of initial weights is taken: --seed draws
+--init=random's new layers alone). Its optimiser state, step and clock start afresh: our
 analogue of the paper's fine-tuning stage. With the checkpoint's train_files it reads on from
 the checkpoint's data position (tokens the source has not seen), else from the start. A dense
 checkpoint may become any router whose parameters do not depend on the layer count (dense or
@@ -175,6 +176,14 @@ def expanded_settings(
     if changed:
         raise support.UserError(
             "an expanded model keeps the checkpoint's shape: " + ", ".join(changed)
+        )
+    # the weights come from the checkpoint: of a new model's initial settings (tg.INITIAL) only
+    # the seed does anything, and only for --init=random's new layers
+    moot = sorted(overrides.keys() & tg.INITIAL - ({"seed"} if init == "random" else set()))
+    if moot:
+        raise support.UserError(
+            f"--{moot[0]} sets a new model's initial weights; an expanded model's are the "
+            f"checkpoint's (--seed draws --init=random's new layers alone)"
         )
     R = base.n_layers
     if R % P:

@@ -162,7 +162,8 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     assert len(dlo[-1]["mlp_active"]) == 4 and min(dlo[-1]["mlp_active"]) < 1.0
     assert dlo[-1]["fwd_flops_per_token"] < dlo[-1]["fwd_flops_per_token_dense"]
     # refused, with one error line and nothing written: a DLO checkpoint's routers fit no other
-    # router; a router tied to the layer count; a shape field; a checkpoint already there
+    # router; a router tied to the layer count; a shape field; a setting of initial weights
+    # that the checkpoint's replace (the seed but for --init=random); a checkpoint already there
     for args, message in (
         (
             (tmp_path / "dlo", tmp_path / "x", "--router=mod"),
@@ -176,6 +177,11 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         ((tmp_path / "dense", tmp_path / "x", "--groups=3"), "cannot make 3 groups of 2"),
         ((tmp_path / "dense", tmp_path / "x", "--init=linear", "--tau=3"), "--tau=3"),
         ((tmp_path / "dense", tmp_path / "x", "--init=magic"), "--init: invalid choice"),
+        ((tmp_path / "dense", tmp_path / "x", "--seed=3"), "--seed sets a new model's initial"),
+        (
+            (tmp_path / "dense", tmp_path / "x", "--init=copy", "--init_std=0.1"),
+            "--init_std sets a new model's initial",
+        ),
         ((tmp_path / "dense", tmp_path / "x", "--nope=1"), "unknown field 'nope'"),
         ((tmp_path / "nowhere", tmp_path / "x"), "nowhere: no such folder"),
         (
@@ -192,6 +198,16 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, (args, err)
         assert not (tmp_path / "x").exists()
+    # --init=random's new layers are drawn from --seed: two seeds, two layers, the originals kept
+    new = {}
+    for seed in (3, 4):
+        code, _, err = expand_cli(
+            tmp_path / "dense", tmp_path / f"r{seed}", "--init=random", f"--seed={seed}"
+        )
+        assert code == 0, err
+        new[seed] = tg.load_checkpoint(str(tmp_path / f"r{seed}"))["model"]
+    assert torch.equal(new[3]["blocks.0.attn.wq.weight"], new[4]["blocks.0.attn.wq.weight"])
+    assert not torch.equal(new[3]["blocks.2.attn.wq.weight"], new[4]["blocks.2.attn.wq.weight"])
     # nor onto an aborted run's logs, or a file of that name of the user's: neither moved nor
     # replaced
     for name in ("train.log", "expand.json"):
