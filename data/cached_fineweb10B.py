@@ -77,7 +77,7 @@ def place(src: str, dest: str) -> None:
 
 
 def fetch(name: str, out: str, counter: str) -> str:
-    """Returns None on success, or a short reason for the failure."""
+    """Returns None on success, or a short reason for the failure (with its likely cause)."""
     from huggingface_hub import hf_hub_download
 
     dest = os.path.join(out, name)
@@ -88,7 +88,7 @@ def fetch(name: str, out: str, counter: str) -> str:
         try:
             cached = hf_hub_download(REPO, name, repo_type="dataset", force_download=force)
         except Exception as e:  # offline, not cached, or the hub is unreachable
-            return f"{type(e).__name__}"
+            return f"{type(e).__name__}: no network, and not in the Hugging Face cache?"
         problem = damage(cached)
         if not problem:
             try:
@@ -166,10 +166,8 @@ def main(argv) -> None:
         untried = "; the others were not tried" if first and len(names) > 1 else ""
         raise UserError(
             f"{len(failed)} of {len(names)} files missing ({listed}; "
-            f"{failed[0][1]}{untried}): no network and not in the Hugging Face "
-            f"cache, or a full disk? "
-            f"Rerun `python data/cached_fineweb10B.py {count}` when online; "
-            f"files already fetched are kept"
+            f"{failed[0][1]}{untried}). Rerun `python data/cached_fineweb10B.py {count}` "
+            f"once that is mended; files already fetched are kept"
         )
     print(f"{len(names)} files in {out}")
 

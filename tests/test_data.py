@@ -100,6 +100,7 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     r = run_command("data/cached_fineweb10B.py", "2", f"--out={out}", env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: 1 of 3 files missing (fineweb_train_000002.bin")
+    assert "; LocalEntryNotFoundError: no network, and not in the Hugging Face cache?)" in r.stderr
     assert "Rerun `python data/cached_fineweb10B.py 2`" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == [
         "fineweb_train_000001.bin",
@@ -133,7 +134,9 @@ def test_a_bad_download_is_fetched_once_more_then_reported(tmp_path, monkeypatch
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
-    assert calls == [False, True] and why.endswith(", after a fresh download too"), why
+    assert calls == [False, True], calls
+    truncated = "truncated shard (11 bytes, shorter than the 1024-byte header)"
+    assert why == f"{bad}: {truncated}, after a fresh download too", why
     assert capsys.readouterr().out.count("; fetching it again\n") == 1  # (not after the last)
     assert not (tmp_path / "out").exists()
 
