@@ -270,7 +270,7 @@ def push(out: str, repo: str):
         api.create_repo(repo, exist_ok=True)
         api.upload_folder(repo_id=repo, folder_path=out, allow_patterns=list(FILES))
     except Exception as e:  # no network, no token, no right to the repository
-        raise support.UserError(
+        raise support.RunStopped(  # (status 1: the files are written; the input was good)
             f"--push_to={repo}: not pushed ({support.first_line(e)}); the files are written in "
             f"{out}"
         ) from None

@@ -37,7 +37,8 @@ class UserError(Exception):
 
 
 class RunStopped(Exception):
-    """A training job cannot go on; its message names the last checkpoint. Exit status 1."""
+    """A command cannot go on once it has written something (a training job's message names its
+    last checkpoint; export's, its files). Exit status 1: the input was not at fault."""
 
 
 class Interrupted(KeyboardInterrupt):
