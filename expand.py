@@ -16,10 +16,11 @@ the checkpoint's data position (tokens the source has not seen), else from the s
 checkpoint may become any router whose parameters do not depend on the layer count (dense or
 DLO; new DLO routers start at zero, the model's own initialisation); a DLO checkpoint stays
 DLO, its routers moving with their layers. Policies for the new layers: identity (wo = w2 = 0,
-the function is unchanged), copy, random (Xavier uniform), linear (the mean of the group's
-last tau layers, equal weights 1/tau) and slerp (halfway, per tensor, between the last layer
-and the tau-th from last): the weights of the merges are our choice, where Section 3.1 leaves
-them open.
+the function is unchanged: Section 3.1 zeroes only attention's W_out, yet says the new layers
+preserve the original features, which needs w2 = 0 too, as in LLaMA Pro, which it cites),
+copy, random (Xavier uniform), linear (the mean of the group's last tau layers, equal weights
+1/tau) and slerp (halfway, per tensor, between the last layer and the tau-th from last): the
+weights of the merges are our choice, where Section 3.1 leaves them open.
 """
 
 import contextlib

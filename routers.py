@@ -17,13 +17,17 @@ DLO (Tan et al. 2024), `router=dlo`:
     f: the branch): the paper's range for the cosine, [0, 1], fits a + f (near a) better
     than the branch alone.
   - Eq. 8 is used as a skip rate (the share labelled 0): as written it counts labels 1, which
-    contradicts its use as rho_i in top-k and eq. 10. rho_{i,1} is step 1's annealed rate.
-  - Labels (eq. 5) rank the L x S similarities within each sequence; eqs. 6 and 8 average over
-    the global batch. Training runs every MLP (labels need every similarity) and drops the
-    skipped outputs; only evaluation and decoding skip the work.
+    contradicts eq. 3's top floor((1 - rho_i) S) and eq. 10, whose scales average near 1 only
+    for a skip rate (Algorithm 1 line 35's top floor(rho_i S) agrees with eq. 8 as written).
+    rho_{i,1} is step 1's annealed rate.
+  - Labels (eq. 5) rank the L x S similarities within each sequence, keeping floor((1 - rho^t)
+    R' S) at the annealed rate (Algorithm 1 line 46; eq. 5 prints the target rho); eqs. 6 and 8
+    average over the global batch. Top-k ties (step 1: every r is 1) go to the earlier token.
+    Training runs every MLP (labels need every similarity) and drops the skipped outputs; only
+    evaluation and decoding skip the work.
 Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
-  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (block 0 always runs), at the
-    paper's best capacity, 12.5% of each sequence.
+  - Blocks mod_every - 1, 2 mod_every - 1, ... are routed (every one at mod_every = 1), at
+    the paper's best capacity, 12.5% of each sequence.
   - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our block
     (the MLP reads x + r Attn, not the block output scaled once). Tokens not chosen are neither
     queries nor keys there (weight gate_eps masked, 0 when compacted: train_gpt's deviations).
@@ -41,7 +45,8 @@ Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
     included). In the stack the kept tokens run ungated; the others are neither queries nor
     keys (weight gate_eps masked, 0 when compacted or decoding: train_gpt's deviations).
   - Causal inference: BCE (mor_aux_coef, our 0.1: at 0.01 the CPU smoke run kept almost no
-    token past recursion 0) of z over the active tokens; inference keeps those with z > 0.
+    token past recursion 0) of z, one mean over the routed recursions' active tokens (the
+    authors' code: 0.001 times the sum of each recursion's mean); inference keeps z > 0.
     Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.
 """
 
@@ -342,7 +347,8 @@ class DLO(Router):
                 f = block.mlp(a)
             else:  # (the padding's MLP lands on tokens that do not run it: r * run = 0 there)
                 index = pos[..., None].expand(-1, -1, a.size(-1))  # (B, Tc, d)
-                f = torch.zeros_like(a).scatter(1, index, block.mlp(a.gather(1, index)))
+                packed = block.mlp(a.gather(1, index))  # (autocast's dtype without sandwich norm)
+                f = packed.new_zeros(a.shape).scatter(1, index, packed)
         else:
             f = block.mlp(a)
             trace["similarity"].append(
@@ -351,7 +357,7 @@ class DLO(Router):
         trace["logits"].append(z[..., 0])
         trace["scale"].append((r * run)[..., 0])  # the factor on the MLP branch, 0: skipped
         ran(trace, torch.ones_like(run[..., 0]), run[..., 0])
-        return a + (r * run).type_as(f) * f
+        return a + r * run * f  # r in fp32: in bf16 it would round to 1 for small |hW|
 
     @staticmethod
     def labels(similarity, rho_t: float):

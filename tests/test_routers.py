@@ -545,3 +545,26 @@ def test_a_routed_run_resumes_exactly_and_trains_at_its_layer_rates(
     a, b = (strip(read_metrics(tmp_path / r)) for r in ("full", "part"))
     assert len(a) == 4 + 3 and a == b
     assert len(a[-1]["block_active"]) == 5 and min(a[-1]["mlp_active"]) < 1  # inference shares
+
+
+@pytest.mark.parametrize("router", [r for r in tg.ROUTERS if r != "none"])
+def test_every_router_compacts_under_bf16_autocast_with_either_norm(router):
+    # under autocast a pre-norm block's branches come out in bf16, a sandwich-normed one's in fp32
+    # (the norm's weight): compacted, each router evaluates as masked does and trains, in both
+    torch.manual_seed(0)
+    idx = torch.randint(0, 97, (3, 16))
+    for sandwich in (True, False):
+        hp = tiny(router=router, sandwich_norm=sandwich, n_layers=5 if router == "mor" else 4)
+        masked, compact = tg.GPT(hp).eval(), tg.GPT(replace(hp, compact=True)).eval()
+        for p in masked.router.parameters():  # scores far from their zero init: tokens skip
+            torch.nn.init.normal_(p, std=1.0)
+        compact.load_state_dict(masked.state_dict())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a, b = masked(idx), compact(idx)
+            assert 0 < a.route["block"].float().mean() * a.route["mlp"].float().mean() < 1
+            assert (a.logits - b.logits).abs().max() < 1e-2  # (logits ~0.4: bf16's rounding)
+            compact.train()
+            if compact.router.packs():  # (as a new run's first step: room for every token)
+                compact.router.lengths = [hp.seq_len] * hp.n_layers
+            compact(idx, targets=idx).loss.backward()
+        assert all(p.grad is not None and p.grad.isfinite().all() for p in compact.parameters())
