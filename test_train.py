@@ -1124,7 +1124,6 @@ def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
         "train_time_ms",
     ):
         assert key in val[-1]
-    assert val[-1]["train_flops_per_token"] == 3 * val[-1]["fwd_flops_per_token"]
     assert val[-1]["fwd_flops_per_seq"] == 64 * val[-1]["fwd_flops_per_token"]
     assert set(train[0]) == {
         "kind",

@@ -1235,7 +1235,6 @@ def evaluate(
         **v,
         attn_pairs=pairs,
         fwd_flops_per_token=fwd,
-        train_flops_per_token=3 * fwd,
         fwd_flops_per_token_dense=dense,
         fwd_flops_per_seq=fwd * hp.seq_len,
     )
