@@ -24,8 +24,8 @@ them, then stops (status 0).
 Then, in this process, on each run's final weights: validation cross-entropy and estimated
 FLOPs per token at the measured sparsity, and the former's standard error over documents, come
 from the run's last validation record; evaluation time per token is measured here, masked and
-(for gated runs) compacted, side by side. The verdict is summarise's: paired over seeds,
-Holm-corrected (README: Results). The record folder gets runs.csv (a row per run), table.md,
+compacted where the router allows it, side by side. The verdict is summarise's: paired over
+seeds, Holm-corrected (README: Results). The record folder gets runs.csv (a row per run), table.md,
 figure.png (matplotlib, a plot-only requirement) and a README with the command, the corpus's
 sha256 (pinned or not), the hardware and the verdict.
 

@@ -40,7 +40,7 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
     sparsity* controller (the authors': 0.01, 0.01, 0.1); `sparsity_variance` sets beta =
     -fixed_coef, rewarding variance as Section 2.4 means it to (some gates zero, not all).
   - Validation reads val_tokens, 10,485,760 (modded-nanogpt's), at each val_every; Figure 2
-    measured 100M: `--eval_only --init_from=RUN --val_tokens=99876864` (whole batches on 1, 2,
+    measured 100M: `--init_from=RUN --eval_only=true --val_tokens=99876864` (whole batches on 1, 2,
     4 or 8 ranks; the validation shard holds 100M).
   - FLOPs: matmuls only, causal attention (T(T+1)/2 pairs), per token at seq_len (docs/flops.md
     relates this to the authors' estimator, ~1.9x ours at the paper's size).
