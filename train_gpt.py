@@ -818,7 +818,7 @@ class Hyperparameters:
     dlo_rho: float = on_dlo(0.25, "[0, 1)", "rho, the share of MLP calls skipped", use="train")
     dlo_anneal_steps: int = on_dlo(500, "[0, inf)", "T': steps to reach rho (eq. 9)", use="train")
     dlo_beta: float = on_dlo(2.0, "(0, inf)", "r = (beta + (2 sigmoid(hW) - 1) gamma) / 2")
-    dlo_gamma: float = on_dlo(0.05, "[0, inf)", "gamma of eq. 1")
+    dlo_gamma: float = on_dlo(0.05, "(0, inf)", "gamma of eq. 1")
     # router=mod: Mixture-of-Depths (Raposo et al. 2024)
     mod_capacity: float = on_mod(0.125, "(0, 1]", "routed block's share of tokens", use="train")
     mod_every: int = on_mod(2, "[1, inf)", "route every mod_every-th block", fixed=True)
