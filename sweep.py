@@ -461,10 +461,10 @@ def measure(run_dir: str, device: str) -> dict:
     weights (masked, and compacted where blocks are gated)."""
     val = run_records(run_dir, "val")[-1]
     config = json_object(os.path.join(run_dir, "config.json"))
-    model = tg.load_model(run_dir, device).eval()
-    hp = model.hp
+    hp, weights = tg.read_source(run_dir)  # (the checkpoint read once, for both models)
+    model = tg.built(hp, weights, device).eval()
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
-    compact = tg.load_model(run_dir, device, compact=True).eval() if can_compact else model
+    compact = tg.built(replace(hp, compact=True), weights, device).eval() if can_compact else model
     tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[
         : hp.device_batch_size * hp.seq_len
     ]
