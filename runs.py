@@ -797,8 +797,3 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
             f"sweep stopped by {signal.Signals(trainers.got[0]).name}; {what}; "
             f"run the same command again to go on"
         )
-
-
-def launch(args: list, nproc: int, script: str = "train_gpt.py", label: str = ""):
-    """Run script with args to its end, as run_plans runs a plan of one command."""
-    run_plans([Plan(label or " ".join(args[-1:]), [(script, args)])], nproc)

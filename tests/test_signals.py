@@ -522,5 +522,7 @@ def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monk
 
     monkeypatch.setattr(runs.subprocess, "Popen", interrupted_popen)
     with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"):
-        runs.launch(RESUME_RUN + [f"--run_dir={tmp_path}"], 1)
+        runs.run_plans(
+            [runs.Plan("run", [("train_gpt.py", RESUME_RUN + [f"--run_dir={tmp_path}"])])], 1
+        )
     assert not (tmp_path / "checkpoint.pt").exists()

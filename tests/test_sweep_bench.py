@@ -329,11 +329,9 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     monkeypatch.setitem(sweep.GRIDS, "tiny", grid)
     runs, out = tmp_path / "runs", tmp_path / "out"
     # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
-    sweep.runs.launch(
-        TINY_GRID
-        + gated[1]
-        + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}", "--stop_step=2"],
-        1,
+    stopped = TINY_GRID + gated[1] + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}"]
+    sweep.runs.run_plans(
+        [sweep.runs.Plan("gated", [("train_gpt.py", stopped + ["--stop_step=2"])])], 1
     )
     assert sweep.run_state(str(runs / "gated_mu0.5_s0")) == "resume"
 
