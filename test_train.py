@@ -884,7 +884,14 @@ def test_sparse_flops_scale_with_active_fraction():
     hp = tiny(n_layers=4)
     full = tg.forward_flops(hp, [1, 1, 1, 1])
     assert full == tg.forward_flops(hp)
-    assert tg.forward_flops(hp, [1, 0, 0, 1]) < full
+    # one block per sequence of 16, by hand: per token q and o 2 x 2 x 32 x 32, k and v
+    # 2 x 2 x 32 x 16, the SwiGLU 2 x 3 x 32 x 128; 2 x 2 x 4 heads x 8 per causal pair
+    proj, ffn, attn = 16 * (4096 + 2048), 16 * 24576, 128 * 16 * 17 / 2
+    assert full - tg.forward_flops(hp, [1, 0, 0, 1]) == 2 * (proj + ffn + attn)
+    # a share a of the tokens: a of the projections and FFN, a^2 of the pairs (one sequence)
+    half = 2 * (proj + ffn + attn) / 2 + 2 * attn / 4
+    assert full - tg.forward_flops(hp, [1, 0.5, 0.5, 1]) == pytest.approx(half)
+    assert full - tg.forward_flops(hp, None, [1, 0, 0, 1]) == 2 * ffn  # the MLPs alone
     dense = tg.forward_flops(replace(hp, router="none"))
     assert full - dense == 2 * 16 * 2 * (32 + 1)  # only the two gate linears differ
 

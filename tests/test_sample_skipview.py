@@ -21,8 +21,10 @@ def test_generate_samples_reproducibly_and_reports_the_cache():
     b, _ = sample.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
     assert a == b and len(a) == 13 and a[:3] == [1, 2, 3] and all(0 <= t < 97 for t in a)
     assert cache.n == [12, 12]  # zero gates: every token runs every block (the last is not fed)
-    with pytest.raises(tg.UserError):
-        sample.generate(model, [1] * 10, 10)
+    assert len(sample.generate(model, [1] * 6, 10)[0]) == 16  # max_seq_len exactly
+    for prompt, new in (([1] * 7, 10), ([], 5)):  # a token past it; no prompt
+        with pytest.raises(tg.UserError, match=r"prompt \+ new tokens <= max_seq_len \(16\)"):
+            sample.generate(model, prompt, new)
     # a temperature too small for float32 logits / T: the likeliest token, as greedy decoding
     greedy, _ = sample.generate(model, [1, 2, 3], 10, temperature=0)
     assert sample.generate(model, [1, 2, 3], 10, temperature=1e-40)[0] == greedy
@@ -95,7 +97,9 @@ class TokenSpans(__import__("html.parser").parser.HTMLParser):
 def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys):
     skipview = load_command("skipview.py")
     run = tmp_path / "run"
-    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=4"], capsys)
+    # gate weights wide enough that some tokens skip both blocks (g = 0) and others none
+    wide = ["--init_std=0.2", f"--run_dir={run}", "--stop_step=4"]
+    code, _, err = run_main(RESUME_RUN + wide, capsys)
     assert code == 0, err
     text = "The gate decides, per token, how many blocks run.\nA second line & <markup>."
     page = tmp_path / "page.html"
@@ -114,6 +118,7 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     with torch.no_grad():
         gates = model(torch.tensor([ids])).route["gates"][:, 0]  # (L, T)
     expected = (gates > 0).sum(0).tolist()
+    assert len(set(expected)) > 1, expected  # (one count for all would test nothing)
     assert [int(title.split()[0]) for _, title in parser.spans] == expected
     assert "⏎" in terminal and terminal.count("[") >= len(ids)
     assert support.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
