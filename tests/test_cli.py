@@ -5,6 +5,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import time
 from dataclasses import asdict, replace
 from unittest import mock
@@ -659,3 +660,48 @@ def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path
                 checked += 1
     assert checked > 100 and not (tmp_path / "s").exists() and not (tmp_path / "new").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "run", "t.txt"]
+
+
+def test_a_whole_number_written_as_a_float_is_an_int_while_a_double_holds_it_exactly():
+    def step(text):
+        return support.parse_fields([runs.RunState], [f"--step={text}"])["step"]
+
+    assert step("1e6") == 10**6 and step("10_000") == 10_000
+    assert step(f"{float(2**53)!r}") == 2**53  # 9007199254740992.0: exact
+    for text in ("1.5", "1e-3", f"{float(2**54)!r}", "nan", "inf"):
+        with pytest.raises(support.UserError, match="expected int"):
+            step(text)
+
+
+def test_saved_fields_take_an_int_for_a_float_but_nothing_else_for_its_type():
+    saved = {"run_id": "ab", "step": 4, "tokens": 8, "train_ms": 5, "timed_steps": 1}
+    saved.update(bad_steps=0, val_done=4)
+    got = support.saved_fields(runs.RunState, saved)
+    assert got["train_ms"] == 5.0 and type(got["train_ms"]) is float
+    for name, value in (("step", True), ("val_done", 4.0), ("train_ms", "5"), ("run_id", 7)):
+        with pytest.raises(support.UserError, match=f"saved {name}=.* is not of type"):
+            support.saved_fields(runs.RunState, {**saved, name: value})
+
+
+def test_an_error_line_is_one_line_and_a_second_signal_exits_128_plus_its_number(capsys):
+    def fails(message):
+        def main(argv):
+            raise support.UserError(message)
+
+        return main
+
+    assert support.cli(fails("no such run: a\nb\tc"), []) == 2
+    assert capsys.readouterr().err == "error: no such run: a\\nb\\tc\n"
+
+    def second(argv):
+        raise support.Interrupted(signal.SIGTERM)
+
+    assert support.cli(second, []) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ""
+
+
+def test_a_field_is_given_only_as_dash_dash_name_equals_value():
+    assert support.parse_fields([runs.RunState], ["--step=5"]) == {"step": 5}
+    for arg in ("step=5", "xxstep=5", "-step=5", "--step"):
+        with pytest.raises(support.UserError, match="use --field=value"):
+            support.parse_fields([runs.RunState], [arg])

@@ -489,3 +489,33 @@ def test_sha256_of_streams_a_large_file_in_bounded_memory(tmp_path):
     reference.update(b"tail")
     assert digest == reference.hexdigest()
     assert peak < 64 << 20, peak  # under 64 MiB for 3 GiB
+
+
+def test_a_write_cut_by_a_signal_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+
+    class Signalled:  # a source that a second signal cuts (KeyboardInterrupt, not an Exception)
+        def __init__(self):
+            self.calls = 0
+
+        def read(self, n=-1):
+            self.calls += 1
+            if self.calls > 1:
+                raise KeyboardInterrupt
+            return b"new part"
+
+    with pytest.raises(KeyboardInterrupt):
+        support.write_atomically(str(target), Signalled())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+    assert target.read_bytes() == b"old"
+
+
+def test_the_put_back_moves_nothing_when_the_newest_does_not_load(tmp_path):
+    # (beside test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run)
+    torch.save({"run_id": "aa", "step": 5}, tmp_path / runs.PREVIOUS)
+    (tmp_path / runs.CHECKPOINT).write_bytes(b"damaged since it was written")
+    said = runs.last_good(ranks.Dist(), runs.Ledger(str(tmp_path), 10), "aa")
+    assert said.startswith("none: no step from the newest")
+    assert (tmp_path / runs.CHECKPOINT).read_bytes() == b"damaged since it was written"
+    assert torch.load(tmp_path / runs.PREVIOUS, weights_only=True)["step"] == 5

@@ -3,6 +3,7 @@ that survive a kill, a non-finite step or a full disk."""
 
 import copy
 import errno
+import fnmatch
 import glob
 import json
 import math
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import ranks
 import runlog
 import runs
 import support
@@ -1079,3 +1081,143 @@ time.sleep(60)
     with pytest.raises(OSError, match="No space left"):
         runs.run_plans(plans, 1, jobs=2)
     assert saved.exists() and time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("name", ["timed_steps", "bad_steps", "val_done"])
+def test_each_counter_may_reach_the_step_but_not_pass_it(name):
+    # RunState's help: timed_steps is "at most step, as bad_steps and val_done"
+    runs.check_run_state(runs.RunState(run_id="ab", step=4, **{name: 4}))
+    with pytest.raises(support.UserError, match=f"^{name}=5 exceeds step=4$"):
+        runs.check_run_state(runs.RunState(run_id="ab", step=4, **{name: 5}))
+    for run_id in ("", "AB", "a/b"):  # not os.urandom(8).hex()'s: it names files
+        with pytest.raises(support.UserError, match="is not a run's"):
+            runs.check_run_state(runs.RunState(run_id=run_id, step=4))
+
+
+def resumable(run_dir, step=3, run_id="ab"):
+    """A folder as a run that saved step `step` leaves it (no logs: expand.py's new run) ->
+    the ckpt that read_checkpoint would give open_run_dir."""
+    run_dir.mkdir(exist_ok=True)
+    path = run_dir / runs.CHECKPOINT
+    torch.save({"run_id": run_id, "step": step}, path)
+    return {"run_id": run_id, "step": step, "mtime": os.stat(path).st_mtime_ns}
+
+
+def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_copy(tmp_path):
+    run = tmp_path / "run"
+    try:
+        ckpt = resumable(run)
+        assert runs.open_run_dir(str(run), "", ckpt) == str(run)  # as read: taken
+        runs.release_locks()
+        # replaced between its read and the lock (another job): the mtime says so
+        stale = {**ckpt, "mtime": ckpt["mtime"] - 1}
+        with pytest.raises(support.UserError, match="changed while this job started"):
+            runs.open_run_dir(str(run), "", stale)
+        runs.release_locks()
+        # a save cut after its copy of the old file (no hard links): PREVIOUS holds the same step
+        (run / runs.PREVIOUS).write_bytes((run / runs.CHECKPOINT).read_bytes())
+        assert runs.open_run_dir(str(run), "", ckpt) == str(run)
+        runs.release_locks()
+        (run / runs.PREVIOUS).unlink()
+        # config.json written meanwhile by another run (checked again under the lock)
+        (run / "config.json").write_text('{"run_id": "cd", "job": {}}')
+        with pytest.raises(support.UserError, match="belongs to another run"):
+            runs.open_run_dir(str(run), "", ckpt)
+        runs.release_locks()
+        (run / "config.json").unlink()
+        # checkpoint.pt a link to a checkpoint elsewhere: the run's files are never links
+        os.replace(run / runs.CHECKPOINT, tmp_path / "elsewhere.pt")
+        (run / runs.CHECKPOINT).symlink_to(tmp_path / "elsewhere.pt")
+        ckpt = {**ckpt, "mtime": os.stat(run / runs.CHECKPOINT).st_mtime_ns}
+        with pytest.raises(support.UserError, match="checkpoint.pt is a symbolic link to a file"):
+            runs.open_run_dir(str(run), "", ckpt)
+    finally:
+        runs.release_locks()
+
+
+def test_a_run_that_never_saved_is_moved_aside_each_time_beside_the_earlier(tmp_path):
+    run = tmp_path / "run"
+    try:
+        for k in (1, 2):  # two attempts that each died before their first save
+            run.mkdir(exist_ok=True)
+            (run / "config.json").write_text(f'{{"run_id": "ab{k}", "job": {{}}}}')
+            (run / "train.log").write_text(f"attempt {k}\n")
+            assert runs.open_run_dir(str(run), "") == str(run)
+            runs.release_locks()
+        assert (run / "aborted_1" / "train.log").read_text() == "attempt 1\n"
+        assert (run / "aborted_2" / "train.log").read_text() == "attempt 2\n"
+        assert not (run / "train.log").exists() and not (run / "config.json").exists()
+    finally:
+        runs.release_locks()
+
+
+def test_a_resume_note_names_only_an_earlier_previous(tmp_path):
+    d, run = ranks.Dist(), runs.RunState(run_id="ab", step=3)
+    torch.save({"run_id": "ab", "step": 3}, tmp_path / runs.CHECKPOINT)
+    ledger = runs.Ledger(str(tmp_path), 3)
+    assert runs.resume_note(d, ledger, run) == " resumed_at:3"  # none kept
+    os.link(tmp_path / runs.CHECKPOINT, tmp_path / runs.PREVIOUS)  # a save cut after its link
+    assert runs.resume_note(d, ledger, run) == " resumed_at:3"
+    os.remove(tmp_path / runs.PREVIOUS)
+    torch.save({"run_id": "ab", "step": 1}, tmp_path / runs.PREVIOUS)
+    assert runs.resume_note(d, ledger, run) == (
+        " resumed_at:3 (checkpoint.prev.pt, step 1, kept beside it)"
+    )
+
+
+class Lines:
+    """A RunLog's print, kept."""
+
+    def __init__(self):
+        self.lines = []
+
+    def print(self, text):
+        self.lines.append(text)
+
+
+def test_a_job_that_only_ran_the_owed_validation_says_the_run_is_complete(tmp_path):
+    d, log = ranks.Dist(), Lines()
+    ledger = runs.Ledger(str(tmp_path), 8)
+    done = runs.RunState(run_id="ab", step=8, val_done=8)
+    runs.report_end(log, d, ledger, done, 8, 8, 0, False)  # resumed at 8, validated, saved
+    assert log.lines == ["the run is complete at step 8"]
+    log.lines.clear()
+    runs.report_end(log, d, ledger, runs.RunState(run_id="ab", step=8, val_done=4), 8, 8, 15, True)
+    assert log.lines[0].startswith("stopped by signal SIGTERM at step 8 (its validation is")
+
+
+def test_previous_is_a_checkpoint_from_which_a_step_trained(tmp_path, monkeypatch, capsys):
+    # step 5's loss is NaN (skipped, max_bad_steps=1): step 5's save keeps no PREVIOUS, so it
+    # stays step 3's, the newest from which a step (4) trained with a finite loss
+    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(9))  # step 5 (2 micro-steps)
+    args = ["--max_bad_steps=1", "--save_every=1", "--stop_step=5", f"--run_dir={tmp_path}"]
+    code, _, err = run_main(RESUME_RUN + args, capsys)
+    assert code == 0, err
+    trained = [m["step"] for m in read_metrics(tmp_path) if m["kind"] == "train"]
+    assert trained == [1, 2, 3, 4]  # step 5 skipped
+    newest = torch.load(tmp_path / runs.CHECKPOINT, weights_only=True)["step"]
+    prev = torch.load(tmp_path / runs.PREVIOUS, weights_only=True)["step"]
+    # the newest saved step s with step s + 1 trained, before the newest checkpoint
+    assert newest == 5 and prev == max(s for s in range(newest) if s + 1 in trained) == 3
+
+
+def test_a_checkpoints_temporary_file_is_named_by_its_run(tmp_path, monkeypatch):
+    # so that a save killed half-way leaves a file that open_run_dir knows as the run's
+    names, real = [], os.replace
+
+    def replace(src, dst):
+        names.append(os.path.basename(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    runs.save_checkpoint(str(tmp_path), {"run_id": "ab12", "step": 1})
+
+    def no_links(*_):
+        raise OSError(errno.EPERM, "no hard links here")
+
+    monkeypatch.setattr(os, "link", no_links)
+    runs.save_checkpoint(str(tmp_path), {"run_id": "ab12", "step": 2}, keep=True)  # a copy
+    assert len(names) == 3
+    assert fnmatch.fnmatch(names[0], f"{runs.CHECKPOINT}.ab12.????????.tmp")
+    assert fnmatch.fnmatch(names[1], f"{runs.PREVIOUS}.ab12.????????.tmp")
+    assert fnmatch.fnmatch(names[2], f"{runs.CHECKPOINT}.ab12.????????.tmp")

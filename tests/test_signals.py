@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 import ranks
 import runs
+import support
 import train_gpt as tg
 from conftest import (
     AUTHORS_TINY,
@@ -526,3 +528,71 @@ def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monk
             [runs.Plan("run", [("train_gpt.py", RESUME_RUN + [f"--run_dir={tmp_path}"])])], 1
         )
     assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_signal_any_rank_got_outranks_a_launcher_gone(monkeypatch):
+    here = ranks.Dist()  # not a torchrun worker
+    orphan = ranks.Dist(parent=os.getpid())  # its launcher (this pid) is not its parent: gone
+    for d, got, agreed in (
+        (here, 0, 0),
+        (here, signal.SIGTERM, signal.SIGTERM),
+        (orphan, 0, signal.SIGHUP),
+        (orphan, signal.SIGTERM, signal.SIGTERM),  # the signal a scheduler sent stays its own
+        (orphan, signal.SIGINT, signal.SIGINT),
+    ):
+        assert ranks.agreed_signal(types.SimpleNamespace(signum=got), d) == agreed
+
+
+def test_the_watch_ends_a_worker_whose_launcher_is_gone_only_while_it_watches(monkeypatch):
+    exited, gone = threading.Event(), [False]
+    monkeypatch.setattr(ranks, "gone", lambda d: gone[0])
+    monkeypatch.setattr(ranks.os, "_exit", lambda code: exited.set())
+    with ranks.watching(ranks.Dist(parent=1)):
+        time.sleep(0.7)
+        assert not exited.is_set()  # the launcher is there
+        gone[0] = True
+        assert exited.wait(3)  # polled every 0.5 s
+    exited.clear()
+    time.sleep(1.2)
+    assert not exited.is_set()  # the watch ended with the block
+
+
+def test_stop_records_a_first_signal_once_armed_and_a_second_stops_at_once():
+    stop = support.StopSignal()
+    handlers = {s: signal.getsignal(s) for s in support.SAVE_SIGNALS}
+    try:
+        with stop:
+            with pytest.raises(support.Interrupted):  # not armed: at once
+                stop(signal.SIGTERM, None)
+            stop.armed = True
+            with stop:  # re-entered (train() inside main())
+                assert stop.armed and stop.signum == 0
+            assert all(signal.getsignal(s) is stop for s in support.SAVE_SIGNALS)  # still held
+            stop(signal.SIGTERM, None)
+            assert stop.signum == signal.SIGTERM
+            with pytest.raises(support.Interrupted) as second:
+                stop(signal.SIGINT, None)
+            assert second.value.signum == signal.SIGINT
+            stop.finish()
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in support.SAVE_SIGNALS)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def test_add_sums_keeps_a_key_that_either_side_lacks():
+    t = torch.tensor
+    total = {"loss": t([1.0, 2.0]), "only_total": t([5.0])}
+    more = {"loss": t([0.5, 0.5]), "only_more": t([7.0])}
+    got = ranks.add_sums(total, more)
+    assert sorted(got) == ["loss", "only_more", "only_total"]
+    assert torch.equal(got["loss"], t([1.5, 2.5]))
+    assert torch.equal(got["only_total"], t([5.0])) and torch.equal(got["only_more"], t([7.0]))
+    assert ranks.add_sums({}, more).keys() == more.keys()
+
+
+def test_check_memory_refuses_only_what_exceeds_the_machine(monkeypatch):
+    monkeypatch.setattr(ranks, "machine_memory", lambda: 3 << 30)
+    ranks.check_memory(3 << 30, "to train", "--dim")  # exactly the machine's: fits
+    with pytest.raises(support.UserError, match=r"at least 3 GiB on one device to train; it has 3"):
+        ranks.check_memory((3 << 30) + 1, "to train", "--dim")
