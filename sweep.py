@@ -458,7 +458,7 @@ def check_corpus(run_dir: str):
 def measure(run_dir: str, device: str) -> dict:
     """One row of runs.csv: the run's final validation record, its settings and commit, the
     sparsity each block reached against its target, and evaluation time per token on its final
-    weights (masked, and compacted where blocks are gated)."""
+    weights (masked, and compacted where the router allows it)."""
     val = run_records(run_dir, "val")[-1]
     config = json_object(os.path.join(run_dir, "config.json"))
     hp, weights = tg.read_source(run_dir)  # (the checkpoint read once, for both models)

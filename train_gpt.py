@@ -811,9 +811,9 @@ class Hyperparameters:
     mu_start: float = on_skip_middle(1.0, "[0, 1]", "mean-gate target at block 0", use="train")
     # mu_end: our choice of one point on Figure 2's sweep of it from 1 to 0
     mu_end: float = on_skip_middle(0.5, "[0, 1]", "... at block L/2 - 1, linearly", use="train")
-    gamma: float = on_skip_middle(1e-3, "[0, inf)", "coefficient update (eq. 6)", use="train")
+    gamma: float = on_skip_middle(1e-3, "(0, inf)", "coefficient update (eq. 6)", use="train")
     delta: float = on_skip_middle(1e-2, "[0, inf)", "tolerance on |deviation| (eq. 6)", use="train")
-    fixed_coef: float = on_skip_middle(0.1, "[0, inf)", "sparsity*: fixed alpha/beta", use="train")
+    fixed_coef: float = on_skip_middle(0.1, "(0, inf)", "sparsity*: fixed alpha/beta", use="train")
     # router=dlo: DLO (Tan et al. 2024, Section 3)
     dlo_rho: float = on_dlo(0.25, "[0, 1)", "rho, the share of MLP calls skipped", use="train")
     dlo_anneal_steps: int = on_dlo(500, "[0, inf)", "T': steps to reach rho (eq. 9)", use="train")
