@@ -32,9 +32,11 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data
 from support import (  # noqa: E402
     MAX_PROCESSES,
     ArgParser,
+    RunStopped,
     UserError,
     cli,
     exit_quietly_on_signals,
+    first_line,
     in_range,
     kind_of,
     os_error_text,
@@ -77,8 +79,9 @@ def place(src: str, dest: str) -> None:
 
 
 def fetch(name: str, out: str, counter: str) -> str:
-    """Returns None on success, or a short reason for the failure (with its likely cause)."""
+    """Returns None on success, or a short reason for the failure."""
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     dest = os.path.join(out, name)
     if os.path.exists(dest):  # (whole: main checked)
@@ -87,8 +90,10 @@ def fetch(name: str, out: str, counter: str) -> str:
     for force in (False, True):  # a bad file in the cache is downloaded once more
         try:
             cached = hf_hub_download(REPO, name, repo_type="dataset", force_download=force)
-        except Exception as e:  # offline, not cached, or the hub is unreachable
-            return f"{type(e).__name__}: no network, and not in the Hugging Face cache?"
+        except LocalEntryNotFoundError:  # (offline, or the hub unreachable)
+            return "not in the Hugging Face cache, and the Hub cannot be reached"
+        except Exception as e:  # a full disk, no right to the file, ...: its own words
+            return f"{type(e).__name__}: {first_line(e)}"
         problem = damage(cached)
         if not problem:
             try:
@@ -164,7 +169,7 @@ def main(argv) -> None:
     if failed:
         listed = ", ".join(n for n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
         untried = "; the others were not tried" if first and len(names) > 1 else ""
-        raise UserError(
+        raise RunStopped(  # (status 1: the input was good, the fetch failed)
             f"{len(failed)} of {len(names)} files missing ({listed}; "
             f"{failed[0][1]}{untried}). Rerun `python data/cached_fineweb10B.py {count}` "
             f"once that is mended; files already fetched are kept"

@@ -96,11 +96,12 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
     assert r.returncode == 0 and r.stdout.count("present, skipped") == 2, r.stdout + r.stderr
     assert (out / "fineweb_val_000000.bin").is_symlink()
-    # a file neither online nor cached: one clear line, exit 2, nothing under its name
+    # a file neither online nor cached: one clear line, exit 1 (the input was good), nothing
+    # under its name
     r = run_command("data/cached_fineweb10B.py", "2", f"--out={out}", env=env)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert r.stderr.startswith("error: 1 of 3 files missing (fineweb_train_000002.bin")
-    assert "; LocalEntryNotFoundError: no network, and not in the Hugging Face cache?)" in r.stderr
+    assert "; not in the Hugging Face cache, and the Hub cannot be reached)" in r.stderr
     assert "Rerun `python data/cached_fineweb10B.py 2`" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == [
         "fineweb_train_000001.bin",
@@ -115,7 +116,7 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
         f"--out={tmp_path / 'data2'}",
         env={**env, "HF_HUB_CACHE": str(tmp_path / "hub2")},
     )
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "(fineweb_val_000000.bin; " in r.stderr and "; the others were not tried)" in r.stderr
     assert not (tmp_path / "data2").exists()
 
