@@ -49,6 +49,16 @@ def in_repo():
     os.chdir(cwd)
 
 
+@pytest.fixture(autouse=True)
+def own_signal_handlers():
+    """Each test finds the handlers of the saving signals as the session had them: a command run
+    in-process (support.cli) leaves its own, which end the process at once."""
+    held = {sig: signal.getsignal(sig) for sig in support.SAVE_SIGNALS}
+    yield
+    for sig, handler in held.items():
+        signal.signal(sig, handler)
+
+
 # ---------------------------------------------------------------------------- commands
 
 

@@ -17,10 +17,12 @@ checkpoint may become any router whose parameters do not depend on the layer cou
 DLO; new DLO routers start at zero, the model's own initialisation); a DLO checkpoint stays
 DLO, its routers moving with their layers. Policies for the new layers: identity (wo = w2 = 0,
 the function is unchanged: Section 3.1 zeroes only attention's W_out, yet says the new layers
-preserve the original features, which needs w2 = 0 too, as in LLaMA Pro, which it cites),
-copy, random (Xavier uniform), linear (the mean of the group's last tau layers, equal weights
-1/tau) and slerp (halfway, per tensor, between the last layer and the tau-th from last): the
-weights of the merges are our choice, where Section 3.1 leaves them open.
+preserve the original features, which needs w2 = 0 too, as in LLaMA Pro, which it cites;
+identity and copy take the group's last original layer, where Section 3.1's index Q + q - 1
+names a new one when q > 1), copy, random (Xavier uniform), linear (the mean of the group's
+last tau layers, equal weights 1/tau) and slerp (halfway, per tensor, between the last layer
+and the tau-th from last): the weights of the merges are our choice, where Section 3.1 leaves
+them open.
 """
 
 import contextlib

@@ -151,11 +151,13 @@ def watching(d: Dist):
                 sys.stderr.flush()
                 os._exit(1)
 
-    threading.Thread(target=watch, daemon=True).start()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         yield
     finally:
         done.set()
+        watcher.join()  # (a poll under way ends before the block's end is the caller's)
 
 
 def store_refused() -> bool:

@@ -20,9 +20,10 @@ DLO (Tan et al. 2024), `router=dlo`:
     contradicts eq. 3's top floor((1 - rho_i) S) and eq. 10, whose scales average near 1 only
     for a skip rate (Algorithm 1 line 35's top floor(rho_i S) agrees with eq. 8 as written).
     rho_{i,1} is step 1's annealed rate.
-  - Labels (eq. 5) rank the L x S similarities within each sequence, keeping floor((1 - rho^t)
-    R' S) at the annealed rate (Algorithm 1 line 46; eq. 5 prints the target rho); eqs. 6 and 8
-    average over the global batch. Top-k ties (step 1: every r is 1) go to the earlier token.
+  - Labels (eq. 5) rank the R' x S similarities (R' = n_layers) within each sequence, keeping
+    floor((1 - rho^t) R' S) at the annealed rate (Algorithm 1 line 46; eq. 5 prints the target
+    rho); eqs. 6 and 8 average over the global batch. Top-k ties (every r is 1 at routers' zero
+    init) go to the earlier token.
     Training runs every MLP (labels need every similarity) and drops the skipped outputs; only
     evaluation and decoding skip the work.
 Mixture-of-Depths (Raposo et al. 2024), `router=mod`:

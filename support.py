@@ -236,7 +236,7 @@ class ArgParser(argparse.ArgumentParser):
 
 def parse_fields(classes, argv) -> dict:
     """--field=value pairs for the fields of the dataclasses, each typed against its default
-    (an int may be written 10_000, or 1e6 while a float holds it exactly)."""
+    (an int may be written 10_000, or 1e6 up to 2**53, where a float holds every integer)."""
     defaults = {f.name: getattr(cls(), f.name) for cls in classes for f in fields(cls)}
     choices = {
         f.name for cls in classes for f in fields(cls) if type(f.metadata.get("spec")) is tuple

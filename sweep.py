@@ -246,9 +246,10 @@ GRIDS["bytes_core"] = dict(
 # missed their targets in 1,200 steps, to where five pilot seeds' gates ended within 0.05 of
 # them (a deviation; README: Results). For one GPU call:
 # python sweep.py --grid=bytes_gpu --seeds=5 --jobs=8. Its size is an estimate that no GPU has
-# checked: about 35 PFLOPs of training for 5 seeds (3 x flops_per_token x train_tokens, summed),
-# 87 s at 400 TFLOP/s and 174 s at 200, plus for each of 55 runs its start, its compile (the
-# Inductor cache shared) and a validation of 5 MB, 8 at a time.
+# checked: about 35 PFLOPs of training for 5 seeds (3 x flops_per_token x train_tokens, summed,
+# at inference's routing: DLO and MoD train more), 87 s at 400 TFLOP/s and 174 s at 200, plus
+# for each of 55 runs its start, its compile (the Inductor cache shared) and a validation of
+# 5 MB, 8 at a time.
 BYTES_GATE_GAMMA = "1e-1"  # records/2026-11-27_gate_gamma_pilot_cpu: gaps at most 0.046, 5 seeds
 GRIDS["bytes_gpu"] = dict(
     GRIDS["bytes"],

@@ -734,7 +734,8 @@ def forward_flops(
 
 
 def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
-    """Forward FLOPs per token at seq_len; training (forward + backward) is 3x this."""
+    """Forward FLOPs per token at seq_len; training at the same routing (forward + backward) is
+    3x this (docs/flops.md: what each router trains)."""
     return forward_flops(hp, active, mlp_active, pairs=pairs) / hp.seq_len
 
 

@@ -662,7 +662,7 @@ def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "run", "t.txt"]
 
 
-def test_a_whole_number_written_as_a_float_is_an_int_while_a_double_holds_it_exactly():
+def test_a_whole_number_written_as_a_float_is_an_int_up_to_2_to_the_53():
     def step(text):
         return support.parse_fields([runs.RunState], [f"--step={text}"])["step"]
 

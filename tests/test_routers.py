@@ -1,6 +1,7 @@
 """The routers other than the paper's (routers.py): what every router shares, DLO,
 Mixture-of-Depths and Mixture-of-Recursions, each against a reference written here."""
 
+import collections
 import math
 import os
 from dataclasses import replace
@@ -248,6 +249,21 @@ def test_dlo_compact_evaluation_matches():
     )
     models[1].router.lengths = [max(0, n - 1) for n in models[1].router.lengths]  # a token fewer
     assert (models[1](idx).logits - a.logits).abs().max() > 1e-3
+
+
+def test_dlo_scales_an_mlp_output_by_r_unrounded():
+    # without sandwich norm the MLP's output is bf16 under autocast: r, within 0.975..1.025, must
+    # scale it in fp32 (in bf16 it rounds to 1 near 1). Here a = 0 and f = 1, so out = r * run
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(router="dlo", n_layers=2)).eval()
+    router, block, x = model.router.routers[0], model.blocks[0], torch.randn(1, 16, 32)
+    torch.nn.init.normal_(router.weight, std=0.1)
+    block.attend = lambda x, *_: torch.zeros_like(x)
+    block.mlp = lambda a: torch.ones(a.shape, dtype=torch.bfloat16)
+    out = model.router.run(0, block, x, collections.defaultdict(list), None)
+    r = (2 + (2 * torch.sigmoid(router(x).float()) - 1) * 0.05) / 2  # eq. (1), beta 2, gamma 0.05
+    run = r >= 1  # eq. (2)
+    assert run.any() and (r[run] != 1).all() and torch.equal(out, (r * run).expand_as(out))
 
 
 def test_dlo_flops_count_only_executed_mlps():

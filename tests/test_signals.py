@@ -530,7 +530,7 @@ def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monk
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
-def test_a_signal_any_rank_got_outranks_a_launcher_gone(monkeypatch):
+def test_a_signal_any_rank_got_outranks_a_launcher_gone():
     here = ranks.Dist()  # not a torchrun worker
     orphan = ranks.Dist(parent=os.getpid())  # its launcher (this pid) is not its parent: gone
     for d, got, agreed in (

@@ -432,6 +432,7 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
         return d2["val_loss"] + w * (d4["val_loss"] - d2["val_loss"])
 
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(list(table.values()))}
+    assert any(front(table[n]) is not None for n in ("gated_mu0.5", "dlo_rho0.5"))
     for name in ("gated_mu0.5", "dlo_rho0.5"):
         r, mean = table[name], lines[(name, "dense frontier")]["mean"]
         if front(r) is None:
