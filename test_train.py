@@ -722,6 +722,15 @@ def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
         held.append(router.lengths)
     assert held == [[30, 4]] * routers.PACK_STEPS + [[2, 4]]
     assert len(router.seen) == routers.PACK_STEPS
+    # a resume restores them, but not those saved at another seq_len (they count other sequences'
+    # tokens): then it packs every token, as a new run's first step
+    saved = {"hp": {"seq_len": 16}, "packing": {"lengths": [8, 4], "seen": [[7, 3]]}}
+    router.lengths = [32, 32]
+    router.restore_packing(saved, "checkpoint.pt")
+    assert router.lengths == [32, 32]
+    saved = {"hp": {"seq_len": 32}, "packing": {"lengths": [8, 4], "seen": [[7, 3]]}}
+    router.restore_packing(saved, "checkpoint.pt")
+    assert router.lengths == [8, 4] and router.seen == [[7, 3]]
 
 
 def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
