@@ -319,6 +319,10 @@ class DLO(Router):
     def layer_params(self, layer):
         return list(self.routers[layer].parameters())
 
+    @classmethod
+    def idle(cls, hp):  # (a rate of 0 has nothing to anneal)
+        return {**super().idle(hp), **({} if hp.dlo_rho else {"dlo_anneal_steps": "dlo_rho=0"})}
+
     def overall(self, step: int) -> float:
         """eq. (9) with rho_bar = 0, at training step t = step + 1."""
         t, hp = step + 1, self.hp

@@ -262,6 +262,7 @@ def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
         (dict(router="mod", mod_every=5), "mod_every=5 routes no block"),
         (dict(controller="sparsity", mu_end=0.25), "mu_end=0.25 has no effect"),
         (dict(router="mod", mod_aux_coef=0.0), "mod_aux_coef=0.0 must lie in (0"),
+        (dict(router="dlo", dlo_rho=0.0, dlo_anneal_steps=9), "=9 has no effect with dlo_rho=0"),
     ]:
         with pytest.raises(tg.UserError, match=re.escape(message)):
             tg.validate(tiny(**ok, **kw), 1)
