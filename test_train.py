@@ -1212,3 +1212,32 @@ def test_two_processes_match_one(tmp_path, capsys, router):
     for (_, shown), m in zip(mfu, m2, strict=False):
         want = 3 * tg.flops_per_token(hp) * 8 * 32 / (m["step_ms"] / 1000) / (2 * 1e10)
         assert float(shown) == pytest.approx(100 * want, abs=0.06), (shown, want)
+
+
+def test_every_position_the_loader_reaches_is_one_a_resume_accepts(tmp_path):
+    # one global batch: 2 sequences of 4 (+1). Shard 0 (17 tokens) holds batches at 0 and 8, the
+    # last one ending at its last token; shard 1 (9 tokens) one at 0. Each state the loader
+    # reaches passes check_position; a position past a shard's last batch start, a negative
+    # one, or a shard index out of range is a UserError (not an IndexError)
+    write_shard(tmp_path / "d_0.bin", np.arange(17))
+    write_shard(tmp_path / "d_1.bin", np.arange(9))
+    loader = tg.DistributedLoader(str(tmp_path / "d_*.bin"), 2, 4, 0, 1)
+    seen = []
+    for _ in range(4):
+        loader.check_position(loader.state())
+        seen.append((loader.shard, loader.pos))
+        loader.next_batch()
+    assert seen == [(0, 0), (0, 8), (1, 0), (0, 0)]
+    for shard, pos in ((0, 9), (1, 1), (0, -1), (2, 0), (-1, 0)):
+        with pytest.raises(tg.UserError, match=rf"data position \(shard {shard}, token {pos}\)"):
+            loader.check_position({"shard": shard, "pos": pos})
+
+
+def test_a_validation_record_names_only_the_shards_its_batches_read(tmp_path):
+    # global batches of 2 x 4 (+1): shards of 17, 8 and 12 tokens hold 2, 0 and 1. The first
+    # two batches read shard 0 alone; a third reads shard 2 too (shard 1 is passed over)
+    for i, n in enumerate((17, 8, 12)):
+        write_shard(tmp_path / f"v_{i}.bin", np.arange(n) + 100 * i)
+    loader = tg.DistributedLoader(str(tmp_path / "v_*.bin"), 2, 4, 0, 1)
+    for batches, read in ((0, []), (1, [0]), (2, [0]), (3, [0, 2]), (9, [0, 2])):
+        assert [e[0] for e in loader.fingerprints(batches)["read"]] == read, batches

@@ -803,3 +803,243 @@ def test_data_scripts_run_without_importing_torch(tmp_path):
     assert [t for shard in written for t in shard] == [50256] + gpt2().encode_ordinary(
         "a few words"
     )
+
+
+# ------------------------------------------------------------- the shard format, by hand
+
+
+def test_a_shard_header_is_refused_for_each_field_it_gets_wrong(tmp_path):
+    # headers written by hand: magic, version, count, encoding; a version or an encoding this
+    # reader does not know is a UserError naming it (not an IndexError, not read as version 1);
+    # every token id is below vocab_size, the largest one included
+    def shard(name, head, tokens=(1, 2, 3)):
+        h = np.zeros(256, dtype=np.int32)
+        h[:4] = head
+        (tmp_path / name).write_bytes(h.tobytes() + np.asarray(tokens, np.uint16).tobytes())
+        return str(tmp_path / name)
+
+    assert shards.shard_header(shard("ok.bin", (20240520, 1, 3, 1))) == (3, "bytes")
+    for name, head, message in (
+        ("version.bin", (20240520, 2, 3, 0), "unsupported shard version 2 "),
+        ("enc.bin", (20240520, 1, 3, 2), "unknown encoding 2 "),
+        ("neg.bin", (20240520, 1, 3, -1), "unknown encoding -1 "),
+        ("count.bin", (20240520, 1, 4, 0), r"header says 4 tokens \(1032 bytes\)"),
+    ):
+        with pytest.raises(support.UserError, match=message):
+            shards.shard_header(shard(name, head))
+    ids = shard("ids.bin", (20240520, 1, 3, 0), (0, 96, 5))
+    assert shards.read_shard(ids, 97).tolist() == [0, 96, 5]
+    with pytest.raises(support.UserError, match="token id 96 is outside the vocabulary"):
+        shards.read_shard(ids, 96)
+
+
+def test_a_fingerprint_hashes_the_first_and_last_fingerprint_tokens_read_or_given(tmp_path):
+    # sha256 of the first FINGERPRINT_TOKENS tokens then the last as many, by hand; the same
+    # from the file as from the tokens the loader holds; a change in the last token alone is
+    # seen. A shard shorter than that: its tokens twice
+    n = shards.FINGERPRINT_TOKENS
+    tokens = (np.arange(n + 5) % 50000).astype(np.uint16)
+    path = tmp_path / "big.bin"
+    write_shard(path, tokens)
+    ends = hashlib.sha256(tokens[:n].tobytes() + tokens[5:].tobytes()).hexdigest()
+    assert shards.shard_fingerprint(str(path)) == ["big.bin", n + 5, ends]
+    assert shards.shard_fingerprint(str(path), tokens) == ["big.bin", n + 5, ends]
+    tokens[-1] += 1
+    write_shard(path, tokens)
+    assert shards.shard_fingerprint(str(path))[2] != ends
+    small = np.array([7, 8, 9], dtype=np.uint16)
+    write_shard(tmp_path / "small.bin", small)
+    twice = hashlib.sha256(small.tobytes() * 2).hexdigest()
+    assert shards.shard_fingerprint(str(tmp_path / "small.bin")) == ["small.bin", 3, twice]
+
+
+def test_check_fingerprints_refuses_a_record_it_cannot_hold_to(tmp_path):
+    # a record (state()'s form) of 2 shards: the same passes, an older checkpoint's ({}) is not
+    # checked; an index past the shards now matched, a non-int count, a record that is not a
+    # dict, and more shards once round them all, are each a UserError
+    for i in range(2):
+        write_shard(tmp_path / f"t_{i}.bin", range(10 * i, 10 * i + 9))
+    files = shards.find_shards(str(tmp_path / "t_*.bin"))
+    read = [[i, *shards.shard_fingerprint(f)] for i, f in enumerate(files)]
+    shards.check_fingerprints(files, {"read": read, "laps": 1, "files": 2})
+    shards.check_fingerprints(files, {})
+    gone = [[2, "t_2.bin", 9, "0" * 64]]
+    for state, message in (
+        ({"read": gone, "laps": 0, "files": 3}, "had read t_2.bin as training shard 2, and 2 m"),
+        ({"read": read, "laps": 1.0, "files": 2}, "is not one this trainer writes"),
+        ({"read": read, "laps": 0, "files": "2"}, "is not one this trainer writes"),
+        ([read], "is not one this trainer writes"),
+        ({"read": read, "laps": 1, "files": 3}, "been round its 3 training shards"),
+    ):
+        with pytest.raises(support.UserError, match=message):
+            shards.check_fingerprints(files, state)
+
+
+def test_find_shards_names_what_a_path_is_and_advises_by_the_folder(tmp_path):
+    # a name with [ ] in it that is a broken link: said so (not "no shards match"); the advice
+    # for a folder with no shards follows its name
+    (tmp_path / "d[1].bin").symlink_to(tmp_path / "gone.bin")
+    with pytest.raises(support.UserError, match=r"d\[1\]\.bin, which is a broken symbolic link"):
+        shards.find_shards(str(tmp_path / "d[1].bin"))
+    for folder, hint in (
+        ("fineweb10B_bytes", "--encoding=bytes"),
+        ("fineweb10B", "fetch FineWeb"),
+        ("debian_docs", "python data/debian_docs.py"),
+        ("my_bytes", "check the path"),
+    ):
+        with pytest.raises(support.UserError, match=f"no shards match .*: .*{hint}"):
+            shards.find_shards(str(tmp_path / folder / "*.bin"))
+
+
+def test_a_byte_encoding_refuses_a_model_vocabulary_other_than_256():
+    assert shards.encoding("bytes", 256).n_vocab == 256
+    for vocab in (255, 512):
+        with pytest.raises(support.UserError, match=f"vocab_size={vocab} cannot use encoding=b"):
+            shards.encoding("bytes", vocab)
+
+
+def test_shard_bytes_and_corpus_sha256_by_hand():
+    # a header of 256 int32 (magic, version, count, encoding) then uint16 tokens; an id past
+    # uint16 is refused, not wrapped; corpus_sha256 hashes "name sha\n" lines in name order
+    tokenize = load_command("data/tokenize_corpus.py")
+    head = np.zeros(256, dtype=np.int32)
+    head[:4] = 20240520, 1, 2, 1
+    assert tokenize.shard_bytes([65535, 3], "bytes") == head.tobytes() + b"\xff\xff\x03\x00"
+    for bad in ([65536], [-1]):
+        with pytest.raises(support.UserError, match="token ids must fit uint16"):
+            tokenize.shard_bytes(bad)
+    lines = b"a_val_000000.bin 11\nb_train_000001.bin 22\n"
+    assert (
+        tokenize.corpus_sha256({"b_train_000001.bin": "22", "a_val_000000.bin": "11"})
+        == hashlib.sha256(lines).hexdigest()
+    )
+
+
+def test_each_shard_is_named_by_its_own_split_in_the_order_written(tmp_path):
+    # bytes, shards of 4 tokens, document 1 to validation: document 0 (NUL + 3 bytes) fills the
+    # first shard, a training one; then the partial validation shard, then the training one
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in "abc xy p".split())
+    )
+    written = tokenize.tokenize(
+        [str(tmp_path / "d.jsonl")],
+        str(tmp_path / "s"),
+        "b",
+        4,
+        1,
+        "bytes",
+        is_val=lambda i: i == 1,
+    )
+    got = {os.path.basename(p): bytes(tg.read_shard(p, 256).tolist()) for p in written}
+    assert got == {
+        "b_train_000000.bin": b"\0abc",
+        "b_val_000001.bin": b"\0xy",
+        "b_train_000002.bin": b"\0p",
+    }
+
+
+def test_a_commit_cut_short_before_the_old_shards_go_leaves_them_known_as_its_own(
+    tmp_path, monkeypatch
+):
+    # the manifest written before the shards move lists the previous version's ("previous"):
+    # when removing the stale ones fails, the next run still knows them as this corpus's
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
+    (tmp_path / "short.txt").write_text("few words " * 12)  # 26 tokens: two shards of 20
+    out, real = tmp_path / "s", os.remove
+    assert len(tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)) > 2
+
+    def remove(path, *a, **kw):
+        if str(path).endswith(".bin"):
+            raise OSError(errno.EACCES, "Permission denied", path)
+        real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "remove", remove)
+    with pytest.raises(OSError):
+        tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
+    monkeypatch.undo()
+    assert len(list(out.glob("c_*.bin"))) > 2  # the stale ones are still there
+    assert len(tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)) == 2
+    assert sorted(p.name for p in out.glob("c_*.bin")) == ["c_train_000001.bin", "c_val_000000.bin"]
+
+
+def test_val_every_sends_documents_0_k_2k_to_validation_and_convert_keeps_each_split(
+    tmp_path, capsys
+):
+    # the command's --val_every=2 over 3 documents: 0 and 2 validate, 1 trains (bytes by hand);
+    # converting training shards alone gives training shards alone (none named validation)
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in "ab cd ef".split())
+    )
+    argv = [str(tmp_path / "d.jsonl"), f"--out={tmp_path / 'b'}", "--encoding=bytes", "--workers=1"]
+    assert support.cli(tokenize.main, [*argv, "--val_every=2"]) == 0, capsys.readouterr().err
+    got = {
+        p.name: bytes(tg.read_shard(str(p), 256).tolist()) for p in (tmp_path / "b").glob("*.bin")
+    }
+    assert got == {"corpus_val_000000.bin": b"\0ab\0ef", "corpus_train_000001.bin": b"\0cd"}
+    tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw", 3, 1)
+    converted = tokenize.convert(str(tmp_path / "g" / "fw_train_*.bin"), str(tmp_path / "y"), "x")
+    assert converted and all("_train_" in os.path.basename(p) for p in converted), converted
+
+
+def test_fineweb_damage_and_place_by_hand(tmp_path):
+    # damage: a folder or a named pipe is named by its kind, never opened (a pipe would wait for
+    # a writer); place: a .part a killed fetch left is replaced, and the shard is a hard link to
+    # the cache's blob, not a second copy
+    fetch = load_command("data/cached_fineweb10B.py")
+    (tmp_path / "dir.bin").mkdir()
+    assert fetch.damage(str(tmp_path / "dir.bin")) == f"{tmp_path / 'dir.bin'} is a folder"
+    os.mkfifo(tmp_path / "fifo.bin")
+    assert fetch.damage(str(tmp_path / "fifo.bin")) == f"{tmp_path / 'fifo.bin'} is a named pipe"
+    write_shard(tmp_path / "blob", range(10))
+    (tmp_path / "link").symlink_to(tmp_path / "blob")
+    dest = tmp_path / "out" / "x.bin"
+    dest.parent.mkdir()
+    (tmp_path / "out" / "x.bin.part").write_bytes(b"left by a killed fetch")
+    fetch.place(str(tmp_path / "link"), str(dest))
+    assert os.path.samefile(tmp_path / "blob", dest) and os.listdir(dest.parent) == ["x.bin"]
+
+
+def test_fineweb_refuses_a_broken_link_named_as_a_shard_before_fetching(tmp_path, monkeypatch):
+    fetch, calls = load_command("data/cached_fineweb10B.py"), []
+    monkeypatch.setattr(fetch, "fetch", lambda *a: calls.append(a))
+    (tmp_path / "fineweb_val_000000.bin").symlink_to(tmp_path / "gone")
+    with pytest.raises(support.UserError, match="is a broken symbolic link: it is there and is n"):
+        fetch.main(["0", f"--out={tmp_path}"])
+    assert calls == [] and os.path.islink(tmp_path / "fineweb_val_000000.bin")
+
+
+def test_fineweb_says_the_others_were_not_tried_only_when_there_are_others(tmp_path, monkeypatch):
+    fetch = load_command("data/cached_fineweb10B.py")
+    monkeypatch.setattr(fetch, "fetch", lambda name, out, counter: "offline")
+    for count, untried in (("0", False), ("1", True)):
+        with pytest.raises(support.RunStopped) as e:
+            fetch.main([count, f"--out={tmp_path}"])
+        assert ("the others were not tried" in str(e.value)) == untried, str(e.value)
+
+
+def test_fineweb_a_shard_that_cannot_be_written_is_a_reason_not_a_traceback(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from data import cached_fineweb10B
+
+    write_shard(tmp_path / "blob", range(10))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: str(tmp_path / "blob"))
+
+    def place(src, dest):
+        raise OSError(errno.ENOSPC, "No space left on device", dest)
+
+    monkeypatch.setattr(cached_fineweb10B, "place", place)
+    dest = tmp_path / "out" / "fineweb_val_000000.bin"
+    why = cached_fineweb10B.fetch(dest.name, str(dest.parent), "[1/1]")
+    assert why == f"cannot write {dest}: No space left on device", why
+
+
+def test_debian_docs_page_text_by_hand():
+    # a stray </script> hides nothing after it; 3 or more line breaks become one blank line;
+    # a NUL (the byte shards' separator) is dropped
+    debian_docs = load_command("data/debian_docs.py")
+    page = b"<p>a</p></script><br><br><br>b\0c<script>x</script>e"
+    assert debian_docs.page_text(page) == "a\n\nbce"
