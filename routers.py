@@ -320,8 +320,9 @@ class DLO(Router):
         return list(self.routers[layer].parameters())
 
     @classmethod
-    def idle(cls, hp):  # (a rate of 0 has nothing to anneal)
-        return {**super().idle(hp), **({} if hp.dlo_rho else {"dlo_anneal_steps": "dlo_rho=0"})}
+    def idle(cls, hp):
+        unread = {} if hp.dlo_rho else {"dlo_anneal_steps": "dlo_rho=0"}  # nothing to anneal
+        return {**super().idle(hp), **unread}
 
     def overall(self, step: int) -> float:
         """eq. (9) with rho_bar = 0, at training step t = step + 1."""
