@@ -345,8 +345,8 @@ class DLO(Router):
             run = torch.empty_like(order, dtype=torch.bool).scatter(
                 1, order, first.expand_as(order)
             )[..., None]
-        else:  # inference rule
-            run = r >= hp.dlo_beta / 2
+        else:  # inference: r >= beta / 2, i.e. sigmoid(z) >= 1/2 as gamma > 0, i.e. z >= 0
+            run = z >= 0  # (r itself in fp32 rounds to beta / 2 for z down to about -2.5e-6)
         if hp.compact and not self.training:  # the MLP on the running tokens only, packed
             pos = block.pack(run[..., 0], self.length(layer))  # (B, Tc), None: every token
             if pos is None:

@@ -266,6 +266,20 @@ def test_dlo_scales_an_mlp_output_by_r_unrounded():
     assert run.any() and (r[run] != 1).all() and torch.equal(out, (r * run).expand_as(out))
 
 
+def test_dlo_inference_skips_every_negative_logit_however_small():
+    # r >= beta / 2 holds exactly when hW >= 0; r computed in fp32 is beta / 2 near 0 either side
+    model = tg.GPT(tiny(router="dlo", n_layers=2)).eval()
+    router, block, x = model.router.routers[0], model.blocks[0], torch.zeros(1, 5, 32)
+    torch.nn.init.zeros_(router.weight)
+    router.weight.data[0, 0] = 1.0
+    x[0, :, 0] = torch.tensor([-1e-7, -1e-30, 0.0, 1e-7, -1.0])  # the logits hW
+    block.attend = lambda x, *_: torch.zeros_like(x)
+    block.mlp = lambda a: torch.ones_like(a)
+    trace = collections.defaultdict(list)
+    model.router.run(0, block, x, trace, None)
+    assert trace["mlp"][0][0].tolist() == [False, False, True, True, False]
+
+
 def test_dlo_flops_count_only_executed_mlps():
     hp = tiny(router="dlo", n_layers=2)
     dense = tg.forward_flops(replace(hp, router="none"))
