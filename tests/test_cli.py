@@ -19,6 +19,7 @@ import support
 import train_gpt as tg
 from conftest import (
     COMMANDS,
+    REPO,
     RESUME_RUN,
     TINY_RUN,
     load_command,
@@ -706,3 +707,14 @@ def test_a_field_is_given_only_as_dash_dash_name_equals_value():
     for arg in ("step=5", "xxstep=5", "-step=5", "--step"):
         with pytest.raises(support.UserError, match="use --field=value"):
             support.parse_fields([runs.RunState], [arg])
+
+
+def test_a_hung_test_ends_the_suite_naming_where_it_hung(tmp_path):
+    # pyproject.toml's limit on one test, lowered here to 2 s: the session exits, not waits
+    hang = tmp_path / "test_hang.py"
+    hang.write_text("import time\n\n\ndef test_hang():\n    time.sleep(600)\n")
+    limit = ["-c", os.path.join(REPO, "pyproject.toml"), "-o", "faulthandler_timeout=2"]
+    start = time.time()
+    done = run_command("-m", "pytest", "-q", "-p", "no:cacheprovider", *limit, hang, timeout=120)
+    assert done.returncode != 0 and time.time() - start < 60
+    assert re.search(r"test_hang\.py\", line 5 in test_hang", done.stderr)
