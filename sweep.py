@@ -733,8 +733,9 @@ def verdict_text(lines: list) -> str:
         for ln in tested
         if not ln["verdict"].startswith("no detectable")
     ]
+    n = len(tested)
     return (
-        f"{len(tested)} paired comparisons over {max(ln['n'] for ln in tested)} seeds, "
+        f"{n} paired comparison{'s' if n > 1 else ''} over {max(ln['n'] for ln in tested)} seeds, "
         f"Holm-corrected: " + ("; ".join(said) if said else "no detectable difference in any") + "."
     ) + (f" Not tested: {untested}." if untested else "")
 

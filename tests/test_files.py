@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -372,6 +373,39 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     with pytest.raises(ZeroDivisionError):
         sweep.write_report(str(tmp_path / "cut0"), sweep.read_runs(csv_path))
     assert os.listdir(tmp_path / "cut0") == ["runs.csv"]
+
+
+def test_a_runs_csv_s_edge_values_are_read_and_its_faults_refused(tmp_path):
+    # a record's runs.csv: a zero share of exactly 1 and a block with no target (none) are read,
+    # the block without a target has no gap; an empty val_loss, a row longer than the header
+    # and a run twice are refused, naming what is wrong
+    sweep = load_command("sweep.py")
+    csv_path = sorted(glob.glob(os.path.join(REPO, "records", "*", "runs.csv")))[-1]
+    rows = list(csv.DictReader(io.StringIO(Path(csv_path).read_text())))
+    i = next(i for i, r in enumerate(rows) if r["gate_zero"])
+    zero, target = rows[i]["gate_zero"].split(), rows[i]["target_zero"].split()
+
+    def written(rows, tail=""):
+        text = io.StringIO()
+        w = csv.DictWriter(text, list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+        (tmp_path / "runs.csv").write_text(text.getvalue().removesuffix("\n") + tail + "\n")
+        return str(tmp_path / "runs.csv")
+
+    edge = dict(rows[i], gate_zero=" ".join(["1.0000", *zero[1:]]))
+    edge["target_zero"] = " ".join(["none", *target[1:]])
+    read = sweep.read_runs(written(rows[:i] + [edge] + rows[i + 1 :]))
+    assert read[i]["gate_zero"] == edge["gate_zero"]
+    gaps = [abs(float(z) - float(t)) for z, t in zip(zero[1:], target[1:], strict=True)]
+    assert sweep.off_target(read[i]) == f"{max(gaps):.4f}"
+    for bad, tail, message in (
+        ([dict(rows[0], val_loss="")] + rows[1:], "", ":2: val_loss is empty"),
+        (rows, ",1", f":{len(rows) + 1}: not as many fields as the header"),
+        (rows + rows[:1], "", "a (name, seed) appears twice; one row per run"),
+    ):
+        with pytest.raises(support.UserError, match=re.escape(message)):
+            sweep.read_runs(written(bad, tail))
 
 
 @pytest.mark.slow

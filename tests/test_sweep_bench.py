@@ -6,6 +6,7 @@ import math
 import re
 import shlex
 import shutil
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -155,6 +156,103 @@ def test_the_frontier_holds_exactly_its_slack_beyond_the_dense_range():
     assert at(4e6 * math.exp(outside)) is None and at(1e6 * math.exp(-outside)) is None
 
 
+def test_the_statistics_and_the_frontier_at_their_edges_against_closed_forms():
+    sweep = load_command("sweep.py")
+    # a p-value is a probability even where t is huge (seeds that differ by a hair)
+    for df in range(1, 10):
+        for t in (1e4, 1e6, 1e9, 1e12):
+            assert 0.0 <= sweep.t_tail(t, df) <= 1.0, (t, df)
+    # two seeds (df 1, Cauchy: P(|T| >= t) = 1 - 2 atan(t) / pi) and many tests (0.05 / 20)
+    for tail in (0.05 / 8, 0.05 / 20, 1e-4):
+        t = math.tan(math.pi / 2 * (1 - tail))
+        assert sweep.t_critical(tail, 1) == pytest.approx(t, rel=1e-6)
+    # a small spread is still a spread: three seeds, df 2 (P(|T| >= t) = 1 - t / sqrt(t^2 + 2))
+    deltas = [0.0200, 0.0205, 0.0210]
+    mean = sum(deltas) / 3
+    sd = math.sqrt(sum((d - mean) ** 2 for d in deltas) / 2)
+    t = mean / (sd / math.sqrt(3))
+    got = sweep.paired(deltas)
+    assert got["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-6)
+    assert got["hi"] - got["mean"] == pytest.approx(4.303 * sd / math.sqrt(3), rel=1e-3)
+    # Holm by hand: 0.6 x 2 = 1.2 is capped at 1, then 0.9 x 1 below the running maximum
+    assert sweep.holm([0.6, 0.9, None]) == [1.0, 1.0, None]
+    # a dense point only as good as a cheaper one is no step of the envelope either
+    env = sweep.frontier([(1e6, 4.0), (2e6, 4.0), (4e6, 3.0)])
+    assert env(2e6) == pytest.approx(3.5)  # half way in log FLOPs from 4.0 at 1e6 to 3.0 at 4e6
+
+
+def test_the_verdict_words_follow_holm_p_below_005_and_name_only_the_differences_found():
+    sweep = load_command("sweep.py")
+    found = dict(name="a", vs="dense frontier", n=5, mean=-0.0213, lo=-0.0301, hi=-0.0127)
+    found.update(p=0.0021, p_holm=0.0063)
+    assert sweep.verdict(found) == "better than dense"
+    # p < 0.05, strictly: a Holm p of 0.05 finds nothing
+    at = dict(found, p=0.0125, p_holm=0.05)
+    assert sweep.verdict(at) == "no detectable difference (95% CI [-0.030, -0.013])"
+    two = dict(mean=0.01, p_holm=None, n=2, vs="dense frontier")  # two seeds are not one
+    assert sweep.verdict(two) == "above (the same difference in every seed: no test)"
+    none = dict(name="b", vs="dense frontier", n=4, mean=0.0040, lo=-0.0100, hi=0.0180)
+    none.update(p=0.41, p_holm=0.82, verdict="no detectable difference (95% CI [-0.010, +0.018])")
+    lines = [
+        dict(name="dense_2", vs="", n=5, verdict="frontier"),
+        dict(found, verdict="better than dense"),
+        none,
+        dict(
+            name="c",
+            vs="dense frontier",
+            n=1,
+            mean=0.01,
+            p_holm=None,
+            verdict="above (one seed: no test)",
+        ),
+    ]
+    # the differences found, each with its Holm p (not its raw p); the most seeds any test had
+    assert sweep.verdict_text(lines) == (
+        "2 paired comparisons over 5 seeds, Holm-corrected: a better than dense (-0.021, 95% CI "
+        "[-0.030, -0.013], Holm p = 0.0063). Not tested: c above (one seed: no test)."
+    )
+    assert sweep.verdict_text(lines[:1] + [none]) == (
+        "1 paired comparison over 4 seeds, Holm-corrected: no detectable difference in any."
+    )
+    assert sweep.fmt(0.0) == "0.0000" and sweep.fmt(None) == ""  # a zero is no empty cell
+
+
+def test_each_dlo_and_mor_point_of_a_grid_is_paired_with_its_control_in_that_grid():
+    sweep = load_command("sweep.py")
+    for grid in sweep.GRIDS.values():
+        names = [name for name, *_ in grid["runs"]]
+        for name in names:
+            if name.startswith(("dlo_rho", "mor_")):  # DLO its dense expansion, MoR recursion
+                assert sweep.control_of(name) in names, name
+            else:
+                assert sweep.control_of(name) is None, name
+
+    def row(name, seed, flops, loss):
+        return dict(
+            name=name,
+            seed=seed,
+            flops_per_token=flops,
+            val_loss=loss,
+            sparsity=0.5,
+            val_se=0.01,
+            ms_per_token_masked=1e-3,
+            ms_per_token_compact=1e-3,
+            params=1e6,
+        )
+
+    rows = []
+    for s in range(3):
+        rows += [row("dense_2", s, 1e6, 4.0), row("dense_4", s, 4e6, 3.0)]
+        rows += [row("mor_r2", s, 2e6, 3.40 + 0.01 * s)]
+    rows += [row("recursive_r2", s, 2e6, 3.45) for s in (0, 1)]  # none for seed 2
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
+    mor = lines[("mor_r2", "recursive_r2")]  # seeds 0 and 1 only: -0.05 and -0.04
+    assert (mor["seeds"], mor["n"]) == ("2 of 3", 2) and mor["mean"] == pytest.approx(-0.045)
+    # the SD over seeds of a configuration's loss, from two seeds on
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows[:6] + rows[-2:])}
+    assert lines[("mor_r2", "dense frontier")]["val_loss_sd"] == pytest.approx(0.01 / math.sqrt(2))
+
+
 @pytest.mark.slow
 def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_names_holm_p(
     tmp_path, monkeypatch
@@ -209,6 +307,54 @@ TINY_GRID = [
     "--untimed_steps=0",
     "--save_every=2",
 ]
+
+
+def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_leniently(tmp_path):
+    sweep = load_command("sweep.py")
+    run = tmp_path / "run"
+    run.mkdir()
+    assert sweep.run_state(str(run)) == "fresh"  # a folder, nothing in it
+    (run / "config.json").write_text("\ufeff" + json.dumps({"num_steps": 6}))  # an editor's BOM
+    notes = ["my note", "[1, 2]", "[" * 100000, json.dumps({"step": 4})]  # a user's, no kind
+    records = [{"kind": "val", "step": 3}, *notes, {"kind": "train", "step": 5}]
+    (run / "metrics.jsonl").write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+    )
+    assert sweep.run_records(str(run), "val") == [{"kind": "val", "step": 3}]
+    assert sweep.run_state(str(run)) == "fresh"  # validated mid-way, no checkpoint
+    (run / "checkpoint.pt").write_bytes(b"")
+    assert sweep.run_state(str(run)) == "resume"
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "val", "step": 6}) + "\n")
+    assert sweep.run_state(str(run)) == "done"
+    for text in ("[6]", "not json", "{"):  # no JSON object: no settings
+        (run / "config.json").write_text(text)
+        assert sweep.json_object(str(run / "config.json")) == {}, text
+    assert sweep.run_state(str(run)) == "resume"
+
+
+def test_a_run_s_settings_are_compared_with_the_grid_s_as_its_docstring_says(tmp_path):
+    sweep = load_command("sweep.py")
+    run = tmp_path / "dense_2_s0"
+    run.mkdir()
+    argv = TINY_GRID + ["--router=none", "--n_layers=2", "--seed=0", f"--run_dir={run}"]
+    saved = asdict(tg.resolve(tg.parse_overrides(argv)))  # as train_gpt.py's config.json
+
+    def check(**there):
+        (run / "config.json").write_text(json.dumps({**saved, **there}))
+        sweep.check_settings(str(run), [("train_gpt.py", argv)])
+
+    check()
+    with pytest.raises(support.UserError, match=r"\(n_layers=4 there, 2 here\)"):
+        check(n_layers=4)
+    # how a step is computed: compared where the grid sets it (device_batch_size), else free
+    with pytest.raises(support.UserError, match=r"\(device_batch_size=4 there, 8 here\)"):
+        check(device_batch_size=4)
+    check(loss_rows=saved["loss_rows"] // 2, compact=not saved["compact"])
+    # the data's paths (the repository moved) and a field an older run's config.json lacks
+    check(train_files="/elsewhere/train_*.bin", val_files="/elsewhere/val_*.bin")
+    del saved["encoding"]
+    check()
 
 
 @pytest.mark.slow
