@@ -1,8 +1,7 @@
 """Which tokens skip: colour each token of a text by how many blocks it ran (skip_middle: the
 blocks whose gate is non-zero for it; mod: the unrouted blocks and the routed ones that chose
-it), how many MLPs
-it ran (DLO) or how many recursions (Mixture-of-Recursions: its depth), from a run's
-checkpoint or another model source.
+it), how many MLPs it ran (DLO) or how many recursions (Mixture-of-Recursions: its depth), from
+a run's checkpoint or another model source.
 
     python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] [--out=page.html] [--device=cpu]
     python skipview.py --init_from=SOURCE ...   # a folder in Hugging Face layout, hf:OWNER/NAME
@@ -74,15 +73,16 @@ def html_page(
 
 
 def token_pieces(enc, ids: list) -> list:
-    """Each token's text, together the whole text: a GPT-2 token's own; for bytes, the whole
-    character at its first byte and "" at the others (U+FFFD for a byte that starts none)."""
-    if enc.name != "bytes":
-        return [enc.decode([i]) for i in ids]
-    data, out = bytes(ids), []
-    while len(out) < len(data):
-        i = len(out)
+    """Each token's text, together the whole text: each character at the token that holds its
+    first byte, so a character split over tokens (bytes; GPT-2 tokens of a byte or two of one)
+    shows once and "" at the others; U+FFFD for a byte that starts no character."""
+    parts = [enc.decode_bytes([i]) for i in ids]
+    data, out, i = b"".join(parts), [""] * len(ids), 0
+    owner = [t for t, part in enumerate(parts) for _ in part]  # (len(data),) each byte's token
+    while i < len(data):
         n = next((n for n in (1, 2, 3, 4) if _utf8(data[i : i + n])), 0)
-        out += [data[i : i + n].decode("utf-8"), *[""] * (n - 1)] if n else ["\ufffd"]
+        out[owner[i]] += data[i : i + n].decode("utf-8") if n else "\ufffd"
+        i += n or 1
     return out
 
 

@@ -1,5 +1,6 @@
 """sample.py (decoding with a KV cache) and skipview.py (how many blocks each token ran)."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,15 @@ import torch
 import sample
 import support
 import train_gpt as tg
-from conftest import RESUME_RUN, load_command, logits_gates, mor_model, run_main, tiny
+from conftest import (
+    AUTHORS_TINY,
+    RESUME_RUN,
+    load_command,
+    logits_gates,
+    mor_model,
+    run_main,
+    tiny,
+)
 from data import shards
 
 # ------------------------------------------------------------------------ sample.py
@@ -37,6 +46,29 @@ def test_generate_samples_reproducibly_and_reports_the_cache():
         while len(want) < 13:
             want.append(int(sharp(torch.tensor([want])).logits[0, -1].argmax()))
     assert sample.generate(sharp, [1, 2, 3], 10, temperature=0)[0] == want
+
+
+def test_sampling_draws_among_the_top_k_at_the_temperature_by_the_seed():
+    # each sampled token among the top_k of the full forward pass's logits at its position; at a
+    # temperature that flattens them, more than the likeliest; top_k past the vocabulary is all
+    # of it; the seed decides the draw; a temperature whose float32 would be 0 is greedy
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(n_layers=2, max_seq_len=16, seq_len=16, gate_init="zero")).eval()
+    tokens, _ = sample.generate(model, [1, 2, 3], 13, temperature=1e3, top_k=2, seed=1)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[:-1]])).logits[0]
+    top2 = logits.topk(2).indices[2:]  # (the positions that sampled)
+    assert all(t in top for t, top in zip(tokens[3:], top2.tolist(), strict=True))
+    assert any(t != top[0] for t, top in zip(tokens[3:], top2.tolist(), strict=True))
+    everything = sample.generate(model, [1, 2, 3], 13, temperature=1e3, top_k=0, seed=1)[0]
+    assert sample.generate(model, [1, 2, 3], 13, temperature=1e3, top_k=97, seed=1)[0] == everything
+    assert (
+        sample.generate(model, [1, 2, 3], 13, temperature=1e3, top_k=1000, seed=1)[0] == everything
+    )
+    assert sample.generate(model, [1, 2, 3], 13, temperature=1e3, seed=2)[0] != everything
+    greedy = sample.generate(model, [1, 2, 3], 13, temperature=0)[0]
+    assert sample.generate(model, [1, 2, 3], 13, temperature=1e-50)[0] == greedy
+    assert sample.generate(model, [1, 2, 3], 13, top_k=1, seed=4)[0] == greedy
 
 
 @pytest.mark.parametrize("axis", ["key", "query"])
@@ -121,6 +153,8 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     assert len(set(expected)) > 1, expected  # (one count for all would test nothing)
     assert [int(title.split()[0]) for _, title in parser.spans] == expected
     assert "⏎" in terminal and terminal.count("[") >= len(ids)
+    assert support.cli(skipview.main, [str(run), "--val_tokens=7"]) == 0  # the shard's first 7
+    assert "\ntokens 7; blocks run per token" in capsys.readouterr().out
     assert support.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
     assert support.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
     assert capsys.readouterr().err.count("error: ") == 2
@@ -128,10 +162,62 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
 
 def test_skipview_counts_the_recursions_each_token_ran():
     skipview = load_command("skipview.py")
-    model = mor_model()
+    model = mor_model().train()  # (token_depths routes as inference does; MoR trains otherwise)
     counts, per_recursion, units = skipview.token_depths(model, list(range(16)), "cpu")
     with torch.no_grad():
-        blocks = model(torch.tensor([list(range(16))])).route["block"][:, 0].sum(0).tolist()
+        blocks = model.eval()(torch.tensor([list(range(16))])).route["block"][:, 0].sum(0).tolist()
     # blocks 0 and 7, then 2 per recursion
     assert units == 3 and [2 + 2 * c for c in counts] == blocks
     assert per_recursion == sorted(per_recursion, reverse=True) and 0 < per_recursion[2] < 16
+
+
+def test_skipview_page_and_terminal_view_by_hand():
+    # the hue from red (0: no unit run) to blue (220: every unit), rounded; the page's spans,
+    # legend (0 to every unit), title and per-unit shares of the tokens, text escaped
+    skipview = load_command("skipview.py")
+    hsl = [f"hsl({hue}, 70%, 85%)" for hue in (0, 73, 147, 220)]
+    assert [skipview.colour(c, 3) for c in range(4)] == hsl
+    assert skipview.colour(0, 0) == hsl[0]
+    pieces, counts = ["<i>", "&amp;", "\n", "c"], [0, 2, 3, 3]
+    page = skipview.html_page(pieces, counts, [4, 3, 1], 3, "<run> & co", "blocks")
+    spans = re.findall(r'<span class="t" style="background:([^"]+)" title="([^"]+)">', page)
+    assert spans == [(hsl[c], f"{c} of 3 blocks") for c in counts]
+    parser = TokenSpans()
+    parser.feed(page)
+    assert [text for text, _ in parser.spans] == pieces
+    legend = re.findall(r'<span class="k" style="background:([^"]+)">(\d+)</span>', page)
+    assert legend == [(hsl[c], str(c)) for c in range(4)]
+    assert "<title>&lt;run&gt; &amp; co</title>" in page and "<h1>&lt;run&gt; &amp; co</h1>" in page
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>([^<]+)</td></tr>", page)
+    assert rows == [("0", "4", "100.0%"), ("1", "3", "75.0%"), ("2", "1", "25.0%")]
+    assert skipview.terminal_view(pieces, counts) == "<i>[0]&amp;[2]⏎[3]c[3]"
+
+
+def test_skipview_shows_a_character_split_over_gpt2_tokens_once_at_its_first_byte():
+    # GPT-2 BPE holds 日, 本 and 語 (3 bytes each) in a token of two bytes and one of the third;
+    # decoded one token at a time, each half would show as U+FFFD
+    skipview, enc = load_command("skipview.py"), shards.encoding("gpt2", 50257)
+    ids = enc.encode_ordinary("日本語のテキスト")
+    assert [len(enc.decode_bytes([i])) for i in ids] == [2, 1, 2, 1, 2, 1, 3, 3, 3, 6]
+    want = ["日", "", "本", "", "語", "", "の", "テ", "キ", "スト"]
+    assert skipview.token_pieces(enc, ids) == want
+
+
+def test_the_commands_start_from_the_separator_and_keep_to_the_context(tmp_path, capsys):
+    # the authors' tiny model (GPT-2 tokens, a 64-token context): an empty prompt is
+    # <|endoftext|>; a prompt of 60 tokens leaves room for 4 (63 fed to each of 4 blocks); a
+    # text past the context is cut to it
+    sampler, skipview = load_command("sample.py"), load_command("skipview.py")
+    model = [f"--init_from={AUTHORS_TINY}", "--temperature=0"]
+    assert support.cli(sampler.main, [*model, "--prompt=", "--tokens=3"]) == 0
+    assert capsys.readouterr().out.startswith("<|endoftext|>")
+    prompt = "a" + " a" * 59
+    assert len(shards.gpt2_encoding().encode_ordinary(prompt)) == 60
+    assert support.cli(sampler.main, [*model, f"--prompt={prompt}", "--tokens=10"]) == 0
+    err = capsys.readouterr().err
+    assert "sampling 4 after the 60-token prompt" in err and " of 252 entries " in err, err
+    page = tmp_path / "page.html"
+    argv = [f"--init_from={AUTHORS_TINY}", "--text=" + " word" * 100, f"--out={page}"]
+    assert support.cli(skipview.main, argv) == 0
+    assert "\ntokens 64; blocks run per token" in capsys.readouterr().out
+    assert page.read_text().count('<span class="t"') == 64
