@@ -53,6 +53,21 @@ def test_student_t_and_holm_against_tables_and_closed_forms():
     assert sweep.holm([0.5, 0.9]) == [1.0, 1.0]
 
 
+def summary_row(name, seed, flops, loss):
+    """A runs.csv row as summarise reads it: timings in proportion to FLOPs (compact 2x faster)."""
+    return dict(
+        name=name,
+        seed=seed,
+        flops_per_token=flops,
+        val_loss=loss,
+        sparsity=0.5,
+        val_se=0.01,
+        ms_per_token_masked=flops / 1e9,
+        ms_per_token_compact=flops / 2e9,
+        params=1e6,
+    )
+
+
 def test_frontier_and_verdict_on_hand_made_numbers():
     sweep = load_command("sweep.py")
     at = sweep.frontier([(4e6, 3.0), (1e6, 4.0)])
@@ -64,35 +79,28 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     env = sweep.frontier([(1e6, 4.0), (4e6, 3.0), (16e6, 3.2)])
     assert env(8e6) == 3.0 and env(16e6) == 3.0 and env(2e6) == pytest.approx(3.5)
 
-    def row(name, seed, flops, loss):
-        return dict(
-            name=name,
-            seed=seed,
-            flops_per_token=flops,
-            val_loss=loss,
-            sparsity=0.5,
-            val_se=0.01,
-            ms_per_token_masked=flops / 1e9,
-            ms_per_token_compact=flops / 2e9,
-            params=1e6,
-        )
-
     rows, a_losses = [], [3.40, 3.41, 3.39, 3.42, 3.38]
     for s in range(5):
-        rows += [row("dense_2", s, 1e6, 4.0 + 0.1 * s), row("dense_4", s, 4e6, 3.0 + 0.1 * s)]
-    rows += [row("gated_a", s, 2e6, loss + 0.1 * s) for s, loss in enumerate(a_losses)]
+        rows += [
+            summary_row("dense_2", s, 1e6, 4.0 + 0.1 * s),
+            summary_row("dense_4", s, 4e6, 3.0 + 0.1 * s),
+        ]
+    rows += [summary_row("gated_a", s, 2e6, loss + 0.1 * s) for s, loss in enumerate(a_losses)]
     rows += [
-        row("gated_b", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate([0.1, -0.1, 0.05, -0.05, 0])
+        summary_row("gated_b", s, 2e6, 3.5 + 0.1 * s + d)
+        for s, d in enumerate([0.1, -0.1, 0.05, -0.05, 0])
     ]
-    rows += [row("gated_c", s, 8e6, 2.0) for s in range(5)]  # beyond the dense FLOPs range
+    rows += [summary_row("gated_c", s, 8e6, 2.0) for s in range(5)]  # beyond the dense FLOPs range
     rows += [
-        row("dlo_control", s, 2e6, 3.5 + 0.1 * s + d)
+        summary_row("dlo_control", s, 2e6, 3.5 + 0.1 * s + d)
         for s, d in enumerate([0.01, -0.01, 0.02, -0.02, 0])
     ]
-    rows += [row("dlo_rho0.5", s, 2e6, 3.6 + 0.1 * s + 0.001 * s) for s in range(5)]
+    rows += [summary_row("dlo_rho0.5", s, 2e6, 3.6 + 0.1 * s + 0.001 * s) for s in range(5)]
     e_deltas = [0.05, 0.01, 0.03, 0.045, 0.005]  # raw p 0.036, not after Holm's correction
-    rows += [row("gated_e", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate(e_deltas)]
-    rows += [row("gated_f", s, 2e6, 3.55 + 0.1 * s) for s in range(5)]  # the same in every seed
+    rows += [summary_row("gated_e", s, 2e6, 3.5 + 0.1 * s + d) for s, d in enumerate(e_deltas)]
+    rows += [
+        summary_row("gated_f", s, 2e6, 3.55 + 0.1 * s) for s in range(5)
+    ]  # the same in every seed
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
     e = lines[("gated_e", "dense frontier")]
     # (scipy's ttest_1samp)
@@ -227,24 +235,11 @@ def test_each_dlo_and_mor_point_of_a_grid_is_paired_with_its_control_in_that_gri
             else:
                 assert sweep.control_of(name) is None, name
 
-    def row(name, seed, flops, loss):
-        return dict(
-            name=name,
-            seed=seed,
-            flops_per_token=flops,
-            val_loss=loss,
-            sparsity=0.5,
-            val_se=0.01,
-            ms_per_token_masked=1e-3,
-            ms_per_token_compact=1e-3,
-            params=1e6,
-        )
-
     rows = []
     for s in range(3):
-        rows += [row("dense_2", s, 1e6, 4.0), row("dense_4", s, 4e6, 3.0)]
-        rows += [row("mor_r2", s, 2e6, 3.40 + 0.01 * s)]
-    rows += [row("recursive_r2", s, 2e6, 3.45) for s in (0, 1)]  # none for seed 2
+        rows += [summary_row("dense_2", s, 1e6, 4.0), summary_row("dense_4", s, 4e6, 3.0)]
+        rows += [summary_row("mor_r2", s, 2e6, 3.40 + 0.01 * s)]
+    rows += [summary_row("recursive_r2", s, 2e6, 3.45) for s in (0, 1)]  # none for seed 2
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
     mor = lines[("mor_r2", "recursive_r2")]  # seeds 0 and 1 only: -0.05 and -0.04
     assert (mor["seeds"], mor["n"]) == ("2 of 3", 2) and mor["mean"] == pytest.approx(-0.045)
