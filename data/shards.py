@@ -22,7 +22,7 @@ if __name__ == "__main__":  # a library: run as a script, it could not even impo
     )
     sys.exit(2)
 
-from support import UserError, kind_of, named  # noqa: E402
+from support import UserError, kind_of, named, regular  # noqa: E402
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -52,8 +52,9 @@ def shard_tokens(path: str) -> int:
 
 def shard_header(path: str) -> tuple:
     """(token count, encoding) of the shard at path, once its header is read and found sound
-    (the magic number, the version, a known encoding and a count that matches the file's size)."""
-    with named(path), open(path, "rb") as f:
+    (the magic number, the version, a known encoding and a count that matches the file's size).
+    A folder, named pipe or device is named by its kind, never opened (a pipe would wait)."""
+    with named(path), open(regular(path), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(HEADER_BYTES)
     if len(head) < HEADER_BYTES:

@@ -204,6 +204,14 @@ def test_check_command_counts_and_rejects(tmp_path):
     assert (
         r.returncode == 2 and "x_000001.bin: token id 60000 is outside the vocabulary" in r.stderr
     )
+    # a named pipe, a folder: named by their kind in one line, never opened (a pipe would wait)
+    for name, make, kind in (("p.bin", os.mkfifo, "a named pipe"), ("d.bin", os.mkdir, "a folder")):
+        other = tmp_path / name.split(".")[0]
+        other.mkdir()
+        make(other / name)
+        r = run_command("data/tokenize_corpus.py", f"--check={other}", timeout=60)
+        line = f"error: {other / name}: not a regular file: {kind}\n"
+        assert (r.returncode, r.stderr) == (2, line)
 
 
 def test_sample_regenerates_byte_for_byte(tmp_path):
