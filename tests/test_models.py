@@ -432,6 +432,17 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     err = capsys.readouterr().err
     assert "holds files export did not write (notes.txt)" in err and err.count("\n") == 1
     assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+    # the run's config.json values of another type are not known: neither shown nor passed on
+    odd = {"command": ["python", "x"], "git_commit": 7, "git_dirty": "no", "init_from": 1}
+    (run / "config.json").write_text(json.dumps({**logged, **odd}))
+    assert support.cli(export.main, [str(run), str(tmp_path / "odd")]) == 0
+    capsys.readouterr()
+    passed = json.loads((tmp_path / "odd" / "config.json").read_text())["trained"]
+    assert {k: passed[k] for k in odd} == dict.fromkeys(odd)
+    card = (tmp_path / "odd" / "README.md").read_text()
+    assert "command: `unknown`" in card and "- commit: unknown\n" in card
+    assert "from a random initialisation" in card
+    (run / "config.json").write_text(json.dumps(logged))
     # the tools read the exported folder as they read the run
     sampler, texts = load_command("sample.py"), []
     for source in ([str(run)], [f"--init_from={out}"]):
