@@ -1107,6 +1107,62 @@ def test_compile_time_is_counted_apart_from_step_time():
     assert log.lines[-1].endswith(" step_avg:110.00ms tok/s:5120 mfu:25.0%")  # 512 in 100 ms
 
 
+def test_the_clock_reports_a_warm_up_once_and_compile_time_only_where_there_was_some():
+    # a job that ends as its warm-up does: one warm-up line and record; a job that ran no step
+    # (a resume that only validated): none; a job that compiled nothing: no compile line
+    log, run = FakeLog(), runs.RunState(step=4)
+    clock = runlog.StepClock(log, 4, 2)
+    for step_ms in (120.0, 80.0):
+        run.step += 1
+        clock.add(run, step_ms, 0.0)
+    clock.end(run)
+    assert log.lines[1:] == ["warm-up: steps 5-6 of this job untimed, 200ms (compile 0ms)"]
+    assert log.records == [
+        {"kind": "warmup", "step": 6, "steps": 2, "warmup_ms": 200.0, "compile_ms": 0.0}
+    ]
+    idle = FakeLog()
+    runlog.StepClock(idle, 6, 2).end(run)
+    assert len(idle.lines) == 1 and idle.records == []  # (its opening line alone)
+
+
+def test_a_steps_and_a_validations_records_hold_their_own_figures():
+    # RunLog.step: the base lr apart from each layer's, the blocks' shares the step's sums over
+    # its tokens; RunLog.validation: the train time so far, and the clock of 250 ms over 2 steps
+    log = FakeLog()
+    run = runs.RunState(step=3, tokens=1536, train_ms=250.0, timed_steps=2)
+    router = tg.GPT(tiny(router="none")).router
+    stats = {
+        "tokens": [512.0],
+        "lm_loss": [3.0],
+        "total_loss": [3.5],
+        "block_active": [512.0, 256.0, 128.0, 0.0],
+        "mlp_active": [512.0, 384.0, 0.0, 64.0],
+        "packed": [16.0] * 4,
+    }
+    lrs = [1e-3, 2e-3, 3e-3, 4e-3, 5e-3]
+    runlog.RunLog.step(log, run, 10, stats, router.means, lrs, (100.0, 0.0))
+    got = log.records[-1]
+    assert (got["lr"], got["layer_lr"]) == (1e-3, [2e-3, 3e-3, 4e-3, 5e-3])
+    assert got["block_active"] == [1.0, 0.5, 0.25, 0.0]
+    assert got["mlp_active"] == [1.0, 0.75, 0.0, 0.125]
+    v = {
+        "val_loss": 2.5,
+        "val_se": 0.125,
+        "val_docs": 7,
+        "sparsity": 0.25,
+        "fwd_flops_per_token": 1000.0,
+        "fwd_flops_per_token_dense": 2000.0,
+        "block_active": [1.0, 0.5, 0.75, 0.75],
+        "mlp_active": [1.0, 0.5, 0.75, 0.75],
+        "resid_norm": [1.0, 2.0, 3.0, 4.0],
+    }
+    runlog.RunLog.validation(log, router, v, run, 10)
+    assert log.records[-1] == {"kind": "val", "step": 3, "train_time_ms": 250.0, **v}
+    line = next(line for line in log.lines if line.startswith("step:3/10 val_loss:"))
+    assert line.startswith("step:3/10 val_loss:2.5000 (SE 0.1250 over 7 docs) ")
+    assert line.endswith(" train_time:250ms step_avg:125.00ms")
+
+
 @pytest.mark.slow
 def test_smoke_run_lowers_the_loss_and_writes_its_files(tmp_path, capsys):
     run_dir = tmp_path / "run"

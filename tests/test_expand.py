@@ -2,12 +2,16 @@
 
 import json
 import math
+import os
+import shlex
+import signal
 
 import numpy as np
 import pytest
 import torch
 
 import expand
+import support
 import train_gpt as tg
 from conftest import (
     TINY_RUN,
@@ -84,6 +88,109 @@ def test_a_dlo_expansion_moves_each_router_with_its_layer():
         if f"router.routers.{j}.weight" in state
     }
     assert moved == {0: 1.0, 1: 2.0, 3: 3.0, 4: 4.0}
+
+
+def test_random_new_layers_are_xavier_uniform_drawn_from_the_seed():
+    # Xavier uniform on [-b, b], b = sqrt(6 / (fan_in + fan_out)): a non-square matrix (the
+    # FFN's first, 128 x 32) has standard deviation b / sqrt(3) and reaches both ends; the
+    # same seed draws the same layer, another seed another
+    src, state = expanded("random")
+    w1 = state["blocks.2.ffn.w1.weight"]
+    assert w1.shape == (128, 32)
+    bound = math.sqrt(6 / (128 + 32))
+    assert w1.abs().max() <= bound and w1.max() > 0.95 * bound and w1.min() < -0.95 * bound
+    assert w1.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.05)
+    old = src.state_dict()
+    again = expand.expand_state(old, 4, 2, 1, "random", 2, 0, src.router.layer_modules)
+    other = expand.expand_state(old, 4, 2, 1, "random", 2, 1, src.router.layer_modules)
+    assert torch.equal(again["blocks.2.ffn.w1.weight"], w1)
+    assert not torch.equal(other["blocks.2.ffn.w1.weight"], w1)
+
+
+def test_each_group_merges_its_own_last_tau_layers():
+    # 6 layers in 2 groups of 3, tau = 2: groups (0, 1, 2), (3, 4, 5) -> (0, 1, 2, new 3),
+    # (4, 5, 6, new 7); each new layer from its own group: linear the mean of its last two
+    # layers, slerp halfway between its last and the one before, copy its last
+    torch.manual_seed(0)
+    src = tg.GPT(tiny(router="none", n_layers=6))
+    old = src.state_dict()
+    w = "attn.wq.weight"
+
+    def expanded_by(init):
+        return expand.expand_state(old, 6, 2, 1, init, 2, 0, src.router.layer_modules)
+
+    def slerp_halfway(u, v):  # SLERP(u, v, 1/2), written out
+        omega = math.acos((u.flatten() @ v.flatten() / (u.norm() * v.norm())).item())
+        return math.sin(omega / 2) / math.sin(omega) * (u + v)
+
+    linear, slerp, copy = (expanded_by(init) for init in ("linear", "slerp", "copy"))
+    for new, (before, last) in ((3, (1, 2)), (7, (4, 5))):
+        u, v = old[f"blocks.{last}.{w}"], old[f"blocks.{before}.{w}"]
+        assert torch.allclose(linear[f"blocks.{new}.{w}"], (u + v) / 2)
+        assert torch.allclose(slerp[f"blocks.{new}.{w}"], slerp_halfway(u, v), atol=1e-6)
+        assert torch.equal(copy[f"blocks.{new}.{w}"], u)
+    assert torch.equal(copy[f"blocks.6.{w}"], old[f"blocks.5.{w}"])  # the originals moved on
+
+
+def test_slerp_of_parallel_or_zero_tensors_is_their_mean():
+    # u and 3u: float32 rounds their cosine above 1 (arccos would give NaN); zero tensors (an
+    # identity-expanded layer's output projections, expanded again): no direction at all.
+    # Both: the mean, finite
+    u = torch.tensor([3.0, 6.0])
+    zero = torch.zeros(2)
+    layers = [{"a": 3 * u, "b": zero}, {"a": u, "b": zero}]
+    new = expand.new_layer(layers, "slerp", 2, torch.Generator())
+    assert torch.equal(new["a"], 2 * u) and torch.equal(new["b"], zero)
+
+
+def test_expanded_settings_derive_the_layer_count_and_refuse_what_cannot_expand():
+    dense = tiny(router="none", n_layers=4)
+    # P = 2 groups of 2, q = 1: 2 x (2 + 1) = 6 layers; n_layers given as that and a shape
+    # field given at the checkpoint's value change nothing
+    hp = expand.expanded_settings(dense, {"n_layers": 6, "dim": 32}, 2, 1, "identity", 2)
+    assert (hp.n_layers, hp.dim) == (6, 32)
+    # tau may be a whole group (2); identity reads no tau: groups of one layer take the default
+    assert expand.expanded_settings(dense, {}, 2, 1, "linear", 2).n_layers == 6
+    assert expand.expanded_settings(dense, {}, 4, 2, "identity", 2).n_layers == 4 * (1 + 2)
+    # a checkpoint whose router is tied to the layer count: refused, whatever router it would
+    # become (the dense model's weights would not hold its router's)
+    tied = tiny(router="skip_middle", n_layers=4)
+    for overrides in ({}, {"router": "none"}):
+        with pytest.raises(support.UserError, match="expand a dense or DLO checkpoint"):
+            expand.expanded_settings(tied, overrides, 2, 1, "identity", 2)
+
+
+@pytest.mark.slow
+def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    source = TINY_RUN + ["--router=none", "--stop_step=1", f"--run_dir={tmp_path / 'dense'}"]
+    code, _, err = run_main(source, capsys)
+    assert code == 0, err
+    expand_main = load_command("expand.py").main
+    new = tmp_path / "new run"  # (a space: the command quoted as a shell takes it)
+    argv = [str(tmp_path / "dense"), str(new), "--groups=2", "--per_group=1", "--init=copy"]
+    code, _, err = run_main(argv, capsys, expand_main)
+    assert code == 0, err
+    record = json.loads((new / "expand.json").read_text())
+    how = ("source_step", "groups", "per_group", "init", "tau")
+    assert [record[k] for k in how] == [1, 2, 1, "copy", 2]
+    assert record["hp"]["n_layers"] == 2 * (2 // 2 + 1)  # P (R / P + q)
+    assert shlex.split(record["command"]) == ["python", "expand.py", *argv]
+    ckpt = tg.load_checkpoint(str(new))
+    assert (ckpt["step"], ckpt["world_size"], ckpt["hp"]["n_layers"]) == (0, 1, 4)
+    # a signal (Ctrl-C) during the last write: what it wrote is taken back, the folder too
+    real = support.write_atomically
+
+    def interrupted(path, *args, **kwargs):
+        if os.path.basename(path) == "train.log":
+            raise support.Interrupted(signal.SIGINT)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(support, "write_atomically", interrupted)
+    code, _, err = run_main(argv[:1] + [str(tmp_path / "x" / "y")], capsys, expand_main)
+    assert code == 128 + signal.SIGINT and err == "", err
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow

@@ -90,6 +90,41 @@ def test_a_resume_keeps_a_users_lines_whatever_their_step(tmp_path):
     assert [json.loads(line) for line in kept[:-1]] == ours[:2] + users[:2] + [ours[2]] + users[2:]
 
 
+def test_a_resume_drops_a_validation_and_a_warm_up_its_checkpoint_did_not_see(tmp_path):
+    # saved at step 4 before its validation there (val_done 0): that validation goes with the
+    # records past step 4, a warm-up's among them; a user's line that is no JSON stays whole
+    saw = [
+        {"kind": "val", "step": 0},
+        {"kind": "warmup", "step": 1},
+        {"kind": "train", "step": 4},
+    ]
+    not_seen = [
+        {"kind": "val", "step": 4},
+        {"kind": "warmup", "step": 6},
+        {"kind": "train", "step": 5},
+    ]
+    mine = '{"kind": my own note}'
+    lines = [json.dumps(m) for m in saw] + [mine] + [json.dumps(m) for m in not_seen]
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    kept = runlog.kept_metrics(str(tmp_path / "m.jsonl"), 4, 0).decode().splitlines()
+    assert kept == [json.dumps(m) for m in saw] + [mine, '{"kind": "checkpoint", "step": 4}']
+
+
+def test_metrics_are_read_up_to_their_bound_and_none_is_a_first_record(tmp_path, monkeypatch):
+    # MAX_METRICS_BYTES (64 here): a file of that size is read, one byte more refused; no
+    # metrics.jsonl yet (expand.py's new run): the checkpoint's record alone
+    monkeypatch.setattr(runlog, "MAX_METRICS_BYTES", 64)
+    path = str(tmp_path / "metrics.jsonl")
+    record = b'{"kind": "checkpoint", "step": 3}\n'
+    assert runlog.kept_metrics(path, 3, 3) == record
+    note = b"x" * 63 + b"\n"
+    (tmp_path / "metrics.jsonl").write_bytes(note)
+    assert runlog.kept_metrics(path, 3, 3) == note + record
+    (tmp_path / "metrics.jsonl").write_bytes(b"x" + note)
+    with pytest.raises(support.UserError, match="more than a run's metrics"):
+        runlog.kept_metrics(path, 3, 3)
+
+
 @pytest.mark.slow
 def test_a_resume_refuses_metrics_beyond_any_runs_before_it_writes(tmp_path, capsys):
     # metrics.jsonl is read whole on a resume: past runlog.MAX_METRICS_BYTES (a sparse file

@@ -1,6 +1,7 @@
 """Runs (runs.py, train_gpt.py's job): run folders, logs, checkpoints, resume, and checkpoints
 that survive a kill, a non-finite step or a full disk."""
 
+import ast
 import copy
 import errno
 import fnmatch
@@ -11,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -158,6 +160,81 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, m
 
 
 # -------------------------------------------------------------- logs and provenance
+
+
+def test_provenance_names_the_commit_and_whether_the_tree_differs(tmp_path, monkeypatch):
+    # the sources in a git repository of their own: its commit as git itself says it, clean,
+    # then with a source changed, differing; each source's sha256 that of its bytes; and
+    # train.log's header in those words
+    src = tmp_path / "src"
+    for name in runlog.SOURCES:
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(REPO, name), src / name)
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "the sources"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True)
+    commit = head.stdout.strip()
+    monkeypatch.setattr(runlog, "HERE", str(src))
+    for edited, words in ((False, "(clean)"), (True, "(tree differs from the commit)")):
+        if edited:
+            with open(src / "runs.py", "a") as f:
+                f.write("# a local change\n")
+        got = runlog.provenance()
+        assert (got["git_commit"], got["git_dirty"]) == (commit, edited)
+        for name in runlog.SOURCES:
+            assert got[f"sha256 {name}"] == sha256((src / name).read_bytes()), name
+        run = tmp_path / f"run_{edited}"
+        run.mkdir()
+        with runlog.RunLog(str(run), {**got, "command": "python train_gpt.py"}, True):
+            pass
+        assert f"\ngit: {commit} {words}\n" in (run / "train.log").read_text()
+
+
+def test_the_sources_a_run_records_are_every_module_of_ours_it_imports():
+    # train_gpt.py's imports, followed through each file of this repository that one names
+    # (a module's dots as folders), read from the sources' text: SOURCES, no more, no fewer
+    found, todo = set(), ["train_gpt.py"]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        with open(os.path.join(REPO, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                path = os.path.join(*module.split(".")) + ".py"
+                if os.path.isfile(os.path.join(REPO, path)):
+                    todo.append(path)
+    assert found == set(runlog.SOURCES)
+
+
+def test_a_run_log_ends_with_a_stop_line_and_closes_both_files(tmp_path, capsys):
+    # a RunStopped leaving the log's with: its error line in train.log too, both files closed;
+    # another rank's log (inactive) writes and opens nothing
+    config = {**runlog.provenance(), "command": "python train_gpt.py"}
+    with pytest.raises(support.RunStopped):
+        with runlog.RunLog(str(tmp_path), config, True) as log:
+            log.record({"kind": "train", "step": 1})
+            raise support.RunStopped("disk full; last checkpoint: none")
+    said = "\nerror: disk full; last checkpoint: none\n"
+    assert (tmp_path / "train.log").read_text().endswith(said)
+    assert log.log.closed and log.metrics.closed
+    assert read_metrics(tmp_path) == [{"kind": "train", "step": 1}]
+    other = tmp_path / "other"
+    other.mkdir()
+    with runlog.RunLog(str(other), config, False) as quiet:
+        quiet.print("a line")
+        quiet.record({"kind": "train", "step": 1})
+    assert os.listdir(other) == []
+    assert capsys.readouterr().out == "error: disk full; last checkpoint: none\n"
 
 
 def test_each_job_appends_the_sources_it_ran(tmp_path, monkeypatch, capsys):

@@ -19,10 +19,12 @@ import support
 import train_gpt as tg
 from conftest import (
     REPO,
+    TINY_RUN,
     documents_by_hand,
     load_command,
     read_metrics,
     run_command,
+    run_main,
     write_shard,
 )
 from data import shards
@@ -747,6 +749,138 @@ def test_bench_target_lines_compare_each_target_and_give_the_mfu():
         "paper at sparsity 0.75: 0.84 of the FLOP ideal (target 0.8): met",
         "paper: MFU of the masked model at sparsity 0, fwd+bwd: 36.1%",
     ]
+
+
+def test_bench_rows_fill_the_headers_columns_each_with_its_own_figure():
+    # format_row against HEADER, column by column: times in ms (seconds x 1000), one decimal;
+    # ratios two decimals; the sparsity three; compile seconds one
+    bench = load_command("bench.py")
+    row = dict(
+        size="tiny",
+        sparsity=0.5,
+        fwd_masked=0.002,
+        fwd_compact=0.001,
+        fwd_speedup=2.0,
+        fb_masked=0.006,
+        fb_compact=0.004,
+        fb_speedup=1.5,
+        ideal=1.6,
+        fwd_eff=1.25,
+        fb_eff=0.9375,
+        compile_masked=1.5,
+        compile_compact=2.5,
+        host_fwd_masked=0.0007,
+        host_fwd_compact=0.0003,
+        host_fb_masked=0.0031,
+        host_fb_compact=0.0012,
+    )
+    header, rule = bench.HEADER.split("\n")
+    names = [cell.strip() for cell in header.strip("| ").split("|")]
+    cells = [cell.strip() for cell in bench.format_row(row).strip("| ").split("|")]
+    assert len(rule.strip("|").split("|")) == len(names) == len(cells)
+    assert dict(zip(names, cells, strict=True)) == {
+        "size": "tiny",
+        "sparsity": "0.500",
+        "fwd masked ms": "2.0",
+        "fwd compact ms": "1.0",
+        "fwd speedup": "2.00",
+        "fwd+bwd masked ms": "6.0",
+        "fwd+bwd compact ms": "4.0",
+        "fwd+bwd speedup": "1.50",
+        "ideal (FLOPs)": "1.60",
+        "fwd eff": "1.25",
+        "fwd+bwd eff": "0.94",
+        "compile s masked": "1.5",
+        "compile s compact": "2.5",
+        "fwd host ms masked / compact": "0.7 / 0.3",
+        "fwd+bwd host ms masked / compact": "3.1 / 1.2",
+    }
+
+
+def test_bench_target_lines_count_a_figure_at_its_target_as_met():
+    bench = load_command("bench.py")
+    rows = [
+        dict(target=p, fb_speedup=s, fb_eff=e)
+        for p, s, e in ((0.0, 0.95, 0.95), (0.25, 1.0, 0.5), (0.5, 1.6, 0.8), (0.75, 3.2, 0.8))
+    ]
+    assert [line.split(": ")[-1] for line in bench.target_lines("tiny", rows)] == ["met"] * 3
+
+
+def test_bench_refuses_zero_repeats_before_anything_is_written(tmp_path, capsys):
+    # a median of no timings does not exist: --repeats=0 is bad input, one line, no folder
+    bench = load_command("bench.py")
+    code = support.cli(bench.main, ["--repeats=0", f"--out={tmp_path / 'b'}"])
+    said = capsys.readouterr()
+    assert code == 2 and said.out == "" and said.err.count("\n") == 1, said.err
+    assert said.err.startswith("error: --repeats: expected int in [1, 1000], got '0'")
+    assert not (tmp_path / "b").exists()
+
+
+def test_bench_forces_each_sparsity_and_works_out_speedup_and_efficiency(monkeypatch, capsys):
+    # a row per target p: the share of zero gates forced is p (a batch of 4 x 64 tokens, to
+    # a token or two); the ideal is 1 at p = 0, else, a share s of the tokens skipping, above
+    # 1 and at most 1 / (1 - s)^2 (attention's work falls with the square of the share run,
+    # the rest with the share; the head's not at all); speedup = masked / compact time and
+    # efficiency = speedup / ideal, from timed's medians (fixed here: the compacted model
+    # 1.5x and 2x as fast); nothing compiled, so no warning
+    bench = load_command("bench.py")
+    size = dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64, seq_len=64)
+    monkeypatch.setitem(bench.SIZES, "tiny", (size, 4))
+    medians = dict(fwd_masked=0.3, fwd_compact=0.2, fb_masked=0.8, fb_compact=0.4)
+    calls = []
+
+    def timed(fns, repeats, sync):
+        calls.append((sorted(fns), repeats))
+        return {**medians, **{f"host_{k}": t / 2 for k, t in medians.items()}}
+
+    monkeypatch.setattr(bench, "timed", timed)
+    _, batch, rows = bench.bench_size("tiny", "cpu", 3, False)
+    assert batch == 4 and [r["target"] for r in rows] == list(bench.SPARSITY)
+    assert calls == [(sorted(medians), 3)] * 4
+    for r in rows:
+        assert abs(r["sparsity"] - r["target"]) <= 2 / (4 * 64), r
+        if r["target"] == 0:
+            assert r["ideal"] == 1.0
+        else:
+            assert 1 < r["ideal"] <= 1 / (1 - r["sparsity"]) ** 2, r
+        assert (r["fwd_speedup"], r["fb_speedup"]) == pytest.approx((1.5, 2.0))
+        assert r["fwd_eff"] == pytest.approx(1.5 / r["ideal"])
+        assert r["fb_eff"] == pytest.approx(2.0 / r["ideal"])
+        assert r["compile_masked"] == r["compile_compact"] == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_bench_times_a_source_alone_at_its_own_batch_and_refuses_one_without_a_compact_path(
+    tmp_path, capsys
+):
+    # --init_from alone: that model timed (no default size), at its device_batch_size, named
+    # by its source in bench.json and bench.md; a dense model (no gates to skip by): refused
+    # in one line before anything is written
+    run = tmp_path / "run"
+    code, _, err = run_main(TINY_RUN + ["--stop_step=1", f"--run_dir={run}"], capsys)
+    assert code == 0, err
+    config = json.loads((run / "config.json").read_text())
+    bench = load_command("bench.py")
+    out = tmp_path / "out"
+    assert support.cli(bench.main, [f"--init_from={run}", "--repeats=1", f"--out={out}"]) == 0
+    capsys.readouterr()
+    record = json.loads((out / "bench.json").read_text())
+    assert (record["repeats"], record["device"]) == (1, "cpu")
+    assert [(r["size"], r["batch"]) for r in record["results"]] == [
+        (str(run), config["device_batch_size"])
+    ]
+    page = (out / "bench.md").read_text()
+    assert f"batch per size: {run}={config['device_batch_size']}; median of 1 " in page
+    dense = tmp_path / "dense"
+    dense_run = TINY_RUN + ["--router=none", "--stop_step=1", f"--run_dir={dense}"]
+    code, _, err = run_main(dense_run, capsys)
+    assert code == 0, err
+    code = support.cli(bench.main, [f"--init_from={dense}", f"--out={tmp_path / 'b'}"])
+    said = capsys.readouterr()
+    assert code == 2 and said.out == "" and said.err.count("\n") == 1, said.err
+    assert "bench.py times skip_middle's compact path; this model's router is none" in said.err
+    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.slow
