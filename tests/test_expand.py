@@ -111,19 +111,14 @@ def test_each_group_merges_its_own_last_tau_layers():
     # 6 layers in 2 groups of 3, tau = 2: groups (0, 1, 2), (3, 4, 5) -> (0, 1, 2, new 3),
     # (4, 5, 6, new 7); each new layer from its own group: linear the mean of its last two
     # layers, slerp halfway between its last and the one before, copy its last
-    torch.manual_seed(0)
-    src = tg.GPT(tiny(router="none", n_layers=6))
-    old = src.state_dict()
-    w = "attn.wq.weight"
-
-    def expanded_by(init):
-        return expand.expand_state(old, 6, 2, 1, init, 2, 0, src.router.layer_modules)
+    src, linear = expanded("linear", R=6)  # (the source drawn from seed 0 at each call)
+    old, w = src.state_dict(), "attn.wq.weight"
+    slerp, copy = (expanded(init, R=6)[1] for init in ("slerp", "copy"))
 
     def slerp_halfway(u, v):  # SLERP(u, v, 1/2), written out
         omega = math.acos((u.flatten() @ v.flatten() / (u.norm() * v.norm())).item())
         return math.sin(omega / 2) / math.sin(omega) * (u + v)
 
-    linear, slerp, copy = (expanded_by(init) for init in ("linear", "slerp", "copy"))
     for new, (before, last) in ((3, (1, 2)), (7, (4, 5))):
         u, v = old[f"blocks.{last}.{w}"], old[f"blocks.{before}.{w}"]
         assert torch.allclose(linear[f"blocks.{new}.{w}"], (u + v) / 2)
