@@ -457,6 +457,219 @@ def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
     assert not (tmp_path / "out").exists()  # no shard, no temporary folder, no folder it made
 
 
+def test_a_corpus_name_that_is_a_path_is_refused_before_anything_is_made(tmp_path):
+    # --name is a file name's start: a/b or .. would put shards outside --out
+    tokenize = load_command("data/tokenize_corpus.py")
+    for name in ("a/b", "..", "."):
+        with pytest.raises(support.UserError, match=re.escape(f"--name={name}: a name, not a")):
+            tokenize.Corpus(str(tmp_path / "out"), name)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_check_only_corpus_writes_nothing_and_a_failed_start_leaves_no_folder(
+    tmp_path, monkeypatch
+):
+    # check_only (debian_docs.py, before its downloads): no folder, no temporary folder; a
+    # temporary folder that cannot be made: the folders made for --out are removed again
+    tokenize = load_command("data/tokenize_corpus.py")
+    out = tmp_path / "new" / "deeper"
+    tokenize.Corpus(str(out), "c", check_only=True)
+    (tmp_path / "here").mkdir()
+    tokenize.Corpus(str(tmp_path / "here"), "c", check_only=True)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["here"]
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tokenize.tempfile, "mkdtemp", full)
+    with pytest.raises(OSError, match="No space left"):
+        tokenize.Corpus(str(out), "c")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["here"]
+
+
+def test_a_backup_beside_a_shard_is_kept_and_a_link_in_a_shards_place_is_refused(tmp_path):
+    # c_train_000001.bin.bak (a user's copy of a shard) is not named like a shard: a new
+    # version leaves it as it is. A shard replaced by a link to an identical copy is not the
+    # file this script wrote (a link is never read): refused, link and copy kept
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
+    (tmp_path / "short.txt").write_text("few words " * 12)  # 26 tokens: two shards of 20
+    out = tmp_path / "s"
+    assert len(tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)) > 2
+    backup = (out / "c_train_000002.bin").read_bytes()
+    (out / "c_train_000002.bin.bak").write_bytes(backup)
+    assert len(tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)) == 2
+    assert (out / "c_train_000002.bin.bak").read_bytes() == backup
+    assert not (out / "c_train_000002.bin").exists()  # the previous version's: removed
+    copy = tmp_path / "copy.bin"
+    copy.write_bytes((out / "c_train_000001.bin").read_bytes())
+    (out / "c_train_000001.bin").unlink()
+    (out / "c_train_000001.bin").symlink_to(copy)
+    with pytest.raises(support.UserError, match="c_train_000001.bin is named like a shard"):
+        tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
+    assert os.readlink(out / "c_train_000001.bin") == str(copy) and copy.exists()
+
+
+@pytest.mark.parametrize("how", ["in place", "renamed over"])
+def test_a_shard_of_its_own_changed_while_tokenizing_stops_the_commit(tmp_path, monkeypatch, how):
+    # another job rewrites one of the previous version's shards meanwhile, at the same size:
+    # in place (a later time), or a new file renamed over it (the same time, another inode);
+    # either is a change, and that job's file is neither replaced nor removed
+    tokenize = load_command("data/tokenize_corpus.py")
+    out, real = tmp_path / "s", tokenize.documents
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(3))
+    )
+    tokenize.tokenize([str(tmp_path / "a.jsonl")], str(out), "c", 20, 1)
+    shard = out / "c_train_000002.bin"
+    theirs = bytes(len(shard.read_bytes()))  # as many bytes, all zero
+
+    def documents(paths, raw=False):
+        for i, doc in enumerate(real(paths, raw)):
+            if i == 1:
+                before = shard.stat().st_mtime_ns
+                if how == "in place":
+                    with open(shard, "r+b") as f:
+                        f.write(theirs)
+                    os.utime(shard, ns=(before + 10**9, before + 10**9))
+                else:
+                    (out / "theirs.tmp").write_bytes(theirs)
+                    os.utime(out / "theirs.tmp", ns=(before, before))
+                    os.replace(out / "theirs.tmp", shard)
+            yield doc
+
+    monkeypatch.setattr(tokenize, "documents", documents)
+    with pytest.raises(support.UserError, match="changed while this ran"):
+        tokenize.tokenize([str(tmp_path / "a.jsonl")], str(out), "c", 20, 1)
+    assert shard.read_bytes() == theirs and not list(out.glob(".c.*"))
+
+
+def test_after_a_new_version_the_manifest_lists_its_shards_alone(tmp_path):
+    # the previous version's shards are gone: the manifest names the new ones with their
+    # sha256, and no previous version (whose content could otherwise pass as this corpus's)
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
+    (tmp_path / "short.txt").write_text("few words " * 12)
+    out = tmp_path / "s"
+    tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
+    tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
+    manifest = json.loads((out / "c.manifest.json").read_text())
+    assert manifest == {
+        "written_by": "data/tokenize_corpus.py",
+        "shards": {p.name: sha256(p.read_bytes()) for p in out.glob("c_*.bin")},
+    }
+    assert sorted(manifest["shards"]) == ["c_train_000001.bin", "c_val_000000.bin"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    ["broken link", "link to one of ours", "too deep", "shards a list", "a list"],
+)
+def test_a_manifest_that_is_a_link_or_not_of_its_shape_is_refused(tmp_path, make):
+    # a manifest is read only as a regular file of this script's shape: a link (even to a
+    # manifest this script wrote), JSON nested past Python's limit, or the wrong types are
+    # refused in one line, and left as they are
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "a.txt").write_text("some words " * 30)
+    tokenize.tokenize([str(tmp_path / "a.txt")], str(tmp_path / "ours"), "c", 20, 1)
+    out = tmp_path / "s"
+    out.mkdir()
+    manifest = out / "c.manifest.json"
+    if make == "broken link":
+        manifest.symlink_to(tmp_path / "gone.json")
+    elif make == "link to one of ours":
+        manifest.symlink_to(tmp_path / "ours" / "c.manifest.json")
+    else:
+        manifest.write_text(
+            {
+                "too deep": "[" * 100000,
+                "shards a list": '{"written_by": "data/tokenize_corpus.py", "shards": []}',
+                "a list": "[]",
+            }[make]
+        )
+
+    def held():  # a link's target, a file's bytes
+        return os.readlink(manifest) if manifest.is_symlink() else manifest.read_bytes()
+
+    before = held()
+    with pytest.raises(support.UserError, match="c.manifest.json is the manifest of corpus 'c'"):
+        tokenize.tokenize([str(tmp_path / "a.txt")], str(out), "c", 20, 1)
+    assert [p.name for p in out.iterdir()] == ["c.manifest.json"] and held() == before
+
+
+def test_a_manifest_that_is_a_named_pipe_is_refused_unread(tmp_path):
+    (tmp_path / "a.txt").write_text("some words " * 30)
+    out = tmp_path / "s"
+    out.mkdir()
+    os.mkfifo(out / "corpus.manifest.json")  # opened, it would wait for a writer
+    r = run_command(
+        "data/tokenize_corpus.py",
+        str(tmp_path / "a.txt"),
+        f"--out={out}",
+        "--workers=1",
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "corpus.manifest.json is the manifest of corpus 'corpus' but was not" in r.stderr
+    assert [p.name for p in out.iterdir()] == ["corpus.manifest.json"]
+
+
+def test_a_json_text_that_is_not_a_string_is_named(tmp_path):
+    tokenize = load_command("data/tokenize_corpus.py")
+    for i, text in enumerate((5, None, ["a"], {"a": "b"})):
+        (tmp_path / f"{i}.jsonl").write_text('{"text": "fine"}\n' + json.dumps({"text": text}))
+        with pytest.raises(support.UserError, match=f'{i}.jsonl:2: "text" is not a string$'):
+            tokenize.tokenize([str(tmp_path / f"{i}.jsonl")], str(tmp_path / "s"), "c", 2, 1)
+    assert not (tmp_path / "s").exists()
+
+
+def test_the_encoding_workers_end_with_the_tokenizer(tmp_path):
+    # pool workers are this process's children: none is left once tokenize returns or fails
+    import multiprocessing
+
+    from data import tokenize_corpus as tokenize  # (importable: the workers unpickle _encode)
+
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(40))
+    )
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"no": "text"}\n')
+    before = multiprocessing.active_children()  # (none of this test's)
+    tokenize.tokenize([str(tmp_path / "a.jsonl")], str(tmp_path / "s"), "c", 50, 2)
+    assert multiprocessing.active_children() == before
+    with pytest.raises(support.UserError, match="bad.jsonl:2"):
+        tokenize.tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "t"), "c", 50, 2)
+    assert multiprocessing.active_children() == before
+
+
+def test_check_holds_byte_shards_to_256_ids_and_an_empty_folder_is_refused(tmp_path, capsys):
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "b_val_000000.bin").write_bytes(tokenize.shard_bytes([0, 104, 255], "bytes"))
+    assert tokenize.check(str(tmp_path)) == 3
+    assert "b_val_000000.bin: 3 tokens (bytes)" in capsys.readouterr().out
+    (tmp_path / "b_train_000001.bin").write_bytes(tokenize.shard_bytes([0, 256], "bytes"))
+    with pytest.raises(support.UserError, match="token id 256 is outside the vocabulary"):
+        tokenize.check(str(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(support.UserError, match="empty: no .bin shards"):
+        tokenize.check(str(tmp_path / "empty"))
+
+
+def test_an_error_after_a_progress_line_starts_a_line_of_its_own(monkeypatch, capsys):
+    # the progress line is redrawn with \r and no newline: an error then starts a new line
+    tokenize = load_command("data/tokenize_corpus.py")
+    monkeypatch.setattr(tokenize.Progress, "open_line", False)
+    progress = tokenize.Progress()
+    progress.last = 0  # due for a redraw
+    progress.update(3, 1234, 1)
+    assert capsys.readouterr().err.startswith("\r3 docs  1,234 tokens  1 shards  ")
+    assert tokenize.run(["--check=/nonexistent/x"]) == 2
+    assert capsys.readouterr().err == "\nerror: /nonexistent/x: no such folder\n"
+    progress.update(3, 1234, 2, final=True)  # ends its line: an error after it needs none
+    assert capsys.readouterr().err.endswith("tok/s\n")
+    assert tokenize.run(["--check=/nonexistent/x"]) == 2
+    assert capsys.readouterr().err == "error: /nonexistent/x: no such folder\n"
+
+
 # ------------------------------------------------------------------ bytes as tokens
 
 
@@ -604,6 +817,54 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
     )
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
+
+
+def test_convert_never_replaces_its_inputs_even_through_a_link_and_refuses_a_nul(tmp_path):
+    # --out a link to the inputs' folder is that folder: refused, the inputs as they were;
+    # another --name there is fine. A GPT-2 document holding a NUL byte has no byte-shard form
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "a document of some words " * 3}))
+    tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw", 9, 1)
+    (tmp_path / "link").symlink_to(tmp_path / "g")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()}
+    with pytest.raises(support.UserError, match="is an input, and corpus 'fw' in .* would repl"):
+        tokenize.convert(str(tmp_path / "g" / "fw_*.bin"), str(tmp_path / "link"), "fw")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()} == before
+    converted = tokenize.convert(str(tmp_path / "g" / "fw_*.bin"), str(tmp_path / "g"), "fwb")
+    assert len(converted) == len(list((tmp_path / "g").glob("fw_*.bin")))
+    assert all((tmp_path / "g" / n).read_bytes() == data for n, data in before.items())
+    write_shard(tmp_path / "nul_val_000000.bin", [50256, *gpt2().encode_ordinary("a\0b")])
+    with pytest.raises(support.UserError, match="nul_val_000000.bin: a document holds a NUL"):
+        tokenize.convert(str(tmp_path / "nul_val_000000.bin"), str(tmp_path / "y"), "nul")
+    assert not (tmp_path / "y").exists()
+
+
+def test_from_shards_takes_its_own_options_and_needs_an_out(tmp_path, capsys):
+    # --name applies to --from_shards, --shard_tokens does not; no --out is an error line (not
+    # a traceback); --check's own path is checked before any option
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "some words " * 5}))
+    tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw", 9, 1)
+    shards_ = f"--from_shards={tmp_path}/g/fw_*.bin"
+    capsys.readouterr()
+    tokenize.main([shards_, "--encoding=bytes", f"--out={tmp_path}/b", "--name=x"])
+    capsys.readouterr()  # (a line for each shard converted)
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.bin")) == [
+        "x_train_000001.bin",
+        "x_val_000000.bin",
+    ]
+    for argv, message in (
+        (
+            [shards_, "--encoding=bytes", f"--out={tmp_path}/c", "--shard_tokens=5"],
+            "--shard_tokens does not apply to --from_shards",
+        ),
+        ([shards_, "--encoding=bytes"], "give --encoding=bytes and --out=DIR"),
+        ([f"--check={tmp_path}/none", "--encoding=bytes"], "none: no such folder"),
+    ):
+        assert tokenize.run(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "c").exists()
 
 
 # ------------------------------------------------------------------- debian_docs.py
@@ -1043,6 +1304,71 @@ def test_fineweb_a_shard_that_cannot_be_written_is_a_reason_not_a_traceback(tmp_
     dest = tmp_path / "out" / "fineweb_val_000000.bin"
     why = cached_fineweb10B.fetch(dest.name, str(dest.parent), "[1/1]")
     assert why == f"cannot write {dest}: No space left on device", why
+
+
+def test_fineweb_fetches_the_validation_shard_and_103_training_shards_by_default(
+    tmp_path, monkeypatch
+):
+    fetch, asked = load_command("data/cached_fineweb10B.py"), []
+    monkeypatch.setattr(fetch, "fetch", lambda name, out, counter: asked.append(name))
+    fetch.main([f"--out={tmp_path}"])
+    expected = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, 104)]
+    assert sorted(asked) == sorted(expected) and len(asked) == 104
+
+
+def test_fineweb_names_the_first_three_missing_files_then_dots(tmp_path, monkeypatch):
+    fetch = load_command("data/cached_fineweb10B.py")
+    monkeypatch.setattr(
+        fetch, "fetch", lambda name, out, counter: None if "_val_" in name else "gone"
+    )
+    for count, listed in (
+        (3, "train_000001.bin, fineweb_train_000002.bin, fineweb_train_000003.bin; gone)"),
+        (4, "train_000001.bin, fineweb_train_000002.bin, fineweb_train_000003.bin ...; gone)"),
+    ):
+        with pytest.raises(support.RunStopped) as e:
+            fetch.main([str(count), f"--out={tmp_path}"])
+        assert str(e.value).startswith(f"{count} of {count + 1} files missing (fineweb_"), e.value
+        assert listed in str(e.value), e.value
+
+
+def test_fineweb_a_download_error_is_its_reason_and_a_shard_is_copied_where_links_fail(
+    tmp_path, monkeypatch
+):
+    # a download that fails in its own words (here, no right to the cache): a one-line reason,
+    # not a traceback. Where a hard link is refused (another filesystem), the shard is a copy
+    import huggingface_hub
+
+    fetch = load_command("data/cached_fineweb10B.py")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", "/hub/blobs/x")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refused)
+    why = fetch.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
+    assert why == "PermissionError: [Errno 13] Permission denied: '/hub/blobs/x'", why
+    write_shard(tmp_path / "blob", range(10))
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(fetch.os, "link", cross_device)
+    dest = tmp_path / "out" / "x.bin"
+    fetch.place(str(tmp_path / "blob"), str(dest))
+    monkeypatch.undo()
+    assert dest.read_bytes() == (tmp_path / "blob").read_bytes()
+    assert not os.path.samefile(dest, tmp_path / "blob") and os.listdir(dest.parent) == ["x.bin"]
+
+
+def test_fineweb_a_shard_it_cannot_read_is_named_not_a_traceback(tmp_path, monkeypatch):
+    # (as root no permission stops a read: the read itself fails here)
+    fetch = load_command("data/cached_fineweb10B.py")
+    write_shard(tmp_path / "x.bin", range(10))
+
+    def unreadable(path):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(fetch, "shard_tokens", unreadable)
+    assert fetch.damage(str(tmp_path / "x.bin")) == f"{tmp_path / 'x.bin'}: Permission denied"
 
 
 def test_debian_docs_page_text_by_hand():

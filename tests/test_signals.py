@@ -3,6 +3,7 @@ sweep) that go while their workers run."""
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ import train_gpt as tg
 from conftest import (
     AUTHORS_TINY,
     COMMANDS,
+    REPO,
     RESUME_RUN,
     TINY_RUN,
     read_metrics,
@@ -596,3 +598,203 @@ def test_check_memory_refuses_only_what_exceeds_the_machine(monkeypatch):
     ranks.check_memory(3 << 30, "to train", "--dim")  # exactly the machine's: fits
     with pytest.raises(support.UserError, match=r"at least 3 GiB on one device to train; it has 3"):
         ranks.check_memory((3 << 30) + 1, "to train", "--dim")
+
+
+def test_dist_master_and_launcher_by_hand():
+    # the master is global rank 0, not each node's local rank 0; a job of two or more ranks is
+    # resumed with torchrun and as many
+    assert ranks.Dist().master and ranks.Dist(rank=0, local_rank=0, world=16).master
+    assert not ranks.Dist(rank=8, local_rank=0, world=16).master
+    assert ranks.Dist(world=2).launcher == "torchrun --nproc_per_node=2 train_gpt.py"
+    assert ranks.Dist(world=1).launcher == "python train_gpt.py"
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or not os.path.exists("/proc/meminfo"), reason="RAM, on Linux"
+)
+def test_machine_memory_is_the_physical_ram_and_unknown_refuses_nothing(monkeypatch):
+    # /proc/meminfo's MemTotal (the RAM less what the kernel keeps) is at most the physical
+    # RAM, and close to it; the free memory would be less. No size known: nothing is refused
+    total = int(re.search(r"MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text())[1]) << 10
+    assert total <= ranks.machine_memory() <= 1.1 * total
+
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+
+    monkeypatch.setattr(ranks.os, "sysconf", unknown)
+    ranks.check_memory(1 << 50, "to train", "--dim")  # a petabyte: not refused
+
+
+def test_a_gpu_worker_is_set_up_on_its_local_device_and_gives_up_when_its_launcher_is_gone(
+    monkeypatch,
+):
+    # rank 3 of 4, local rank 1, as torchrun sets them, CUDA said to be there (none needed):
+    # its device is cuda:1, set before NCCL's rendezvous, its launcher this process's parent.
+    # A launcher gone at start-up: no rendezvous; gone during one: said so, not the C++ error
+    import torch.distributed as dist
+
+    calls, gone = [], [False, False]
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(ranks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ranks.torch.cuda, "set_device", lambda d: calls.append(("device", d)))
+    monkeypatch.setattr(ranks, "gone", lambda d: gone.pop(0) if gone else False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(backend))
+    d = ranks.setup_distributed()
+    assert d == ranks.Dist(rank=3, local_rank=1, world=4, device="cuda:1", parent=os.getppid())
+    assert calls == [("device", "cuda:1"), "nccl"]
+    gone[:] = [True]
+    with pytest.raises(support.RunStopped, match="^the launcher is gone: this worker stops"):
+        ranks.setup_distributed()
+    assert calls == [("device", "cuda:1"), "nccl"]  # no rendezvous tried
+
+    def refused(backend):
+        raise dist.DistError("connection refused\n<a C++ stack>")
+
+    monkeypatch.setattr(dist, "init_process_group", refused)
+    for later, message in ((False, "the rendezvous failed: connection refused$"), (True, "^the l")):
+        gone[:] = [False, later]  # at start-up, then after the rendezvous failed
+        with pytest.raises(support.RunStopped, match=message):
+            ranks.setup_distributed()
+
+
+def test_a_launcher_gone_while_the_rendezvous_waits_ends_the_worker(monkeypatch):
+    # init_process_group waits in C++, where no Python signal handler runs: the watch ends
+    # the worker (status 1) once its launcher is gone meanwhile
+    import torch.distributed as dist
+
+    exited, codes, gone = threading.Event(), [], [False]
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(ranks.torch.cuda, "is_available", lambda: False)  # (no device to set)
+    monkeypatch.setattr(ranks, "gone", lambda d: gone[0])
+
+    def exit_(code):
+        codes.append(code)
+        exited.set()
+
+    def rendezvous(backend):  # the launcher goes while this rank waits for the other
+        gone[0] = True
+        exited.wait(3)
+
+    monkeypatch.setattr(ranks.os, "_exit", exit_)
+    monkeypatch.setattr(dist, "init_process_group", rendezvous)
+    ranks.setup_distributed()
+    assert codes[:1] == [1]
+
+
+def test_a_launcher_is_gone_when_its_store_refuses_and_only_torchruns_store_counts(monkeypatch):
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        open_port = listening.getsockname()[1]
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            closed_port = closed.getsockname()[1]  # bound, never listening: refuses
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        for agent, port, refused in (
+            ("True", closed_port, True),
+            (None, closed_port, False),  # another launcher's variables: no evidence
+            ("True", open_port, False),
+            ("True", "not a port", False),
+            ("True", None, False),
+        ):
+            for name, value in (("TORCHELASTIC_USE_AGENT_STORE", agent), ("MASTER_PORT", port)):
+                if value is None:
+                    monkeypatch.delenv(name, raising=False)
+                else:
+                    monkeypatch.setenv(name, str(value))
+            assert ranks.store_refused() == refused, (agent, port)
+            assert ranks.gone(ranks.Dist()) == refused  # (not a worker: the store alone)
+
+
+def test_the_watch_says_the_launcher_is_gone_in_one_line_and_exits_1(monkeypatch, capsys):
+    exited, codes = threading.Event(), []
+    monkeypatch.setattr(ranks, "gone", lambda d: True)
+
+    def exit_(code):
+        codes.append(code)
+        exited.set()
+
+    monkeypatch.setattr(ranks.os, "_exit", exit_)
+    with ranks.watching(ranks.Dist(parent=1)):
+        assert exited.wait(3)
+    assert codes[:1] == [1]
+    assert capsys.readouterr().err.startswith(
+        "error: the launcher is gone: this worker stops; nothing was written\n"
+    )
+
+
+# a barrier; rank 0 fails or returns in on_master; what each rank then gets, sums, maxima, the
+# signal agreed on: written to RANK.json for the test to hold against its own figures
+TWO_RANKS = r"""import errno, json, os, sys, time, types
+sys.path.insert(0, sys.argv[1])
+import torch
+import ranks, support
+d = ranks.setup_distributed()
+out, calls = {"rank": d.rank, "world": d.world, "master": d.master}, []
+
+def fn(value):
+    calls.append(d.rank)
+    return value
+
+def raises(error):
+    def fail():
+        raise error
+    return fail
+
+if d.rank == 1:  # rank 0 passes the barrier only once rank 1 has reached it
+    time.sleep(1)
+    open(os.path.join(sys.argv[2], "reached"), "w").close()
+d.barrier()
+out["after barrier"] = os.path.exists(os.path.join(sys.argv[2], "reached"))
+out["shared"] = d.on_master(lambda: fn({"from": d.rank}))
+out["kept"] = d.on_master(lambda: fn([d.rank]), share=False)
+for name, error, last in (
+    ("user", support.UserError("bad input"), None),
+    ("os", OSError(errno.ENOSPC, "No space left on device", "/x"), None),
+    ("other", ValueError("boom"), "ck.pt"),
+):
+    try:
+        d.on_master(raises(error), last=last)
+    except Exception as e:
+        out[name] = [type(e).__name__, str(e)]
+out["calls"] = calls
+sums = {"a": torch.tensor([d.rank + 1.0, 2.0], dtype=torch.float64),
+        "b": torch.full((2, 1), 10.0 * d.rank, dtype=torch.float64)}
+out["sums"] = {k: v.tolist() for k, v in ranks.all_reduce_sums(sums).items()}
+out["max"] = ranks.all_reduce(torch.tensor([d.rank + 5.0]), "max").tolist()
+for got in ((15, 10), (0, 0), (0, 2)):
+    out[f"signal {got}"] = ranks.agreed_signal(types.SimpleNamespace(signum=got[d.rank]), d)
+d.close()
+out["closed"] = not torch.distributed.is_initialized()
+with open(os.path.join(sys.argv[2], f"{d.rank}.json"), "w") as f:
+    json.dump(out, f)
+os._exit(0)  # (gloo's teardown at exit can abort: see test_compile_ddp's DDP_COMPACT)
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_master_results_failures_sums_maxima_and_signals(tmp_path):
+    (tmp_path / "two.py").write_text(TWO_RANKS)
+    r = run_command(tmp_path / "two.py", REPO, tmp_path, nproc=2, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    stopped = ["RunStopped", "rank 0 failed (ValueError: boom); last checkpoint: ck.pt"]
+    for rank, said in enumerate(got):
+        assert (said["rank"], said["world"], said["master"]) == (rank, 2, rank == 0)
+        assert said["after barrier"]
+        assert said["shared"] == {"from": 0}  # rank 0's result, on both
+        assert said["kept"] == ([0] if rank == 0 else None)  # share=False: rank 0's alone
+        assert said["calls"] == ([0, 0] if rank == 0 else [])  # fn runs on rank 0 only
+        assert said["user"] == ["UserError", "bad input"]
+        assert said["os"] == ["OSError", "[Errno 28] No space left on device: '/x'"]
+        assert said["other"] == (["ValueError", "boom"] if rank == 0 else stopped)
+        assert said["sums"] == {"a": [3.0, 4.0], "b": [[10.0], [10.0]]}  # by key, shapes kept
+        assert said["max"] == [6.0]
+        assert [said[f"signal {g}"] for g in ((15, 10), (0, 0), (0, 2))] == [15, 0, 2]
+        assert said["closed"]
