@@ -109,12 +109,20 @@ GONE = "the launcher is gone: this worker stops; nothing was written"
 def setup_distributed() -> Dist:
     """torchrun sets RANK/WORLD_SIZE; plain `python train_gpt.py` is world size 1. A worker whose
     launcher is gone gives up before anything is written: at once, or while it waits for the
-    other ranks (which would wait till torch's timeout): watching. A rendezvous that fails is one
-    line as well."""
+    other ranks (which would wait till torch's timeout): watching. An environment that is not a
+    torchrun worker's, or a rendezvous that fails, is one line as well."""
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         return Dist(device="cuda" if cuda else "cpu")
-    d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    try:  # (RANK alone, say another launcher's, is not a torchrun worker's environment)
+        d = Dist(*(int(os.environ[k]) for k in names))
+    except (KeyError, ValueError):
+        said = " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in names)
+        raise UserError(
+            f"{said}: not a torchrun worker's environment; start the job with torchrun, or "
+            f"unset RANK"
+        ) from None
     d.device = f"cuda:{d.local_rank}" if cuda else "cpu"
     d.parent = PARENT
     if gone(d):
@@ -128,6 +136,8 @@ def setup_distributed() -> Dist:
             raise RunStopped(
                 GONE if gone(d) else f"the rendezvous failed: {first_line(e)}"
             ) from None
+        except ValueError as e:  # env:// without MASTER_ADDR or MASTER_PORT: not torchrun's
+            raise UserError(f"the rendezvous cannot start: {first_line(e)}") from None
     return d
 
 

@@ -798,3 +798,27 @@ def test_two_ranks_agree_on_master_results_failures_sums_maxima_and_signals(tmp_
         assert said["max"] == [6.0]
         assert [said[f"signal {g}"] for g in ((15, 10), (0, 0), (0, 2))] == [15, 0, 2]
         assert said["closed"]
+
+
+def test_a_worker_environment_that_is_not_torchruns_is_one_error_line(
+    tmp_path, monkeypatch, capsys
+):
+    # RANK set without LOCAL_RANK and WORLD_SIZE (another launcher's, or a shell's), or an
+    # env:// rendezvous without MASTER_ADDR: one line, status 2, nothing written (before: a
+    # KeyError or ValueError traceback, status 1)
+    monkeypatch.setenv("RANK", "0")
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    code, out, err = run_main(TINY_RUN + [f"--run_dir={tmp_path / 'a'}"], capsys)
+    assert (code, out, err) == (
+        2,
+        "",
+        "error: RANK=0 LOCAL_RANK=(unset) WORLD_SIZE=(unset): not a torchrun worker's "
+        "environment; start the job with torchrun, or unset RANK\n",
+    )
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, out, err = run_main(TINY_RUN + [f"--run_dir={tmp_path / 'b'}"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the rendezvous cannot start: ") and "MASTER_ADDR" in err, err
+    assert not list(tmp_path.iterdir())
