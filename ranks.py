@@ -117,6 +117,8 @@ def setup_distributed() -> Dist:
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     try:  # (RANK alone, say another launcher's, is not a torchrun worker's environment)
         d = Dist(*(int(os.environ[k]) for k in names))
+        if not (0 <= d.rank < d.world and 0 <= d.local_rank <= d.rank):
+            raise ValueError  # (a rank past the world would wait for the others till a timeout)
     except (KeyError, ValueError):
         said = " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in names)
         raise UserError(

@@ -803,9 +803,10 @@ def test_two_ranks_agree_on_master_results_failures_sums_maxima_and_signals(tmp_
 def test_a_worker_environment_that_is_not_torchruns_is_one_error_line(
     tmp_path, monkeypatch, capsys
 ):
-    # RANK set without LOCAL_RANK and WORLD_SIZE (another launcher's, or a shell's), or an
+    # RANK set without LOCAL_RANK and WORLD_SIZE (another launcher's, or a shell's), a rank
+    # past the world (it would wait for the others till a timeout) or not a number, or an
     # env:// rendezvous without MASTER_ADDR: one line, status 2, nothing written (before: a
-    # KeyError or ValueError traceback, status 1)
+    # KeyError or ValueError traceback, status 1, or a wait)
     monkeypatch.setenv("RANK", "0")
     for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -816,6 +817,14 @@ def test_a_worker_environment_that_is_not_torchruns_is_one_error_line(
         "error: RANK=0 LOCAL_RANK=(unset) WORLD_SIZE=(unset): not a torchrun worker's "
         "environment; start the job with torchrun, or unset RANK\n",
     )
+    for rank, local, world in (("2", "0", "2"), ("0", "1", "2"), ("x", "0", "1")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        code, out, err = run_main(TINY_RUN + [f"--run_dir={tmp_path / 'a'}"], capsys)
+        said = f"error: RANK={rank} LOCAL_RANK={local} WORLD_SIZE={world}: not a torchrun"
+        assert (code, out) == (2, "") and err.startswith(said) and err.count("\n") == 1, err
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     code, out, err = run_main(TINY_RUN + [f"--run_dir={tmp_path / 'b'}"], capsys)
