@@ -91,16 +91,22 @@ def routers_fields(router) -> list:
     return [f.name for f in tg.fields(tg.Hyperparameters) if f.metadata["router"] == router]
 
 
-def accepts(name, value) -> bool:
-    """Whether --name=value on the smoke preset, with the router or controller that reads
-    the field, passes every check before a run starts."""
-    text = str(value).lower() if isinstance(value, bool) else str(value)
+def owner_flags(name) -> list:
+    """The flags that make the smoke preset read the field: its router, its controller."""
     owner = [f"--router={r}" for r in tg.ROUTERS if name in routers_fields(r)]
     # the smoke's 4: too few for N_r = 3
     owner += ["--n_layers=8"] if owner == ["--router=mor"] else []
     owner += [f"--controller={c}" for c, knobs in tg.CONTROLLERS.items() if name in knobs.split()][
         :1
     ]
+    return owner
+
+
+def accepts(name, value) -> bool:
+    """Whether --name=value on the smoke preset, with the router or controller that reads
+    the field, passes every check before a run starts."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    owner = owner_flags(name)
     try:
         given = [f"--{name}={text}"] if text else []  # an empty default: the flag left out
         # its vocabulary
@@ -193,21 +199,24 @@ def test_every_field_has_a_checked_range(tmp_path):
             assert f.name in strings, f"a new text field {f.name}: add its bad value here"
             candidates = [bad_values[f.name]] if f.name in bad_values else []
         never = ["", "nan", "inf"] + (["1e-50", "1e39"] if type(default) is float else [])
-        for value in (
-            never if isinstance(default, (int, float)) and not isinstance(default, bool) else []
-        ):
-            with pytest.raises(tg.UserError):  # refused for every number, whatever its range
-                tg.validate(
-                    tg.resolve(tg.parse_overrides(["--preset=smoke", f"--{f.name}={value}"])), 1
-                )
+        # with the router or controller that reads the field: else any value of a field that
+        # only they read is refused as a knob without effect, whatever its range check does
+        owner = ["--preset=smoke", *owner_flags(f.name)]
+        numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
+        for value in never if numeric else []:
+            # refused for every number, whatever its range, by its own checks
+            with pytest.raises(tg.UserError, match="expected|must lie in|outside float32"):
+                tg.validate(tg.resolve(tg.parse_overrides([*owner, f"--{f.name}={value}"])), 1)
         refused = 0
         for value in candidates:
             try:
-                hp = tg.resolve(tg.parse_overrides(["--preset=smoke", f"--{f.name}={value}"]))
+                hp = tg.resolve(tg.parse_overrides([*owner, f"--{f.name}={value}"]))
                 tg.validate(hp, 1)
                 tg.find_shards(hp.train_files), tg.find_shards(hp.val_files)
-            except tg.UserError:
-                refused += 1  # any other exception fails the test: a traceback for the user
+            except tg.UserError as e:  # any other exception fails: a traceback for the user
+                if numeric:  # past its range: refused by the range check, not by another rule
+                    assert re.search(rf"{f.name}=\S+ must lie in", str(e)), e
+                refused += 1
         assert refused == len(candidates), f"--{f.name}: an out-of-range value is accepted"
         # and its value (the smoke preset's) and some other valid value are accepted, whole
         # (validate); the valid values of resume and init_from are models: their own tests
