@@ -525,7 +525,8 @@ def test_controller_updates_match_hand_computed_steps():
     c = controller("proportional_tol")  # a deviation of exactly delta (exact in binary): none
     c.delta = 0.25
     c.update(torch.tensor([1.0, 0.75, 0.5, 1.0]), torch.tensor([0.0, 0.25, 0.75, 0.0]))
-    assert c.alpha.tolist() == [0.0] * 4 and c.beta.tolist() == [0.0, 0.0, 0.1 * 0.5, 0.0]
+    assert c.alpha.tolist() == [0.0] * 4  # deviations 0, 0.25 = delta, 0, 0: none past it
+    assert c.beta.tolist() == [0.0, 0.0, 0.1 * 0.5, 0.0]  # deviation 0.5 at block 2: gamma dev
     c = controller("proportional")
     c.update(mean, var)
     assert c.alpha.tolist() == pytest.approx([-0.002, 0.02, -0.01, -0.06])
