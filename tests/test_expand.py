@@ -245,11 +245,11 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     assert code == 0 and f"--resume={tmp_path / 'dlo'}" in out, err
     expanded = tg.load_checkpoint(str(tmp_path / "dlo"))
     assert expanded["step"] == 0  # it reads on where the source stopped: the tokens it has not seen
-    assert (
-        expanded["loader"]
-        == tg.load_checkpoint(str(tmp_path / "dense"))["loader"]
-        != {"shard": 0, "pos": 0}
-    )
+    source = tg.load_checkpoint(str(tmp_path / "dense"))["loader"]
+    assert expanded["loader"] == source
+    # where the source stopped, by hand: 5120 tokens in steps of 8 x 32, within the sample's
+    # one training shard
+    assert (source["shard"], source["pos"], source["laps"]) == (0, 5120, 0)
     code, _, err = run_main([f"--resume={tmp_path / 'dlo'}"], capsys)
     assert code == 0, err
     dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
