@@ -160,6 +160,10 @@ def test_a_compiled_model_stays_compiled(
     assert not counts["graph_break"], dict(counts["graph_break"])
     # nor traced through a cache (gated_attention: Flex itself when compiling, not its wrapper)
     assert not [w for w in recwarn if "lru_cache" in str(w.message)], [str(w) for w in recwarn]
+    # the model ran compiled at all: a block's graph and the readout's in training, more in
+    # evaluation (the bounds below are upper ones only, which no compiling at all meets)
+    assert training_graphs >= 2, training_graphs
+    assert len(graphs) > training_graphs, (len(graphs), training_graphs)
     shapes = {n for v in lengths for n in v} | {hp.seq_len}
     assert training_graphs <= 2 * len(shapes) + 1, (training_graphs, shapes)
     evaluated = {n for v in fitted for n in v} | {hp.seq_len}
@@ -214,6 +218,9 @@ def test_one_process_evaluating_every_router_at_every_packed_length_stays_compil
                     compact(idx)
     regions = [getattr(tg.Block, name).__code__ for name in tg.REGIONS]
     graphs = max(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(c)) for c in regions)
+    # at least a graph per packed length: else the compacted blocks ran eagerly (measure would
+    # time eager blocks), which an upper bound alone lets pass
+    assert len(lengths) <= graphs, (graphs, lengths)
     assert graphs <= len(lengths) + len(tg.ROUTERS), graphs  # and each router's masked one
 
 
