@@ -293,7 +293,9 @@ def grads(module):
 
 
 def assert_close_rel(a, b, tol):
-    """a and b within tol of the larger of their largest magnitudes."""
+    """a and b within tol of the larger of their largest magnitudes, both finite (an infinite
+    magnitude would pass anything)."""
+    assert torch.isfinite(a).all() and torch.isfinite(b).all(), "not finite"
     scale = max(a.abs().max().item(), b.abs().max().item(), 1e-12)
     assert (a - b).abs().max().item() <= tol * scale
 
