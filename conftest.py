@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -111,13 +111,17 @@ def load_command(path):
 
 
 def wait_for_line(proc, prefix, timeout=120):
-    """proc's first line of stdout starting with prefix (failing if it ends or times out first)."""
-    deadline = time.time() + timeout
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return line
-        assert time.time() < deadline, f"no line starting {prefix!r}"
-    raise AssertionError(f"process ended before {prefix!r}: {proc.stderr.read()[-2000:]}")
+    """proc's first line of stdout starting with prefix, failing if it ends first; killed if no
+    such line comes within timeout seconds (a silent process would hold the loop for ever)."""
+    deadline = threading.Timer(timeout, proc.kill)
+    deadline.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                return line
+    finally:
+        deadline.cancel()
+    raise AssertionError(f"no {prefix!r} within {timeout} s: {proc.stderr.read()[-2000:]}")
 
 
 def disk_nearly_full(limit=256 << 10):
