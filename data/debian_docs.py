@@ -84,6 +84,7 @@ SHA256 = {  # the shards these packages give (Python 3.11.7's html.parser)
     "docs_val_000000.bin": "7e8b3f8318490b06e5151af31bb34c6d632f696fbf2af1e9e16ade71b69c235d",
     "docs_train_000001.bin": "dc17cf0a24cb5357f14a47a45ebb874c0e3d8a1037db1575e3cece15c3116021",
 }
+OURS = dict(retry="--out", writer="data/debian_docs.py")  # (the corpus's manifest names it)
 SHUFFLE_SEED = 0  # random.Random(SHUFFLE_SEED): the pages' order, then the excerpts' starts
 TRAIN_EVERY = 10  # pages 0, 10, 20, ... of the shuffled order train; the others are held out
 EXCERPT = 768  # for validation, each as one excerpt of at most EXCERPT characters at a random
@@ -222,7 +223,7 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
             f"{out} holds the pinned corpus, which --unpinned would replace; give "
             f"another --out (and train on it with --train_files/--val_files)"
         )
-    tokenize_corpus.Corpus(out, "docs", "bytes", check_only=True, retry="--out")  # now, not later
+    tokenize_corpus.Corpus(out, "docs", "bytes", check_only=True, **OURS)  # now, not later
     made = first_missing(out)
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".debian_docs.", dir=out)
@@ -242,7 +243,7 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
                     text = text[start : start + EXCERPT]
                 f.write(json.dumps({"text": text}) + "\n")
         return tokenize_corpus.tokenize(
-            [docs], out, "docs", 100_000_000, workers, "bytes", is_val=held_out, inputs=inputs
+            [docs], out, "docs", 100_000_000, workers, "bytes", held_out, inputs, **OURS
         )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

@@ -101,22 +101,29 @@ class Corpus:
     NAME.manifest.json (each shard's name and sha256, the previous version's too until it is
     gone), moves the shards into place, deletes the previous version's others, then drops them
     from the manifest. Only files the manifest lists, with the content it records, are ever
-    replaced or deleted: a shard-named file or a manifest this script did not write (a download,
-    another tool's, one edited since; a link or a FIFO, unread) is refused before any work, and
+    replaced or deleted: a shard-named file or a manifest this command did not write (a download,
+    another tool's, another command's, one edited since; a link or a FIFO, unread; the manifest
+    names its writer) is refused before any work, and
     one that appears or changes while this runs stops the commit. On any failure the temporary
     folder, and the folders this created for OUT, are removed; nothing else is touched."""
 
-    WRITER = "data/tokenize_corpus.py"
-
     def __init__(
-        self, out: str, name: str, enc: str = "gpt2", check_only=False, retry="--name or --out"
+        self,
+        out: str,
+        name: str,
+        enc: str = "gpt2",
+        check_only=False,
+        retry="--name or --out",
+        writer="data/tokenize_corpus.py",
     ):
         """check_only: refuse what the corpus may not replace, and write nothing (yet); retry: the
-        command's options that would put the corpus elsewhere."""
+        command's options that would put the corpus elsewhere; writer: the command writing it
+        (data/debian_docs.py's corpus and one of this script's never replace each other)."""
         if os.sep in name or name in (".", ".."):
             raise UserError(f"--name={name}: a name, not a path")
         out = os.path.abspath(out)  # a/b/../c: the folders made are the ones removed
         self.out, self.name, self.shards, self.enc, self.retry = out, name, {}, enc, retry
+        self.writer = writer
         self.manifest = os.path.join(out, f"{name}.manifest.json")
         ours = self.read_manifest()  # name -> the sha256 of each version this script wrote
         self.pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
@@ -152,7 +159,7 @@ class Corpus:
 
     def refuse(self, what: str):
         raise UserError(
-            f"{what} but was not written by this script, or changed since: choose "
+            f"{what} but was not written by {self.writer}, or changed since: choose "
             f"another {self.retry}; nothing was written"
         )
 
@@ -165,7 +172,7 @@ class Corpus:
                 raise ValueError
             with open(self.manifest, "rb") as f:
                 m = json.load(f)
-            if m["written_by"] != self.WRITER:
+            if m["written_by"] != self.writer:
                 raise ValueError
             ours = {}
             for part in ("shards", "previous"):
@@ -188,7 +195,7 @@ class Corpus:
 
     def write_manifest(self, previous: dict):
         m = {
-            "written_by": self.WRITER,
+            "written_by": self.writer,
             "shards": self.shards,
             **({"inputs": self.inputs} if getattr(self, "inputs", None) else {}),
         }
@@ -329,11 +336,11 @@ class Progress:
             Progress.open_line = not final
 
 
-def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, inputs=None):
+def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, inputs=None, **by):
     """Encode every document in order and write shards; returns the shard paths. is_val: true of
     the index of each document that goes to validation shards, the others to training shards
     (None: the first shard is validation). inputs: {name: sha256} of what the text came from,
-    for the manifest."""
+    for the manifest; by: Corpus's retry and writer, for another command."""
     for path in paths:
         need(path, "a file")
         if not os.access(path, os.R_OK):
@@ -355,7 +362,7 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
     progress = Progress()
     pool = mp.Pool(workers, quiet_worker) if workers > 1 else None
     try:
-        with Corpus(out, name, enc) as corpus:
+        with Corpus(out, name, enc, **by) as corpus:
             corpus.inputs = inputs
             items = ((n, text, enc) for n, text in documents(paths, raw=enc == "bytes"))
             results = pool.imap(_encode, items, chunksize=16) if pool else map(_encode, items)

@@ -319,7 +319,7 @@ def test_a_corpus_named_like_shards_it_did_not_write_is_refused(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert (
         "fineweb_train_000001.bin (and 2 more) is named like a shard of corpus 'fineweb' but "
-        "was not written by this script" in r.stderr
+        "was not written by data/tokenize_corpus.py" in r.stderr
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == download
     # its own corpus, edited since it was written, is not its own any more
@@ -969,9 +969,27 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
         r.returncode == 0
         and json.loads((tmp_path / "again" / "docs.manifest.json").read_text())["shards"] == shas
     )
+    # neither this corpus nor one of tokenize_corpus.py's replaces the other (a user's corpus
+    # named docs was deleted; the pinned corpus replaced)
+    again = {p.name: p.read_bytes() for p in (tmp_path / "again").iterdir()}
+    (tmp_path / "a.jsonl").write_text("".join(f'{{"text": "my text {i}"}}\n' for i in range(3)))
+    user = ["--name=docs", "--encoding=bytes", "--val_every=2"]
+    r = run_command(
+        "data/tokenize_corpus.py", tmp_path / "a.jsonl", f"--out={tmp_path}/again", *user
+    )
+    assert r.returncode == 2 and "not written by data/tokenize_corpus.py" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "again").iterdir()} == again
+    r = run_command(
+        "data/tokenize_corpus.py", tmp_path / "a.jsonl", f"--out={tmp_path}/user", *user
+    )
+    assert r.returncode == 0, r.stderr
+    mine = {p.name: p.read_bytes() for p in (tmp_path / "user").iterdir()}
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'user'}", "--unpinned", env=today)
+    assert r.returncode == 2 and "not written by data/debian_docs.py" in r.stderr, r.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "user").iterdir()} == mine
     # a folder holding the pinned corpus is not replaced by an unpinned one
     (tmp_path / "again" / "docs.manifest.json").write_text(
-        json.dumps({"written_by": "data/tokenize_corpus.py", "shards": docs.SHA256})
+        json.dumps({"written_by": "data/debian_docs.py", "shards": docs.SHA256})
     )
     r = run_command("data/debian_docs.py", f"--out={tmp_path / 'again'}", "--unpinned", env=today)
     assert r.returncode == 2 and r.stderr.startswith(
