@@ -253,6 +253,7 @@ def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
         raise UserError(
             f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})"
         ) from None
+    check_moments(raw, opt, where)
     routing = [
         t
         for v in raw.router.routing_state().values()  # tensors, or dicts of them
@@ -433,6 +434,30 @@ def logged(run_dir: str, key: str = "run_id"):
 
 # -----------------------------------------------------------------------------
 # A job's saves and stops, agreed by every rank
+
+
+def check_moments(model, opt, where: str):
+    """Each parameter's AdamW state, where it has one (a parameter that never had a gradient has
+    none), as a step reads it: a step count and two floating moments of the parameter's shape.
+    load_state_dict checks none of it; the fused step read a moment of another shape out of
+    bounds (a crash, after the run's files were written)."""
+    for name, p in model.named_parameters():
+        state = opt.state.get(p)
+        if not state:
+            continue
+        moments = [state.get(k) for k in ("exp_avg", "exp_avg_sq")]
+        step = state.get("step")
+        if not (
+            set(state) == {"step", "exp_avg", "exp_avg_sq"}
+            and all(torch.is_tensor(m) and m.is_floating_point() for m in moments)
+            and all(m.shape == p.shape for m in moments)
+            and torch.is_tensor(step)
+            and step.numel() == 1
+        ):
+            raise UserError(
+                f"{where}: the optimiser's state of {name} is not AdamW's for that parameter "
+                f"(an edited or damaged checkpoint)"
+            )
 
 
 def all_finite(model, opt) -> bool:

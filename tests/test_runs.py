@@ -728,6 +728,15 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
             "non-finite weights, optimiser",
         ),
         (lambda c: c["routing"]["controller"]["alpha"].fill_(nan), "controller state"),
+    ) + tuple(  # AdamW's state of a parameter, as a step reads it (the fused step crashed)
+        (lambda c, edit=edit: edit(next(iter(c["optimizer"]["state"].values()))), "optimiser's")
+        for edit in (
+            lambda s: s.pop("exp_avg_sq"),
+            lambda s: s.update(exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3)),
+            lambda s: s.update(exp_avg="hello"),
+            lambda s: s.update(step=torch.zeros(2, 2)),
+            lambda s: s.update(max_exp_avg_sq=s["exp_avg_sq"]),
+        )
     ):
         edited = copy.deepcopy(good)
         edit(edited)
