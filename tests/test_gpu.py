@@ -7,6 +7,7 @@ benchmarks, and writes a record.
 import json
 import os
 import re
+import subprocess
 import time
 from dataclasses import fields, replace
 
@@ -58,6 +59,8 @@ def test_cuda_flex_score_mod_matches_sdpa_with_gate_gradients():
 def test_cuda_compiled_model_matches_eager():
     # dim 256: at dim 64 Triton 3.6 failed to compile a fused fp32 RMSNorm kernel (H100, torch
     # 2.11); the gradients are what this guards (torch 2.11's compile once zeroed them all)
+    import torch._dynamo
+
     torch.manual_seed(0)
     hp = tiny(
         n_layers=4, dim=256, n_heads=4, n_kv_heads=4, max_seq_len=128, seq_len=128, attn_impl="flex"
@@ -66,9 +69,13 @@ def test_cuda_compiled_model_matches_eager():
     spread_gates(eager)
     compiled_raw = tg.GPT(hp).cuda()
     compiled_raw.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     compiled = tg.compile_model(compiled_raw)
     idx = torch.randint(0, 97, (4, 128), device="cuda")
     (l0, g0), (l1, g1) = cuda_step(eager, idx), cuda_step(compiled, idx)
+    # compiled it was (compile_model works in place: compiling nothing, eager would match eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # a block's, the readout's
     assert (l0 - l1).abs().item() < 1e-4
     assert g0.keys() == g1.keys()
     for name in g0:
@@ -76,16 +83,20 @@ def test_cuda_compiled_model_matches_eager():
 
 
 @cuda
-def test_cuda_bf16_autocast_loss_is_close_to_fp32():
+def test_cuda_bf16_autocast_logits_are_close_to_fp32():
+    # bf16 moves the logits (autocast took effect) by at most 6% of their largest magnitude: 1.9%
+    # under CPU autocast, the same model and batch; logits collapsed to each row's mean would
+    # move by 98% (the loss moved by less than its margin: a loss compared nothing)
     torch.manual_seed(0)
     model = tg.GPT(tiny(n_layers=4, dim=64, max_seq_len=128, seq_len=128)).cuda()
     spread_gates(model)
     idx = torch.randint(0, 97, (4, 128), device="cuda")
     with torch.no_grad():
-        fp32 = model(idx, targets=torch.roll(idx, -1, 1)).loss
+        fp32 = model(idx).logits.float()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            bf16 = model(idx, targets=torch.roll(idx, -1, 1)).loss
-    assert abs(bf16.item() - fp32.item()) < 0.02 * fp32.item()
+            bf16 = model(idx).logits.float()
+    moved = (bf16 - fp32).abs().max().item()
+    assert 0 < moved <= 0.06 * fp32.abs().max().item(), (moved, fp32.abs().max().item())
 
 
 @cuda
@@ -127,16 +138,22 @@ def test_cuda_compact_path_compiles_each_packed_length_once_and_never_syncs(stri
     graphs = len(shapes) + 1  # a block's per packed length, the readout's
     assert counts["stats"]["unique_graphs"] == graphs, (dict(counts["stats"]), shapes)
     assert not counts["graph_break"], dict(counts["graph_break"])
-    raw.router.lengths = given[2]  # compiled already
-    model(idx, targets=torch.roll(idx, -1, 1)).loss.backward()
+    raw.router.lengths = given[2]  # compiled already, under autocast (a guard): training's graphs
+
+    def bf16_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(idx, targets=torch.roll(idx, -1, 1))
+        out.loss.backward()
+
+    bf16_step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = model(idx, targets=torch.roll(idx, -1, 1))
-        out.loss.backward()
+        bf16_step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+    assert counts["stats"]["unique_graphs"] == graphs  # no new graph: the ones checked above
 
 
 # ----------------------------------------------------- gpu_check.sh, dry-run on CPU
@@ -146,12 +163,13 @@ def test_cuda_compact_path_compiles_each_packed_length_once_and_never_syncs(stri
 def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp_path):
     # GPU_CHECK_DRY_RUN=1: gpu_check.sh on CPU at a tiny size. A call ends within its budget
     # (GPU_CHECK_SECONDS; a stage in flight is cut, its status not taken for a result, and no
-    # other starts); the next call runs what is left; with room, one call runs every stage
+    # other starts); the next call runs what is left; with room, one call runs every stage; a
+    # failed stage is run again by the next call, which exits 1
     out = tmp_path / "check"
     (tmp_path / "tmp").mkdir()  # its runs' folders go here (TMPDIR), removed once used
     env = {"GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "2", "TMPDIR": str(tmp_path / "tmp")}
 
-    def call(seconds):
+    def call(seconds, status=0):
         t0 = time.monotonic()
         r = run_command(
             os.path.join(REPO, "gpu_check.sh"),
@@ -159,24 +177,27 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
             env={**env, "GPU_CHECK_SECONDS": str(seconds)},
             timeout=600,
         )
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert r.returncode == status, r.stdout[-2000:] + r.stderr[-2000:]
         summary = (out / "summary.txt").read_text().splitlines()
         (out / "summary.txt").unlink()
-        return r.stdout, summary, time.monotonic() - t0
+        return r.stdout.rstrip().split("\n")[-1], summary, time.monotonic() - t0
 
     stages = ["env", "paper_none", "paper_skip_middle", "paper_masked", "paper_compact", "bench"]
     stages += ["tests"]
     said, first, took = call(8)  # the whole dry run takes far longer
-    assert took < 8 + 10 + 5, took  # the budget, timeout's grace after its TERM, a margin
+    # the budget, a margin, and the time a cut stage's TERM handler took (the script allows 30 s)
+    assert took < 8 + 10 + 5, took
     assert [line.split(":")[0] for line in first] == stages, said
     done = [line.split(":")[0] for line in first if re.match(r"\w+: exit 0, \d+ s", line)]
     left = [line for line in first if line.split(":")[0] not in done]
     assert left and all(re.search(r"cut at \d+ s|not run, the budget of 8 s", ln) for ln in left)
     assert sorted(p.stem for p in out.glob("*.done")) == sorted(done)
+    assert said.startswith("stopped by the budget in ") and ", ".join(left) not in said, said
+    assert said.split(", ")[1].split(" left:")[0].split() == stages[len(done) :], said
     said, second, _ = call(600)
     assert [line.split(":")[0] for line in second] == stages[len(done) :], said
     assert all(re.match(r"\w+: exit 0, \d+ s", line) for line in second), second
-    assert said.rstrip().split("\n")[-1].startswith("done in ")
+    assert said.startswith("done in "), said
     summary = dict(line.split(":", 1) for line in first[: len(done)] + second)
     assert re.search(r"redone: \d+ of 30 steps", summary["paper_compact"]), summary
     assert "redone: 0 of 30 steps" in summary["paper_none"], summary  # (dense: none redone)
@@ -188,9 +209,14 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     compact = test_cuda_compact_path_compiles_each_packed_length_once_and_never_syncs.__code__
     skipped = re.findall(r"SKIPPED \[1\] (\S+):", (out / "tests.txt").read_text())
     assert f"tests/test_gpu.py:{compact.co_firstlineno}" in skipped, skipped
-    learned = (out / "paper_none.txt").read_text().splitlines()[-1].split()
-    assert learned[:4] == ["step", "1", "training", "loss"]  # the stage's learning check
-    assert float(learned[-1]) < 0.9 * float(learned[4].rstrip(","))
+    for n in stages[1:3]:  # the stage's learning check: a loss under one that blocks doing
+        # nothing reach (9.47 at this size, by hand)
+        val = [r["val_loss"] for r in read_metrics(out / n) if r["kind"] == "val"]
+        assert (out / f"{n}.txt").read_text().splitlines()[-1] == (
+            f"validation loss at step 0 {val[0]:.4f}, at the last step {val[-1]:.4f} (a run "
+            f"that learns ends under 9.0)"
+        )
+        assert val[-1] < 9.0 < val[0]
     assert not list((tmp_path / "tmp").glob("gpu_check_runs_*"))  # the checkpoints: gone once used
     # paper_masked and paper_compact: one run from paper_skip_middle's weights, compact or not
     config = {n: json.loads((out / n / "config.json").read_text()) for n in stages[2:5]}
@@ -200,16 +226,33 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     assert hp["paper_compact"] == {**hp["paper_masked"], "compact": True}
     sources = {config[n]["job"]["init_from"] for n in stages[3:5]}
     assert len(sources) == 1 and sources.pop().endswith("/paper_skip_middle"), config
-    losses = {}  # each run's step 1 training loss and last validation loss
-    for n in stages[2:5]:
-        records = read_metrics(out / n)
-        first = next(r["train_loss"] for r in records if r["kind"] == "train")
-        losses[n] = (first, [r["val_loss"] for r in records if r["kind"] == "val"][-1])
-    for n in stages[3:5]:  # step 1 reads the tokens that validation read: the loss it ended at
-        assert abs(losses[n][0] - losses["paper_skip_middle"][1]) < 1e-3, losses
+    val = {
+        n: [r["val_loss"] for r in read_metrics(out / n) if r["kind"] == "val"] for n in stages[2:5]
+    }
+    for n in stages[3:5]:  # validation at step 0: the weights paper_skip_middle ended with
+        assert abs(val[n][0] - val["paper_skip_middle"][-1]) < 1e-5, val
     said = (out / "paper_compact.txt").read_text().splitlines()[-1]  # the stage's comparison
     assert said == (
-        f"step 1 training loss: masked {losses['paper_masked'][0]:.4f}, compact "
-        f"{losses['paper_compact'][0]:.4f}; last validation loss: masked "
-        f"{losses['paper_masked'][1]:.4f}, compact {losses['paper_compact'][1]:.4f}"
+        f"validation loss at step 0: masked {val['paper_masked'][0]:.4f}, compact "
+        f"{val['paper_compact'][0]:.4f}; at the last step: masked {val['paper_masked'][-1]:.4f}, "
+        f"compact {val['paper_compact'][-1]:.4f}"
     )
+    # the gates closed (gated=, the dry run's), so that compact packed, at step 0's validation
+    # and at step 1 (the same weights) on tokens of every sequence
+    train = [r for r in read_metrics(out / "paper_compact") if r["kind"] == "train"]
+    assert routers.packed_length(int(min(train[0]["packed"])), 64) < 64, train[0]
+    # a stage that fails is not done: the next call runs it again (paper_none, refused here by a
+    # folder of its name that it did not make, left alone), skips the others and exits 1
+    cksum = subprocess.run(
+        ["cksum"], input=f"{os.path.realpath(out)}\n", capture_output=True, text=True
+    )
+    key = cksum.stdout.split()[0]  # (gpu_check.sh's $work)
+    blocker = tmp_path / "tmp" / f"gpu_check_runs_{key}" / "paper_none"
+    blocker.mkdir(parents=True)
+    (out / "paper_none.done").unlink()
+    said, third, _ = call(600, status=1)
+    assert len(third) == 1 and re.fullmatch(r"paper_none: exit 2, \d+ s", third[0]), third
+    assert blocker.is_dir() and not list((out / "paper_none").iterdir()), third  # (stale logs)
+    assert said.startswith("failed in ") and " paper_none (" in said, said
+    assert "is there (another call's run?)" in (out / "paper_none.txt").read_text()
+    assert not (out / "paper_none.done").exists()
