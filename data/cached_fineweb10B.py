@@ -23,6 +23,7 @@ its shard header, while offline an existing file is returned as it is.
 """
 
 import os
+import shlex
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -169,10 +170,11 @@ def main(argv) -> None:
     if failed:
         listed = ", ".join(n for n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
         untried = "; the others were not tried" if first and len(names) > 1 else ""
+        again = shlex.join(["python", os.path.relpath(__file__), *argv])  # (--out and all)
         raise RunStopped(  # (status 1: the input was good, the fetch failed)
             f"{len(failed)} of {len(names)} files missing ({listed}; "
-            f"{failed[0][1]}{untried}). Rerun `python data/cached_fineweb10B.py {count}` "
-            f"once that is mended; files already fetched are kept"
+            f"{failed[0][1]}{untried}). Rerun `{again}` once that is mended; files already "
+            f"fetched are kept"
         )
     print(f"{len(names)} files in {out}")
 
