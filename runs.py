@@ -800,7 +800,10 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
                     else f"{plan.label} stopped, keeping its last checkpoint if it had one"
                 )
             elif code:
-                tail = (err.strip().splitlines() or ["(no output)"])[-1]
+                # its error line (under torchrun, each rank's comes before the launcher's own
+                # lines), else its last
+                lines = err.strip().splitlines() or ["(no output)"]
+                tail = next((ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1])
                 kind = UserError if code == 2 and not got else RunStopped
                 failed.append((kind, f"{plan.label}: {script} exited {code}: {tail}"))
                 if trainers.live:

@@ -396,6 +396,12 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
                 ]
             if state != "fresh":
                 check_settings(run_dir, plan)
+            elif not expansion:  # the trainer's own check of its settings, against the world
+                # size, before any run starts (under torchrun its line came after a run began)
+                try:
+                    tg.validate(tg.resolve(tg.parse_overrides(plan[0][1])), nproc)
+                except support.UserError as e:
+                    raise support.UserError(f"{run_dir}: {e}") from None
             steps = {"fresh": plan, "resume": [resume], "done": []}[state]
             said = f"{name} seed {seed}: {state if state == 'done' else 'trained'}"
             plans.append(runs.Plan(run_dir, steps, after=source, said=said))

@@ -421,14 +421,14 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
 def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
     tmp_path, monkeypatch, capsys
 ):
-    # --jobs=2: the sweep learns of a run refused by the trainer (3 heads do not divide width
-    # 32) while another trains; that one runs to its end, the next is not started, and the
-    # refusal is the sweep's one error line. The second starts once the refusal has exited, so
-    # the sweep sees the refusal first however fast the other run is (it looks at its trainers
-    # in order)
+    # --jobs=2: the sweep learns of a run refused by the trainer (no training file: settings the
+    # sweep checks beforehand pass) while another trains; that one runs to its end, the next is
+    # not started, and the refusal is the sweep's one error line. The second starts once the
+    # refusal has exited, so the sweep sees the refusal first however fast the other run is (it
+    # looks at its trainers in order)
     sweep = load_command("sweep.py")
     runs = [
-        ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"]),
+        ("bad", ["--router=none", "--n_layers=2", "--train_files={runs}/none_*.bin"]),
         sweep.dense(2),
         sweep.dense(4),
     ]
@@ -448,6 +448,39 @@ def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
     assert sweep.run_state(str(tmp_path / "runs" / "dense_2_s0")) == "done"
     assert not (tmp_path / "runs" / "dense_4_s0").exists()
     assert not (tmp_path / "out" / "runs.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_run_refused_under_torchrun_is_said_by_its_ranks_error_line(tmp_path, capsys):
+    # torchrun turns its ranks' status 2 into 1 and ends with a banner, which the sweep quoted
+    sweep = load_command("sweep.py")
+    bad = ["--router=none", "--device_batch_size=4", "--train_files={runs}/none_*.bin"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=[("bad", bad)]))
+        out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
+        code = support.cli(sweep.main, ["--grid=tiny", "--nproc_per_node=2", *out])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"bad_s0: train_gpt.py exited 1: error: no shards match {tmp_path / 'runs'}/" in err, err
+
+
+def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(tmp_path, capsys):
+    # the trainer's own check, with the world size: under torchrun each rank's line came after
+    # runs had started, and the launcher's status (1) and last line (a banner) were all the
+    # sweep said
+    sweep = load_command("sweep.py")
+    for argv, said in (
+        (["--grid=cpu", "--nproc_per_node=3"], "_s0: val_tokens=4096 is not a whole number"),
+        (["--grid=tiny"], "bad_s0: need dim (32) divisible by n_heads (3)"),
+    ):
+        runs = [sweep.dense(2), ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"])]
+        grids = dict(sweep.GRIDS, tiny=dict(base=TINY_GRID, n_layers=4, runs=runs))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(sweep, "GRIDS", grids)
+            out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
+            code, err = support.cli(sweep.main, argv + out), capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and said in err, err
+        assert not list(tmp_path.iterdir())  # no run started, nothing written
 
 
 @pytest.mark.slow
