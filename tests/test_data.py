@@ -987,6 +987,19 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
     r = run_command("data/debian_docs.py", f"--out={tmp_path / 'user'}", "--unpinned", env=today)
     assert r.returncode == 2 and "not written by data/debian_docs.py" in r.stderr, r.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "user").iterdir()} == mine
+    # one it wrote before manifests named their command (its inputs, the packages, tell) is its
+    # own still, and not tokenize_corpus.py's
+    legacy = json.loads((tmp_path / "again" / "docs.manifest.json").read_text())
+    assert legacy.pop("written_by") == "data/debian_docs.py" and legacy["inputs"]
+    (tmp_path / "again" / "docs.manifest.json").write_text(
+        json.dumps({**legacy, "written_by": "data/tokenize_corpus.py"})
+    )
+    r = run_command(
+        "data/tokenize_corpus.py", tmp_path / "a.jsonl", f"--out={tmp_path}/again", *user
+    )
+    assert r.returncode == 2 and "not written by data/tokenize_corpus.py" in r.stderr, r.stderr
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'again'}", "--unpinned", env=today)
+    assert r.returncode == 0, r.stderr
     # a folder holding the pinned corpus is not replaced by an unpinned one
     (tmp_path / "again" / "docs.manifest.json").write_text(
         json.dumps({"written_by": "data/debian_docs.py", "shards": docs.SHA256})
