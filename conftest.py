@@ -121,7 +121,8 @@ def wait_for_line(proc, prefix, timeout=120):
                 return line
     finally:
         deadline.cancel()
-    raise AssertionError(f"no {prefix!r} within {timeout} s: {proc.stderr.read()[-2000:]}")
+    how = "was killed" if proc.wait() == -signal.SIGKILL else f"ended ({proc.returncode})"
+    raise AssertionError(f"no {prefix!r}: it {how} first: {proc.stderr.read()[-2000:]}")
 
 
 def disk_nearly_full(limit=256 << 10):

@@ -123,7 +123,7 @@ summary_of() {  # one stage's figures for summary.txt
                      echo "; $(grep -h '^step:.* train_loss' "$log" | grep -v ' compile:' | tail -1 | grep -o 'step_avg.*')" \
                           "$(grep -h '^peak memory' "$log"); $(grep -h '^compile:' "$log");" \
                           "redone: $(grep -c '^step:.* redone:full_length' "$log") of $(grep -c '^step:.* train_loss' "$log") steps;" \
-                          "$(grep -h '^step:1/.* train_loss' "$log" | grep -o 'train_loss:[0-9.]*')" \
+                          "$(grep -h '^step:0/.* val_loss' "$log" | grep -o 'val_loss:[0-9.]*')" \
                           "-> $(grep -h '^step:.* val_loss' "$log" | tail -1 | grep -o 'val_loss:[0-9.]*')"
                  fi ;;
         *) ;;
@@ -187,6 +187,13 @@ EOF
 }
 
 settled_run() {  # settled_run [OPTION...]: from paper_skip_middle's weights, one rank of torchrun
+    if [ ! -d "$settled" ]; then
+        echo "error: paper_skip_middle's run is not there (it failed, or was cut): no start" >&2
+        return 1
+    elif [ "$name" = paper_compact ] && [ ! -e "$out/paper_masked.done" ]; then
+        echo "error: paper_masked did not pass: compact has nothing to be compared with" >&2
+        return 1
+    fi
     run_paper torchrun --standalone --nproc_per_node=1 train_gpt.py --init_from="$settled" "$@" \
         || return
     [ "$name" = paper_compact ] || return 0
@@ -199,7 +206,9 @@ if not os.path.exists(sys.argv[1]):
     sys.exit("error: paper_masked left no metrics.jsonl to compare with")
 runs = [[json.loads(line) for line in open(path)] for path in sys.argv[1:]]
 val = [[r["val_loss"] for r in rs if r["kind"] == "val"] for rs in runs]
-(first, last), (first_c, last_c) = val  # (step 0 and the last)
+if min(map(len, val)) < 2:
+    sys.exit("error: a run of the pair lacks its validation at step 0 or at its end")
+(first, last), (first_c, last_c) = [(v[0], v[-1]) for v in val]
 print(f"validation loss at step 0: masked {first:.4f}, compact {first_c:.4f}; "
       f"at the last step: masked {last:.4f}, compact {last_c:.4f}")
 same = abs(first_c - first) <= 0.005 * first and abs(last_c - last) <= 0.02 * last
@@ -216,21 +225,26 @@ cuda_tests() {  # the CUDA tests in one process (testpaths: every test file); on
     fi
 }
 
-if [ ! -d "$settled" ] && [ ! -e "$out/paper_compact.done" ]; then  # (a call on another machine)
-    rm -f "$out"/paper_{skip_middle,masked}.done  # the pair starts from one run: both again
+pair_done() { [ -e "$out/paper_masked.done" ] && [ -e "$out/paper_compact.done" ]; }
+if [ ! -d "$settled" ] && ! pair_done; then  # (a call on another machine, say)
+    rm -f "$out"/paper_{skip_middle,masked,compact}.done  # the pair starts from one run: all again
 fi
 
 stage env env_check
 stage paper_none paper_run none  # learning first: both runs must learn
-stage paper_skip_middle paper_run skip_middle "${gated[@]}"
-stage paper_masked settled_run "${gated[@]}"
-stage paper_compact settled_run --compact=true "${gated[@]}"
+# (${gated[@]+...}: empty on a GPU, an unbound variable under set -u before bash 4.4)
+stage paper_skip_middle paper_run skip_middle ${gated[@]+"${gated[@]}"}
+stage paper_masked settled_run ${gated[@]+"${gated[@]}"}
+stage paper_compact settled_run --compact=true ${gated[@]+"${gated[@]}"}
 stage bench python bench.py "${bench[@]}" --out="$out/bench"
 stage tests cuda_tests
-if [ -e "$out/paper_compact.done" ]; then rm -rf "$settled"; fi  # (run_paper made it)
+if pair_done; then rm -rf "$settled"; fi  # (run_paper made it)
 rmdir "$work" 2>/dev/null  # (made above; left where it holds anything)
 if (( ${#failed[@]} )); then
-    echo "failed in $SECONDS s: ${failed[*]} ($out/summary.txt; each stage's output: $out/NAME.txt)"
+    more=""
+    if (( ${#left_over[@]} )); then more=", and ${left_over[*]} left by the budget"; fi
+    echo "failed in $SECONDS s: ${failed[*]}$more ($out/summary.txt; each stage's output:" \
+        "$out/NAME.txt)"
     exit 1
 elif (( ${#left_over[@]} )); then
     echo "stopped by the budget in $SECONDS s, ${left_over[*]} left: run 'bash gpu_check.sh $out'" \

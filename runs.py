@@ -438,7 +438,7 @@ def logged(run_dir: str, key: str = "run_id"):
 
 def check_moments(model, opt, where: str):
     """Each parameter's AdamW state, where it has one (a parameter that never had a gradient has
-    none), as a step reads it: a step count and two floating moments of the parameter's shape.
+    none), as a step reads it: a step count and two dense floating moments of its shape.
     load_state_dict checks none of it; the fused step read a moment of another shape out of
     bounds (a crash, after the run's files were written)."""
     for name, p in model.named_parameters():
@@ -450,7 +450,7 @@ def check_moments(model, opt, where: str):
         if not (
             set(state) == {"step", "exp_avg", "exp_avg_sq"}
             and all(torch.is_tensor(m) and m.is_floating_point() for m in moments)
-            and all(m.shape == p.shape for m in moments)
+            and all(m.shape == p.shape and m.layout == torch.strided for m in moments)
             and torch.is_tensor(step)
             and step.numel() == 1
         ):

@@ -396,8 +396,9 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
                 ]
             if state != "fresh":
                 check_settings(run_dir, plan)
-            elif not expansion:  # the trainer's own check of its settings, against the world
-                # size, before any run starts (under torchrun its line came after a run began)
+            elif not expansion:  # the trainer's check of its settings (validate: not of its
+                # data or device), with the world size, before any run starts (under torchrun a
+                # rank's line came after other runs began); an expansion's, at its start
                 try:
                     tg.validate(tg.resolve(tg.parse_overrides(plan[0][1])), nproc)
                 except support.UserError as e:

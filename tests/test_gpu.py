@@ -192,7 +192,7 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     left = [line for line in first if line.split(":")[0] not in done]
     assert left and all(re.search(r"cut at \d+ s|not run, the budget of 8 s", ln) for ln in left)
     assert sorted(p.stem for p in out.glob("*.done")) == sorted(done)
-    assert said.startswith("stopped by the budget in ") and ", ".join(left) not in said, said
+    assert said.startswith("stopped by the budget in "), said
     assert said.split(", ")[1].split(" left:")[0].split() == stages[len(done) :], said
     said, second, _ = call(600)
     assert [line.split(":")[0] for line in second] == stages[len(done) :], said

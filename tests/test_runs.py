@@ -734,6 +734,7 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(tmp
             lambda s: s.pop("exp_avg_sq"),
             lambda s: s.update(exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3)),
             lambda s: s.update(exp_avg="hello"),
+            lambda s: s.update(exp_avg=s["exp_avg"].to_sparse()),
             lambda s: s.update(step=torch.zeros(2, 2)),
             lambda s: s.update(max_exp_avg_sq=s["exp_avg_sq"]),
         )
