@@ -203,6 +203,13 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message.removeprefix('argument ')} (see {self.prog} --help)")
 
+    def _print_message(self, message, file=None):  # argparse's drops a failed write (--help to
+        # a full disk: the help lost, status 0); flushed, for cli to say the error
+        if message:
+            file = file or sys.stderr
+            file.write(message)
+            file.flush()
+
     def given(self, argv) -> set:
         """The options argv gives (by dest), at any value: one that the others leave unread is
         refused even where it holds its default."""
