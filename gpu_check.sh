@@ -10,6 +10,9 @@
 #
 #     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
+# OUT is a new folder or one this script made (its .gpu_check: also the lock that keeps a
+# second call out while one runs). Ctrl-C or TERM stops the stage in flight (it keeps its logs
+# and removes its run's folder) and the call (status 130).
 # GPU_CHECK_SECONDS: the budget (default 420: one call of 7 minutes). The stages, with the
 # seconds measured on one H200 at 4e62648 (records/2026-11-28_gpu_check_NVIDIA_H200_v2):
 #   env      nvidia-smi, versions, and torch.compile of a tiny function (the compiler works)   32
@@ -49,7 +52,19 @@
 # The byte grid is a result, not a check: sweep.py (README).
 # GPU_CHECK_DRY_RUN=1: all of it on CPU at a tiny size (tests/test_gpu.py runs it so).
 set -uo pipefail
-cd "$(dirname "$0")"
+fail() {  # bad input: one line, status 2, before anything is written
+    echo "error: $1" >&2
+    exit 2
+}
+if (( $# > 1 )) || { (( $# == 1 )) && [ -z "$1" ]; }; then
+    fail "usage: bash gpu_check.sh [OUT]"
+fi
+budget=${GPU_CHECK_SECONDS:-420}  # (read in arithmetic: a name or an expression would run)
+if ! [[ $budget =~ ^[1-9][0-9]{0,5}$ ]]; then
+    fail "GPU_CHECK_SECONDS=$budget: give a whole number of seconds, 1 to 999999"
+fi
+out=$( (( $# )) && realpath -m -- "$1")  # the caller's OUT, before the cd below
+cd "$(dirname "$0")" || exit 2
 if ! python -c "import torch" 2>/dev/null; then
     echo "error: \`python\` cannot import torch: put the Python that holds it first on PATH" >&2
     exit 2
@@ -74,18 +89,37 @@ elif ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; t
 else
     gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 fi
-out=${1:-records/$(date +%F)_gpu_check_$gpu}
-budget=${GPU_CHECK_SECONDS:-420}
+out=${out:-$PWD/records/$(date +%F)_gpu_check_$gpu}
 # the paper runs' folders (a checkpoint of 2.3 GB each), outside the record, one set per record
-work=${TMPDIR:-/tmp}/gpu_check_runs_$(realpath -m "$out" | cksum | cut -d' ' -f1)
+tmp=${TMPDIR:-/tmp}
+work=$tmp/gpu_check_runs_$(printf '%s\n' "$out" | cksum | cut -d' ' -f1)
 settled=$work/paper_skip_middle  # kept till paper_masked and paper_compact, which start from it
-if ! mkdir -p "$out" "$work"; then
-    echo "error: cannot create $out and $work" >&2
-    exit 2
+if [ ! -d "$tmp" ] || [ ! -w "$tmp" ]; then
+    fail "TMPDIR=$tmp is not a folder this can write in (the runs' folders go there)"
+elif [ -e "$out" ] && [ ! -d "$out" ]; then
+    fail "$out is not a folder"
+elif [ ! -e "$out/.gpu_check" ] && [ -n "$(ls -A -- "$out" 2>/dev/null)" ]; then
+    fail "$out holds files this script did not write (no .gpu_check): give another OUT"
 fi
+# .gpu_check: the record is this script's (written into by a later call alone), and its lock
+if ! mkdir -p -- "$out" 2>/dev/null || ! exec 9>> "$out/.gpu_check"; then
+    fail "cannot create $out, or write in it"
+elif ! flock -n 9; then
+    fail "another call is writing $out"
+fi
+mkdir -p -- "$work" || exit 2
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
 failed=() left_over=()  # stages that failed (run again by the next call), and those cut or not run
+running=""  # the stage in flight: its timeout's pid
+stop() {  # a signal to this call (Ctrl-C, TERM): the stage in flight, in a process group of its
+    # own, is given TERM (it keeps its logs and removes its run's folder), then this stops
+    if [ -n "$running" ]; then kill -TERM "$running" 2>/dev/null; wait "$running"; fi
+    rmdir "$work" 2>/dev/null
+    echo "stopped by a signal in $SECONDS s; run 'bash gpu_check.sh $out' again" >&2
+    exit 130
+}
+trap stop INT TERM HUP
 stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of the budget
     local name=$1 t0=$SECONDS left=$((budget - SECONDS))
     shift
@@ -97,11 +131,15 @@ stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of t
         return 0
     fi
     echo "== $name (at most $left s)"
+    touch "$out/.gpu_check"  # (the logs newer than this are this stage's: summary_of)
     # (a stage is a function of this file or a command: timeout runs it in a bash given both)
     timeout --signal=TERM --kill-after=30 "$left" bash -c \
         "$(declare -p out work settled name tiny sample learned); $(declare -f env_check $runs); \"\$@\"" \
-        stage "$@" > "$out/$name.txt" 2>&1
+        stage "$@" > "$out/$name.txt" 2>&1 &
+    running=$!
+    wait "$running"  # (in the background: a signal to this call runs stop at once)
     local status=$?
+    running=""
     # timeout's status, at the allowance (before it: a stage's own 124, or a kill, as by the
     # out-of-memory killer, is a failure)
     if (( (status == 124 || status == 137) && SECONDS - t0 >= left )); then
@@ -119,7 +157,7 @@ summary_of() {  # one stage's figures for summary.txt
     case $1 in
         tests) echo "; $(tail -n1 "$out/tests.txt")" ;;
         bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
-        paper_*) if [ -e "$log" ]; then  # (a stage refused before its run has none)
+        paper_*) if [ "$log" -nt "$out/.gpu_check" ]; then  # (this stage's: see stage)
                      echo "; $(grep -h '^step:.* train_loss' "$log" | grep -v ' compile:' | tail -1 | grep -o 'step_avg.*')" \
                           "$(grep -h '^peak memory' "$log"); $(grep -h '^compile:' "$log");" \
                           "redone: $(grep -c '^step:.* redone:full_length' "$log") of $(grep -c '^step:.* train_loss' "$log") steps;" \
@@ -143,27 +181,33 @@ print('torch.compile: ok')"
 
 sample=(--train_files='data/sample/sample_train_*.bin' --val_files='data/sample/sample_train_*.bin')
 
-runs="paper_run settled_run run_paper keep cuda_tests"  # (the functions the stages call)
+runs="paper_run settled_run run_paper keep drop cuda_tests"  # (the functions the stages call)
 
 # run_paper COMMAND...: a paper-size run of train_gpt.py in a folder it makes, $work/$name, its
 # logs copied into the record (a cut one's too), then the folder removed (paper_skip_middle's
 # once the pair is done). The global batch is one device batch (the sample holds ~4);
 # validation reads the training shard (the validation one is too small), at step 0 and the last
 run_paper() {
-    rm -f "$out/$name"/{train.log,metrics.jsonl,config.json}  # (keep's, from an earlier call)
+    if [ -e "$work/$name.made" ]; then drop "$name"; fi  # (a call killed by SIGKILL left it)
     if ! mkdir "$work/$name"; then  # (not -p: a folder this did not make is left alone)
-        echo "error: $work/$name is there (another call's run?): remove it to run this again" >&2
+        echo "error: $work/$name is there, not made by this script: remove it to run this" >&2
         return 2
     fi
-    trap 'keep; rm -rf "$work/$name"; exit 143' TERM  # (a cut stage runs again from its start)
+    touch "$work/$name.made"  # (this script's: the next call on the record may remove it)
+    rm -f "$out/$name"/{train.log,metrics.jsonl,config.json}  # (keep's, from an earlier call)
+    trap 'keep; drop "$name"; exit 143' TERM  # (a cut stage runs again from its start)
     "$@" "${sample[@]}" --batch_size=32 --device_batch_size=32 \
         --train_tokens=$((40 * 32 * 1024)) --val_every=40 --val_tokens=32768 --save_every=0 \
         --untimed_steps=10 --run_dir="$work/$name" "${tiny[@]}"
     local status=$?
     keep
     # (a gated run that failed is no start for the pair: the next call runs it again)
-    if [ "$work/$name" != "$settled" ] || (( status )); then rm -rf "${work:?}/$name"; fi
+    if [ "$work/$name" != "$settled" ] || (( status )); then drop "$name"; fi
     return $status
+}
+
+drop() {  # drop NAME: a run's folder in $work, which run_paper made, and its mark
+    rm -rf "${work:?}/$1" "${work:?}/$1.made"
 }
 
 keep() {  # the stage's run logs into the record
@@ -182,13 +226,13 @@ print(f" (a run that learns ends under {sys.argv[2]})")
 sys.exit(0 if val[-1] < float(sys.argv[2]) else "error: the loss is not under that: not learning")
 EOF
     local status=$?
-    if (( status )); then rm -rf "${work:?}/$name"; fi  # (as run_paper's own failure)
+    if (( status )); then drop "$name"; fi  # (as run_paper's own failure)
     return $status
 }
 
 settled_run() {  # settled_run [OPTION...]: from paper_skip_middle's weights, one rank of torchrun
-    if [ ! -d "$settled" ]; then
-        echo "error: paper_skip_middle's run is not there (it failed, or was cut): no start" >&2
+    if [ ! -e "$out/paper_skip_middle.done" ] || [ ! -d "$settled" ]; then
+        echo "error: paper_skip_middle has not passed, or its run is gone: no start" >&2
         return 1
     elif [ "$name" = paper_compact ] && [ ! -e "$out/paper_masked.done" ]; then
         echo "error: paper_masked did not pass: compact has nothing to be compared with" >&2
@@ -238,7 +282,7 @@ stage paper_masked settled_run ${gated[@]+"${gated[@]}"}
 stage paper_compact settled_run --compact=true ${gated[@]+"${gated[@]}"}
 stage bench python bench.py "${bench[@]}" --out="$out/bench"
 stage tests cuda_tests
-if pair_done; then rm -rf "$settled"; fi  # (run_paper made it)
+if pair_done; then drop paper_skip_middle; fi
 rmdir "$work" 2>/dev/null  # (made above; left where it holds anything)
 if (( ${#failed[@]} )); then
     more=""

@@ -7,6 +7,7 @@ benchmarks, and writes a record.
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from dataclasses import fields, replace
@@ -24,7 +25,9 @@ from conftest import (
     read_metrics,
     run_command,
     spread_gates,
+    start_command,
     tiny,
+    wait_for_line,
 )
 
 # ----------------------------------------------------------- CUDA (skipped without)
@@ -160,6 +163,52 @@ def test_cuda_compact_path_compiles_each_packed_length_once_and_never_syncs(stri
 
 
 @pytest.mark.slow
+def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_path):
+    # bad input: one line, status 2, nothing written (a budget is read in bash arithmetic, where
+    # a name or an expression runs); OUT is the caller's, new or the script's own, one call at a
+    # time; Ctrl-C stops the stage in flight (in its own process group) and the call
+    script, tmp = os.path.join(REPO, "gpu_check.sh"), tmp_path / "tmp"
+    tmp.mkdir()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (tmp_path / "a_file").write_text("x")
+    env = {"GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "2", "TMPDIR": str(tmp)}
+    ran = tmp_path / "ran"
+    for seconds, out, extra, said in (
+        ("1.5", "new", {}, "GPU_CHECK_SECONDS=1.5: give a whole number"),
+        ("0", "new", {}, "GPU_CHECK_SECONDS=0: give"),
+        (f"tiny[$(touch {ran})0]", "new", {}, "GPU_CHECK_SECONDS=tiny"),
+        ("60", "mine", {}, f"{mine} holds files this script did not write"),
+        ("60", "a_file", {}, f"{tmp_path / 'a_file'} is not a folder"),
+        ("60", "new", {"TMPDIR": str(tmp_path / "a_file")}, f"TMPDIR={tmp_path / 'a_file'} is not"),
+    ):
+        r = run_command(
+            script, out, env={**env, "GPU_CHECK_SECONDS": seconds, **extra}, cwd=tmp_path
+        )
+        assert r.returncode == 2 and r.stderr.startswith(f"error: {said}"), r.stderr
+        assert r.stderr.count("\n") == 1 and r.stdout == "", r.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine", "tmp"]
+        assert not list(tmp.iterdir()) and os.listdir(mine) == ["notes.txt"]
+    # a relative OUT is the caller's; a second call on it while one runs is refused; Ctrl-C
+    proc = start_command(script, "rel", env={**env, "GPU_CHECK_SECONDS": "300"}, cwd=tmp_path)
+    try:
+        wait_for_line(proc, "== paper_none", timeout=200)
+        r = run_command(script, "rel", env={**env, "GPU_CHECK_SECONDS": "300"}, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("error: another call is writing "), r
+        time.sleep(3)  # (in its run)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert "stopped by a signal in " in proc.stderr.read()
+    assert (tmp_path / "rel" / "env.done").exists() and not os.path.exists(
+        os.path.join(REPO, "rel")
+    )
+    assert not list(tmp.glob("gpu_check_runs_*"))  # the stage's run: removed by its TERM handler
+
+
+@pytest.mark.slow
 def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp_path):
     # GPU_CHECK_DRY_RUN=1: gpu_check.sh on CPU at a tiny size. A call ends within its budget
     # (GPU_CHECK_SECONDS; a stage in flight is cut, its status not taken for a result, and no
@@ -242,7 +291,8 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     train = [r for r in read_metrics(out / "paper_compact") if r["kind"] == "train"]
     assert routers.packed_length(int(min(train[0]["packed"])), 64) < 64, train[0]
     # a stage that fails is not done: the next call runs it again (paper_none, refused here by a
-    # folder of its name that it did not make, left alone), skips the others and exits 1
+    # folder of its name that it did not make, left alone, as are the earlier call's logs, not
+    # summarised), skips the others and exits 1
     cksum = subprocess.run(
         ["cksum"], input=f"{os.path.realpath(out)}\n", capture_output=True, text=True
     )
@@ -252,7 +302,7 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     (out / "paper_none.done").unlink()
     said, third, _ = call(600, status=1)
     assert len(third) == 1 and re.fullmatch(r"paper_none: exit 2, \d+ s", third[0]), third
-    assert blocker.is_dir() and not list((out / "paper_none").iterdir()), third  # (stale logs)
+    assert blocker.is_dir() and len(list((out / "paper_none").iterdir())) == 3, third
     assert said.startswith("failed in ") and " paper_none (" in said, said
-    assert "is there (another call's run?)" in (out / "paper_none.txt").read_text()
+    assert "is there, not made by this script" in (out / "paper_none.txt").read_text()
     assert not (out / "paper_none.done").exists()
