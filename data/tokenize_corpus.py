@@ -103,9 +103,9 @@ class Corpus:
     from the manifest. Only files the manifest lists, with the content it records, are ever
     replaced or deleted: a shard-named file or a manifest this command did not write (a download,
     another tool's, another command's, one edited since; a link or a FIFO, unread; the manifest
-    names its writer) is refused before any work, and
-    one that appears or changes while this runs stops the commit. On any failure the temporary
-    folder, and the folders this created for OUT, are removed; nothing else is touched."""
+    names its writer) is refused before any work, and one that appears or changes while this
+    runs stops the commit. On any failure the temporary folder, and the folders this created for
+    OUT, are removed; nothing else is touched."""
 
     def __init__(
         self,
