@@ -451,34 +451,35 @@ def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
 
 
 @pytest.mark.slow
-def test_a_run_refused_under_torchrun_is_said_by_its_ranks_error_line(tmp_path, capsys):
+def test_a_run_refused_under_torchrun_is_said_by_its_ranks_error_line(
+    tmp_path, monkeypatch, capsys
+):
     # torchrun turns its ranks' status 2 into 1 and ends with a banner, which the sweep quoted
     sweep = load_command("sweep.py")
     bad = ["--router=none", "--device_batch_size=4", "--train_files={runs}/none_*.bin"]
-    with pytest.MonkeyPatch.context() as m:
-        m.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=[("bad", bad)]))
-        out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
-        code = support.cli(sweep.main, ["--grid=tiny", "--nproc_per_node=2", *out])
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=[("bad", bad)]))
+    out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
+    code = support.cli(sweep.main, ["--grid=tiny", "--nproc_per_node=2", *out])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1, err
     assert f"bad_s0: train_gpt.py exited 1: error: no shards match {tmp_path / 'runs'}/" in err, err
 
 
-def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(tmp_path, capsys):
-    # the trainer's own check, with the world size: under torchrun each rank's line came after
-    # runs had started, and the launcher's status (1) and last line (a banner) were all the
-    # sweep said
+def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(
+    tmp_path, monkeypatch, capsys
+):
+    # the trainer's check of its settings, with the world size: under torchrun each rank's line
+    # came after runs had started, and the launcher's status (1) and last line (a banner) were
+    # all the sweep said
     sweep = load_command("sweep.py")
+    runs = [sweep.dense(2), ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"])]
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=runs))
+    out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
     for argv, said in (
         (["--grid=cpu", "--nproc_per_node=3"], "_s0: val_tokens=4096 is not a whole number"),
         (["--grid=tiny"], "bad_s0: need dim (32) divisible by n_heads (3)"),
     ):
-        runs = [sweep.dense(2), ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"])]
-        grids = dict(sweep.GRIDS, tiny=dict(base=TINY_GRID, n_layers=4, runs=runs))
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(sweep, "GRIDS", grids)
-            out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
-            code, err = support.cli(sweep.main, argv + out), capsys.readouterr().err
+        code, err = support.cli(sweep.main, argv + out), capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and said in err, err
         assert not list(tmp_path.iterdir())  # no run started, nothing written
 
