@@ -3,10 +3,9 @@
 # its measured seconds. A stage is cut (timeout) at what is left of the budget; a stage that
 # passed (its .done file) is skipped, so that a second call finishes what a cut one left and runs
 # a failed one again. The last line says done (exit status 0), stopped by the budget (0: call
-# again) or failed (1), naming the stages. Needs a
-# CUDA machine with torch, numpy, tiktoken, huggingface_hub, safetensors and pytest, a C compiler
-# and the Python headers (torch.compile builds kernels at run time); no network: the embedded
-# sample.
+# again) or failed (1), naming the stages. Needs a CUDA machine with torch, numpy, tiktoken,
+# huggingface_hub, safetensors and pytest, a C compiler and the Python headers (torch.compile
+# builds kernels at run time); no network: the embedded sample.
 #
 #     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
 #
@@ -32,9 +31,9 @@
 #            side by side (step time, memory, compile time, redone steps); failing unless
 #            compact's losses are masked's (exact, but bf16): the validation at step 0 (the
 #            same weights) within 0.5%, the last within 2%. The gated run's folder
-#            ($TMPDIR/gpu_check_runs_*/paper_skip_middle) is removed once the pair is done
-#            (passed); where a call finds it gone
-#            (another machine) before then, that run and the pair run again              39, 142
+#            ($TMPDIR/gpu_check_runs_*/paper_skip_middle) is removed once the pair has passed;
+#            where a call finds it gone (another machine) before then, that run and the pair
+#            run again                                                                 39, 142
 #   bench    bench.py --size=paper --compile=1 --repeats=10 (the compacted model's median of 3
 #            moved by up to 10 ms between calls at f68bedd): masked against compacted blocks at
 #            the four sparsities, against issue 48's targets (summary.txt: each target met or
