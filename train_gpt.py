@@ -6,15 +6,8 @@ Mixture-of-Recursions (Bae et al. 2025).
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
 
 Every field of Hyperparameters (the run's) and Job (one job's) is also --field=value (--help).
-This file is the paper's path, read top to bottom; banners in dependency order: components;
-gated attention and the block; the skip-middle router and its controller; the model; data;
-FLOPs; settings; the training loop; main(). Importing it has no side effects. Beside it:
-routers.py (the Router base, packed lengths, and the other routers: DLO, Mixture-of-Depths,
-Mixture-of-Recursions, with their deviations), runs.py (checkpoints, run directories, a job's
-saves and stops), runlog.py (the log and the clock), ranks.py (the ranks of a torchrun job),
-support.py (command lines, files, signals), hub.py (models as Hugging Face folders: ours, the
-authors' released ones), data/shards.py (the shard format), expand.py (DLO's depth expansion),
-export.py, sample.py (the KV-cached decoder).
+This file is the paper's path, read top to bottom, its banners in dependency order (the modules
+beside it: README.md). Importing it has no side effects.
 
 Deviations from Llama 3 (the paper's base model, Section 3.1): sandwich norm x +
 Norm(Module(Norm(x))) (Section 2.3; `sandwich_norm=False`: pre-norm); an RMSNorm after the
@@ -259,8 +252,7 @@ class Block(nn.Module):
         self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
-    def attend(self, x, g, mask, pos=None, cache=None, keys=None):
-        """x + g * Norm(Attn(Norm(x))), keys weighted by `keys` (default g); g None: ungated."""
+    def attend(self, x, g, mask, pos=None, cache=None, keys=None):  # the first half (docstring)
         keys = g if keys is None else keys  # log_g below: (B, T), per key
         log_g = None if keys is None else keys.squeeze(-1).float().clamp(min=self.gate_eps).log()
         y = self.attn_out(self.attn(self.attn_in(x), log_g, mask, pos, cache))
@@ -324,11 +316,6 @@ def clamp_keep_grad(x: torch.Tensor, low: float, high: float = math.inf) -> torc
     return torch.where((x >= low) & (x <= high), x, x.detach().clamp(low, high))
 
 
-def mirror(layer: int, n_layers: int) -> int:
-    """Index of the gate used by block `layer`: its own in the first half, block L-1-l's after."""
-    return layer if layer < n_layers // 2 else n_layers - 1 - layer
-
-
 def mean_targets(hp: "Hyperparameters") -> torch.Tensor:
     """(L,) per layer: linspace(mu_start, mu_end) over the first half, mirrored (Section 2.4)."""
     half = torch.linspace(hp.mu_start, hp.mu_end, hp.n_layers // 2, dtype=torch.float64)
@@ -345,7 +332,7 @@ class GateController(nn.Module):
         super().__init__()
         self.kind, self.gamma, self.delta = hp.controller, hp.gamma, hp.delta
         mu = mean_targets(hp)
-        adaptive = self.kind in ("proportional_tol", "proportional", "adaptive")
+        adaptive = "gamma" in CONTROLLERS[self.kind].split()
         init = 0.0 if adaptive else hp.fixed_coef
         beta = {"sparsity": 0.0, "sparsity_variance": -init}.get(self.kind, init)  # (docstring)
         for name, v in (
@@ -404,7 +391,7 @@ class SkipMiddle(Router):
             trace["S"].append(s if layer == 0 else trace["S"][-1] + s)
             trace["gates"].append(1.0 - clamp_keep_grad(trace["S"][-1], 0.0, 1.0))  # eq. (2)
         else:
-            trace["gates"].append(trace["gates"][mirror(layer, L)])
+            trace["gates"].append(trace["gates"][L - 1 - layer])  # block L-1-l reuses g_l
         g = trace["gates"][-1][..., None].type_as(x)  # (B, T, 1)
         # decoding a token skipped under key gating: run nothing (invisible later); under
         # query gating later tokens still attend to it, so its K/V are computed
@@ -677,10 +664,6 @@ class DistributedLoader:
                 batches -= n
         return {"read": read, "laps": 0, "files": len(self.files)}
 
-    def capacity(self) -> int:
-        """Global batches in one pass over all shards, as next_batch walks them."""
-        return sum(self.batches)
-
     def _load(self, shard: int):
         if shard != self.shard:  # the validation shard stays in memory between evaluations
             self.tokens = read_shard(self.files[shard], self.vocab_size)
@@ -708,16 +691,14 @@ class DistributedLoader:
 # FLOPs: forward pass of one sequence of seq_len tokens, 2 per multiply-add
 
 
-def forward_flops(
-    hp: "Hyperparameters", active=None, mlp_active=None, T: int = None, pairs=None
-) -> float:
-    """Forward FLOPs of one sequence of T tokens (default seq_len). active / mlp_active: per layer,
+def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
+    """Forward FLOPs of one sequence of T = seq_len tokens. active / mlp_active: per layer,
     the share of tokens that run the block / its MLP (None: all / as active). A skipped token
     costs nothing there (the paper's Figure 2): projections and FFN scale with the share a,
     attention with the causal query-key pairs: `pairs` per layer (the mean over sequences of
     n(n+1)/2 for n active tokens, route_sums), else a^2 T(T+1)/2 (low when shares differ between
     sequences). Where skipped tokens stay keys (query-axis gate) K/V and attention run for all."""
-    T, d, hd = T or hp.seq_len, hp.dim, hp.dim // hp.n_heads
+    T, d, hd = hp.seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
     proj_qo, proj_kv = 2 * 2 * d * d, 2 * 2 * d * kv  # q and o, k and v per token
     keys_stay = ROUTERS[hp.router].skipped_tokens_are_keys(hp)
@@ -733,12 +714,6 @@ def forward_flops(
     return total + ROUTERS[hp.router].extra_flops(hp, T)
 
 
-def flops_per_token(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
-    """Forward FLOPs per token at seq_len; training at the same routing (forward + backward) is
-    3x this (docs/flops.md: what each router trains)."""
-    return forward_flops(hp, active, mlp_active, pairs=pairs) / hp.seq_len
-
-
 def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, stats=None) -> float:
     """Model FLOPs utilisation of one step: 3x the forward FLOPs of the work executed on its
     batch_size x seq_len tokens over all devices' peak. stats: a training step's sums
@@ -748,27 +723,20 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, stats=Non
         n = stats["tokens"][0]
         active = [a / n for a in stats["block_active"]]
         pairs = [p * hp.seq_len / n for p in stats["attn_pairs"]]
-    tokens = hp.batch_size * hp.seq_len
-    return 3 * flops_per_token(hp, active, pairs=pairs) * tokens / step_s / (peak * world)
+    return 3 * forward_flops(hp, active, pairs=pairs) * hp.batch_size / step_s / (peak * world)
 
 
 # -----------------------------------------------------------------------------
 # Settings: the run's (Hyperparameters) and the job's (Job)
 
 
-def routed(router: str):
-    """setting() for a field that `router` alone reads (setting it under another: an error)."""
-    return partial(setting, router=router)
-
-
 trains = partial(setting, use="train")  # a field that training alone reads (not --eval_only)
 initial = partial(setting, use="init")  # one that a new model's initial weights alone read
-
-
-on_skip_middle = routed("skip_middle")
-on_dlo = routed("dlo")
-on_mod = routed("mod")
-on_mor = routed("mor")
+# a field that one router alone reads (setting it under another: an error)
+on_skip_middle = partial(setting, router="skip_middle")
+on_dlo = partial(setting, router="dlo")
+on_mod = partial(setting, router="mod")
+on_mor = partial(setting, router="mor")
 
 
 @dataclass
@@ -1226,8 +1194,8 @@ def evaluate(
     )
     pairs = (sums.pop("attn_pairs") * hp.seq_len / tokens).tolist()  # per layer, per sequence
     v = {k: (t / tokens).tolist() for k, t in sums.items()}  # per-layer means
-    fwd = flops_per_token(hp, v["block_active"], v["mlp_active"], pairs)
-    dense = flops_per_token(replace(hp, router="none", compact=False))
+    fwd = forward_flops(hp, v["block_active"], v["mlp_active"], pairs)  # of one sequence
+    dense = forward_flops(replace(hp, router="none", compact=False))
     return dict(
         val_loss=mean,
         val_se=se,
@@ -1235,9 +1203,9 @@ def evaluate(
         sparsity=1 - sum(v["mlp_active"]) / hp.n_layers,
         **v,
         attn_pairs=pairs,
-        fwd_flops_per_token=fwd,
-        fwd_flops_per_token_dense=dense,
-        fwd_flops_per_seq=fwd * hp.seq_len,
+        fwd_flops_per_token=fwd / hp.seq_len,
+        fwd_flops_per_token_dense=dense / hp.seq_len,
+        fwd_flops_per_seq=fwd,
     )
 
 
@@ -1334,11 +1302,12 @@ def validation_loader(hp: Hyperparameters, d: Dist) -> DistributedLoader:
     val_loader = DistributedLoader(
         hp.val_files, hp.device_batch_size, hp.seq_len, d.rank, d.world, hp.vocab_size, hp.encoding
     )
-    if val_batches(hp, d.world) > val_loader.capacity():
+    capacity = sum(val_loader.batches)  # global batches in one pass over all shards
+    if val_batches(hp, d.world) > capacity:
         raise UserError(
             f"val_tokens={hp.val_tokens} is more than the validation shards hold "
             f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
-            f"({val_loader.capacity()} batches); validation would repeat tokens"
+            f"({capacity} batches); validation would repeat tokens"
         )
     return val_loader
 
@@ -1376,16 +1345,15 @@ def wrapped(raw: GPT, job: Job, d: Dist) -> nn.Module:
 
 def mixed_precision(d: Dist):
     """The forward passes' autocast: bf16 on CUDA; on the CPU none (fp32)."""
-    if d.device.startswith("cuda"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=d.device.startswith("cuda"))
 
 
 def train(
     hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = (), init=None
 ) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
-    argv: the command-line arguments, for the record; init: (weights, where) to start from."""
+    argv: the command-line arguments, for the record; init: read_source's (weights, where,
+    label) to start from."""
     raw, opt, run, train_loader, val_loader = prepare(hp, job, d, ckpt, init)
     validated = val_loader.fingerprints(val_batches(hp, d.world))  # (each checkpoint's)
     inodes = {(s.st_dev, s.st_ino) for s in map(os.stat, train_loader.files)}
