@@ -144,12 +144,8 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
     twin = tg.GPT(replace(hp, compact=True)).to(device)  # the same weights, compacted
     cuda = device.startswith("cuda")
     peak = support.peak_flops(torch.cuda.get_device_name(device) if cuda else "")
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if cuda
-        else torch.autocast("cpu", enabled=False)
-    )
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    autocast = tg.mixed_precision(device)
+    sync = partial(torch.cuda.synchronize, device) if cuda else (lambda: None)
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, hp.vocab_size, (batch, hp.seq_len), generator=gen).to(device)
     targets = torch.roll(idx, -1, dims=1)

@@ -94,31 +94,8 @@ def check_out_dir(out: str):
 
 def last_validation(run_dir: str, step: int) -> dict:
     """The run's last validation record of step `step` in metrics.jsonl ({} if none)."""
-    found = {}
-    try:
-        with open(support.regular(os.path.join(run_dir, runlog.LOGS[1]))) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError):
-                    continue
-                if not isinstance(record, dict):
-                    continue
-                if record.get("kind") == "val" and record.get("step") == step:
-                    found = record
-    except OSError:
-        pass
-    return found
-
-
-def run_config(run_dir: str) -> dict:
-    """The run's config.json (its command and commit), {} if it cannot be read."""
-    try:
-        with open(support.regular(os.path.join(run_dir, runlog.LOGS[2]))) as f:
-            config = json.load(f)
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return config if isinstance(config, dict) else {}
+    found = [v for v in runlog.run_records(run_dir, "val") if v.get("step") == step]
+    return found[-1] if found else {}
 
 
 def figure(v: dict, key: str, form: str) -> str:
@@ -223,7 +200,8 @@ def main(argv):
     theirs = authors_config(hp) if args.format == "authors" else None
     check_out_dir(out)
     model = tg.built(hp, (ckpt["model"], os.path.join(args.run_dir, runs.CHECKPOINT), str), "cpu")
-    logged = run_config(args.run_dir)  # (what it holds of the wrong type: not known)
+    # config.json's command and commit (what it holds of the wrong type: not known)
+    logged = runlog.json_object(os.path.join(args.run_dir, runlog.LOGS[2]))
     known = {k: v for k, v in logged.items() if isinstance(v, bool if k == "git_dirty" else str)}
     trained = {
         "run_id": ckpt["run_id"],

@@ -19,9 +19,39 @@ import time
 import numpy as np
 import torch
 
+import support
 from support import HERE, RunStopped, UserError, fmt_list, named, sha256_of, write_atomically
 
 LOGS = ("train.log", "metrics.jsonl", "config.json")  # a run directory's record (RunLog)
+
+
+def run_records(run_dir: str, kind: str) -> list:
+    """The run's metrics.jsonl records of kind, in order (other lines, a user's notes, skipped)."""
+    out = []
+    path = os.path.join(run_dir, LOGS[1])
+    with contextlib.suppress(OSError), open(support.regular(path), "rb") as f:
+        for line in f:
+            m = None  # a line that does not parse: a user's
+            with contextlib.suppress(ValueError, RecursionError):  # (too deep: a user's too)
+                m = json.loads(line)
+            if isinstance(m, dict) and m.get("kind") == kind:
+                out.append(m)
+    return out
+
+
+def json_object(path: str) -> dict:
+    """The JSON object in path, a run's small record (config.json, expand.json); {} where there is
+    none: not a regular file, over support.MAX_RECORD_BYTES, not JSON, not an object."""
+    with (
+        contextlib.suppress(OSError, ValueError, RecursionError),
+        open(support.regular(path), "rb") as f,
+    ):
+        data = f.read(support.MAX_RECORD_BYTES + 1)
+        if len(data) <= support.MAX_RECORD_BYTES:
+            obj = json.loads(data.decode("utf-8-sig"))  # (a BOM: an editor's, kept)
+            return obj if isinstance(obj, dict) else {}
+    return {}
+
 
 # what a run executes: each one's sha256 in config.json and train.log, and its text in train.log
 SOURCES = (

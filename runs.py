@@ -17,7 +17,6 @@ import errno
 import fcntl
 import glob
 import io
-import json
 import os
 import pickle
 import re
@@ -33,14 +32,13 @@ import torch
 
 import hub
 from ranks import Dist
-from runlog import LOGS, RunLog, check_metrics, provenance
+from runlog import LOGS, RunLog, check_metrics, json_object, provenance
 from support import (
     HERE,
     SAVE_SIGNALS,
     RunStopped,
     UserError,
     check_fields,
-    first_line,
     kind_of,
     need,
     os_error_text,
@@ -87,16 +85,15 @@ CHECKPOINT_KEYS = tuple(f.name for f in fields(RunState)) + (
 )
 
 
-def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
+def save_checkpoint(run_dir: str, state: dict, keep: bool = False):
     """torch.save to RUN_DIR/checkpoint.pt (write_atomically), keep: the old one as PREVIOUS too
     (a hard link to it, or where the file system has none a copy, if there is room)."""
     path, prev = (os.path.join(run_dir, n) for n in (CHECKPOINT, PREVIOUS))
     buf = io.BytesIO()
     torch.save(state, buf)
     if keep:  # the old file stays under both names until the rename below
-        if os.path.lexists(prev):
-            with contextlib.suppress(OSError):
-                os.remove(prev)
+        with contextlib.suppress(OSError):  # (none: a first keep)
+            os.remove(prev)
         try:
             os.link(path, prev)
         except FileNotFoundError:  # a first save has none to keep
@@ -106,7 +103,6 @@ def save_checkpoint(run_dir: str, state: dict, keep: bool = False) -> str:
             with contextlib.suppress(OSError), open(path, "rb") as f:
                 write_atomically(prev, f, tag=state["run_id"])
     write_atomically(path, buf.getvalue(), tag=state["run_id"])
-    return path
 
 
 def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
@@ -230,21 +226,13 @@ def check_weights(own: dict, weights: dict, path: str, label=str):
             )
 
 
-def load_weights(model, weights: dict, path: str, label=str):
-    """check_weights, then a strict load_state_dict (floating dtypes convert)."""
-    check_weights(model.state_dict(), weights, path, label)
-    try:
-        model.load_state_dict(weights)
-    except (RuntimeError, TypeError, ValueError) as e:  # (what the checks above do not foresee)
-        raise UserError(f"{path}: the weights do not load ({first_line(e)})") from None
-
-
 def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
     """Weights, optimiser, routing, data position, random state, packed lengths (compact) and
     clock from a checkpoint; an edited or damaged one is a UserError."""
     where = os.path.join(job.run_dir, CHECKPOINT)
-    load_weights(raw, ckpt["model"], where)
+    check_weights(raw.state_dict(), ckpt["model"], where)
     try:
+        raw.load_state_dict(ckpt["model"])  # (strict; floating dtypes convert)
         opt.load_state_dict(ckpt["optimizer"])
         raw.router.load_routing_state(ckpt["routing"])
         torch.set_rng_state(ckpt["rng"]["cpu"])
@@ -322,20 +310,14 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     starts afresh, its files kept in aborted_<k>/."""
     writable_dir(run_dir or "logs")  # before anything is written, folders included
     run_dir = run_dir or new_run_dir(name)
-    held = (CHECKPOINT, PREVIOUS) if ckpt is not None else ()  # (a new run refuses them below)
-    for path in (os.path.join(run_dir, n) for n in LOGS + held):
+    for path in (os.path.join(run_dir, n) for n in LOGS + (CHECKPOINT, PREVIOUS)):
         if os.path.lexists(path) and kind_of(path) != "a file":  # ours are files, never links
-            raise UserError(f"{path} is {kind_of(path)}, not a file")
+            raise UserError(
+                f"{path} is {kind_of(path)}, not a file: move it, or give another folder"
+            )
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
     held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
-    for kept in held if not resuming else []:
-        found = kind_of(os.path.join(run_dir, kept))
-        if found != "a file":  # (a dangling link, say: no run to continue)
-            raise UserError(
-                f"{os.path.join(run_dir, kept)} is {found}, where a run keeps its checkpoint: "
-                f"choose another directory, or move it"
-            )
     if not resuming and held:
         raise UserError(
             f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
@@ -423,13 +405,8 @@ def check_owner(run_dir: str, ckpt: dict):
 
 
 def logged(run_dir: str, key: str = "run_id"):
-    """What RUN_DIR/config.json records under key, or None (no such file, unreadable, or over
-    hub.MAX_CONFIG_BYTES: a run's is a few kB)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
-        path = os.path.join(run_dir, "config.json")
-        if os.path.isfile(path) and os.path.getsize(path) <= hub.MAX_CONFIG_BYTES:  # (no pipe)
-            with open(path, encoding="utf-8-sig") as f:  # (a BOM: an editor's, kept)
-                return json.load(f).get(key)
+    """What RUN_DIR/config.json records under key, or None (none read: runlog.json_object)."""
+    return json_object(os.path.join(run_dir, LOGS[2])).get(key)
 
 
 # -----------------------------------------------------------------------------

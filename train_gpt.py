@@ -6,8 +6,8 @@ Mixture-of-Recursions (Bae et al. 2025).
     torchrun --standalone --nproc_per_node=8 train_gpt.py      # the paper's configuration
 
 Every field of Hyperparameters (the run's) and Job (one job's) is also --field=value (--help).
-This file is the paper's path, read top to bottom, its banners in dependency order (the modules
-beside it: README.md). Importing it has no side effects.
+This file is the paper's path, read top to bottom, its banners in dependency order; README.md
+names the modules beside it. Importing it has no side effects.
 
 Deviations from Llama 3 (the paper's base model, Section 3.1): sandwich norm x +
 Norm(Module(Norm(x))) (Section 2.3; `sandwich_norm=False`: pre-norm); an RMSNorm after the
@@ -252,7 +252,7 @@ class Block(nn.Module):
         self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
-    def attend(self, x, g, mask, pos=None, cache=None, keys=None):  # the first half (docstring)
+    def attend(self, x, g, mask, pos=None, cache=None, keys=None):  # the docstring's attention
         keys = g if keys is None else keys  # log_g below: (B, T), per key
         log_g = None if keys is None else keys.squeeze(-1).float().clamp(min=self.gate_eps).log()
         y = self.attn_out(self.attn(self.attn_in(x), log_g, mask, pos, cache))
@@ -332,7 +332,7 @@ class GateController(nn.Module):
         super().__init__()
         self.kind, self.gamma, self.delta = hp.controller, hp.gamma, hp.delta
         mu = mean_targets(hp)
-        adaptive = "gamma" in CONTROLLERS[self.kind].split()
+        adaptive = "gamma" in CONTROLLERS[self.kind].split()  # (gamma: the rate they adapt at)
         init = 0.0 if adaptive else hp.fixed_coef
         beta = {"sparsity": 0.0, "sparsity_variance": -init}.get(self.kind, init)  # (docstring)
         for name, v in (
@@ -1008,7 +1008,7 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
 
 
 def load_checkpoint(run_dir: str) -> dict:
-    """RUN_DIR's checkpoint, its counters and settings checked (its weights: runs.load_weights)."""
+    """RUN_DIR's checkpoint, its counters and settings checked (its weights: runs.check_weights)."""
 
     def check(state):  # a UserError if the counters or the settings are not a run's
         runs.check_run_state(RunState(**support.saved_fields(RunState, state)))
@@ -1031,7 +1031,7 @@ def saved_settings(saved: dict) -> Hyperparameters:
 def read_source(source: str) -> tuple:
     """-> (settings, (weights, where, label)) of a model: a run folder's checkpoint, or hub.read's
     (a folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION]); `where` names it for messages
-    and the record, label(name) a tensor as the file names it (runs.load_weights)."""
+    and the record, label(name) a tensor as the file names it (runs.check_weights)."""
     held = [n for n in (hub.WEIGHTS, CHECKPOINT) if os.path.lexists(os.path.join(source, n))]
     if os.path.isdir(source) and len(held) != 1:  # (hf: names no folder)
         raise UserError(
@@ -1343,9 +1343,9 @@ def wrapped(raw: GPT, job: Job, d: Dist) -> nn.Module:
     return model
 
 
-def mixed_precision(d: Dist):
+def mixed_precision(device: str):
     """The forward passes' autocast: bf16 on CUDA; on the CPU none (fp32)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=d.device.startswith("cuda"))
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
 
 
 def train(
@@ -1366,7 +1366,7 @@ def train(
     cuda = d.device.startswith("cuda")
     peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
     model = wrapped(raw, job, d)
-    amp = mixed_precision(d)
+    amp = mixed_precision(d.device)
     d.barrier()  # every rank has checked before rank 0 creates anything
     run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
@@ -1499,7 +1499,7 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     loader = validation_loader(hp, d)
     raw = built(hp, init, d.device)
     with ranks.watching(d):  # (nothing written: a launcher gone ends it at once)
-        v = evaluate(raw, hp, loader, d, mixed_precision(d))
+        v = evaluate(raw, hp, loader, d, mixed_precision(d.device))
     if d.master:
         print("\n".join(runlog.validation_lines(raw.router, v, f"eval_only {init[1]} ", "")))
     return v

@@ -296,7 +296,8 @@ def test_logs_that_cannot_be_opened_on_resume_stop_the_job_with_status_1(
     (tmp_path / "metrics.jsonl").rename(tmp_path / "m")
     (tmp_path / "metrics.jsonl").mkdir()  # a folder where a log belongs: bad input, refused
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)
-    assert (code, err) == (2, f"error: {tmp_path / 'metrics.jsonl'} is a folder, not a file\n")
+    want = f"error: {tmp_path / 'metrics.jsonl'} is a folder, not a file: move it, or give another"
+    assert (code, err) == (2, want + " folder\n")
     (tmp_path / "metrics.jsonl").rmdir()
     (tmp_path / "m").rename(tmp_path / "metrics.jsonl")
     assert files() == before  # nothing written
@@ -834,8 +835,8 @@ def test_stop_and_error_lines_say_what_is_true(tmp_path, monkeypatch, capsys):
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path / 'b'}"], capsys)
     assert (code, err) == (
         2,
-        f"error: {tmp_path / 'b' / 'checkpoint.prev.pt'} is a broken symbolic link, where a "
-        f"run keeps its checkpoint: choose another directory, or move it\n",
+        f"error: {tmp_path / 'b' / 'checkpoint.prev.pt'} is a broken symbolic link, not a file: "
+        "move it, or give another folder\n",
     )
     # a checkpoint that cannot be read (a permission) is said so, not called corrupt
     c = tmp_path / "c"

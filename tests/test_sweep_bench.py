@@ -184,6 +184,9 @@ def test_the_statistics_and_the_frontier_at_their_edges_against_closed_forms():
     got = sweep.paired(deltas)
     assert got["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-6)
     assert got["hi"] - got["mean"] == pytest.approx(4.303 * sd / math.sqrt(3), rel=1e-3)
+    # no seed (every point outside the frontier's range) or one: a mean at most, no test
+    assert sweep.paired([]) == dict(n=0, mean=None, sd=None, lo=None, hi=None, p=None)
+    assert sweep.paired([0.5]) == dict(n=1, mean=0.5, sd=None, lo=None, hi=None, p=None)
     # Holm by hand: 0.6 x 2 = 1.2 is capped at 1, then 0.9 x 1 below the running maximum
     assert sweep.holm([0.6, 0.9, None]) == [1.0, 1.0, None]
     # a dense point only as good as a cheaper one is no step of the envelope either
@@ -317,16 +320,17 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
     (run / "metrics.jsonl").write_text(
         "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
     )
-    assert sweep.run_records(str(run), "val") == [{"kind": "val", "step": 3}]
+    assert sweep.runlog.run_records(str(run), "val") == [{"kind": "val", "step": 3}]
     assert sweep.run_state(str(run)) == "fresh"  # validated mid-way, no checkpoint
     (run / "checkpoint.pt").write_bytes(b"")
     assert sweep.run_state(str(run)) == "resume"
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"kind": "val", "step": 6}) + "\n")
     assert sweep.run_state(str(run)) == "done"
-    for text in ("[6]", "not json", "{"):  # no JSON object: no settings
+    huge = json.dumps({"num_steps": 6, "pad": " " * (1 << 20)})  # over the cap: not a run's
+    for text in ("[6]", "not json", "{", huge):  # no JSON object: no settings
         (run / "config.json").write_text(text)
-        assert sweep.json_object(str(run / "config.json")) == {}, text
+        assert sweep.runlog.json_object(str(run / "config.json")) == {}, text
     assert sweep.run_state(str(run)) == "resume"
 
 
@@ -432,7 +436,7 @@ def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
         sweep.dense(2),
         sweep.dense(4),
     ]
-    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=runs))
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=runs))
     start = sweep.runs.Trainers.start
 
     def after_those_in_flight(self, plan, step, nproc):
@@ -457,7 +461,7 @@ def test_a_run_refused_under_torchrun_is_said_by_its_ranks_error_line(
     # torchrun turns its ranks' status 2 into 1 and ends with a banner, which the sweep quoted
     sweep = load_command("sweep.py")
     bad = ["--router=none", "--device_batch_size=4", "--train_files={runs}/none_*.bin"]
-    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=[("bad", bad)]))
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=[("bad", bad)]))
     out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
     code = support.cli(sweep.main, ["--grid=tiny", "--nproc_per_node=2", *out])
     err = capsys.readouterr().err
@@ -473,7 +477,7 @@ def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(
     # all the sweep said
     sweep = load_command("sweep.py")
     runs = [sweep.dense(2), ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"])]
-    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, n_layers=4, runs=runs))
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=runs))
     out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
     for argv, said in (
         (["--grid=cpu", "--nproc_per_node=3"], "_s0: val_tokens=4096 is not a whole number"),
@@ -493,7 +497,6 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     gated = sweep.gated("gated_mu0.5", "--n_layers=4", "--mu_end=0.5", "--val_tokens=256")
     grid = dict(
         base=TINY_GRID,
-        n_layers=4,
         runs=[
             sweep.dense(2),
             sweep.dense(4),
@@ -673,7 +676,7 @@ def test_a_grid_is_not_measured_where_a_training_shard_a_run_read_changed(
     tokens = np.random.default_rng(0).integers(0, 50257, 2000)
     write_shard(tmp_path / "train_0.bin", tokens)
     base = TINY_GRID + [f"--train_files={tmp_path}/train_*.bin"]
-    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=base, n_layers=2, runs=[sweep.dense(2)]))
+    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=base, runs=[sweep.dense(2)]))
     argv = ["--grid=one", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
     assert support.cli(sweep.main, argv) == 0
     capsys.readouterr()
@@ -694,7 +697,7 @@ def test_a_grid_split_over_commands_does_not_lose_the_record_of_another(
     # the rows of another's (the same --out) is refused before it trains; measuring every seed
     # at once replaces it, each run measured again
     sweep = load_command("sweep.py")
-    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, n_layers=2, runs=[sweep.dense(2)]))
+    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, runs=[sweep.dense(2)]))
     common = ["--grid=one", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
     assert support.cli(sweep.main, common) == 0
     capsys.readouterr()
@@ -738,7 +741,7 @@ def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told
     tmp_path, monkeypatch
 ):
     sweep = load_command("sweep.py")  # (its trainers run in the repository: the paths must agree)
-    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, n_layers=2, runs=[sweep.dense(2)]))
+    monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, runs=[sweep.dense(2)]))
     monkeypatch.chdir(tmp_path)
     assert support.cli(sweep.main, ["--grid=one", "--runs=runs", "--out=out"]) == 0
     assert sweep.run_state(str(tmp_path / "runs" / "dense_2_s0")) == "done"
