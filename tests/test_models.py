@@ -7,7 +7,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,30 @@ from conftest import (
 )
 
 # ----------------------------------------------------- the authors' released format
+
+
+def test_eval_only_prints_the_cross_entropy_written_here(capsys):
+    # the authors' model validated with settings other than its own (4 x 64 tokens, 1,536 of
+    # them): the printed loss is the mean -log softmax of each target, the shard laid out as
+    # the loader reads it (each batch's 4 x 64 inputs and the next token of each)
+    B, T, N = 4, 64, 1536
+    given = ["--val_files=data/sample/sample_val_*.bin", f"--val_tokens={N}", f"--seq_len={T}"]
+    code, out, err = run_main(
+        [f"--init_from={AUTHORS_TINY}", "--eval_only=true", *given, f"--device_batch_size={B}"],
+        capsys,
+    )
+    assert code == 0, err
+    files = tg.find_shards("data/sample/sample_val_*.bin")
+    tokens = torch.from_numpy(tg.read_shard(files[0], 50257)[: N + 1].astype("int64"))
+    model, nll = tg.load_model(str(AUTHORS_TINY)).eval(), []
+    with torch.no_grad():
+        for i in range(N // (B * T)):
+            batch = tokens[i * B * T : (i + 1) * B * T + 1]
+            logits = model(batch[:-1].view(B, T)).logits.double()
+            logp = logits - logits.exp().sum(-1, keepdim=True).log()
+            nll.append(-logp.gather(-1, batch[1:].view(B, T, 1)).flatten())
+    printed = float(re.search(r"val_loss:([0-9.]+)", out).group(1))
+    assert printed == pytest.approx(torch.cat(nll).mean().item(), abs=1e-4)
 
 
 def test_the_authors_released_model_reproduces_their_logits():
@@ -549,6 +573,24 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     card = (tmp_path / "new_out" / "README.md").read_text()
     val = [m for m in read_metrics(new) if m["kind"] == "val"][-1]
     assert f"from the weights of {out}" in card and f"loss {val['val_loss']:.4f}" in card
+    # the export of the authors' own model is their file: each tensor bit for bit, each field of
+    # their config (transformers' own aside); norm_eps, whose value in their files is our
+    # default, is written and read back at another value under its name
+    theirs, model = load_file(AUTHORS_TINY / "model.safetensors"), tg.load_model(str(AUTHORS_TINY))
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    for hp, name in ((model.hp, "theirs"), (replace(model.hp, norm_eps=1e-3), "eps")):
+        torch.save({**ckpt, "hp": asdict(hp), "model": model.state_dict()}, run / "checkpoint.pt")
+        assert support.cli(export.main, [str(run), str(tmp_path / name), "--format=authors"]) == 0
+    mine = load_file(tmp_path / "theirs" / "model.safetensors")
+    assert sorted(mine) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), name
+    config, their_config = (
+        json.loads((d / "config.json").read_text()) for d in (tmp_path / "theirs", AUTHORS_TINY)
+    )
+    for key in set(their_config) - {"dtype", "torch_dtype", "transformers_version"}:
+        assert config.get(key) == their_config[key], key
+    assert tg.load_model(str(tmp_path / "eps")).hp.norm_eps == 1e-3
 
 
 def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path):

@@ -1,5 +1,6 @@
 """sample.py (decoding with a KV cache) and skipview.py (how many blocks each token ran)."""
 
+import math
 import re
 from dataclasses import replace
 
@@ -69,6 +70,29 @@ def test_sampling_draws_among_the_top_k_at_the_temperature_by_the_seed():
     greedy = sample.generate(model, [1, 2, 3], 13, temperature=0)[0]
     assert sample.generate(model, [1, 2, 3], 13, temperature=1e-50)[0] == greedy
     assert sample.generate(model, [1, 2, 3], 13, top_k=1, seed=4)[0] == greedy
+
+
+def test_each_draw_is_from_the_softmax_at_the_temperature_over_the_top_k(monkeypatch):
+    # the distribution each token is drawn from, at ordinary temperatures: softmax(logits / T)
+    # of the full forward pass's logits at its position, over their top_k (the rest 0)
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(n_layers=2, max_seq_len=16, seq_len=16, init_std=0.3)).eval()
+    drawn, draw = [], torch.multinomial
+
+    def recording(probs, *args, **kwargs):
+        drawn.append(probs.detach().clone())
+        return draw(probs, *args, **kwargs)
+
+    monkeypatch.setattr(sample.torch, "multinomial", recording)
+    for temperature, top_k in ((0.5, 0), (0.8, 5), (2.0, 5)):
+        drawn.clear()
+        tokens, _ = sample.generate(model, [1, 2, 3], 8, temperature=temperature, top_k=top_k)
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens[:-1]])).logits[0, 2:].double()  # (8, V)
+        if top_k:
+            logits[logits < logits.topk(top_k, dim=-1).values[:, -1:]] = -math.inf
+        want = torch.softmax(logits / temperature, dim=-1)
+        assert len(drawn) == 8 and (torch.stack(drawn) - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("axis", ["key", "query"])
