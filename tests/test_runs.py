@@ -805,15 +805,15 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
     assert not glob.glob(f"{ckpt}.*.tmp")  # removed by the resume: its run's
 
 
-def nan_on_call(n):
-    """The model's loss, NaN on its n-th call with gradients enabled (training)."""
+def nan_on_call(*n):
+    """The model's loss, NaN on its n-th calls with gradients enabled (training)."""
     calls, real = [0], tg.LinearCrossEntropy.apply
 
     def fake(*args, **kwargs):
         loss = real(*args, **kwargs)
         if torch.is_grad_enabled():
             calls[0] += 1
-            if calls[0] == n:
+            if calls[0] in n:
                 return loss * float("nan")
         return loss
 
@@ -959,6 +959,22 @@ def test_a_bounded_number_of_bad_steps_can_be_skipped(tmp_path, monkeypatch, cap
     train = [m for m in read_metrics(tmp_path) if m["kind"] == "train"]
     assert [m["step"] for m in train] == [1, 2, 3, 4, 6, 7, 8]
     assert all(math.isfinite(m["train_loss"]) for m in train)
+
+
+def test_the_bad_steps_allowed_are_the_runs_not_each_jobs(tmp_path, monkeypatch, capsys):
+    # max_bad_steps bounds the run (its checkpoint counts the steps skipped): one that skipped
+    # step 2 and stopped at 3 stops at its second, step 5, in the next job, as the run in one
+    # job does (2 micro-steps a step: a job's calls 3 and 9 are its steps 2 and 5; the bound is
+    # the job's setting, given again)
+    args = RESUME_RUN + ["--max_bad_steps=1"]
+    for name, calls, stop in (("one", (3, 9), []), ("two", (3,), ["--stop_step=3"])):
+        monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(*calls))
+        code, out, err = run_main(args + [f"--run_dir={tmp_path / name}", *stop], capsys)
+        assert code == (1 if name == "one" else 0), err
+        assert "step:2/8 skipped: non-finite loss (1 of max_bad_steps=1)" in out
+    monkeypatch.setattr(tg.LinearCrossEntropy, "apply", nan_on_call(3))  # its step 5
+    code, _, err = run_main([f"--resume={tmp_path / 'two'}", "--max_bad_steps=1"], capsys)
+    assert code == 1 and err.startswith("error: non-finite loss at step 5;"), err
 
 
 def test_a_non_finite_update_never_replaces_the_checkpoint(tmp_path, monkeypatch, capsys):
