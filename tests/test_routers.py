@@ -249,17 +249,17 @@ def test_dlo_labels_and_skip_loss_match_a_hand_computed_example():
 def test_dlo_annealing_rates_and_layer_learning_rates():
     state = tg.DLO(tiny(router="dlo", n_layers=2, dlo_rho=0.4, dlo_anneal_steps=4))
     assert [state.overall(s) for s in (0, 1, 3, 10)] == pytest.approx([0.1, 0.2, 0.4, 0.4])
+    assert state.rates.tolist() == pytest.approx([0.1, 0.1])  # rho_{i,1}: step 1's rate
+    assert state.lr_scales(0) == pytest.approx([1.0, 1.0])
+    state.update(torch.tensor([[6.0, 2.0]]), 8, step=0)  # eq. (8): 6 of 8 labelled to run
+    assert state.rates.tolist() == pytest.approx([0.25, 0.75])
+    assert state.lr_scales(3) == pytest.approx([0.75 / 0.6, 0.25 / 0.6])  # eq. (10)
     # the loss's labels at the annealed rate (Algorithm 1 line 46), not the target: of each
     # sequence's 2 x 16 positions, floor((1 - rho^t) 32) run: 28.8, 22.4, 19.2
     model = tg.GPT(tiny(router="dlo", n_layers=2, dlo_rho=0.4, dlo_anneal_steps=4)).train()
     route = model(torch.randint(0, 97, (3, 16))).route
     for step, run in ((0, 28), (2, 22), (5, 19)):
         assert model.router.loss(route, step)[1].sum().item() == 3 * run
-    assert state.rates.tolist() == pytest.approx([0.1, 0.1])  # rho_{i,1}: step 1's rate
-    assert state.lr_scales(0) == pytest.approx([1.0, 1.0])
-    state.update(torch.tensor([[6.0, 2.0]]), 8, step=0)  # eq. (8): 6 of 8 labelled to run
-    assert state.rates.tolist() == pytest.approx([0.25, 0.75])
-    assert state.lr_scales(3) == pytest.approx([0.75 / 0.6, 0.25 / 0.6])  # eq. (10)
     model = tg.GPT(tiny(router="dlo", n_layers=2))
     groups = tg.param_groups(model)
     assert len(groups) == 3 and any(
