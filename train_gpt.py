@@ -252,7 +252,7 @@ class Block(nn.Module):
         self.ffn_out = RMSNorm(hp.dim, hp.norm_eps) if hp.sandwich_norm else nn.Identity()
         self.gate_eps = hp.gate_eps
 
-    def attend(self, x, g, mask, pos=None, cache=None, keys=None):  # the docstring's attention
+    def attend(self, x, g, mask, pos=None, cache=None, keys=None):  # x + g Norm(Attn(Norm(x)))
         keys = g if keys is None else keys  # log_g below: (B, T), per key
         log_g = None if keys is None else keys.squeeze(-1).float().clamp(min=self.gate_eps).log()
         y = self.attn_out(self.attn(self.attn_in(x), log_g, mask, pos, cache))
