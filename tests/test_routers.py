@@ -484,34 +484,38 @@ def test_mor_matches_a_loop_over_each_sequences_kept_tokens(n_layers, mode):
     # recursion r > 0 keeps in training the top floor((3 - r) / 3 x 16) of each sequence's
     # still-active tokens by the router's score, in evaluation those with a positive score; the
     # stack runs on the kept tokens alone (a short sequence with their positions) and each moves
-    # by sigmoid(score) x the stack's update
+    # by sigmoid(score) x the stack's update; the same gradients, the scores' into the stream
     model = mor_model(n_layers=n_layers).train(mode == "train")
     M = (n_layers - 2) // 3
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        x = model.blocks[0](model.embed_norm(model.embed(idx)), None, None)
-        active = torch.ones(2, 16, dtype=torch.bool)
-        for r, k in enumerate([16, 10, 5]):
-            z = model.router.routers[r](x)[..., 0]
-            new, kept = x.clone(), torch.zeros_like(active)
-            for b in range(2):
-                if r == 0:
-                    pos = torch.arange(16)
-                elif mode == "train":
-                    pos = z[b].masked_fill(~active[b], -math.inf).topk(k).indices.sort().values
-                else:
-                    pos = (active[b] & (z[b] > 0)).nonzero().squeeze(1)
-                if len(pos):  # (in evaluation a sequence may keep none)
-                    y = x[b, pos][None]
-                    for block in model.blocks[1 : 1 + M]:
-                        y = block(y, None, None, pos=pos[None])
-                    new[b, pos] = x[b, pos] + torch.sigmoid(z[b, pos])[:, None] * (y[0] - x[b, pos])
-                    kept[b, pos] = True
-            x, active = new, kept
-        expected = model.head(model.head_norm(model.blocks[-1](x, None, None)))
-        out = model(idx)
+    x = model.blocks[0](model.embed_norm(model.embed(idx)), None, None)
+    active = torch.ones(2, 16, dtype=torch.bool)
+    for r, k in enumerate([16, 10, 5]):
+        z = model.router.routers[r](x)[..., 0]
+        new, kept = x.clone(), torch.zeros_like(active)
+        for b in range(2):
+            if r == 0:
+                pos = torch.arange(16)
+            elif mode == "train":
+                pos = z[b].masked_fill(~active[b], -math.inf).topk(k).indices.sort().values
+            else:
+                pos = (active[b] & (z[b] > 0)).nonzero().squeeze(1)
+            if len(pos):  # (in evaluation a sequence may keep none)
+                y = x[b, pos][None]
+                for block in model.blocks[1 : 1 + M]:
+                    y = block(y, None, None, pos=pos[None])
+                new[b, pos] = x[b, pos] + torch.sigmoid(z[b, pos])[:, None] * (y[0] - x[b, pos])
+                kept[b, pos] = True
+        x, active = new, kept
+    expected = model.head(model.head_norm(model.blocks[-1](x, None, None)))
+    out = model(idx)
     assert 0 < active.float().mean() < 1
     assert (out.logits - expected).abs().max().item() < 1e-4
+    weights, params = torch.randn_like(expected), list(model.parameters())
+    got = torch.autograd.grad((out.logits * weights).sum(), params)
+    want = torch.autograd.grad((expected * weights).sum(), params)
+    for a, b in zip(got, want, strict=True):
+        assert_close_rel(a, b, 1e-3)
 
 
 def test_mor_active_sets_are_nested_and_each_recursion_keeps_its_share():
