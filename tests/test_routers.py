@@ -570,17 +570,22 @@ def test_mor_compact_matches_masked_logits_and_gradients(given):
     assert_compact_matches_masked(mor_model, given)
 
 
-def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():
-    model = mor_model(compact=True).eval()
+@torch.no_grad()
+def decoded_as_the_full_pass(model):
+    """Decodes 16 tokens one at a time with a KV cache: each step's logits the full pass's, and
+    each block's cached K/V those of the tokens it ran -> the cache."""
     idx = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(10))
-    with torch.no_grad():
-        full = model(idx)
-    cache = sample.KVCache(model.hp, "cpu")
+    full, cache = model(idx), sample.KVCache(model.hp, "cpu")
     for pos in range(16):
-        with torch.no_grad():
-            step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
+        step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
         assert (step[0, -1] - full.logits[0, pos]).abs().max().item() < 1e-4
     assert cache.n == full.route["block"][:, 0].sum(dim=1).tolist()
+    return cache
+
+
+def test_mor_decoding_caches_k_v_only_at_the_recursions_a_token_ran():
+    model = mor_model(compact=True).eval()
+    cache = decoded_as_the_full_pass(model)
     assert cache.n[:3] == [16] * 3 and cache.n[7] == 16 and cache.n[5] < cache.n[3] < 16
 
 
@@ -592,15 +597,7 @@ def test_decoding_matches_the_full_pass_and_caches_k_v_where_attention_ran(route
     model = tg.GPT(tiny(router=router, compact=True)).eval()
     for linear in model.router.routers:
         torch.nn.init.normal_(linear.weight, std=0.3)
-    idx = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(10))
-    with torch.no_grad():
-        full = model(idx)
-    cache = sample.KVCache(model.hp, "cpu")
-    for pos in range(16):
-        with torch.no_grad():
-            step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
-        assert (step[0, -1] - full.logits[0, pos]).abs().max().item() < 1e-4
-    assert cache.n == full.route["block"][:, 0].sum(dim=1).tolist()
+    cache = decoded_as_the_full_pass(model)
     if router == "mod":  # its routed blocks, 1 and 3, cache some tokens, not all
         assert cache.n[0] == cache.n[2] == 16 and 0 < cache.n[1] < 16 and 0 < cache.n[3] < 16
     else:
