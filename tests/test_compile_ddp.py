@@ -293,6 +293,28 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     assert stats["tokens"] == [4 * hp.seq_len] and len(stats["block_active"]) == hp.n_layers
 
 
+@pytest.mark.parametrize(
+    "device,compile_,compiled",
+    [("cuda:1", True, True), ("cuda:1", False, False), ("cpu", True, False)],
+)
+def test_training_compiles_the_blocks_where_asked_on_cuda_and_nowhere_else(
+    device, compile_, compiled, monkeypatch
+):
+    # train() runs what wrapped() returns: compile_model's model on CUDA with compile=1 (the
+    # tests above check that model), the eager one on the CPU (docs/speed.md) or with compile=0
+    given = []
+
+    def spy(model):
+        given.append(model)
+        return "the compiled model"
+
+    monkeypatch.setattr(tg, "compile_model", spy)
+    raw = tg.GPT(tiny())
+    model = tg.wrapped(raw, tg.Job(compile=compile_), ranks.Dist(device=device))
+    assert model == ("the compiled model" if compiled else raw)
+    assert given == ([raw] if compiled else [])
+
+
 # ------------------------------------------------------------------------------ DDP
 
 
