@@ -213,10 +213,11 @@ def sha256(data):
     return hashlib.sha256(data).hexdigest()
 
 
-def write_shard(path, tokens, magic=20240520, version=1, count=None):
-    """A shard of tokens at path: its 256-int32 header (magic, version, count), then uint16s."""
+def write_shard(path, tokens, magic=20240520, version=1, count=None, encoding=0):
+    """A shard of tokens at path: its 256-int32 header (magic, version, count, encoding: 0 gpt2,
+    1 bytes), then uint16s."""
     header = np.zeros(256, dtype=np.int32)
-    header[:3] = (magic, version, len(tokens) if count is None else count)
+    header[:4] = (magic, version, len(tokens) if count is None else count, encoding)
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(np.asarray(tokens, dtype=np.uint16).tobytes())

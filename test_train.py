@@ -872,31 +872,33 @@ def test_loader_reads_what_the_test_wrote(tmp_path):
 
 
 def test_loader_passes_over_a_shard_shorter_than_one_global_batch(tmp_path):
-    # one global batch: 2 sequences of 4 (+1). Shard 1 (8 tokens) and the last (3, a corpus's
-    # last shard, say) hold none: never read, in the first pass or the next (the pass counted
-    # where the last shard ends it); a shard's tail short of a batch is left, as ever, and a
-    # shard of k batches and the one token more that the last target needs gives all k
-    sizes = [17, 8, 12, 3]
+    # one global batch: 2 sequences of 4 (+1). The first shard (3 tokens: a corpus's last
+    # shard, sorted first, say) and shard 2 (8) hold none: never read, not even to start, in the
+    # first pass or the next (the pass counted where the last shard ends it); a shard's tail
+    # short of a batch is left, as ever, and a shard of k batches and the one token more that
+    # the last target needs gives all k
+    sizes = [3, 17, 8, 12]
     start = np.cumsum([0] + sizes)
     for i, n in enumerate(sizes):
         write_shard(tmp_path / f"d_{i}.bin", np.arange(start[i], start[i] + n))
     loader = tg.DistributedLoader(str(tmp_path / "d_*.bin"), 2, 4, 0, 1)
+    assert (loader.state()["shard"], sorted(loader.read)) == (1, [1])
     firsts, laps = [], []
     for _ in range(6):
         firsts.append(loader.next_batch()[0][0, 0].item())
         laps.append(loader.laps)
-    # shard 0: tokens 0..16, 2 batches (0, 8); shard 2: 25..36, 1 batch (25); then round again
-    assert firsts == [0, 8, 25, 0, 8, 25] and laps == [0, 0, 1, 1, 1, 2]
+    # shard 1: tokens 3..19, 2 batches (3, 11); shard 3: 28..39, 1 batch (28); then round again
+    assert firsts == [3, 11, 28, 3, 11, 28] and laps == [0, 0, 1, 1, 1, 2]
     assert sum(loader.batches) == 3  # global batches in one pass
-    assert sorted(loader.read) == [0, 2]
+    assert sorted(loader.read) == [1, 3]
     assert loader.fingerprints(3)["read"] == [
-        [0, *tg.shard_fingerprint(loader.files[0])],
-        [2, *tg.shard_fingerprint(loader.files[2])],
+        [1, *tg.shard_fingerprint(loader.files[1])],
+        [3, *tg.shard_fingerprint(loader.files[3])],
     ]
     with pytest.raises(
         tg.UserError, match=r"no shard that \S+ matches holds one global batch \(9 "
     ):
-        tg.DistributedLoader(str(tmp_path / "d_[13].bin"), 2, 4, 0, 1)
+        tg.DistributedLoader(str(tmp_path / "d_[02].bin"), 2, 4, 0, 1)
 
 
 def test_loader_rejects_bad_magic_and_truncation(tmp_path):
@@ -917,6 +919,21 @@ def test_loader_rejects_bad_magic_and_truncation(tmp_path):
     (tmp_path / "e[1].bin").mkdir()  # (said so, as a folder the glob matches is)
     with pytest.raises(tg.UserError, match=r"e\[1\]\.bin, which is a folder, not a shard"):
         tg.find_shards(str(tmp_path / "e[1].bin"))
+
+
+def test_validation_takes_what_its_shards_hold_no_token_twice_and_of_its_own_encoding(tmp_path):
+    # batches of 2 x 16 (+1): a shard of 3 x 32 + 1 tokens holds 3, all that val_tokens may ask
+    # (a fourth would repeat tokens); a gpt2 model refuses byte validation shards, as it does
+    # training shards (ids below 256 would all pass its vocabulary check)
+    write_shard(tmp_path / "v_0.bin", np.arange(97))
+    hp = tiny(val_files=str(tmp_path / "v_*.bin"), device_batch_size=2, seq_len=16)
+    loader = tg.validation_loader(replace(hp, val_tokens=3 * 32), ranks.Dist())
+    assert sum(loader.batches) == 3
+    with pytest.raises(tg.UserError, match=r"val_tokens=128 is more .* \(3 batches\); valid"):
+        tg.validation_loader(replace(hp, val_tokens=4 * 32), ranks.Dist())
+    write_shard(tmp_path / "b_0.bin", np.arange(97), encoding=1)
+    with pytest.raises(tg.UserError, match="b_0.bin holds bytes tokens, but encoding=gpt2"):
+        tg.validation_loader(replace(hp, val_files=str(tmp_path / "b_*.bin")), ranks.Dist())
 
 
 def test_embedded_sample_is_valid():
@@ -1380,6 +1397,20 @@ def test_every_position_the_loader_reaches_is_one_a_resume_accepts(tmp_path):
     for shard, pos in ((0, 9), (1, 1), (0, -1), (2, 0), (-1, 0)):
         with pytest.raises(tg.UserError, match=rf"data position \(shard {shard}, token {pos}\)"):
             loader.check_position({"shard": shard, "pos": pos})
+    # two ranks: a global batch of 2 x 2 x 4 (+1), at 0 and 16 in a shard of 33 tokens; past
+    # 16, rank 1's sequences would run off the shard's end
+    write_shard(tmp_path / "w_0.bin", np.arange(33))
+    for rank in (0, 1):
+        loader = tg.DistributedLoader(str(tmp_path / "w_*.bin"), 2, 4, rank, 2)
+        seen = []
+        for _ in range(3):
+            loader.check_position(loader.state())
+            seen.append(loader.pos)
+            loader.next_batch()
+        assert seen == [0, 16, 0]
+        for pos in (17, 24):
+            with pytest.raises(tg.UserError, match=rf"data position \(shard 0, token {pos}\)"):
+                loader.check_position({"shard": 0, "pos": pos})
 
 
 def test_a_validation_record_names_only_the_shards_its_batches_read(tmp_path):

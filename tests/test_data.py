@@ -1111,7 +1111,8 @@ def test_data_scripts_run_without_importing_torch(tmp_path):
 def test_a_shard_header_is_refused_for_each_field_it_gets_wrong(tmp_path):
     # headers written by hand: magic, version, count, encoding; a version or an encoding this
     # reader does not know is a UserError naming it (not an IndexError, not read as version 1);
-    # every token id is below vocab_size, the largest one included
+    # a count the file's size does not match either way (a shard cut short, or two joined by
+    # `cat`: the second would never be read); every token id is below vocab_size
     def shard(name, head, tokens=(1, 2, 3)):
         h = np.zeros(256, dtype=np.int32)
         h[:4] = head
@@ -1120,10 +1121,12 @@ def test_a_shard_header_is_refused_for_each_field_it_gets_wrong(tmp_path):
 
     assert shards.shard_header(shard("ok.bin", (20240520, 1, 3, 1))) == (3, "bytes")
     for name, head, message in (
+        ("magic.bin", (20240521, 1, 3, 0), r"bad magic number 20240521 \(expected 20240520\)"),
         ("version.bin", (20240520, 2, 3, 0), "unsupported shard version 2 "),
         ("enc.bin", (20240520, 1, 3, 2), "unknown encoding 2 "),
         ("neg.bin", (20240520, 1, 3, -1), "unknown encoding -1 "),
         ("count.bin", (20240520, 1, 4, 0), r"header says 4 tokens \(1032 bytes\)"),
+        ("joined.bin", (20240520, 1, 2, 0), r"says 2 tokens \(1028 bytes\) but the file has 1030"),
     ):
         with pytest.raises(support.UserError, match=message):
             shards.shard_header(shard(name, head))
