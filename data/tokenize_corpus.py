@@ -17,7 +17,9 @@ text's UTF-8. Tokens go into shards of --shard_tokens tokens (the last one short
 modded-nanogpt format that train_gpt.py reads, the encoding in the header; the first shard is
 named as validation: NAME_val_000000.bin, then NAME_train_000001.bin, ... (with --val_every=K,
 every K-th document goes to validation shards instead). Documents with empty text are
-skipped; an input with none is an error. Encoding uses --workers processes.
+skipped; an input with none is an error; a JSON text holding a lone surrogate (an escape such as
+"\\ud800": not Unicode) is refused in either encoding. Encoding uses --workers processes; the
+documents keep their order.
 
 What it may delete (class Corpus): shards are written into a temporary folder inside --out and
 take their names only when the whole corpus is encoded; then the shards of the previous version
@@ -302,15 +304,16 @@ def _encode(item):
     (name, error message)."""
     name, text, enc = item
     _enc = _encodings.get(enc) or _encodings.setdefault(enc, encoding(enc))
-    try:
+    try:  # UTF-8 first, in either encoding: a JSON text's lone surrogate ("\ud800") is no
+        # Unicode text (GPT-2's tiktoken would encode it as U+FFFD, silently)
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
         if enc == "bytes":  # the bytes themselves: a .txt file's as read, JSON text's UTF-8
-            data = text if isinstance(text, bytes) else text.encode("utf-8")
             if b"\0" in data:
                 return name, "holds a NUL byte, the document separator of byte shards"
             ids = np.frombuffer(data, dtype=np.uint8)
         else:
             ids = _enc.encode_ordinary(text)
-    except Exception as e:  # e.g. lone surrogates that cannot become UTF-8
+    except Exception as e:  # (a lone surrogate: UnicodeEncodeError)
         return name, f"cannot be encoded: {type(e).__name__}: {e}"
     if len(ids) and max(ids) >= 2**16:
         return name, "token ids do not fit uint16"

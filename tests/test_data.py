@@ -2,6 +2,7 @@
 Debian's documentation as a corpus; none of them imports torch."""
 
 import errno
+import glob
 import hashlib
 import json
 import math
@@ -161,8 +162,8 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
     ]
     (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8")
     with open(tmp_path / "b.jsonl", "w", encoding="utf-8") as f:
-        for d in docs[1:-1]:
-            f.write(json.dumps({"text": d, "id": 1}) + "\n")
+        for d in docs[1:-1]:  # (blank lines between them, passed over)
+            f.write(json.dumps({"text": d, "id": 1}) + "\n\n  \n")
     (tmp_path / "c.txt").write_text(docs[-1], encoding="utf-8")  # a .txt after a .jsonl
     out = tmp_path / "shards"
     r = run_command(
@@ -196,7 +197,7 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
 
 def test_check_command_counts_and_rejects(tmp_path):
     r = run_command("data/tokenize_corpus.py", "--check=data/sample")
-    total = sum(len(tg.read_shard(p)) for p in tg.find_shards("data/sample/*.bin"))
+    total = sum((os.path.getsize(p) - 1024) // 2 for p in glob.glob(f"{REPO}/data/sample/*.bin"))
     assert r.returncode == 0 and f"2 shards, {total:,} tokens, all valid" in r.stdout
     write_shard(tmp_path / "x_000000.bin", range(10))
     write_shard(tmp_path / "x_000001.bin", [5, 60000])
@@ -233,21 +234,54 @@ def test_tokenize_names_a_bad_document_and_writes_nothing(tmp_path):
     (tmp_path / "f.jsonl").write_text('{"text": "fine"}\n' + "[" * 100000 + "\n")  # too deep
     (tmp_path / "g.jsonl").write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")  # 5,000 digits
     (tmp_path / "h.jsonl").write_text('\ufeff{"text": "a"}\n\ufeff{"text": "b"}\n')  # 2 BOMs
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "a\\ud800b"}\n')  # no Unicode
     out = tmp_path / "shards" / "b" / ".." / "deeper"  # makedirs makes shards/b too
-    for name, message in (
-        ("c.jsonl", 'c.jsonl:2: not a JSON object with a "text" field'),
-        ("d.txt", "d.txt: not valid UTF-8"),
-        ("e.jsonl", "e.jsonl:2: not valid UTF-8"),
-        ("f.jsonl", 'f.jsonl:2: not a JSON object with a "text" field (RecursionError)'),
-        ("g.jsonl", 'g.jsonl:1: not a JSON object with a "text" field (ValueError)'),
-        ("h.jsonl", "h.jsonl:2: starts with a byte-order mark (U+FEFF)"),  # (line 1's is fine)
+    lone = "s.jsonl:2: cannot be encoded: UnicodeEncodeError"
+    for name, message, encoding in (
+        ("c.jsonl", 'c.jsonl:2: not a JSON object with a "text" field', "gpt2"),
+        ("d.txt", "d.txt: not valid UTF-8", "gpt2"),
+        ("e.jsonl", "e.jsonl:2: not valid UTF-8", "gpt2"),
+        ("f.jsonl", 'f.jsonl:2: not a JSON object with a "text" field (RecursionError)', "gpt2"),
+        ("g.jsonl", 'g.jsonl:1: not a JSON object with a "text" field (ValueError)', "gpt2"),
+        ("h.jsonl", "h.jsonl:2: starts with a byte-order mark (U+FEFF)", "gpt2"),  # (line 1 ok)
+        ("s.jsonl", lone, "gpt2"),  # (tiktoken alone would make it U+FFFD)
+        ("s.jsonl", lone, "bytes"),
     ):
         r = run_command(
-            "data/tokenize_corpus.py", str(tmp_path / name), f"--out={out}", "--shard_tokens=1"
+            "data/tokenize_corpus.py",
+            str(tmp_path / name),
+            f"--out={out}",
+            "--shard_tokens=1",
+            f"--encoding={encoding}",
         )
         assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
         assert r.stderr.count("\n") == 1
         assert not (tmp_path / "shards").exists()  # not even the folders it made for --out
+
+
+def test_documents_keep_their_order_whichever_worker_encodes_them(tmp_path):
+    # the workers take 16 documents at a time: one still encodes the first 16 (a long one among
+    # them) when the other has done the next 16; the shards hold them in the inputs' order all
+    # the same, every 2nd one (--val_every=2) in validation
+    docs = [" ".join(f"w{i % 9973}" for i in range(400_000))] + [f"doc {i}" for i in range(1, 40)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "o"
+    r = run_command(
+        "data/tokenize_corpus.py",
+        str(tmp_path / "d.jsonl"),
+        f"--out={out}",
+        "--name=o",
+        "--val_every=2",
+        "--shard_tokens=100000",
+        "--workers=2",
+    )
+    assert r.returncode == 0, r.stderr
+    enc = gpt2()
+    for split, part in (("val", docs[::2]), ("train", docs[1::2])):
+        got = [tg.read_shard(str(p)) for p in sorted(out.glob(f"o_{split}_*.bin"))]
+        assert np.concatenate(got).tolist() == [
+            t for d in part for t in [50256] + enc.encode_ordinary(d)
+        ]
 
 
 def test_retokenizing_replaces_only_its_own_corpus_and_only_when_complete(tmp_path):
@@ -718,7 +752,7 @@ def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path, capsys):
     err = capsys.readouterr().err
     last = err.split("\n")[-2]  # (after the progress line)
     assert code == 2 and err.count("error: ") == 1 and last.startswith("error: the 61 tokens fill")
-    assert not (tmp_path / "one").exists() or not list((tmp_path / "one").iterdir())
+    assert not (tmp_path / "one").exists()  # (made by it: removed)
     # skipview: a character's bytes show it once, at its first byte; a stray byte as U+FFFD
     pieces = load_command("skipview.py").token_pieces(
         shards.encoding("bytes"), list("aé🙂".encode()) + [0xFF, 98]
@@ -821,7 +855,8 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
 
 def test_convert_never_replaces_its_inputs_even_through_a_link_and_refuses_a_nul(tmp_path):
     # --out a link to the inputs' folder is that folder: refused, the inputs as they were;
-    # another --name there is fine. A GPT-2 document holding a NUL byte has no byte-shard form
+    # another --name there is fine. A GPT-2 document holding a NUL byte has no byte-shard form,
+    # and a token past GPT-2's vocabulary (another's, or damage) none at all
     tokenize = load_command("data/tokenize_corpus.py")
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "a document of some words " * 3}))
     tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw", 9, 1)
@@ -836,6 +871,10 @@ def test_convert_never_replaces_its_inputs_even_through_a_link_and_refuses_a_nul
     write_shard(tmp_path / "nul_val_000000.bin", [50256, *gpt2().encode_ordinary("a\0b")])
     with pytest.raises(support.UserError, match="nul_val_000000.bin: a document holds a NUL"):
         tokenize.convert(str(tmp_path / "nul_val_000000.bin"), str(tmp_path / "y"), "nul")
+    assert not (tmp_path / "y").exists()
+    write_shard(tmp_path / "big_val_000000.bin", [50256, 97, 60000])
+    with pytest.raises(support.UserError, match=r"token id 60000 .* \(vocab_size=50257\)"):
+        tokenize.convert(str(tmp_path / "big_val_000000.bin"), str(tmp_path / "y"), "big")
     assert not (tmp_path / "y").exists()
 
 
