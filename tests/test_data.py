@@ -922,21 +922,40 @@ def test_debian_docs_keeps_a_pages_text_and_drops_its_markup(tmp_path):
 def test_debian_docs_reads_a_package_whose_stream_goes_on_past_its_archive(tmp_path):
     # a damaged .deb: dpkg-deb streams a tar archive, then far more than a pipe holds (64 KiB)
     # after its end, and a reason on stderr; the pages are read, the rest drained (before:
-    # stderr read while dpkg-deb waited on a full stdout, for ever)
+    # stderr read while dpkg-deb waited on a full stdout, for ever), in the order of their
+    # paths, not the archive's (the pinned corpus's order)
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "dpkg-deb").write_text(
         "#!/usr/bin/env python3\nimport io, sys, tarfile\nbuf = io.BytesIO()\n"
         "with tarfile.open(fileobj=buf, mode='w') as tar:\n"
-        "    info = tarfile.TarInfo('./usr/share/doc/x/index.html'); info.size = 11\n"
-        "    tar.addfile(info, io.BytesIO(b'<p>page</p>'))\n"
+        "    for name in 'b', 'a':\n"
+        "        info = tarfile.TarInfo(f'./usr/share/doc/x/{name}.html'); info.size = 8\n"
+        "        tar.addfile(info, io.BytesIO(f'<p>{name}</p>'.encode()))\n"
         "sys.stderr.write('warning: trailing data\\n' * 5000)\n"
         "sys.stdout.buffer.write(buf.getvalue() + b'junk' * 100000)\n"
     )
     (bin_ / "dpkg-deb").chmod(0o755)
     code = "from data import debian_docs; print(debian_docs.package_pages('x.deb', 'x.deb'))"
     r = run_command("-c", code, env={"PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}"}, timeout=60)
-    assert r.returncode == 0 and r.stdout == "[b'<p>page</p>']\n", r.stderr[-2000:]
+    assert r.returncode == 0 and r.stdout == "[b'<p>a</p>', b'<p>b</p>']\n", r.stderr[-2000:]
+
+
+def test_debian_docs_takes_from_debs_the_file_of_the_pinned_sha256_whatever_its_name(tmp_path):
+    # --debs=DIR: a .deb named as the package's other version is not the pinned file; one of
+    # the pinned sha256 is, whatever it is called
+    docs = load_command("data/debian_docs.py")
+    spec = next(iter(docs.PACKAGES))
+    (tmp_path / f"{spec.split('=')[0]}_0.1_all.deb").write_bytes(b"another version")
+    pinned = re.escape(f"no .deb there has {spec}'s pinned sha256 {'0' * 64}")
+    with pytest.raises(support.UserError, match=pinned):
+        docs.download(spec, "0" * 64, str(tmp_path / "work"), str(tmp_path))
+    (tmp_path / "z.deb").write_bytes(b"the pinned one")
+    sha = hashlib.sha256(b"the pinned one").hexdigest()
+    assert docs.download(spec, sha, str(tmp_path / "work"), str(tmp_path)) == (
+        str(tmp_path / "z.deb"),
+        sha,
+    )
 
 
 def fake_debian(tmp_path, apt_get: str) -> dict:
@@ -979,6 +998,11 @@ def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_pat
         )
     ), r.stderr
     assert "--debs=DIR" in r.stderr and "--unpinned" in r.stderr and not (tmp_path / "out").exists()
+    # the pinned version offered, but not the pinned file (rebuilt, or tampered with): refused
+    other = fake_debian(tmp_path / "m", 'n=${2%%=*}; printf "%s" "$n" > "${n}_9.9_all.deb"\n')
+    r = run_command("data/debian_docs.py", f"--out={tmp_path / 'out'}", env=other)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "differs from the pinned" in r.stderr and not (tmp_path / "out").exists()
     # today's versions instead: each .deb holds its name; the build says it is not the pinned one
     today = fake_debian(tmp_path / "b", 'printf "%s" "$2" > "$2_9.9_all.deb"\n')
     r = run_command("data/debian_docs.py", f"--out={tmp_path / 'out'}", "--unpinned", env=today)
