@@ -527,7 +527,11 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
         ),
         (sample.main, [str(run), "--nope=1"], "unrecognized arguments: --nope=1"),
         (sample.main, [str(tmp_path / "none")], "none: no such folder"),
-        (sample.main, [str(edited)], "encoding=bytes has 256 token ids: give vocab_size=256"),
+        (  # (the file whose settings these are named first)
+            sample.main,
+            [str(edited)],
+            f"{edited / 'checkpoint.pt'}: encoding=bytes has 256 token ids: give vocab_size=256",
+        ),
         (skipview.main, [str(edited), f"--out={tmp_path}/e.html"], "encoding=bytes has 256"),
         (sample.main, [], "give the model once: RUN_DIR or --init_from=SOURCE"),
         (sample.main, [str(run), f"--init_from={run}"], "give the model once"),
