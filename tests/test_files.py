@@ -45,6 +45,11 @@ def test_a_folder_that_is_not_a_runs_is_refused_as_run_dir_nothing_moved(tmp_pat
         "users": {"config.json": b'{"lr": 1}', "notes.txt": b"mine"},
         "logs_only": {"train.log": b"my log", "checkpoint.pt.abcdefgh.tmp": b"mine"},
         "not_json": {"config.json": b"{not json", "metrics.jsonl": b"{}"},
+        "run_id_only": {  # (not its kill's leftover either: not removed)
+            "config.json": b'{"run_id": "ab12"}',
+            "train.log": b"x",
+            "checkpoint.pt.ab12.abcdefgh.tmp": b"mine",
+        },
     }
     for name, files in folders.items():
         folder = tmp_path / name
@@ -302,14 +307,20 @@ def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path
 
 @pytest.mark.slow
 def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypatch):
-    # a resume leaves a checkpoint.prev.pt that is not an earlier one of its run where it is
+    # a resume leaves a checkpoint.prev.pt that is not an earlier one of its run where it is:
+    # another run's, or a later step's of this run (the checkpoint put back by hand, say)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text('\ufeff{"run_id": "aa"}')  # (a BOM, as an editor saves it)
     ckpt = {"run_id": "aa", "step": 10}
     torch.save(ckpt, run / runs.CHECKPOINT)
     runs.check_owner(str(run), ckpt)  # none there: fine
-    for prev, fine in (({"run_id": "aa", "step": 4}, True), ({"run_id": "bb", "step": 4}, False)):
+    for prev, fine in (
+        ({"run_id": "aa", "step": 4}, True),
+        ({"run_id": "aa", "step": 10}, True),
+        ({"run_id": "bb", "step": 4}, False),
+        ({"run_id": "aa", "step": 11}, False),
+    ):
         torch.save(prev, run / runs.PREVIOUS)
         if fine:
             runs.check_owner(str(run), ckpt)

@@ -605,11 +605,18 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     # what an older version saved: the expand_* fields, data paths relative to the repository
     ckpt["hp"].update(expand_from="", expand_groups=1, train_files="data/sample/sample_train_*.bin")
     torch.save(ckpt, run / "checkpoint.pt")
-    # what a SIGKILL mid-save leaves (the run's id in its name), and files that are not it: a
-    # user's copy, another run's leftover
-    (run / f"checkpoint.pt.{ckpt['run_id']}.k1ll3d_x.tmp").write_bytes(b"half a save")
-    (run / f"checkpoint.prev.pt.{ckpt['run_id']}.k1ll3d_x.tmp").write_bytes(b"half a copy")
-    others = ["checkpoint.pt.20261128.tmp", "checkpoint.pt.0123456789abcdef.k1ll3d_x.tmp"]
+    # what a SIGKILL mid-save leaves (the run's id, then mkstemp's 8 characters), and files that
+    # are not it: a user's copies, another run's leftovers (an id that starts as this one's)
+    run_id = ckpt["run_id"]
+    (run / f"checkpoint.pt.{run_id}.k1ll3d_x.tmp").write_bytes(b"half a save")
+    (run / f"checkpoint.prev.pt.{run_id}.k1ll3d_x.tmp").write_bytes(b"half a copy")
+    others = [
+        "checkpoint.pt.20261128.tmp",
+        "checkpoint.pt.0123456789abcdef.k1ll3d_x.tmp",
+        f"checkpoint.pt.{run_id}.my-copy.tmp",
+        f"checkpoint.pt.{run_id}0.k1ll3d_x.tmp",
+        f"checkpoint.prev.pt.{run_id}.k1ll3d.tmp",
+    ]
     for name in others:
         (run / name).write_bytes(b"not this run's")
     assert tg.load_model(str(run)).hp.n_layers == ckpt["hp"]["n_layers"]
@@ -618,6 +625,7 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
     assert code == 0, err
     assert sorted(p.name for p in run.glob("checkpoint*.tmp")) == sorted(others)
+    assert {(run / name).read_bytes() for name in others} == {b"not this run's"}
     mask = os.umask(0)
     os.umask(mask)
     for name in ("checkpoint.pt", "config.json", "metrics.jsonl"):  # as open() would make them
@@ -1207,7 +1215,9 @@ def resumable(run_dir, step=3, run_id="ab"):
     return {"run_id": run_id, "step": step, "mtime": os.stat(path).st_mtime_ns}
 
 
-def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_copy(tmp_path):
+def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_copy(
+    tmp_path, monkeypatch
+):
     run = tmp_path / "run"
     try:
         ckpt = resumable(run)
@@ -1218,6 +1228,23 @@ def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_c
         with pytest.raises(support.UserError, match="changed while this job started"):
             runs.open_run_dir(str(run), "", stale)
         runs.release_locks()
+        # replaced while read_checkpoint loaded it: the mtime it gives is the file's it read
+        load = torch.load
+
+        def load_then_replaced(path, **kw):
+            state = load(path, **kw)
+            torch.save({"run_id": "ab", "step": 4}, path)
+            os.utime(path, ns=(ckpt["mtime"] + 10**9,) * 2)
+            return state
+
+        monkeypatch.setattr(torch, "load", load_then_replaced)
+        read = runs.read_checkpoint(str(run), ("run_id", "step"), lambda state: None)
+        monkeypatch.undo()
+        assert read["step"] == 3
+        with pytest.raises(support.UserError, match="changed while this job started"):
+            runs.open_run_dir(str(run), "", read)
+        runs.release_locks()
+        ckpt = resumable(run)  # (as it was)
         # a save cut after its copy of the old file (no hard links): PREVIOUS holds the same step
         (run / runs.PREVIOUS).write_bytes((run / runs.CHECKPOINT).read_bytes())
         assert runs.open_run_dir(str(run), "", ckpt) == str(run)
