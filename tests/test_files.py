@@ -591,6 +591,32 @@ def test_a_write_cut_by_a_signal_leaves_the_old_file_and_no_temporary(tmp_path):
     assert target.read_bytes() == b"old"
 
 
+def test_a_file_written_atomically_is_on_disk_before_its_name_and_its_name_after(
+    tmp_path, monkeypatch
+):
+    # after a power cut a checkpoint is the old one or all of the new: the new file's data is
+    # synced before the rename gives it the name, and the folder (the rename) after it; each
+    # file known by its inode, as the OS gives it
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def synced(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def renamed(src, dst):
+        events.append(("rename", os.stat(src).st_ino))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", renamed)
+    (tmp_path / "out.bin").write_bytes(b"old")
+    support.write_atomically(str(tmp_path / "out.bin"), b"new")
+    monkeypatch.undo()
+    new, folder = (tmp_path / "out.bin").stat().st_ino, tmp_path.stat().st_ino
+    assert events == [("fsync", new), ("rename", new), ("fsync", folder)]
+    assert (tmp_path / "out.bin").read_bytes() == b"new"
+
+
 def test_the_put_back_moves_nothing_when_the_newest_does_not_load(tmp_path):
     # (beside test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run)
     torch.save({"run_id": "aa", "step": 5}, tmp_path / runs.PREVIOUS)
