@@ -46,6 +46,8 @@ def test_every_fields_facts_are_well_formed():
                 low, high, closed_low, closed_high = support.interval(spec)
                 assert low <= default <= high, f.name
                 assert (low, high) == tuple(map(float, spec[1:-1].split(","))), f.name
+                if type(default) is int:  # its bounds said as ints ("[1, 8]", not "[1.0, 8.0]")
+                    assert all(type(b) is int or math.isinf(b) for b in (low, high)), f.name
             else:
                 assert spec == "", f.name  # a text or a boolean: checked where it is used
             assert facts["router"] in ("", *tg.ROUTERS), f.name
@@ -53,6 +55,36 @@ def test_every_fields_facts_are_well_formed():
             assert facts["use"] in ("", "train", "init"), f.name
             assert not facts["use"] or cls is tg.Hyperparameters and not facts["fixed"], f.name
             support.check_fields(cls())  # the defaults pass their own checks
+
+
+def test_every_range_takes_its_closed_bounds_and_refuses_its_open_ones():
+    # each field's finite bounds as check_fields sees them ("[0, 1)": 0 taken, 1 refused), and
+    # each command's numeric option at both its bounds (cached_fineweb10B.py 103: every shard)
+    for cls in (tg.Hyperparameters, tg.Job, runs.RunState):
+        for f in tg.fields(cls):
+            spec = f.metadata["spec"]
+            if not isinstance(spec, str) or not spec:
+                continue
+            low, high, closed_low, closed_high = support.interval(spec)
+            for bound, closed in ((low, closed_low), (high, closed_high)):
+                if math.isinf(bound):
+                    continue
+                at = replace(cls(), **{f.name: type(f.default)(bound)})
+                if closed:
+                    support.check_fields(at)
+                else:
+                    with pytest.raises(tg.UserError, match=rf"{f.name}=\S+ must lie in"):
+                        support.check_fields(at)
+    checked = 0
+    for path in COMMANDS:
+        for action in load_command(path).parser()._actions:
+            kind = action.type
+            for bound in (getattr(kind, "low", math.inf), getattr(kind, "high", math.inf)):
+                if not math.isinf(bound):
+                    value = kind(str(bound))
+                    assert value == bound and type(value) is kind.kind, (path, action.dest)
+                    checked += 1
+    assert checked > 20
 
 
 def test_help_lists_every_field_with_its_default_and_facts(capsys):

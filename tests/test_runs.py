@@ -373,6 +373,11 @@ def test_resume_is_bitwise_identical(tmp_path, capsys):
     assert avg == pytest.approx(total / 6, abs=0.2)
     warm = [m for m in read_metrics(part) if m["kind"] == "warmup"]
     assert [(m["step"], m["steps"]) for m in warm] == [(1, 1), (5, 1)]
+    # and its total is every timed step's time (steps 1 and 5 not), the first job's included
+    records = read_metrics(part)
+    timed = [m["step_ms"] for m in records if m["kind"] == "train" and m["step"] not in (1, 5)]
+    last = [m for m in records if m["kind"] == "val"][-1]
+    assert len(timed) == 6 and last["train_time_ms"] == pytest.approx(sum(timed), rel=1e-12)
     ca = torch.load(full / "checkpoint.pt", weights_only=True)
     cb = torch.load(part / "checkpoint.pt", weights_only=True)
     assert ca["step"] == cb["step"] == 8
