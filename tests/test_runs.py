@@ -804,15 +804,20 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
     proc = start_command("train_gpt.py", *args, threads=1)
     ckpt = tmp_path / "checkpoint.pt"
     deadline = time.time() + 300
-    while not (ckpt.exists() and glob.glob(f"{ckpt}.*.tmp")):  # a second save is being written
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
-        time.sleep(0.002)
+    while True:  # a second save is being written: stopped there (SIGSTOP), then killed
+        while not (ckpt.exists() and glob.glob(f"{ckpt}.*.tmp")):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGSTOP)
+        if glob.glob(f"{ckpt}.*.tmp"):
+            break
+        proc.send_signal(signal.SIGCONT)  # (its rename came first: the next save, then)
     proc.kill()
     proc.wait()
     state = torch.load(ckpt, weights_only=True)  # the previous checkpoint, whole
     assert state["step"] >= 1
-    cut = glob.glob(f"{ckpt}.*.tmp")  # (none if the rename came between the poll and the kill)
-    assert all(f".{state['run_id']}." in name for name in cut)  # named by its run
+    cut = glob.glob(f"{ckpt}.*.tmp")
+    assert cut and all(f".{state['run_id']}." in name for name in cut)  # named by its run
     code, _, err = run_main([f"--resume={tmp_path}", "--train_tokens=64"], capsys)  # 2 steps in all
     assert code == 0, err
     assert not glob.glob(f"{ckpt}.*.tmp")  # removed by the resume: its run's

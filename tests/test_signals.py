@@ -50,8 +50,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"]
-    assert f"stopped by signal {signal.Signals(signum).name} at step {step}" in out
+    assert step >= 2 and f"stopped by signal {signal.Signals(signum).name} at step {step}" in out
     assert f"resume with: python train_gpt.py --resume={tmp_path}" in out
+    r = run_command("train_gpt.py", f"--resume={tmp_path}", f"--stop_step={step + 1}", threads=1)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed at step {step}\n" in (tmp_path / "train.log").read_text()
 
 
 def signal_during_step(monkeypatch, n):
