@@ -157,6 +157,32 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert sweep.verdict(equal) == "equal (the same difference in every seed: no test)"
 
 
+def test_each_seed_is_read_off_its_own_envelope_at_its_own_flops_by_hand():
+    # three seeds; dense_6 no better than dense_4 (off the lower envelope, which stays flat to
+    # 16e6); gated_x at other FLOPs in each seed: seed 0 a quarter of the way (in log FLOPs)
+    # from dense_2 to dense_4, 3.75; seed 1 at 8e6, on the flat part, 3.1 (3.2 interpolated to
+    # dense_6); seed 2 half way, 3.7. Its validation error: the largest of its seeds'
+    sweep = load_command("sweep.py")
+    rows = []
+    for s in range(3):
+        rows += [
+            summary_row("dense_2", s, 1e6, 4.0 + 0.1 * s),
+            summary_row("dense_4", s, 4e6, 3.0 + 0.1 * s),
+            summary_row("dense_6", s, 16e6, 3.2 + 0.1 * s),
+        ]
+    for s, flops, loss, se in (
+        (0, 1e6 * 4**0.25, 3.70, 0.01),
+        (1, 8e6, 3.05, 0.03),
+        (2, 2e6, 3.62, 0.02),
+    ):
+        rows.append({**summary_row("gated_x", s, flops, loss), "val_se": se})
+    x = {ln["name"]: ln for ln in sweep.summarise(rows)}["gated_x"]
+    deltas = [3.70 - 3.75, 3.05 - 3.1, 3.62 - 3.7]
+    assert (x["n"], x["mean"]) == (3, pytest.approx(sum(deltas) / 3))
+    assert x["sd"] == pytest.approx(math.sqrt((0.01**2 + 0.01**2 + 0.02**2) / 2))
+    assert x["val_se"] == 0.03
+
+
 def test_the_frontier_holds_exactly_its_slack_beyond_the_dense_range():
     sweep = load_command("sweep.py")
     at = sweep.frontier([(1e6, 4.0), (4e6, 3.0)])
@@ -248,6 +274,12 @@ def test_each_dlo_and_mor_point_of_a_grid_is_paired_with_its_control_in_that_gri
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
     mor = lines[("mor_r2", "recursive_r2")]  # seeds 0 and 1 only: -0.05 and -0.04
     assert (mor["seeds"], mor["n"]) == ("2 of 3", 2) and mor["mean"] == pytest.approx(-0.045)
+    # none for seed 0: seeds 1 and 2 each against its own, 3.41 - 3.47 and 3.42 - 3.49
+    rows = [r for r in rows if r["name"] != "recursive_r2"]
+    rows += [summary_row("recursive_r2", s, 2e6, 3.45 + 0.02 * s) for s in (1, 2)]
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
+    mor = lines[("mor_r2", "recursive_r2")]
+    assert (mor["seeds"], mor["n"]) == ("2 of 3", 2) and mor["mean"] == pytest.approx(-0.065)
     # the SD over seeds of a configuration's loss, from two seeds on
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows[:6] + rows[-2:])}
     assert lines[("mor_r2", "dense frontier")]["val_loss_sd"] == pytest.approx(0.01 / math.sqrt(2))
