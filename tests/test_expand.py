@@ -144,8 +144,11 @@ def test_expanded_settings_derive_the_layer_count_and_refuse_what_cannot_expand(
     # field given at the checkpoint's value change nothing
     hp = expand.expanded_settings(dense, {"n_layers": 6, "dim": 32}, 2, 1, "identity", 2)
     assert (hp.n_layers, hp.dim) == (6, 32)
-    # tau may be a whole group (2); identity reads no tau: groups of one layer take the default
+    # tau may be a whole group (2), not more (the model's 4 layers: a merge of 3 would read the
+    # group's 2 and divide by 3); identity reads no tau: groups of one layer take the default
     assert expand.expanded_settings(dense, {}, 2, 1, "linear", 2).n_layers == 6
+    with pytest.raises(support.UserError, match=r"--tau=3 must lie in \[1, 2\] \(layers per"):
+        expand.expanded_settings(dense, {}, 2, 1, "linear", 3)
     assert expand.expanded_settings(dense, {}, 4, 2, "identity", 2).n_layers == 4 * (1 + 2)
     # a checkpoint whose router is tied to the layer count: refused, whatever router it would
     # become (the dense model's weights would not hold its router's)

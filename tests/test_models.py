@@ -535,6 +535,7 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     logged = json.loads((run / "config.json").read_text())
     assert "trained here 3 steps" in card and "from a random initialisation" in card
     assert "no validation of these weights (step 3) recorded" in card
+    assert f" {sum(t.numel() for t in tensors.values()):,} parameters" in card  # the file's
     assert ("with changes not committed" in card) == bool(logged["git_dirty"])
     # a checkpoint alone (no config.json): what is not known is said so
     (tmp_path / "only").mkdir()

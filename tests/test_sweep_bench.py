@@ -413,6 +413,8 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     ]
     assert sum(half in r for _, r, *_ in grid["runs"]) == 3  # dlo_source_3, dlo_rho0.5, control
     monkeypatch.setitem(sweep.GRIDS, "bytes_gpu", dict(grid, base=grid["base"] + tiny, runs=halved))
+    times = {"masked": 2.0, "compact": 1.0}  # (each model's own, for its own columns)
+    monkeypatch.setattr(sweep, "eval_ms_per_token", lambda ms, _: {k: times[k] for k in ms})
     out = tmp_path / "out"
     argv = [
         "--grid=bytes_gpu",
@@ -426,6 +428,9 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     assert sorted((r["name"], r["seed"]) for r in rows) == sorted(
         (n, s) for n, *_ in grid["runs"] for s in (0, 1)
     )
+    for r in rows:  # (dense models and the recursive baseline skip nothing: their one time twice)
+        compact = 2.0 if r["router"] == "none" or r["name"].startswith("recursive_") else 1.0
+        assert (r["ms_per_token_masked"], r["ms_per_token_compact"]) == (2.0, compact), r
     share = sweep.runs.share_of_cpus(2)["OMP_NUM_THREADS"]  # each run's threads, as its log says
     for log in (tmp_path / "runs").glob("*/train.log"):
         assert f"  threads {share}\n" in log.read_text(), log
@@ -433,13 +438,23 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     for name in ("gated_mu0.5", "gated_mu0.25", "dlo_rho0.5", "mod_c0.125", "mor_r3"):
         assert (name, "dense frontier") in lines, lines
     assert ("dlo_rho0.5", "dlo_control") in lines and ("mor_r3", "recursive_r3") in lines
+    for r in rows:  # each run its own seed's; an expansion from its own seed's source
+        folder = tmp_path / "runs" / f"{r['name']}_s{r['seed']}"
+        assert json.loads((folder / "config.json").read_text())["seed"] == r["seed"], folder
+        if r["name"].startswith(("dlo_rho", "dlo_control")):
+            source = json.loads((folder / "expand.json").read_text())["expanded_from"]
+            assert source == str(tmp_path / "runs" / f"dlo_source_3_s{r['seed']}")
+        if r["name"].startswith("dense_"):  # the blocks and the two norms (not embed, head)
+            blocks = tg.load_model(str(folder)).blocks.parameters()
+            assert r["params"] == sum(p.numel() for p in blocks) + 2 * 32, folder
     gated = [r for r in rows if r["name"].startswith("gated")]
     for r in gated:
-        config = json.loads(
-            (tmp_path / "runs" / f"{r['name']}_s{r['seed']}" / "config.json").read_text()
-        )
+        folder = tmp_path / "runs" / f"{r['name']}_s{r['seed']}"
+        config = json.loads((folder / "config.json").read_text())
         assert config["gamma"] == float(sweep.BYTES_GATE_GAMMA) and config["dim"] == 32
         assert (config["lr"], config["encoding"], config["n_layers"]) == (1e-3, "bytes", 6)
+        active = [m for m in read_metrics(folder) if m["kind"] == "val"][-1]["block_active"]
+        assert r["gate_zero"] == " ".join(f"{1 - a:.4f}" for a in active)  # the zero share
     table = (out / "table.md").read_text()
     # each gated run's largest gap from the zero shares mu_start 1 -> mu_end aims at (Section
     # 2.4, 6 layers: linear over blocks 0-2, mirrored), written out here
@@ -806,10 +821,27 @@ def test_bench_times_its_passes_side_by_side_each_by_its_median(monkeypatch):
     assert medians == {"masked": 2.5, "compact": 5.25, "host_masked": 2.0, "host_compact": 5.0}
 
 
+def test_evaluation_time_is_each_models_median_per_token_in_ms(monkeypatch):
+    # bench.timed's medians (seconds, fixed here) over a batch of 2 x 8 tokens: ms per token,
+    # each model's its own, each model called once before (its warm-up; where compiled, its
+    # compile)
+    sweep, called = load_command("sweep.py"), []
+
+    def timed(calls, repeats, sync):
+        assert repeats == 3 and sorted(calls) == ["compact", "masked"] and called
+        return {"masked": 0.2, "compact": 0.1}
+
+    monkeypatch.setattr(sweep.bench, "timed", timed)
+    models = {k: (lambda idx, k=k: called.append(k)) for k in ("masked", "compact")}
+    ms = sweep.eval_ms_per_token(models, torch.zeros(2, 8, dtype=torch.long))
+    assert ms == pytest.approx({"masked": 1000 * 0.2 / 16, "compact": 1000 * 0.1 / 16})
+    assert sorted(called) == ["compact", "masked"]
+
+
 def test_bench_target_lines_compare_each_target_and_give_the_mfu():
     bench = load_command("bench.py")
     rows = [
-        dict(target=p, fb_speedup=s, fb_eff=e, fb_mfu_masked=0.3614)
+        dict(target=p, fb_speedup=s, fb_eff=e, fb_mfu_masked=0.3614 if p == 0 else 0.5)
         for p, s, e in ((0.0, 0.96, 0.96), (0.25, 1.1, 0.9), (0.5, 1.3, 0.79), (0.75, 2.0, 0.84))
     ]
     assert bench.target_lines("paper", rows) == [
@@ -889,32 +921,39 @@ def test_bench_forces_each_sparsity_and_works_out_speedup_and_efficiency(monkeyp
     # a row per target p: the share of zero gates forced is p (a batch of 4 x 64 tokens, to
     # a token or two); the ideal is 1 at p = 0, else, a share s of the tokens skipping, above
     # 1 and at most 1 / (1 - s)^2 (attention's work falls with the square of the share run,
-    # the rest with the share; the head's not at all); speedup = masked / compact time and
-    # efficiency = speedup / ideal, from timed's medians (fixed here: the compacted model
-    # 1.5x and 2x as fast); nothing compiled, so no warning
+    # the rest with the share; a vocabulary of 256: the head's, which stays, is small); speedup
+    # = masked / compact wall time and efficiency = speedup / ideal, from timed's medians (fixed
+    # here: the compacted model 1.5x and 2x as fast; the host's times, the same for each); the
+    # masked model's MFU from its own time, at a peak given; nothing compiled, so no warning
     bench = load_command("bench.py")
     size = dict(n_layers=4, dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64, seq_len=64)
-    monkeypatch.setitem(bench.SIZES, "tiny", (size, 4))
+    monkeypatch.setitem(bench.SIZES, "tiny", ({**size, "vocab_size": 256}, 4))
+    monkeypatch.setattr(support, "peak_flops", lambda name: 1e12)
     medians = dict(fwd_masked=0.3, fwd_compact=0.2, fb_masked=0.8, fb_compact=0.4)
     calls = []
 
     def timed(fns, repeats, sync):
         calls.append((sorted(fns), repeats))
-        return {**medians, **{f"host_{k}": t / 2 for k, t in medians.items()}}
+        return {**medians, **{f"host_{k}": 0.1 for k in medians}}
 
     monkeypatch.setattr(bench, "timed", timed)
-    _, batch, rows = bench.bench_size("tiny", "cpu", 3, False)
+    hp, batch, rows = bench.bench_size("tiny", "cpu", 3, False)
     assert batch == 4 and [r["target"] for r in rows] == list(bench.SPARSITY)
+    mfu = 3 * tg.forward_flops(hp) * 4 / 0.8 / 1e12  # the batch's 3 F of work over its time
     assert calls == [(sorted(medians), 3)] * 4
     for r in rows:
         assert abs(r["sparsity"] - r["target"]) <= 2 / (4 * 64), r
         if r["target"] == 0:
             assert r["ideal"] == 1.0
-        else:
+        else:  # (forward_flops: FlopCounterMode's count, test_train.py)
             assert 1 < r["ideal"] <= 1 / (1 - r["sparsity"]) ** 2, r
+            active = [1 - r["sparsity"]] * hp.n_layers  # (each block's share, to a token)
+            ideal = tg.forward_flops(hp) / tg.forward_flops(hp, active)
+            assert r["ideal"] == pytest.approx(ideal, rel=0.01)
         assert (r["fwd_speedup"], r["fb_speedup"]) == pytest.approx((1.5, 2.0))
         assert r["fwd_eff"] == pytest.approx(1.5 / r["ideal"])
         assert r["fb_eff"] == pytest.approx(2.0 / r["ideal"])
+        assert r["fb_mfu_masked"] == pytest.approx(mfu, rel=1e-9)
         assert r["compile_masked"] == r["compile_compact"] == 0
     assert capsys.readouterr().err == ""
 
