@@ -304,16 +304,18 @@ def _encode(item):
     (name, error message)."""
     name, text, enc = item
     _enc = _encodings.get(enc) or _encodings.setdefault(enc, encoding(enc))
-    try:  # UTF-8 first, in either encoding: a JSON text's lone surrogate ("\ud800") is no
-        # Unicode text (GPT-2's tiktoken would encode it as U+FFFD, silently)
-        data = text if isinstance(text, bytes) else text.encode("utf-8")
+    try:
         if enc == "bytes":  # the bytes themselves: a .txt file's as read, JSON text's UTF-8
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
             if b"\0" in data:
                 return name, "holds a NUL byte, the document separator of byte shards"
             ids = np.frombuffer(data, dtype=np.uint8)
         else:
+            text.encode("utf-8")  # (checked as bytes are: tiktoken would make it U+FFFD)
             ids = _enc.encode_ordinary(text)
-    except Exception as e:  # (a lone surrogate: UnicodeEncodeError)
+    except UnicodeEncodeError as e:  # a JSON text's escape such as "\ud800"
+        return name, f"a lone surrogate (character {e.start}) is no Unicode text: remove it"
+    except Exception as e:  # (what tiktoken may raise: its own words)
         return name, f"cannot be encoded: {type(e).__name__}: {e}"
     if len(ids) and max(ids) >= 2**16:
         return name, "token ids do not fit uint16"

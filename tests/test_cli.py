@@ -59,7 +59,8 @@ def test_every_fields_facts_are_well_formed():
 
 def test_every_range_takes_its_closed_bounds_and_refuses_its_open_ones():
     # each field's finite bounds as check_fields sees them ("[0, 1)": 0 taken, 1 refused), and
-    # each command's numeric option at both its bounds (cached_fineweb10B.py 103: every shard)
+    # each command's numeric option at both its bounds (cached_fineweb10B.py's 103: all of
+    # FineWeb's training shards)
     for cls in (tg.Hyperparameters, tg.Job, runs.RunState):
         for f in tg.fields(cls):
             spec = f.metadata["spec"]

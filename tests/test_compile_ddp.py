@@ -297,21 +297,22 @@ def test_a_training_step_and_its_router_update_read_the_device_once(router, comp
     "device,compile_,compiled",
     [("cuda:1", True, True), ("cuda:1", False, False), ("cpu", True, False)],
 )
-def test_training_compiles_the_blocks_where_asked_on_cuda_and_nowhere_else(
+def test_the_model_training_runs_is_compiled_where_asked_on_cuda_and_nowhere_else(
     device, compile_, compiled, monkeypatch
 ):
     # train() runs what wrapped() returns: compile_model's model on CUDA with compile=1 (the
-    # tests above check that model), the eager one on the CPU (docs/speed.md) or with compile=0
-    given = []
+    # tests above check that model; here a stand-in), the eager one on the CPU (docs/speed.md)
+    # or with compile=0
+    given, stand_in = [], torch.nn.Identity()
 
     def spy(model):
         given.append(model)
-        return "the compiled model"
+        return stand_in
 
     monkeypatch.setattr(tg, "compile_model", spy)
     raw = tg.GPT(tiny())
     model = tg.wrapped(raw, tg.Job(compile=compile_), ranks.Dist(device=device))
-    assert model == ("the compiled model" if compiled else raw)
+    assert model is (stand_in if compiled else raw)
     assert given == ([raw] if compiled else [])
 
 

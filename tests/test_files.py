@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import stat
 import tracemalloc
 from pathlib import Path
 
@@ -594,13 +595,14 @@ def test_a_write_cut_by_a_signal_leaves_the_old_file_and_no_temporary(tmp_path):
 def test_a_file_written_atomically_is_on_disk_before_its_name_and_its_name_after(
     tmp_path, monkeypatch
 ):
-    # after a power cut a checkpoint is the old one or all of the new: the new file's data is
-    # synced before the rename gives it the name, and the folder (the rename) after it; each
-    # file known by its inode, as the OS gives it
+    # after a power cut a checkpoint is the old one or all of the new: the new file's data, all
+    # of it, is synced before the rename gives it the name, and the folder (the rename) after
+    # it; each file known by its inode and size, as the OS gives them
     events, fsync, replace = [], os.fsync, os.replace
 
     def synced(fd):
-        events.append(("fsync", os.fstat(fd).st_ino))
+        st = os.fstat(fd)
+        events.append(("fsync", st.st_ino, st.st_size if stat.S_ISREG(st.st_mode) else None))
         fsync(fd)
 
     def renamed(src, dst):
@@ -613,7 +615,7 @@ def test_a_file_written_atomically_is_on_disk_before_its_name_and_its_name_after
     support.write_atomically(str(tmp_path / "out.bin"), b"new")
     monkeypatch.undo()
     new, folder = (tmp_path / "out.bin").stat().st_ino, tmp_path.stat().st_ino
-    assert events == [("fsync", new), ("rename", new), ("fsync", folder)]
+    assert events == [("fsync", new, 3), ("rename", new), ("fsync", folder, None)]
     assert (tmp_path / "out.bin").read_bytes() == b"new"
 
 

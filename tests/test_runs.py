@@ -809,6 +809,7 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
             time.sleep(0.002)
         proc.send_signal(signal.SIGSTOP)
+        os.waitpid(proc.pid, os.WUNTRACED)  # (stopped now: nothing moves under the look below)
         if glob.glob(f"{ckpt}.*.tmp"):
             break
         proc.send_signal(signal.SIGCONT)  # (its rename came first: the next save, then)
@@ -818,7 +819,8 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint(tmp_path, capsys):
     assert state["step"] >= 1
     cut = glob.glob(f"{ckpt}.*.tmp")
     assert cut and all(f".{state['run_id']}." in name for name in cut)  # named by its run
-    code, _, err = run_main([f"--resume={tmp_path}", "--train_tokens=64"], capsys)  # 2 steps in all
+    more = f"--train_tokens={32 * (state['step'] + 1)}"  # one step more (32 tokens a step)
+    code, _, err = run_main([f"--resume={tmp_path}", more], capsys)
     assert code == 0, err
     assert not glob.glob(f"{ckpt}.*.tmp")  # removed by the resume: its run's
 
