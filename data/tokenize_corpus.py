@@ -195,6 +195,8 @@ class Corpus:
         data = shard_bytes(tokens, self.enc)
         with named(os.path.join(self.out, shard)), open(os.path.join(self.tmp, shard), "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the manifest that lists it (commit)
         self.shards[shard] = hashlib.sha256(data).hexdigest()
         return shard
 

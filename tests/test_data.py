@@ -469,6 +469,30 @@ def test_a_corpus_cut_short_at_either_manifest_write_stays_its_own(tmp_path, mon
         shutil.rmtree(out)
 
 
+def test_each_shard_is_on_disk_before_the_manifest_that_lists_it(tmp_path, monkeypatch):
+    # after a power cut the manifest names no shard whose bytes never reached the disk: each
+    # shard, all of it, synced before the manifest's first write; each known by its inode and
+    # size, as the OS gives them
+    tokenize, synced, fsync = load_command("data/tokenize_corpus.py"), [], os.fsync
+    real = tokenize.write_atomically
+
+    def spy(fd):
+        synced.append((os.fstat(fd).st_ino, os.fstat(fd).st_size))
+        fsync(fd)
+
+    def manifest(*args):  # (the manifest's writes)
+        synced.append("manifest")
+        real(*args)
+
+    (tmp_path / "a.txt").write_text("many words make many tokens " * 20)
+    monkeypatch.setattr(os, "fsync", spy)
+    monkeypatch.setattr(tokenize, "write_atomically", manifest)
+    tokenize.tokenize([str(tmp_path / "a.txt")], str(tmp_path / "s"), "c", 40, 1)
+    monkeypatch.undo()
+    made = [(p.stat().st_ino, p.stat().st_size) for p in (tmp_path / "s").glob("c_*.bin")]
+    assert len(made) == 3 and set(made) <= set(synced[: synced.index("manifest")])
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
     # what a scheduler sends (scancel: SIGTERM; Slurm's --signal: SIGUSR1) mid-way through
