@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -211,6 +212,19 @@ def documents_by_hand(losses, targets, sep) -> tuple:
 def sha256(data):
     """The SHA-256 of data, in hexadecimal."""
     return hashlib.sha256(data).hexdigest()
+
+
+def note_syncs(monkeypatch, events: list):
+    """os.fsync, each call first noted in events as (inode, size; None for a folder), as the OS
+    gives them: what a write made durable, and when, among the test's own notes."""
+    fsync = os.fsync
+
+    def noted(fd):
+        st = os.fstat(fd)
+        events.append((st.st_ino, st.st_size if stat.S_ISREG(st.st_mode) else None))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", noted)
 
 
 def write_shard(path, tokens, magic=20240520, version=1, count=None, encoding=0):

@@ -23,6 +23,7 @@ from conftest import (
     REPO,
     TINY_RUN,
     load_command,
+    note_syncs,
     read_metrics,
     run_command,
     run_main,
@@ -473,19 +474,15 @@ def test_each_shard_is_on_disk_before_the_manifest_that_lists_it(tmp_path, monke
     # after a power cut the manifest names no shard whose bytes never reached the disk: each
     # shard, all of it, synced before the manifest's first write; each known by its inode and
     # size, as the OS gives them
-    tokenize, synced, fsync = load_command("data/tokenize_corpus.py"), [], os.fsync
+    tokenize, synced = load_command("data/tokenize_corpus.py"), []
     real = tokenize.write_atomically
-
-    def spy(fd):
-        synced.append((os.fstat(fd).st_ino, os.fstat(fd).st_size))
-        fsync(fd)
 
     def manifest(*args):  # (the manifest's writes)
         synced.append("manifest")
         real(*args)
 
     (tmp_path / "a.txt").write_text("many words make many tokens " * 20)
-    monkeypatch.setattr(os, "fsync", spy)
+    note_syncs(monkeypatch, synced)
     monkeypatch.setattr(tokenize, "write_atomically", manifest)
     tokenize.tokenize([str(tmp_path / "a.txt")], str(tmp_path / "s"), "c", 40, 1)
     monkeypatch.undo()
