@@ -700,6 +700,12 @@ def write_atomically(path: str, data, tag: str = ""):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+    sync_folder(folder)
+
+
+def sync_folder(folder: str):
+    """fsync a folder: the names renamed into it are on disk (a file's own fsync keeps its
+    bytes, not its name)."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

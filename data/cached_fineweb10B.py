@@ -42,6 +42,7 @@ from support import (  # noqa: E402
     kind_of,
     os_error_text,
     path_arg,
+    sync_folder,
     writable_dir,
 )
 
@@ -67,16 +68,21 @@ def damage(path: str) -> str:
 
 
 def place(src: str, dest: str) -> None:
-    """Put src at dest atomically: hard link (or copy) to a temporary name, then rename."""
+    """Put src at dest atomically: hard link (or copy) to a temporary name, then rename; on disk,
+    name and all (a power cut leaves no shard of the right size whose bytes never got there)."""
     tmp = dest + ".part"
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     if os.path.exists(tmp):
         os.remove(tmp)
     try:
         os.link(os.path.realpath(src), tmp)
-    except OSError:  # another filesystem, or links not allowed
-        shutil.copyfile(src, tmp)
+    except OSError:  # another filesystem, or links not allowed: a copy, synced before its rename
+        with open(src, "rb") as f, open(tmp, "wb") as copy:
+            shutil.copyfileobj(f, copy)
+            copy.flush()
+            os.fsync(copy.fileno())
     os.replace(tmp, dest)
+    sync_folder(os.path.dirname(dest))
 
 
 def fetch(name: str, out: str, counter: str) -> str:

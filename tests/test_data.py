@@ -1454,7 +1454,8 @@ def test_fineweb_a_download_error_is_its_reason_and_a_shard_is_copied_where_link
     tmp_path, monkeypatch
 ):
     # a download that fails in its own words (here, no right to the cache): a one-line reason,
-    # not a traceback. Where a hard link is refused (another filesystem), the shard is a copy
+    # not a traceback. Where a hard link is refused (another filesystem), the shard is a copy,
+    # all of it synced before the rename names it, and the folder (the name) after
     import huggingface_hub
 
     fetch = load_command("data/cached_fineweb10B.py")
@@ -1470,12 +1471,22 @@ def test_fineweb_a_download_error_is_its_reason_and_a_shard_is_copied_where_link
     def cross_device(src, dst):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
+    events, replace = [], os.replace
+
+    def renamed(src, dst):
+        events.append(("rename", os.stat(src).st_ino))
+        replace(src, dst)
+
     monkeypatch.setattr(fetch.os, "link", cross_device)
+    monkeypatch.setattr(os, "replace", renamed)
+    note_syncs(monkeypatch, events)
     dest = tmp_path / "out" / "x.bin"
     fetch.place(str(tmp_path / "blob"), str(dest))
     monkeypatch.undo()
     assert dest.read_bytes() == (tmp_path / "blob").read_bytes()
     assert not os.path.samefile(dest, tmp_path / "blob") and os.listdir(dest.parent) == ["x.bin"]
+    copy, folder = dest.stat().st_ino, dest.parent.stat().st_ino
+    assert events == [(copy, dest.stat().st_size), ("rename", copy), (folder, None)], events
 
 
 def test_fineweb_a_shard_it_cannot_read_is_named_not_a_traceback(tmp_path, monkeypatch):
