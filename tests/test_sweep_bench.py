@@ -286,39 +286,92 @@ def test_each_dlo_and_mor_point_of_a_grid_is_paired_with_its_control_in_that_gri
 
 
 @pytest.mark.slow
-def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_names_holm_p(
+def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_draws_that_table(
     tmp_path, monkeypatch
 ):
     # a record's table comes from its committed runs.csv by the record's own command, cell for
-    # cell (p beside Holm p, the largest val SE over seeds, ...); the figure's label for each
-    # comparison gives the Holm p its verdict follows (the table's)
+    # cell (p beside Holm p, the largest val SE over seeds, ...); its figure draws that table:
+    # left, each tested comparison at its row, its difference and 95% interval, labelled with
+    # the Holm p its verdict follows, hollow against a control; right, each configuration at
+    # its FLOPs and mean loss with the SD over seeds, in its left colour, the dense means joined
+    # in FLOPs order (all read back from the table's rounded cells)
     import matplotlib.axes
 
-    sweep, labels = load_command("sweep.py"), []
-    set_yticks = matplotlib.axes.Axes.set_yticks
+    sweep, drawn = load_command("sweep.py"), []
+    originals = {m: getattr(matplotlib.axes.Axes, m) for m in ("set_yticks", "errorbar", "plot")}
 
-    def recording(self, ticks, tick_labels=None, **kw):
-        labels.extend(tick_labels or [])
-        return set_yticks(self, ticks, tick_labels, **kw)
+    def recorder(method):
+        def recorded(self, *args, **kwargs):
+            drawn.append((method, args, kwargs))
+            return originals[method](self, *args, **kwargs)
 
-    monkeypatch.setattr(matplotlib.axes.Axes, "set_yticks", recording)
-    records, holm = sorted(Path(REPO, "records").glob("*/runs.csv")), []
+        return recorded
+
+    for method in originals:
+        monkeypatch.setattr(matplotlib.axes.Axes, method, recorder(method))
+    records = sorted(Path(REPO, "records").glob("*/runs.csv"))
     assert len(records) >= 3
+    tested_in_all = 0
     for csv_path in records:
-        out = tmp_path / csv_path.parent.name
+        out, drawn[:] = tmp_path / csv_path.parent.name, []
         out.mkdir()
         shutil.copy(csv_path, out / "runs.csv")
         assert support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]) == 0
         table = (out / "table.md").read_text()
         assert table == (csv_path.parent / "table.md").read_text(), csv_path
-        header = next(ln for ln in table.splitlines() if ln.startswith("| run | vs |"))
-        column = [c.strip() for c in header.split("|")].index
-        for row in table.splitlines()[table.splitlines().index(header) + 2 :]:
-            cells = [c.strip() for c in row.split("|")]
-            if len(cells) == len(header.split("|")) and cells[2] and cells[column("Holm p")]:
-                p = float(cells[column("Holm p")])
-                holm.append(f"{cells[1]} - {cells[2]}\nHolm p = {p:.2g}")
-    assert len(holm) >= 18 and labels == holm  # (each record's tested comparisons, in order)
+        rows = table_rows(table, "| run | vs |")
+        tested = [r for r in rows if r["vs"] and r["Holm p"]]
+        routed = [
+            r
+            for r in rows
+            if not r["run"].startswith("dense_") and r["vs"] in ("dense frontier", "")
+        ]
+        dense = sorted(
+            (float(r["fwd MFLOPs/token"]), float(r["val CE (mean ± SD)"].split(" ± ")[0]))
+            for r in rows
+            if r["run"].startswith("dense_")
+        )
+        assert [a[1] for m, a, k in drawn if m == "set_yticks"] == [
+            [f"{r['run']} - {r['vs']}\nHolm p = {float(r['Holm p']):.2g}" for r in tested]
+        ]
+        bars = [(a, k) for m, a, k in drawn if m == "errorbar"]
+        left, right = bars[: len(tested)], bars[len(tested) :]
+        colour = {}
+        for y, (r, (a, k)) in enumerate(zip(tested, left, strict=True)):
+            lo, hi = (float(c) for c in r["95% CI"].strip("[]").split(", "))
+            (below,), (above,) = k["xerr"]
+            assert a[1] == y and a[0] == pytest.approx(float(r["difference"]), abs=5e-5)
+            assert (a[0] - below, a[0] + above) == pytest.approx((lo, hi), abs=5e-5)
+            assert (k["mfc"] == "white") == (r["vs"] != "dense frontier")
+            assert colour.setdefault(r["run"], k["color"]) == k["color"]
+        assert len(right) == len(routed)
+        for r, (a, k) in zip(routed, right, strict=True):
+            mean, sd = (float(c) for c in r["val CE (mean ± SD)"].split(" ± "))
+            assert k["label"] == r["run"] and a[0] / 1e6 == pytest.approx(
+                float(r["fwd MFLOPs/token"]), abs=5e-4
+            )
+            assert (a[1], k["yerr"]) == pytest.approx((mean, sd), abs=5e-5)
+            assert colour.setdefault(r["run"], k["color"]) == k["color"]
+        assert len(set(colour.values())) == len(colour)  # (at most 18 configurations here)
+        ((x, y, style),) = [a for m, a, k in drawn if m == "plot"]
+        assert [f / 1e6 for f in x] == pytest.approx([f for f, _ in dense], abs=5e-4)
+        assert list(y) == pytest.approx([v for _, v in dense], abs=5e-5)
+        tested_in_all += len(tested)
+    assert tested_in_all >= 18
+
+
+def table_rows(text: str, header: str) -> list:
+    """The rows of the markdown table in text whose header line starts with header, each a dict
+    by column name (cells stripped)."""
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(header))
+    names = [c.strip() for c in lines[at].strip("|").split("|")]
+    rows = []
+    for ln in lines[at + 2 :]:
+        if not ln.startswith("|"):
+            break
+        rows.append(dict(zip(names, (c.strip() for c in ln.strip("|").split("|")), strict=True)))
+    return rows
 
 
 # ------------------------------------------------------------------ sweep.py: grids
