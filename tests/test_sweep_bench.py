@@ -409,9 +409,10 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
     assert sweep.run_state(str(run)) == "fresh"  # validated mid-way, no checkpoint
     (run / "checkpoint.pt").write_bytes(b"")
     assert sweep.run_state(str(run)) == "resume"
-    with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"kind": "val", "step": 6}) + "\n")
-    assert sweep.run_state(str(run)) == "done"
+    for step, state in ((5, "resume"), (6, "done")):  # (done at the last step, not the one before)
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"kind": "val", "step": step}) + "\n")
+        assert sweep.run_state(str(run)) == state, step
     huge = json.dumps({"num_steps": 6, "pad": " " * (1 << 20)})  # over the cap: not a run's
     for text in ("[6]", "not json", "{", huge):  # no JSON object: no settings
         (run / "config.json").write_text(text)
