@@ -50,6 +50,22 @@ def test_identity_expansion_keeps_the_function():
     assert not state["blocks.2.attn.wo.weight"].any() and not state["blocks.5.ffn.w2.weight"].any()
 
 
+def test_a_deep_expansion_moves_every_layer_whole():
+    # 12 layers in 3 groups of 4 -> 15 (the original i of group p at 5p + i, new ones at 5p + 4):
+    # layer 1's keys are not layer 10's or 11's, every original tensor lands once, where it goes
+    src, state = expanded("identity", R=12, P=3)
+    old = src.state_dict()
+    per_layer = [k[len("blocks.0.") :] for k in old if k.startswith("blocks.0.")]
+    assert sorted(k for k in state if k.startswith("blocks.")) == sorted(
+        f"blocks.{j}.{k}" for j in range(15) for k in per_layer
+    )
+    for p in range(3):
+        for i in range(4):
+            for k in per_layer:
+                assert torch.equal(state[f"blocks.{5 * p + i}.{k}"], old[f"blocks.{4 * p + i}.{k}"])
+        assert not state[f"blocks.{5 * p + 4}.attn.wo.weight"].any()
+
+
 def test_other_expansion_initialisations():
     src, copy = expanded("copy")
     old = src.state_dict()
