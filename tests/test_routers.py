@@ -118,6 +118,22 @@ def test_a_smoke_run_per_router(tmp_path, router, capsys):
     assert val[-1]["sparsity"] == skipped if skipped is not None else val[-1]["sparsity"] > 0
 
 
+def test_a_packed_length_holds_its_count_in_the_fewest_units_of_at_most_packs_lengths():
+    # every count of a sequence of T fits its length, which is the smallest multiple of the unit
+    # (T / PACKS rounded up) that holds it (at least one unit), or T; so a compiled block meets
+    # at most PACKS lengths (docs/gpu.md)
+    for T in range(1, 600):
+        unit = -(-T // routers.PACKS)
+        lengths = set()
+        for count in range(T + 1):
+            n = routers.packed_length(count, T)
+            smallest = unit * max(1, -(-count // unit))
+            assert n == min(T, smallest), (T, count, n)
+            lengths.add(n)
+        assert len(lengths) <= routers.PACKS, (T, sorted(lengths))
+    assert len({routers.packed_length(c, 256) for c in range(257)}) == routers.PACKS
+
+
 # ------------------------------------------------------------------------------ DLO
 
 
