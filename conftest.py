@@ -227,6 +227,14 @@ def note_syncs(monkeypatch, events: list):
     monkeypatch.setattr(os, "fsync", noted)
 
 
+def gpt2():
+    """tiktoken's GPT-2 BPE, by hand: the reference for shards of GPT-2 tokens (r50k_base, the
+    same vocabulary, as the offline cache holds it)."""
+    import tiktoken
+
+    return tiktoken.get_encoding("r50k_base")
+
+
 def write_shard(path, tokens, magic=20240520, version=1, count=None, encoding=0):
     """A shard of tokens at path: its 256-int32 header (magic, version, count, encoding: 0 gpt2,
     1 bytes), then uint16s."""
