@@ -33,6 +33,7 @@ from conftest import (
     sha256,
     start_command,
     timing,
+    tiny,
     val_steps,
     wait_for_line,
     write_shard,
@@ -340,6 +341,27 @@ def test_a_log_write_that_fails_mid_run_is_status_1_naming_the_last_checkpoint(
 
 
 # --------------------------------------------------------------------------- resume
+
+
+def test_a_resume_draws_the_random_numbers_the_run_would_have_drawn(tmp_path):
+    # nothing in training draws random numbers today; a user's dropout would: the checkpoint
+    # holds the generator's state where the run stopped, and restore puts it back
+    class Loader:
+        def restore(self, state):
+            self.state = state
+
+    raw = tg.GPT(tiny())
+    opt = tg.optimizer(raw, raw.hp)
+    torch.manual_seed(3)
+    torch.rand(5)
+    run = runs.RunState(run_id="ab12", step=2)
+    state = runs.checkpoint_state(run, raw.hp, 1, raw, opt, loader={"at": 7})
+    expected = torch.rand(5)  # the run's next draw
+    torch.rand(3)  # another job's draws
+    loader = Loader()
+    job = tg.Job(run_dir=str(tmp_path))
+    assert runs.restore(state, job, raw, opt, loader, cuda=False) == run
+    assert torch.equal(torch.rand(5), expected) and loader.state == {"at": 7}
 
 
 @pytest.mark.slow
