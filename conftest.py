@@ -5,6 +5,7 @@ command in a process of its own; run_main: a command's main in this process), wh
 pytest was started from and wherever the test file is.
 """
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -58,6 +59,14 @@ def own_signal_handlers():
     yield
     for sig, handler in held.items():
         signal.signal(sig, handler)
+
+
+@pytest.fixture(autouse=True)
+def free_folders():
+    """Each test leaves no folder locked by this process (a command called without support.cli,
+    which releases them, keeps its locks)."""
+    yield
+    support.release_locks()
 
 
 # ---------------------------------------------------------------------------- commands
@@ -225,6 +234,18 @@ def note_syncs(monkeypatch, events: list):
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", noted)
+
+
+def another_job_locks(folder):
+    """Lock folder as another process would (an flock on a descriptor of its own) -> the
+    descriptor (close it to release), or None where a lock is held."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def gpt2():

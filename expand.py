@@ -216,7 +216,7 @@ def main(argv):
     try:
         expand(argv)
     finally:
-        runs.release_locks()  # NEW_RUN_DIR is free for train_gpt.py, in this process too
+        support.release_locks()  # NEW_RUN_DIR is free for train_gpt.py, in this process too
 
 
 def expand(argv):
@@ -256,7 +256,7 @@ def expand(argv):
     try:
         write_run(out, hp, src, base, args, argv, position)
     except BaseException:  # a disk that fills during the writes: take back what this wrote
-        runs.release_locks()
+        support.release_locks()
         for n in ours:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(out, n))

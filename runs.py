@@ -14,7 +14,6 @@ every rank saves and stops at the same step (ranks.agreed_signal)."""
 
 import contextlib
 import errno
-import fcntl
 import glob
 import io
 import os
@@ -40,6 +39,7 @@ from support import (
     UserError,
     check_fields,
     kind_of,
+    lock_folder,
     need,
     os_error_text,
     refuse,
@@ -276,32 +276,14 @@ def new_run_dir(name: str) -> str:
         return path
 
 
-held_locks = []  # this process's run directories, open: closing one (or exiting) releases it
-
-
 def lock_run_dir(run_dir: str, make: bool = True):
-    """An exclusive flock on the folder RUN_DIR itself (made first if make; no file is written):
-    the kernel drops it however the process ends (some network file systems ignore flock)."""
-    try:
-        if make:
+    """support.lock_folder on RUN_DIR (made first if make): one job at a time."""
+    if make:
+        try:
             os.makedirs(run_dir, exist_ok=True)
-        folder = os.open(run_dir, os.O_RDONLY)
-    except OSError as e:
-        refuse(e, run_dir, "use run_dir")
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(folder)
-        raise UserError(
-            f"{run_dir} is in use by another job (it holds the folder's lock); "
-            f"wait for that job to end"
-        ) from None
-    held_locks.append(folder)
-
-
-def release_locks():
-    while held_locks:  # the job is over (in a test, the process goes on)
-        os.close(held_locks.pop())
+        except OSError as e:
+            refuse(e, run_dir, "use run_dir")
+    lock_folder(run_dir)
 
 
 def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:

@@ -1,8 +1,9 @@
 """What every command here shares, none of it torch: command lines (exit statuses, one error
 line, options typed from dataclass fields and the facts each field carries), files (what is at a
-path, folders proven writable first, files written whole or not at all, a command's own
-outputs), and the stop signals that a training job saves on. The data scripts import it and
-start at once; check_device imports torch, as its callers have already.
+path, folders proven writable first and held by one command at a time, files written whole or
+not at all, a command's own outputs), and the stop signals that a training job saves on. The
+data scripts import it and start at once; check_device imports torch, as its callers have
+already.
 
 Guarantees: bad input is one `error: ...` line and exit status 2, raised before anything is
 written; a file is replaced only whole (write_atomically), and a command replaces or deletes
@@ -12,6 +13,7 @@ import argparse
 import atexit
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -77,8 +79,10 @@ def cli(main, argv, before_error=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = getattr(e, "checkpoint", None), os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
-    finally:  # once it is over a signal ends the process at once, with the command's own
-        # status; the signals held while the handlers change (a second one: no traceback)
+    finally:  # once it is over its folders are free (in a test, the process goes on), and a
+        # signal ends the process at once, with the command's own status; the signals held
+        # while the handlers change (a second one: no traceback)
+        release_locks()
         signal.pthread_sigmask(signal.SIG_BLOCK, SAVE_SIGNALS)
         for sig in SAVE_SIGNALS:
             signal.signal(sig, lambda *_: os._exit(status))
@@ -489,11 +493,44 @@ OUTPUTS = ".outputs.json"  # in a folder commands wrote files into, per file: {n
 # command's file name, "sha256": its digest, or [old, new] while it is replaced: write_output}}
 
 
+held_locks = {}  # (device, inode) of each folder this process holds locked -> its descriptor
+
+
+def lock_folder(path: str):
+    """An exclusive flock on the folder path itself (no file is written), held till release_locks
+    or the process's end (the kernel drops it however the process ends; some network file
+    systems ignore flock): held by another process, a UserError; by this one already, nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        refuse(e, path, "use")
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) in held_locks:
+        os.close(fd)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise UserError(
+            f"{path} is in use by another job (it holds the folder's lock); wait for that job "
+            f"to end"
+        ) from None
+    held_locks[(st.st_dev, st.st_ino)] = fd
+
+
+def release_locks():
+    """The job is over (in a test, the process goes on): every folder it locked is free."""
+    while held_locks:
+        os.close(held_locks.popitem()[1])
+
+
 def writable_dir(path: str, outputs=(), by: str = "") -> str:
     """Before any long work: folder path (or where it would be made) takes PROBE_BYTES, synced, in
     a nameless file (an empty file fits on a full disk), and each of outputs there is absent or
     a file that write_output wrote for command `by` (its file), unchanged since: no user's file
-    is replaced, nor another command's."""
+    is replaced, nor another command's. A folder of outputs that is there is locked first
+    (lock_folder, as write_output locks one made since): one command at a time writes there."""
     if not path:
         raise UserError("expected a folder, got an empty path")
     if OUTPUTS in outputs:  # (skipview.py --out=FILE names its own)
@@ -501,6 +538,8 @@ def writable_dir(path: str, outputs=(), by: str = "") -> str:
             f"{os.path.join(path, OUTPUTS)}: that name is the folder's record of what commands "
             f"wrote there: name the output otherwise; nothing was written"
         )
+    if outputs and os.path.isdir(path):
+        lock_folder(path)
     ours = written_outputs(path) if outputs else {}  # (a command that keeps no record: not read)
     for name in outputs:
         problem, _ = ownership(path, name, ours, by)
@@ -600,6 +639,8 @@ def write_output(folder: str, name: str, data: bytes, by: str):
     before and after the write (beside the old file's, while it is replaced), so that a command
     cut at any point (a signal, a full disk) leaves only files its rerun recognises as its own
     (writable_dir)."""
+    os.makedirs(folder, exist_ok=True)  # (a new folder, as write_atomically would make it)
+    lock_folder(folder)  # held from here: the record is read, then written
     ours = written_outputs(folder)
     problem, old = ownership(folder, name, ours, by)  # (since writable_dir: another's, a user's)
     if problem:
@@ -620,6 +661,9 @@ def remove_output(folder: str, name: str, by: str):
     """Remove folder's file name if write_output wrote it for command `by`, unchanged since (an
     earlier run's output that this run does not make again); a user's file, another command's,
     or a changed one, is left."""
+    if not os.path.isdir(folder):  # (not made yet: nothing to remove)
+        return
+    lock_folder(folder)
     ours = written_outputs(folder)
     path = os.path.join(folder, name)
     if kind_of(path) == "a file" and sha256_of(path) in digests(ours.get(name), by):

@@ -1534,7 +1534,7 @@ def main(argv):
                 train(hp, job, d, ckpt, argv, init)
             STOP.finish()  # saved: a late signal changes nothing
         finally:
-            runs.release_locks()  # the job is over (in a test, the process goes on)
+            support.release_locks()  # the job is over (in a test, the process goes on)
             d.close()
 
 

@@ -24,6 +24,7 @@ from conftest import (
     RESUME_RUN,
     TINY_RUN,
     TRAIN_ON_SAMPLE,
+    another_job_locks,
     authors_copy,
     disk_nearly_full,
     load_command,
@@ -304,6 +305,35 @@ def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path
         support.writable_dir(str(old), ("bench.md",), by="bench.py")
     support.remove_output(str(old), "bench.md", by="bench.py")
     assert (old / "bench.md").read_text() == "a table"
+
+
+def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path):
+    # the folder's lock held by another job: an existing folder of outputs is refused at the
+    # start (writable_dir), one made since at the first write (write_output, remove_output),
+    # before anything is written; this job takes it at its first call and keeps it to its end
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("a user's file")
+    other = another_job_locks(out)
+    calls = {
+        "start": lambda: support.writable_dir(str(out), ("bench.md",), by="bench.py"),
+        "write": lambda: support.write_output(str(out), "bench.md", b"table", by="bench.py"),
+        "remove": lambda: support.remove_output(str(out), "mine.txt", by="bench.py"),
+    }
+    try:
+        for when, call in calls.items():
+            with pytest.raises(support.UserError, match=f"{out} is in use by another job"):
+                call()
+            assert os.listdir(out) == ["mine.txt"], when
+    finally:
+        os.close(other)
+    support.write_output(str(out), "bench.md", b"table", by="bench.py")
+    assert another_job_locks(out) is None  # held by this job till it is over
+    support.writable_dir(str(out), ("bench.md",), by="bench.py")  # (its own: no refusal)
+    support.release_locks()
+    os.close(another_job_locks(out))
+    support.writable_dir(str(tmp_path / "new"), ("bench.md",), by="bench.py")  # made at the write
+    assert not (tmp_path / "new").exists() and not support.held_locks
 
 
 @pytest.mark.slow

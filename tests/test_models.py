@@ -23,6 +23,7 @@ from conftest import (
     RESUME_RUN,
     TINY_RUN,
     TRAIN_ON_SAMPLE,
+    another_job_locks,
     authors_copy,
     load_command,
     read_metrics,
@@ -416,6 +417,36 @@ def test_an_export_cut_at_any_write_is_finished_by_its_rerun(tmp_path, monkeypat
         done = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".tmp")}
         assert done == whole, cut
     capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_an_export_into_a_folder_another_export_is_writing_writes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    # two exports into one new folder: the other makes it and holds it (its lock) while this one
+    # builds its model; this one then writes no file (one line, status 2), and once the other is
+    # over it writes all three: the folder never holds one run's weights beside another's card
+    run, out = tmp_path / "run", tmp_path / "out"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    export, others = load_command("export.py"), []
+    built = export.tg.built
+
+    def meanwhile(*args, **kwargs):  # (after this export's check of the folder)
+        out.mkdir(exist_ok=True)
+        others.append(another_job_locks(out))
+        return built(*args, **kwargs)
+
+    monkeypatch.setattr(export.tg, "built", meanwhile)
+    code, _, err = run_main([run, out], capsys, export.main)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: {out} is in use by another job"), err
+    assert others[0] is not None and os.listdir(out) == []
+    os.close(others[0])
+    monkeypatch.undo()
+    code, _, err = run_main([run, out], capsys, export.main)
+    assert code == 0 and sorted(os.listdir(out)) == sorted([*export.FILES, support.OUTPUTS]), err
+    os.close(another_job_locks(out))  # free once the command is over (support.cli)
 
 
 @pytest.mark.slow

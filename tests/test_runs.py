@@ -27,6 +27,7 @@ import train_gpt as tg
 from conftest import (
     REPO,
     RESUME_RUN,
+    another_job_locks,
     read_metrics,
     run_command,
     run_main,
@@ -68,17 +69,24 @@ def test_existing_run_is_not_overwritten(tmp_path, capsys):
 
 
 def test_a_run_directory_is_held_by_one_job(tmp_path):
+    # a lock another job holds (an flock of its own on the folder) is refused; this job's is
+    # taken once, writes no file, keeps others out, and is free again once released
     (tmp_path / "lock").write_text("a user's own file")
-    runs.lock_run_dir(str(tmp_path))
+    other = another_job_locks(tmp_path)
     try:
         with pytest.raises(tg.UserError, match="is in use by another job"):
-            runs.lock_run_dir(str(tmp_path))  # a second open file: flock refuses it too
+            runs.lock_run_dir(str(tmp_path))
+    finally:
+        os.close(other)
+    try:
+        runs.lock_run_dir(str(tmp_path))
+        runs.lock_run_dir(str(tmp_path))  # (this job's already)
+        assert another_job_locks(tmp_path) is None
         assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]  # the lock writes no file
         assert (tmp_path / "lock").read_text() == "a user's own file"
     finally:
-        runs.release_locks()
-    runs.lock_run_dir(str(tmp_path))  # released: free again
-    runs.release_locks()
+        support.release_locks()
+    os.close(another_job_locks(tmp_path))  # released: free again
     gone = tmp_path / "moved_away"  # a resumed run's folder moved between its read and its lock
     with pytest.raises(tg.UserError, match="No such file"):
         runs.open_run_dir(str(gone), "", {"mtime": 0, "run_id": "ab"})
@@ -1256,12 +1264,12 @@ def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_c
     try:
         ckpt = resumable(run)
         assert runs.open_run_dir(str(run), "", ckpt) == str(run)  # as read: taken
-        runs.release_locks()
+        support.release_locks()
         # replaced between its read and the lock (another job): the mtime says so
         stale = {**ckpt, "mtime": ckpt["mtime"] - 1}
         with pytest.raises(support.UserError, match="changed while this job started"):
             runs.open_run_dir(str(run), "", stale)
-        runs.release_locks()
+        support.release_locks()
         # replaced while read_checkpoint loaded it: the mtime it gives is the file's it read
         load = torch.load
 
@@ -1277,18 +1285,18 @@ def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_c
         assert read["step"] == 3
         with pytest.raises(support.UserError, match="changed while this job started"):
             runs.open_run_dir(str(run), "", read)
-        runs.release_locks()
+        support.release_locks()
         ckpt = resumable(run)  # (as it was)
         # a save cut after its copy of the old file (no hard links): PREVIOUS holds the same step
         (run / runs.PREVIOUS).write_bytes((run / runs.CHECKPOINT).read_bytes())
         assert runs.open_run_dir(str(run), "", ckpt) == str(run)
-        runs.release_locks()
+        support.release_locks()
         (run / runs.PREVIOUS).unlink()
         # config.json written meanwhile by another run (checked again under the lock)
         (run / "config.json").write_text('{"run_id": "cd", "job": {}}')
         with pytest.raises(support.UserError, match="belongs to another run"):
             runs.open_run_dir(str(run), "", ckpt)
-        runs.release_locks()
+        support.release_locks()
         (run / "config.json").unlink()
         # checkpoint.pt a link to a checkpoint elsewhere: the run's files are never links
         os.replace(run / runs.CHECKPOINT, tmp_path / "elsewhere.pt")
@@ -1297,7 +1305,7 @@ def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_c
         with pytest.raises(support.UserError, match="checkpoint.pt is a symbolic link to a file"):
             runs.open_run_dir(str(run), "", ckpt)
     finally:
-        runs.release_locks()
+        support.release_locks()
 
 
 def test_a_run_that_never_saved_is_moved_aside_each_time_beside_the_earlier(tmp_path):
@@ -1308,12 +1316,12 @@ def test_a_run_that_never_saved_is_moved_aside_each_time_beside_the_earlier(tmp_
             (run / "config.json").write_text(f'{{"run_id": "ab{k}", "job": {{}}}}')
             (run / "train.log").write_text(f"attempt {k}\n")
             assert runs.open_run_dir(str(run), "") == str(run)
-            runs.release_locks()
+            support.release_locks()
         assert (run / "aborted_1" / "train.log").read_text() == "attempt 1\n"
         assert (run / "aborted_2" / "train.log").read_text() == "attempt 2\n"
         assert not (run / "train.log").exists() and not (run / "config.json").exists()
     finally:
-        runs.release_locks()
+        support.release_locks()
 
 
 def test_a_resume_note_names_only_an_earlier_previous(tmp_path):
