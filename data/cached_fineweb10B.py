@@ -76,8 +76,10 @@ def place(src: str, dest: str) -> None:
         os.remove(tmp)
     try:
         os.link(os.path.realpath(src), tmp)
-    except OSError:  # another filesystem, or links not allowed: a copy, synced before its rename
-        with open(src, "rb") as f, open(tmp, "wb") as copy:
+    except OSError:  # another filesystem, or links not allowed: a copy, synced before its rename;
+        # a new file ("x"): never written through a link another fetch made there meanwhile,
+        # which may be the Hugging Face cache's file itself
+        with open(src, "rb") as f, open(tmp, "xb") as copy:
             shutil.copyfileobj(f, copy)
             copy.flush()
             os.fsync(copy.fileno())

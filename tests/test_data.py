@@ -691,6 +691,19 @@ def test_fineweb_a_download_error_is_its_reason_and_a_shard_is_copied_where_link
     assert not os.path.samefile(dest, tmp_path / "blob") and os.listdir(dest.parent) == ["x.bin"]
     copy, folder = dest.stat().st_ino, dest.parent.stat().st_ino
     assert events == [(copy, dest.stat().st_size), ("rename", copy), (folder, None)], events
+    # another fetch into the folder links its .part to the cache's file between this one's
+    # removal of a .part and its own link: refused (a reason), that file never truncated
+    blob, link = (tmp_path / "blob").read_bytes(), os.link
+
+    def raced(src, dst):
+        link(src, dst)  # (the other fetch's)
+        raise FileExistsError(errno.EEXIST, "File exists", dst)
+
+    monkeypatch.setattr(fetch.os, "link", raced)
+    with pytest.raises(FileExistsError):
+        fetch.place(str(tmp_path / "blob"), str(tmp_path / "out" / "y.bin"))
+    monkeypatch.undo()
+    assert (tmp_path / "blob").read_bytes() == blob
 
 
 def test_fineweb_a_shard_it_cannot_read_is_named_not_a_traceback(tmp_path, monkeypatch):
