@@ -257,11 +257,12 @@ def expand(argv):
         write_run(out, hp, src, base, args, argv, position)
     except BaseException:  # a disk that fills during the writes: take back what this wrote
         support.release_locks()
-        for n in ours:
+        with support.signals_held():  # (a second Ctrl-C: not with half of it left)
+            for n in ours:
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(out, n))
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(out, n))
-        with contextlib.suppress(OSError):
-            support.remove_made(out, made)
+                support.remove_made(out, made)
         raise
     print(
         f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "

@@ -795,3 +795,18 @@ class StopSignal:
 
 
 STOP = StopSignal()  # handlers are installed only inside `with STOP:`
+
+
+@contextlib.contextmanager
+def signals_held():
+    """A cleanup that a second signal (Ctrl-C twice) does not cut short: SAVE_SIGNALS are noted
+    while it runs, then the first raised (Interrupted) at its end. The main thread only."""
+    came = []
+    previous = {sig: signal.signal(sig, lambda n, _: came.append(n)) for sig in SAVE_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if came:
+        raise Interrupted(came[0])

@@ -50,6 +50,7 @@ from support import (  # noqa: E402
     need,
     path_arg,
     remove_made,
+    signals_held,
     writable_dir,
 )
 
@@ -246,11 +247,13 @@ def build(out: str, workers: int, debs: str = None, unpinned: bool = False) -> l
             [docs], out, "docs", 100_000_000, workers, "bytes", held_out, inputs, **OURS
         )
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        remove_made(out, made)
+        with signals_held():  # (a second Ctrl-C: not with half of it left)
+            shutil.rmtree(work, ignore_errors=True)
+            remove_made(out, made)
         raise
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        with signals_held():
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def parser() -> ArgParser:

@@ -64,6 +64,7 @@ from support import (  # noqa: E402
     path_arg,
     remove_made,
     sha256_of,
+    signals_held,
     usable_cpus,
     writable_dir,
     write_atomically,
@@ -239,12 +240,13 @@ class Corpus:
         return self
 
     def __exit__(self, *exc):
-        if hasattr(self, "tmp"):
-            for n in os.listdir(self.tmp):  # only what add() wrote there
-                os.remove(os.path.join(self.tmp, n))
-            os.rmdir(self.tmp)
-        if exc[0] is not None:
-            remove_made(self.out, self.made)
+        with signals_held():  # (a second Ctrl-C: not with half of it left)
+            if hasattr(self, "tmp"):
+                for n in os.listdir(self.tmp):  # only what add() wrote there
+                    os.remove(os.path.join(self.tmp, n))
+                os.rmdir(self.tmp)
+            if exc[0] is not None:
+                remove_made(self.out, self.made)
 
 
 # ---------------------------------------------------------------------------- reading documents

@@ -588,6 +588,25 @@ def test_stop_records_a_first_signal_once_armed_and_a_second_stops_at_once():
             signal.signal(s, h)
 
 
+def test_a_cleanup_runs_to_its_end_through_signals_then_the_first_stops_the_command():
+    # signals_held: a signal (here two, to this process) is noted, not raised, while the
+    # cleanup runs; at its end the first is raised, and the handlers are the ones before it
+    for sig in support.SAVE_SIGNALS:  # (own_signal_handlers puts the session's back)
+        signal.signal(sig, support.interrupted)
+    steps = []
+    with pytest.raises(support.Interrupted) as stopped:
+        with support.signals_held():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                os.kill(os.getpid(), sig)
+                time.sleep(0.01)  # (the handler runs at the next bytecode)
+                steps.append(sig)
+    assert steps == [signal.SIGTERM, signal.SIGINT] and stopped.value.signum == signal.SIGTERM
+    assert all(signal.getsignal(s) is support.interrupted for s in support.SAVE_SIGNALS)
+    with support.signals_held():  # none came: nothing raised
+        steps.append("quiet")
+    assert steps[-1] == "quiet"
+
+
 def test_add_sums_keeps_a_key_that_either_side_lacks():
     t = torch.tensor
     total = {"loss": t([1.0, 2.0]), "only_total": t([5.0])}

@@ -396,6 +396,30 @@ def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
     assert not (tmp_path / "out").exists()  # no shard, no temporary folder, no folder it made
 
 
+def test_a_second_signal_while_the_tokenizer_cleans_up_leaves_nothing(tmp_path, monkeypatch):
+    # Ctrl-C twice: the second comes while the first's cleanup removes the shards written so
+    # far; the cleanup goes on to the end (no temporary folder left, nor the folders made for
+    # --out), then the command stops
+    tokenize = load_command("data/tokenize_corpus.py")
+    signal.signal(signal.SIGINT, support.interrupted)  # (as support.cli sets it)
+    out, remove, removed = tmp_path / "out" / "deeper", os.remove, []
+
+    def remove_and_signal(path):
+        remove(path)
+        removed.append(path)
+        if len(removed) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # (the handler runs at the next bytecode)
+
+    with pytest.raises(support.Interrupted):
+        with tokenize.Corpus(str(out), "c") as corpus:
+            for _ in range(5):
+                corpus.add([1, 2, 3])
+            monkeypatch.setattr(os, "remove", remove_and_signal)
+            raise support.Interrupted(signal.SIGINT)  # the first
+    assert len(removed) == 5 and not (tmp_path / "out").exists()
+
+
 def test_a_corpus_name_that_is_a_path_is_refused_before_anything_is_made(tmp_path):
     # --name is a file name's start: a/b or .. would put shards outside --out
     tokenize = load_command("data/tokenize_corpus.py")
