@@ -1,12 +1,14 @@
 """sample.py (decoding with a KV cache) and skipview.py (how many blocks each token ran)."""
 
+import json
 import math
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
+import hub
 import sample
 import support
 import train_gpt as tg
@@ -17,6 +19,7 @@ from conftest import (
     logits_gates,
     mor_model,
     run_main,
+    spread_gates,
     tiny,
 )
 from data import shards
@@ -93,6 +96,50 @@ def test_each_draw_is_from_the_softmax_at_the_temperature_over_the_top_k(monkeyp
             logits[logits < logits.topk(top_k, dim=-1).values[:, -1:]] = -math.inf
         want = torch.softmax(logits / temperature, dim=-1)
         assert len(drawn) == 8 and (torch.stack(drawn) - want).abs().max().item() < 1e-4
+
+
+def test_the_sampler_prints_what_its_options_draw_and_what_its_cache_holds(tmp_path, capsys):
+    # a byte model whose gates skip, as a model folder: the command's text is greedy (by full
+    # forward passes, written here) at temperature 0 and at top_k 1, and generate's draw for the
+    # temperature, top_k and seed given, another seed's another; its cache line gives the
+    # cache's entries, their share of a dense cache, and each block's, in block order
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(encoding="bytes", vocab_size=256, max_seq_len=64)).eval()
+    spread_gates(model, std=0.5, bias=0.0)
+    source = tmp_path / "model"
+    source.mkdir()
+    save_file(model.state_dict(), source / "model.safetensors")
+    config = {"format": hub.FORMAT, "settings": asdict(model.hp)}  # (hub.py's own layout)
+    (source / "config.json").write_text(json.dumps(config))
+    sampler, prompt = load_command("sample.py"), list(b"The")
+    enc = sampler.encoding("bytes", 256)
+
+    def command(*options):
+        argv = [f"--init_from={source}", "--prompt=The", "--tokens=12", *options]
+        assert support.cli(sampler.main, argv) == 0
+        out = capsys.readouterr()
+        return out.out, out.err
+
+    greedy = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            greedy.append(int(model(torch.tensor([greedy])).logits[0, -1].argmax()))
+    assert command("--temperature=0")[0] == command("--top_k=1")[0] == enc.decode(greedy) + "\n"
+    drawn = {}
+    for T, k, seed in ((2.0, 200, 3), (1.0, 0, 3), (1.0, 0, 4), (0.8, 5, 3)):
+        text, err = command(f"--temperature={T}", f"--top_k={k}", f"--seed={seed}")
+        tokens, cache = sample.generate(model, prompt, 12, T, k, seed)
+        assert text == enc.decode(tokens) + "\n", (T, k, seed)
+        drawn[(T, k, seed)] = text
+        held, dense, share, blocks = re.search(
+            r"KV cache: (\d+) of (\d+) entries \(([\d.]+)% of a dense cache\); per block (.*)", err
+        ).groups()
+        assert (int(held), int(dense)) == (sum(cache.n), model.hp.n_layers * (len(tokens) - 1))
+        assert float(share) == round(100 * sum(cache.n) / int(dense), 1)
+        assert blocks == str(cache.n) and cache.n != sorted(cache.n, reverse=True), cache.n
+    assert len(set(drawn.values())) == len(drawn)
 
 
 @pytest.mark.parametrize("axis", ["key", "query"])
@@ -240,6 +287,9 @@ def test_the_commands_start_from_the_separator_and_keep_to_the_context(tmp_path,
     assert support.cli(sampler.main, [*model, f"--prompt={prompt}", "--tokens=10"]) == 0
     err = capsys.readouterr().err
     assert "sampling 4 after the 60-token prompt" in err and " of 252 entries " in err, err
+    for words, status, said in ((63, 0, "sampling 1 after the 63-token prompt"), (64, 2, "no tok")):
+        code = support.cli(sampler.main, [*model, "--prompt=a" + " a" * (words - 1), "--tokens=9"])
+        assert code == status and said in capsys.readouterr().err, words  # (the context: 64)
     page = tmp_path / "page.html"
     argv = [f"--init_from={AUTHORS_TINY}", "--text=" + " word" * 100, f"--out={page}"]
     assert support.cli(skipview.main, argv) == 0
