@@ -1254,6 +1254,12 @@ def test_a_steps_and_a_validations_records_hold_their_own_figures():
     assert (got["lr"], got["layer_lr"]) == (1e-3, [2e-3, 3e-3, 4e-3, 5e-3])
     assert got["block_active"] == [1.0, 0.5, 0.25, 0.0]
     assert got["mlp_active"] == [1.0, 0.75, 0.0, 0.125]
+    # the language model's loss is train_loss, in the line too; with the router's terms, total
+    assert (got["train_loss"], got["total_loss"], got["redone"]) == (3.0, 3.5, False)
+    line = log.lines[-1]
+    assert line.startswith("step:3/10 train_loss:3.0000 ") and "redone" not in line, line
+    runlog.RunLog.step(log, run, 10, {**stats, "redone": [1.0]}, router.means, lrs, (100.0, 0.0))
+    assert log.lines[-1].endswith(" redone:full_length") and log.records[-1]["redone"] is True
     v = {
         "val_loss": 2.5,
         "val_se": 0.125,
@@ -1267,9 +1273,15 @@ def test_a_steps_and_a_validations_records_hold_their_own_figures():
     }
     runlog.RunLog.validation(log, router, v, run, 10)
     assert log.records[-1] == {"kind": "val", "step": 3, "train_time_ms": 250.0, **v}
-    line = next(line for line in log.lines if line.startswith("step:3/10 val_loss:"))
-    assert line.startswith("step:3/10 val_loss:2.5000 (SE 0.1250 over 7 docs) ")
-    assert line.endswith(" train_time:250ms step_avg:125.00ms")
+    at = next(i for i, line in enumerate(log.lines) if line.startswith("step:3/10 val_loss:"))
+    assert log.lines[at:] == [
+        "step:3/10 val_loss:2.5000 (SE 0.1250 over 7 docs) sparsity:0.2500 "
+        "fwd_flops/token:1000 dense:2000 train_time:250ms step_avg:125.00ms",
+        "  block_active:[1.000 0.500 0.750 0.750] mlp_active:[1.000 0.500 0.750 0.750]",
+        "  resid_norm:[1.000 2.000 3.000 4.000]",
+    ]
+    runlog.RunLog.validation(log, router, {**v, "val_se": None}, run, 10)  # (one document)
+    assert "val_loss:2.5000 (SE nan over 7 docs) " in log.lines[-3]
 
 
 @pytest.mark.slow
