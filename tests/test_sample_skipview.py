@@ -200,8 +200,9 @@ class TokenSpans(__import__("html.parser").parser.HTMLParser):
 def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys):
     skipview = load_command("skipview.py")
     run = tmp_path / "run"
-    # gate weights wide enough that some tokens skip both blocks (g = 0) and others none
-    wide = ["--init_std=0.2", f"--run_dir={run}", "--stop_step=4"]
+    # gate weights wide enough that some tokens skip blocks (g = 0) and others none; 4 blocks:
+    # the middle two run fewer tokens than the outer two
+    wide = ["--init_std=0.2", "--n_layers=4", f"--run_dir={run}", "--stop_step=4"]
     code, _, err = run_main(RESUME_RUN + wide, capsys)
     assert code == 0, err
     text = "The gate decides, per token, how many blocks run.\nA second line & <markup>."
@@ -224,8 +225,19 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     assert len(set(expected)) > 1, expected  # (one count for all would test nothing)
     assert [int(title.split()[0]) for _, title in parser.spans] == expected
     assert "⏎" in terminal and terminal.count("[") >= len(ids)
-    assert support.cli(skipview.main, [str(run), "--val_tokens=7"]) == 0  # the shard's first 7
+    per_block = (gates > 0).sum(1).tolist()  # in block order, in the terminal and the table
+    assert per_block != sorted(per_block, reverse=True), per_block
+    assert f"; per block: {per_block}\n" in terminal
+    rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td>", page.read_text())
+    assert rows == [(str(i), str(n)) for i, n in enumerate(per_block)]
+    page = tmp_path / "val.html"  # the validation shard's first 7 tokens
+    assert support.cli(skipview.main, [str(run), "--val_tokens=7", f"--out={page}"]) == 0
     assert "\ntokens 7; blocks run per token" in capsys.readouterr().out
+    parser = TokenSpans()
+    parser.feed(page.read_text())
+    first = shards.read_shard(shards.find_shards(model.hp.val_files)[0], 50257)[:7].tolist()
+    pieces = skipview.token_pieces(shards.gpt2_encoding(), first)
+    assert [t for t, _ in parser.spans] == pieces
     assert support.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
     assert support.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
     assert capsys.readouterr().err.count("error: ") == 2
@@ -250,7 +262,7 @@ def test_skipview_page_and_terminal_view_by_hand():
     assert [skipview.colour(c, 3) for c in range(4)] == hsl
     assert skipview.colour(0, 0) == hsl[0]
     pieces, counts = ["<i>", "&amp;", "\n", "c"], [0, 2, 3, 3]
-    page = skipview.html_page(pieces, counts, [4, 3, 1], 3, "<run> & co", "blocks")
+    page = skipview.html_page(pieces, counts, [3, 2, 1], 3, "<run> & co", "blocks")
     spans = re.findall(r'<span class="t" style="background:([^"]+)" title="([^"]+)">', page)
     assert spans == [(hsl[c], f"{c} of 3 blocks") for c in counts]
     parser = TokenSpans()
@@ -260,7 +272,7 @@ def test_skipview_page_and_terminal_view_by_hand():
     assert legend == [(hsl[c], str(c)) for c in range(4)]
     assert "<title>&lt;run&gt; &amp; co</title>" in page and "<h1>&lt;run&gt; &amp; co</h1>" in page
     rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td><td>([^<]+)</td></tr>", page)
-    assert rows == [("0", "4", "100.0%"), ("1", "3", "75.0%"), ("2", "1", "25.0%")]
+    assert rows == [("0", "3", "75.0%"), ("1", "2", "50.0%"), ("2", "1", "25.0%")]  # (of 4)
     assert skipview.terminal_view(pieces, counts) == "<i>[0]&amp;[2]⏎[3]c[3]"
 
 
