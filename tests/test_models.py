@@ -127,6 +127,7 @@ def test_the_authors_config_class_and_tensor_names_are_read_as_their_code_reads_
         "model.output.weights",
         "model.layers.1.attention.wq.weight.0",
         "xmodel.output.weight",
+        "model.layers.1.attention.wqq.weight",  # (a projection of no such name)
     ):
         assert hub.renamed(name, hub.AUTHORS_NAMES) is None
         with pytest.raises(support.UserError, match=f"{re.escape(name)} has no place"):
@@ -138,6 +139,8 @@ def test_a_model_folder_whose_config_is_not_a_models_is_one_user_error(tmp_path)
     # one (not read), JSON nested past Python's recursion limit
     for name, text, message in (
         ("no_settings", '{"format": "train_gpt", "trained": {}}', 'has no "settings" object'),
+        ("null_settings", '{"format": "train_gpt", "settings": null}', 'has no "settings" object'),
+        ("list_settings", '{"format": "train_gpt", "settings": []}', 'has no "settings" object'),
         ("large", "{" + " " * (1 << 20) + "}", f"is over {1 << 20} bytes: not a model's config"),
         ("deep", "[" * 100_000, "is not readable JSON (RecursionError)"),
     ):

@@ -55,7 +55,8 @@ def test_generate_samples_reproducibly_and_reports_the_cache():
 def test_sampling_draws_among_the_top_k_at_the_temperature_by_the_seed():
     # each sampled token among the top_k of the full forward pass's logits at its position; at a
     # temperature that flattens them, more than the likeliest; top_k past the vocabulary is all
-    # of it; the seed decides the draw; a temperature whose float32 would be 0 is greedy
+    # of it; the seed decides the draw; a temperature whose float32 would be 0 is greedy, and one
+    # whose float64 is denormal
     torch.manual_seed(0)
     model = tg.GPT(tiny(n_layers=2, max_seq_len=16, seq_len=16, gate_init="zero")).eval()
     tokens, _ = sample.generate(model, [1, 2, 3], 13, temperature=1e3, top_k=2, seed=1)
@@ -71,7 +72,8 @@ def test_sampling_draws_among_the_top_k_at_the_temperature_by_the_seed():
     )
     assert sample.generate(model, [1, 2, 3], 13, temperature=1e3, seed=2)[0] != everything
     greedy = sample.generate(model, [1, 2, 3], 13, temperature=0)[0]
-    assert sample.generate(model, [1, 2, 3], 13, temperature=1e-50)[0] == greedy
+    for tiny_t in (1e-50, 1e-320):  # (1e-320: logits / T would overflow float64)
+        assert sample.generate(model, [1, 2, 3], 13, temperature=tiny_t)[0] == greedy, tiny_t
     assert sample.generate(model, [1, 2, 3], 13, top_k=1, seed=4)[0] == greedy
 
 
