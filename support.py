@@ -510,8 +510,10 @@ def lock_folder(path: str):
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
         os.close(fd)
+        if e.errno != errno.EWOULDBLOCK:  # (a file system without locks, say: its own words)
+            refuse(e, path, "lock")
         raise UserError(
             f"{path} is in use by another job (it holds the folder's lock); wait for that job "
             f"to end"

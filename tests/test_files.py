@@ -2,6 +2,7 @@
 leaves what was there."""
 
 import csv
+import errno
 import glob
 import hashlib
 import io
@@ -307,10 +308,11 @@ def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path
     assert (old / "bench.md").read_text() == "a table"
 
 
-def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path):
+def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path, monkeypatch):
     # the folder's lock held by another job: an existing folder of outputs is refused at the
     # start (writable_dir), one made since at the first write (write_output, remove_output),
-    # before anything is written; this job takes it at its first call and keeps it to its end
+    # before anything is written; this job takes it at its first call and keeps it to its end;
+    # a lock the file system cannot take is that error, not another job's
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("a user's file")
@@ -334,6 +336,13 @@ def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path):
     os.close(another_job_locks(out))
     support.writable_dir(str(tmp_path / "new"), ("bench.md",), by="bench.py")  # made at the write
     assert not (tmp_path / "new").exists() and not support.held_locks
+
+    def no_locks(fd, operation):  # (a file system without them)
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(support.fcntl, "flock", no_locks)
+    with pytest.raises(support.UserError, match=f"^cannot lock {out}: No locks available$"):
+        support.lock_folder(str(out))
 
 
 @pytest.mark.slow
