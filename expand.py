@@ -256,7 +256,6 @@ def expand(argv):
     try:
         write_run(out, hp, src, base, args, argv, position)
     except BaseException:  # a disk that fills during the writes: take back what this wrote
-        support.release_locks()
         with support.signals_held():  # (a second Ctrl-C: not with half of it left)
             for n in ours:
                 with contextlib.suppress(OSError):

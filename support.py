@@ -24,6 +24,7 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 from dataclasses import field, fields
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # the repository: its scripts and data
@@ -79,11 +80,11 @@ def cli(main, argv, before_error=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = getattr(e, "checkpoint", None), os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
-    finally:  # once it is over its folders are free (in a test, the process goes on), and a
-        # signal ends the process at once, with the command's own status; the signals held
+    finally:  # once it is over a signal ends the process at once, with the command's own
+        # status, and its folders are free (in a test, the process goes on); the signals held
         # while the handlers change (a second one: no traceback)
-        release_locks()
         signal.pthread_sigmask(signal.SIG_BLOCK, SAVE_SIGNALS)
+        release_locks()
         for sig in SAVE_SIGNALS:
             signal.signal(sig, lambda *_: os._exit(status))
         atexit.unregister(ignore_signals)
@@ -494,31 +495,39 @@ OUTPUTS = ".outputs.json"  # in a folder commands wrote files into, per file: {n
 
 
 held_locks = {}  # (device, inode) of each folder this process holds locked -> its descriptor
+LOCKING = threading.Lock()  # lock_folder's look and take, one thread at a time
 
 
 def lock_folder(path: str):
     """An exclusive flock on the folder path itself (no file is written), held till release_locks
-    or the process's end (the kernel drops it however the process ends; some network file
-    systems ignore flock): held by another process, a UserError; by this one already, nothing."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        refuse(e, path, "use")
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) in held_locks:
-        os.close(fd)
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno != errno.EWOULDBLOCK:  # (a file system without locks, say: its own words)
-            refuse(e, path, "lock")
-        raise UserError(
-            f"{path} is in use by another job (it holds the folder's lock); wait for that job "
-            f"to end"
-        ) from None
-    held_locks[(st.st_dev, st.st_ino)] = fd
+    or the process's end (the kernel drops it however the process ends): held by another
+    process, a UserError; by this one already, nothing. Where the file system takes no lock
+    (some network ones ignore flock or refuse it), a note, and no lock."""
+    with LOCKING:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            refuse(e, path, "use")
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in held_locks:
+            os.close(fd)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno == errno.EWOULDBLOCK:
+                raise UserError(
+                    f"{path} is in use by another job (it holds the folder's lock); wait for "
+                    f"that job to end"
+                ) from None
+            print(
+                f"note: {path} cannot be locked ({e.strerror}): nothing keeps another job "
+                f"from writing there meanwhile",
+                file=sys.stderr,
+            )
+            return
+        held_locks[(st.st_dev, st.st_ino)] = fd
 
 
 def release_locks():
@@ -531,8 +540,7 @@ def writable_dir(path: str, outputs=(), by: str = "") -> str:
     """Before any long work: folder path (or where it would be made) takes PROBE_BYTES, synced, in
     a nameless file (an empty file fits on a full disk), and each of outputs there is absent or
     a file that write_output wrote for command `by` (its file), unchanged since: no user's file
-    is replaced, nor another command's. A folder of outputs that is there is locked first
-    (lock_folder, as write_output locks one made since): one command at a time writes there."""
+    is replaced, nor another command's."""
     if not path:
         raise UserError("expected a folder, got an empty path")
     if OUTPUTS in outputs:  # (skipview.py --out=FILE names its own)
@@ -540,8 +548,6 @@ def writable_dir(path: str, outputs=(), by: str = "") -> str:
             f"{os.path.join(path, OUTPUTS)}: that name is the folder's record of what commands "
             f"wrote there: name the output otherwise; nothing was written"
         )
-    if outputs and os.path.isdir(path):
-        lock_folder(path)
     ours = written_outputs(path) if outputs else {}  # (a command that keeps no record: not read)
     for name in outputs:
         problem, _ = ownership(path, name, ours, by)
@@ -642,7 +648,7 @@ def write_output(folder: str, name: str, data: bytes, by: str):
     cut at any point (a signal, a full disk) leaves only files its rerun recognises as its own
     (writable_dir)."""
     os.makedirs(folder, exist_ok=True)  # (a new folder, as write_atomically would make it)
-    lock_folder(folder)  # held from here: the record is read, then written
+    lock_folder(folder)  # held to the command's end: its outputs are written by it alone
     ours = written_outputs(folder)
     problem, old = ownership(folder, name, ours, by)  # (since writable_dir: another's, a user's)
     if problem:
@@ -802,13 +808,14 @@ STOP = StopSignal()  # handlers are installed only inside `with STOP:`
 @contextlib.contextmanager
 def signals_held():
     """A cleanup that a second signal (Ctrl-C twice) does not cut short: SAVE_SIGNALS are noted
-    while it runs, then the first raised (Interrupted) at its end. The main thread only."""
-    came = []
+    while it runs; at its end the first is raised (Interrupted), unless an exception was on its
+    way out when it began (the command stops with that one's status). The main thread only."""
+    came, going = [], sys.exc_info()[1]
     previous = {sig: signal.signal(sig, lambda n, _: came.append(n)) for sig in SAVE_SIGNALS}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if came:
+    if came and going is None:
         raise Interrupted(came[0])

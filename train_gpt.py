@@ -1217,14 +1217,16 @@ def compile_model(raw: GPT) -> GPT:
     the model's readout compiled in place, shapes static. The blocks share their code, so a
     graph compiled for one serves all: a cold compile is one block's, not the model's. The
     embedding, the router and Block.pack run eagerly. Under compact a packed length is a shape: a
-    new one compiles a new graph of one block, at most PACKS lengths per mode
-    (packed_length), each shown in the log (compile_ms). Why static lengths (symbolic ones
-    crashed Inductor) and a compiled readout (eagerly, slow kernels), measured: docs/gpu.md."""
+    new one compiles a new graph of one block, at most PACKS lengths per mode (packed_length)
+    and the routers' top-k ones in training, each shown in the log (compile_ms). Why static
+    lengths (symbolic ones crashed Inductor) and a compiled readout (eagerly, slow kernels),
+    measured: docs/gpu.md."""
     config = torch._dynamo.config
-    # graphs per region: PACKS lengths and a router's top-k one, training and evaluation, gated
-    # and not, shared by the routers (sweep.py's measure evaluates them all in one process); past
-    # the default 8, Dynamo would run the rest eagerly
-    config.recompile_limit = max(config.recompile_limit, 4 * (PACKS + 1))
+    # graphs per region: PACKS lengths and the top-k ones (MoD: one; MoR: one per recursion
+    # after the first), training and evaluation, gated and not, shared by the routers (sweep.py's
+    # measure evaluates them all in one process); past the default 8, Dynamo would run the rest
+    # eagerly
+    config.recompile_limit = max(config.recompile_limit, 4 * (PACKS + raw.hp.mor_recursions))
     regions = [(block, name) for block in raw.blocks for name in REGIONS] + [(raw, "readout")]
     for module, name in regions:
         if name not in vars(module):  # (compiled already: as it is)

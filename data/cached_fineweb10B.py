@@ -14,7 +14,7 @@ fetch resumes where it stopped. Every file is checked after download (magic, ver
 count against the file size) before it takes its final name; a bad one is reported and fetched
 again. So a file of a shard's name in the data folder that is not a whole shard was not written
 here: it is refused before anything is fetched, never replaced. Several files download at once
-(--workers, default 8).
+(--workers, default 8). One fetch at a time writes a folder: a second is refused while it runs.
 
 Why not huggingface_hub.snapshot_download(local_dir=...): in that mode (huggingface_hub 2.4)
 a file found in the Hugging Face cache is copied, not linked (20.8 GB twice); offline it does
@@ -40,6 +40,7 @@ from support import (  # noqa: E402
     first_line,
     in_range,
     kind_of,
+    lock_folder,
     os_error_text,
     path_arg,
     sync_folder,
@@ -68,17 +69,20 @@ def damage(path: str) -> str:
 
 
 def place(src: str, dest: str) -> None:
-    """Put src at dest atomically: hard link (or copy) to a temporary name, then rename; on disk,
-    name and all (a power cut leaves no shard of the right size whose bytes never got there)."""
+    """Put src at dest atomically: hard link (or copy) to a temporary name, then rename, in a
+    folder this process holds (lock_folder: another fetch there would take its .part); a copy is
+    on disk before its name, the name after (a link is the Hugging Face cache's file, as written
+    there)."""
     tmp = dest + ".part"
     os.makedirs(os.path.dirname(dest), exist_ok=True)
+    lock_folder(os.path.dirname(dest))
     if os.path.exists(tmp):
         os.remove(tmp)
     try:
         os.link(os.path.realpath(src), tmp)
     except OSError:  # another filesystem, or links not allowed: a copy, synced before its rename;
-        # a new file ("x"): never written through a link another fetch made there meanwhile,
-        # which may be the Hugging Face cache's file itself
+        # a new file ("x"): never written through a link (where flock is not honoured, another
+        # fetch's, to the Hugging Face cache's file itself)
         with open(src, "rb") as f, open(tmp, "xb") as copy:
             shutil.copyfileobj(f, copy)
             copy.flush()
@@ -153,6 +157,8 @@ def main(argv) -> None:
     out, workers, count = args.out, args.workers, args.count
     names = ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, count + 1)]
     writable_dir(out)  # before any download starts
+    if os.path.isdir(out):  # (one made here: at its first shard, place)
+        lock_folder(out)  # one fetch at a time
     for name in names:  # (this command's own are whole: written aside, then renamed)
         path = os.path.join(out, name)
         problem = damage(path) if os.path.lexists(path) else ""

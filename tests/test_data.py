@@ -6,6 +6,10 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ import pytest
 import support
 import train_gpt as tg
 from conftest import (
+    another_job_locks,
     gpt2,
     load_command,
     note_syncs,
@@ -206,6 +211,32 @@ def fake_debian(tmp_path, apt_get: str) -> dict:
     for tool in bin_.iterdir():
         tool.chmod(0o755)
     return {"PATH": f"{bin_}:{os.environ['PATH']}"}
+
+
+def test_debian_docs_takes_back_all_it_wrote_through_a_second_signal(tmp_path, monkeypatch):
+    # Ctrl-C during the downloads, and again while their folder is removed: it is removed all
+    # the same, and so is the folder made for --out
+    docs = load_command("data/debian_docs.py")
+    monkeypatch.setenv("PATH", fake_debian(tmp_path / "a", "exit 1\n")["PATH"])
+    signal.signal(signal.SIGINT, support.interrupted)  # (as support.cli sets it)
+
+    def first_signal(spec, sha, folder, *args):
+        (Path(folder) / "part.deb").write_bytes(b"half a download")
+        raise support.Interrupted(signal.SIGINT)
+
+    rmtree = shutil.rmtree
+
+    def second_signal(path, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # (the handler runs at the next bytecode)
+        rmtree(path, **kwargs)
+
+    monkeypatch.setattr(docs, "download", first_signal)
+    monkeypatch.setattr(shutil, "rmtree", second_signal)
+    with pytest.raises(support.Interrupted):
+        docs.build(str(tmp_path / "out" / "docs"), 1)
+    monkeypatch.undo()
+    assert not (tmp_path / "out").exists()
 
 
 def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_path):
@@ -601,6 +632,23 @@ def test_fineweb_refuses_a_broken_link_named_as_a_shard_before_fetching(tmp_path
     with pytest.raises(support.UserError, match="is a broken symbolic link: it is there and is n"):
         fetch.main(["0", f"--out={tmp_path}"])
     assert calls == [] and os.path.islink(tmp_path / "fineweb_val_000000.bin")
+
+
+def test_one_fetch_at_a_time_writes_a_folder(tmp_path, monkeypatch):
+    # a folder another fetch holds: refused before anything is fetched; a new one is held from
+    # its first shard (place), so that no other fetch takes this one's .part files
+    fetch, calls = load_command("data/cached_fineweb10B.py"), []
+    monkeypatch.setattr(fetch, "fetch", lambda *a: calls.append(a))
+    other = another_job_locks(tmp_path)
+    try:
+        with pytest.raises(support.UserError, match=f"{tmp_path} is in use by another job"):
+            fetch.main(["0", f"--out={tmp_path}"])
+    finally:
+        os.close(other)
+    assert calls == [] and os.listdir(tmp_path) == []
+    write_shard(tmp_path / "blob", range(10))
+    fetch.place(str(tmp_path / "blob"), str(tmp_path / "new" / "x.bin"))
+    assert another_job_locks(tmp_path / "new") is None
 
 
 def test_fineweb_says_the_others_were_not_tried_only_when_there_are_others(tmp_path, monkeypatch):

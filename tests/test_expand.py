@@ -5,6 +5,7 @@ import math
 import os
 import shlex
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +203,18 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(support, "write_atomically", interrupted)
+    code, _, err = run_main(argv[:1] + [str(tmp_path / "x" / "y")], capsys, expand_main)
+    assert code == 128 + signal.SIGINT and err == "", err
+    assert not (tmp_path / "x").exists()
+    # and a second Ctrl-C while that is taken back: all of it taken back still
+    remove = os.remove
+
+    def remove_and_signal(path):
+        remove(path)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # (the handler runs at the next bytecode)
+
+    monkeypatch.setattr(os, "remove", remove_and_signal)
     code, _, err = run_main(argv[:1] + [str(tmp_path / "x" / "y")], capsys, expand_main)
     assert code == 128 + signal.SIGINT and err == "", err
     assert not (tmp_path / "x").exists()

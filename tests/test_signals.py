@@ -2,6 +2,7 @@
 sweep) that go while their workers run."""
 
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -590,7 +591,8 @@ def test_stop_records_a_first_signal_once_armed_and_a_second_stops_at_once():
 
 def test_a_cleanup_runs_to_its_end_through_signals_then_the_first_stops_the_command():
     # signals_held: a signal (here two, to this process) is noted, not raised, while the
-    # cleanup runs; at its end the first is raised, and the handlers are the ones before it
+    # cleanup runs; at its end the first is raised, unless the cleanup is a failure's, and the
+    # handlers are the ones before it
     for sig in support.SAVE_SIGNALS:  # (own_signal_handlers puts the session's back)
         signal.signal(sig, support.interrupted)
     steps = []
@@ -605,6 +607,14 @@ def test_a_cleanup_runs_to_its_end_through_signals_then_the_first_stops_the_comm
     with support.signals_held():  # none came: nothing raised
         steps.append("quiet")
     assert steps[-1] == "quiet"
+    with pytest.raises(OSError):  # a cleanup of a failure: the failure stops the command
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            with support.signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)
+            raise
 
 
 def test_add_sums_keeps_a_key_that_either_side_lacks():
