@@ -515,18 +515,17 @@ def lock_folder(path: str):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            os.close(fd)
             if e.errno == errno.EWOULDBLOCK:
+                os.close(fd)
                 raise UserError(
                     f"{path} is in use by another job (it holds the folder's lock); wait for "
                     f"that job to end"
                 ) from None
-            print(
+            print(  # (once: the folder is this process's as far as it can be)
                 f"note: {path} cannot be locked ({e.strerror}): nothing keeps another job "
                 f"from writing there meanwhile",
                 file=sys.stderr,
             )
-            return
         held_locks[(st.st_dev, st.st_ino)] = fd
 
 
