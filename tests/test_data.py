@@ -215,7 +215,7 @@ def fake_debian(tmp_path, apt_get: str) -> dict:
 
 def test_debian_docs_takes_back_all_it_wrote_through_a_second_signal(tmp_path, monkeypatch):
     # Ctrl-C during the downloads, and again while their folder is removed: it is removed all
-    # the same, and so is the folder made for --out
+    # the same, and so is the folder made for --out; a signal while a whole build removes it
     docs = load_command("data/debian_docs.py")
     monkeypatch.setenv("PATH", fake_debian(tmp_path / "a", "exit 1\n")["PATH"])
     signal.signal(signal.SIGINT, support.interrupted)  # (as support.cli sets it)
@@ -235,8 +235,19 @@ def test_debian_docs_takes_back_all_it_wrote_through_a_second_signal(tmp_path, m
     monkeypatch.setattr(shutil, "rmtree", second_signal)
     with pytest.raises(support.Interrupted):
         docs.build(str(tmp_path / "out" / "docs"), 1)
-    monkeypatch.undo()
     assert not (tmp_path / "out").exists()
+    # a signal as a whole build removes its work folder: removed all the same, the corpus kept
+
+    def fake_deb(spec, sha, folder, *args):
+        (Path(folder) / "p.deb").write_bytes(spec.encode())
+        return str(Path(folder) / "p.deb"), sha
+
+    monkeypatch.setattr(docs, "download", fake_deb)
+    with pytest.raises(support.Interrupted):
+        docs.build(str(tmp_path / "out" / "docs"), 1)
+    monkeypatch.undo()
+    left = sorted(p.name for p in (tmp_path / "out" / "docs").iterdir())
+    assert left == ["docs.manifest.json", "docs_train_000001.bin", "docs_val_000000.bin"], left
 
 
 def test_debian_docs_says_when_a_pin_is_gone_and_records_unpinned_inputs(tmp_path):
