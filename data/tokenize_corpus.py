@@ -221,19 +221,21 @@ class Corpus:
                 f"the shards of corpus {self.name!r} in {self.out} changed while this "
                 f"ran (another job?); nothing was written"
             )
-        self.write_manifest({n: sha for n, (sha, _) in self.found.items()})  # first: a failure
-        # after it leaves only files it lists
-        for shard in self.shards:
-            os.replace(os.path.join(self.tmp, shard), os.path.join(self.out, shard))
-        stale = [n for n in self.found if n not in self.shards]
-        for n in stale:
-            os.remove(os.path.join(self.out, n))
-        if stale:
-            print(
-                f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in {self.out}",
-                file=sys.stderr,
-            )
-        self.write_manifest({})
+        with signals_held():  # (whole: a Ctrl-C here stops the command once it is done)
+            self.write_manifest({n: sha for n, (sha, _) in self.found.items()})  # first: a
+            # failure after it leaves only files it lists
+            for shard in self.shards:
+                os.replace(os.path.join(self.tmp, shard), os.path.join(self.out, shard))
+            stale = [n for n in self.found if n not in self.shards]
+            for n in stale:
+                os.remove(os.path.join(self.out, n))
+            if stale:
+                print(
+                    f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in "
+                    f"{self.out}",
+                    file=sys.stderr,
+                )
+            self.write_manifest({})
         return [os.path.join(self.out, n) for n in self.shards]
 
     def __enter__(self):

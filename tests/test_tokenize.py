@@ -524,6 +524,33 @@ def test_after_a_new_version_the_manifest_lists_its_shards_alone(tmp_path):
     assert sorted(manifest["shards"]) == ["c_train_000001.bin", "c_val_000000.bin"]
 
 
+def test_a_signal_during_the_commit_waits_for_a_whole_corpus(tmp_path, monkeypatch):
+    # Ctrl-C as the new version's shards are moved over the old ones: the commit ends (every
+    # new shard in place, the old ones gone, the manifest the new version's alone), then the
+    # command stops; never a mix of two versions
+    tokenize = load_command("data/tokenize_corpus.py")
+    signal.signal(signal.SIGINT, support.interrupted)  # (as support.cli sets it)
+    (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
+    (tmp_path / "short.txt").write_text("few words " * 12)
+    out, replace = tmp_path / "s", os.replace
+    tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
+
+    def replace_and_signal(src, dst):
+        replace(src, dst)
+        if dst.endswith(".bin"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # (the handler runs at the next bytecode)
+
+    monkeypatch.setattr(os, "replace", replace_and_signal)
+    with pytest.raises(support.Interrupted):
+        tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
+    monkeypatch.undo()
+    manifest = json.loads((out / "c.manifest.json").read_text())
+    assert sorted(manifest) == ["shards", "written_by"]  # (no previous version)
+    assert {p.name: sha256(p.read_bytes()) for p in out.glob("c_*.bin")} == manifest["shards"]
+    assert sorted(manifest["shards"]) == ["c_train_000001.bin", "c_val_000000.bin"]
+
+
 @pytest.mark.parametrize(
     "make",
     ["broken link", "link to one of ours", "too deep", "shards a list", "a list"],
