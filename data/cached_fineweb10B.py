@@ -13,7 +13,8 @@ A file already in the data folder with a valid header and size is skipped, so an
 fetch resumes where it stopped. Every file is checked after download (magic, version, token
 count against the file size) before it takes its final name; a bad one is reported and fetched
 again. So a file of a shard's name in the data folder that is not a whole shard was not written
-here: it is refused before anything is fetched, never replaced. Several files download at once
+here: it is refused before anything is fetched, never replaced; a NAME.part left by a fetch cut
+short is replaced, any other file of that name refused. Several files download at once
 (--workers, default 8). One fetch at a time writes a folder: a second is refused while it runs.
 
 Why not huggingface_hub.snapshot_download(local_dir=...): in that mode (huggingface_hub 2.4)
@@ -25,12 +26,14 @@ its shard header, while offline an existing file is returned as it is.
 import os
 import shlex
 import shutil
+import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
 from support import (  # noqa: E402
+    HASH_BLOCK,
     MAX_PROCESSES,
     ArgParser,
     RunStopped,
@@ -68,6 +71,18 @@ def damage(path: str) -> str:
     return ""
 
 
+def left_by_place(part: str, src: str) -> bool:
+    """Whether part is what a place() of src that was cut short left: a link to src's file, or a
+    copy of its first bytes (a regular file whose bytes begin src's, compared in blocks)."""
+    if not stat.S_ISREG(os.lstat(part).st_mode):
+        return False
+    with open(part, "rb") as a, open(src, "rb") as b:
+        while block := a.read(HASH_BLOCK):
+            if b.read(len(block)) != block:
+                return False
+    return True
+
+
 def place(src: str, dest: str) -> None:
     """Put src at dest atomically: hard link (or copy) to a temporary name, then rename, in a
     folder this process holds (lock_folder: another fetch there would take its .part); a copy is
@@ -76,7 +91,11 @@ def place(src: str, dest: str) -> None:
     tmp = dest + ".part"
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     lock_folder(os.path.dirname(dest))
-    if os.path.exists(tmp):
+    if os.path.lexists(tmp):
+        if not left_by_place(tmp, src):
+            raise UserError(
+                f"{tmp} is there and this command did not write it: move it away and run this again"
+            )
         os.remove(tmp)
     try:
         os.link(os.path.realpath(src), tmp)

@@ -621,7 +621,7 @@ def test_val_every_sends_documents_0_k_2k_to_validation_and_convert_keeps_each_s
 def test_fineweb_damage_and_place_by_hand(tmp_path):
     # damage: a folder or a named pipe is named by its kind, never opened (a pipe would wait for
     # a writer); place: a .part a killed fetch left is replaced, and the shard is a hard link to
-    # the cache's blob, not a second copy
+    # the cache's blob, not a second copy; a .part it did not leave is the user's
     fetch = load_command("data/cached_fineweb10B.py")
     (tmp_path / "dir.bin").mkdir()
     assert fetch.damage(str(tmp_path / "dir.bin")) == f"{tmp_path / 'dir.bin'} is a folder"
@@ -629,11 +629,35 @@ def test_fineweb_damage_and_place_by_hand(tmp_path):
     assert fetch.damage(str(tmp_path / "fifo.bin")) == f"{tmp_path / 'fifo.bin'} is a named pipe"
     write_shard(tmp_path / "blob", range(10))
     (tmp_path / "link").symlink_to(tmp_path / "blob")
-    dest = tmp_path / "out" / "x.bin"
+    dest, blob = tmp_path / "out" / "x.bin", (tmp_path / "blob").read_bytes()
     dest.parent.mkdir()
-    (tmp_path / "out" / "x.bin.part").write_bytes(b"left by a killed fetch")
-    fetch.place(str(tmp_path / "link"), str(dest))
-    assert os.path.samefile(tmp_path / "blob", dest) and os.listdir(dest.parent) == ["x.bin"]
+    part = tmp_path / "out" / "x.bin.part"
+    leftovers = {  # what a killed place() leaves: a copy cut short, or a link to the file
+        "a cut copy": lambda: part.write_bytes(blob[:1030]),
+        "a link": lambda: os.link(tmp_path / "blob", part),
+    }
+    for what, leave in leftovers.items():
+        leave()
+        fetch.place(str(tmp_path / "link"), str(dest))
+        assert os.path.samefile(tmp_path / "blob", dest), what
+        assert os.listdir(dest.parent) == ["x.bin"], what
+        dest.unlink()  # (fetch places only a shard that is not there)
+    # any other file of that name is the user's: refused, kept
+    mine = {
+        "notes": b"my notes, not a shard",
+        "longer": blob + b"more",
+        "other bytes": blob[:1024] + bytes(6),
+    }
+    for what, data in mine.items():
+        part.write_bytes(data)
+        with pytest.raises(support.UserError, match=f"^{part} is there and this command did not"):
+            fetch.place(str(tmp_path / "link"), str(dest))
+        assert part.read_bytes() == data and not dest.exists(), what
+    part.unlink()
+    part.symlink_to(tmp_path / "blob")  # (a link of the user's, to the very file)
+    with pytest.raises(support.UserError, match="did not write it"):
+        fetch.place(str(tmp_path / "link"), str(dest))
+    assert part.is_symlink()
 
 
 def test_fineweb_refuses_a_broken_link_named_as_a_shard_before_fetching(tmp_path, monkeypatch):
