@@ -27,7 +27,8 @@ of the same corpus (the files NAME.manifest.json lists, with the content it reco
 new one does not replace are removed. A file named like a shard of NAME that is not in that
 manifest (a FineWeb download, your own shards, one edited since), or a manifest this script did
 not write, is never replaced or removed: the command refuses before any work. A failed run
-leaves nothing; a killed one (SIGKILL) leaves its hidden temporary folder .NAME.<random>.
+leaves nothing; a killed one (SIGKILL) leaves its hidden temporary folder .NAME.<random>; a
+Ctrl-C (even twice) as the shards take their names stops the command once all of them have.
 
 With no input it regenerates data/sample/ from CPython's `pydoc_data.topics`, split by document
 (every 10th topic, in sorted order, to validation). That text depends on the Python version:
