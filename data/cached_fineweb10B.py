@@ -14,7 +14,8 @@ fetch resumes where it stopped. Every file is checked after download (magic, ver
 count against the file size) before it takes its final name; a bad one is reported and fetched
 again. So a file of a shard's name in the data folder that is not a whole shard was not written
 here: it is refused before anything is fetched, never replaced; a NAME.part left by a fetch cut
-short is replaced, any other file of that name refused. Several files download at once
+short is replaced, and any other file of that name keeps that shard from being placed (a reason
+at the end, as a failed download's). Several files download at once
 (--workers, default 8). One fetch at a time writes a folder: a second is refused while it runs.
 
 Why not huggingface_hub.snapshot_download(local_dir=...): in that mode (huggingface_hub 2.4)
@@ -93,8 +94,8 @@ def place(src: str, dest: str) -> None:
     lock_folder(os.path.dirname(dest))
     if os.path.lexists(tmp):
         if not left_by_place(tmp, src):
-            raise UserError(
-                f"{tmp} is there and this command did not write it: move it away and run this again"
+            raise UserError(  # (or the cache's file changed since this command left it)
+                f"{tmp} is there and is not this shard, cut short: move it away and run this again"
             )
         os.remove(tmp)
     try:
@@ -132,6 +133,8 @@ def fetch(name: str, out: str, counter: str) -> str:
                 place(cached, dest)
             except OSError as e:
                 return f"cannot write {dest}: {e.strerror}"
+            except UserError as e:  # (a file in the way: the others are fetched meanwhile)
+                return str(e)
             print(
                 f"{counter} {name}: {shard_tokens(dest):,} tokens, "
                 f"{os.path.getsize(dest) / 2**20:,.0f} MiB",

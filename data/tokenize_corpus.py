@@ -29,6 +29,8 @@ manifest (a FineWeb download, your own shards, one edited since), or a manifest 
 not write, is never replaced or removed: the command refuses before any work. A failed run
 leaves nothing; a killed one (SIGKILL) leaves its hidden temporary folder .NAME.<random>; a
 Ctrl-C (even twice) as the shards take their names stops the command once all of them have.
+A failure or SIGKILL while they take them leaves the corpus half replaced: --check says so,
+and the same command run again finishes it.
 
 With no input it regenerates data/sample/ from CPython's `pydoc_data.topics`, split by document
 (every 10th topic, in sorted order, to validation). That text depends on the Python version:
@@ -37,6 +39,7 @@ the committed sample was made with the version in data/sample/README.md.
 Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~200 MB).
 """
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -230,13 +233,12 @@ class Corpus:
             stale = [n for n in self.found if n not in self.shards]
             for n in stale:
                 os.remove(os.path.join(self.out, n))
-            if stale:
-                print(
-                    f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in "
-                    f"{self.out}",
-                    file=sys.stderr,
-                )
             self.write_manifest({})
+        if stale:
+            print(
+                f"removed {len(stale)} shard(s) of the previous corpus {self.name!r} in {self.out}",
+                file=sys.stderr,
+            )
         return [os.path.join(self.out, n) for n in self.shards]
 
     def __enter__(self):
@@ -484,10 +486,23 @@ def convert(pattern, out, name):
 
 
 def check(folder):
-    """Verify every *.bin shard in folder: header, size, token range. Prints the counts."""
+    """Verify every *.bin shard in folder: header, size, token range; and that no corpus there is
+    half replaced (its manifest still lists a previous version: a run stopped while its shards
+    were moved, by a failure or SIGKILL). Prints the counts."""
     files = sorted(glob.glob(os.path.join(glob.escape(need(folder, "a folder")), "*.bin")))
     if not files:
         raise UserError(f"{folder}: no .bin shards")
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.manifest.json"))):
+        half = False
+        with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
+            if os.path.isfile(path) and not os.path.islink(path):  # (a pipe is never opened)
+                with open(path, "rb") as f:
+                    half = bool(json.load(f).get("previous"))
+        if half:
+            raise UserError(
+                f"{path}: its corpus is half replaced (a run stopped while it moved the shards): "
+                f"run the command that wrote it again to finish"
+            )
     total = 0
     for path in files:
         enc = shard_encoding(path)

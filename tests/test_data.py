@@ -650,12 +650,12 @@ def test_fineweb_damage_and_place_by_hand(tmp_path):
     }
     for what, data in mine.items():
         part.write_bytes(data)
-        with pytest.raises(support.UserError, match=f"^{part} is there and this command did not"):
+        with pytest.raises(support.UserError, match=f"^{part} is there and is not this shard, "):
             fetch.place(str(tmp_path / "link"), str(dest))
         assert part.read_bytes() == data and not dest.exists(), what
     part.unlink()
     part.symlink_to(tmp_path / "blob")  # (a link of the user's, to the very file)
-    with pytest.raises(support.UserError, match="did not write it"):
+    with pytest.raises(support.UserError, match="is not this shard, cut short"):
         fetch.place(str(tmp_path / "link"), str(dest))
     assert part.is_symlink()
 
@@ -710,6 +710,14 @@ def test_fineweb_a_shard_that_cannot_be_written_is_a_reason_not_a_traceback(tmp_
     dest = tmp_path / "out" / "fineweb_val_000000.bin"
     why = cached_fineweb10B.fetch(dest.name, str(dest.parent), "[1/1]")
     assert why == f"cannot write {dest}: No space left on device", why
+    # a file of the user's in the way (its .part): a reason too, as the other shards go on
+    monkeypatch.undo()
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: str(tmp_path / "blob"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "fineweb_val_000000.bin.part").write_text("my notes")
+    why = cached_fineweb10B.fetch(dest.name, str(dest.parent), "[1/1]")
+    assert why.startswith(f"{dest}.part is there and is not this shard, cut short: "), why
+    assert (tmp_path / "out" / "fineweb_val_000000.bin.part").read_text() == "my notes"
 
 
 def test_fineweb_fetches_the_validation_shard_and_103_training_shards_by_default(

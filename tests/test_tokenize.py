@@ -524,6 +524,39 @@ def test_after_a_new_version_the_manifest_lists_its_shards_alone(tmp_path):
     assert sorted(manifest["shards"]) == ["c_train_000001.bin", "c_val_000000.bin"]
 
 
+def test_check_refuses_a_corpus_half_replaced(tmp_path, monkeypatch, capsys):
+    # a failure (here a rename that fails) while the new version's shards are moved: the
+    # manifest still lists the previous version, and --check says the corpus is half replaced;
+    # a rerun finishes it. A JSON of another's named like a manifest is no corpus's: not read so
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
+    (tmp_path / "short.txt").write_text("few words " * 12)
+    out, replace, moved = tmp_path / "s", os.replace, []
+    (tmp_path / "s").mkdir()
+    (out / "notes.manifest.json").write_text('["not", "a", "corpus"]')
+    tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
+    assert tokenize.run([f"--check={out}"]) == 0
+
+    def fails_at_the_second(src, dst):
+        moved.append(dst)
+        if len(moved) == 2 and dst.endswith(".bin"):
+            raise OSError(errno.EIO, "Input/output error", dst)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", fails_at_the_second)
+    with pytest.raises(OSError):
+        tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert tokenize.run([f"--check={out}"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {out / 'c.manifest.json'}: its corpus is half replaced (a run stopped while it "
+        f"moved the shards): run the command that wrote it again to finish\n"
+    )
+    tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
+    assert tokenize.run([f"--check={out}"]) == 0
+
+
 def test_a_signal_during_the_commit_waits_for_a_whole_corpus(tmp_path, monkeypatch):
     # Ctrl-C as the new version's shards are moved over the old ones: the commit ends (every
     # new shard in place, the old ones gone, the manifest the new version's alone), then the
