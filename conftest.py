@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -234,6 +235,13 @@ def note_syncs(monkeypatch, events: list):
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", noted)
+
+
+def signal_self(signum=signal.SIGINT):
+    """Send this process signum, then give its Python handler its turn (the next bytecode): a
+    signal that arrives in the middle of what a test patched in."""
+    os.kill(os.getpid(), signum)
+    time.sleep(0.01)
 
 
 def another_job_locks(folder):

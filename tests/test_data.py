@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from conftest import (
     load_command,
     note_syncs,
     run_command,
+    signal_self,
     write_shard,
 )
 from data import shards
@@ -227,8 +227,7 @@ def test_debian_docs_takes_back_all_it_wrote_through_a_second_signal(tmp_path, m
     rmtree = shutil.rmtree
 
     def second_signal(path, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # (the handler runs at the next bytecode)
+        signal_self()
         rmtree(path, **kwargs)
 
     monkeypatch.setattr(docs, "download", first_signal)

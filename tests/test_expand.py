@@ -5,7 +5,6 @@ import math
 import os
 import shlex
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from conftest import (
     read_metrics,
     run_command,
     run_main,
+    signal_self,
     tiny,
     write_shard,
 )
@@ -211,8 +211,7 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
 
     def remove_and_signal(path):
         remove(path)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # (the handler runs at the next bytecode)
+        signal_self()
 
     monkeypatch.setattr(os, "remove", remove_and_signal)
     code, _, err = run_main(argv[:1] + [str(tmp_path / "x" / "y")], capsys, expand_main)

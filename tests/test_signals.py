@@ -31,6 +31,7 @@ from conftest import (
     read_metrics,
     run_command,
     run_main,
+    signal_self,
     start_command,
     timing,
     val_steps,
@@ -599,8 +600,7 @@ def test_a_cleanup_runs_to_its_end_through_signals_then_the_first_stops_the_comm
     with pytest.raises(support.Interrupted) as stopped:
         with support.signals_held():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                os.kill(os.getpid(), sig)
-                time.sleep(0.01)  # (the handler runs at the next bytecode)
+                signal_self(sig)
                 steps.append(sig)
     assert steps == [signal.SIGTERM, signal.SIGINT] and stopped.value.signum == signal.SIGTERM
     assert all(signal.getsignal(s) is support.interrupted for s in support.SAVE_SIGNALS)
@@ -612,8 +612,7 @@ def test_a_cleanup_runs_to_its_end_through_signals_then_the_first_stops_the_comm
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
             with support.signals_held():
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(0.01)
+                signal_self()
             raise
 
 

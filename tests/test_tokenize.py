@@ -28,6 +28,7 @@ from conftest import (
     run_command,
     run_main,
     sha256,
+    signal_self,
     start_command,
     write_shard,
 )
@@ -408,8 +409,7 @@ def test_a_second_signal_while_the_tokenizer_cleans_up_leaves_nothing(tmp_path, 
         remove(path)
         removed.append(path)
         if len(removed) == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.01)  # (the handler runs at the next bytecode)
+            signal_self()
 
     with pytest.raises(support.Interrupted):
         with tokenize.Corpus(str(out), "c") as corpus:
@@ -571,8 +571,7 @@ def test_a_signal_during_the_commit_waits_for_a_whole_corpus(tmp_path, monkeypat
     def replace_and_signal(src, dst):
         replace(src, dst)
         if dst.endswith(".bin"):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.01)  # (the handler runs at the next bytecode)
+            signal_self()
 
     monkeypatch.setattr(os, "replace", replace_and_signal)
     with pytest.raises(support.Interrupted):
