@@ -7,8 +7,10 @@ The encoding is ENCODINGS' index: 0 GPT-2 BPE ids (modded-nanogpt's and FineWeb'
 the field is 0), 1 UTF-8 bytes (ids 0-255, each document preceded by BYTES_EOT).
 """
 
+import contextlib
 import glob
 import hashlib
+import json
 import os
 import sys
 
@@ -181,7 +183,35 @@ def find_shards(pattern: str) -> list:
             else "check the path"
         )
         raise UserError(f"no shards match {pattern}: {hint}")
+    check_whole(files)
     return files
+
+
+def check_whole(files: list):
+    """A UserError if some of files belong to a corpus half replaced: a manifest beside them
+    (data/tokenize_corpus.py's NAME.manifest.json) that lists them still lists a previous
+    version, as a failure or SIGKILL leaves it while the new version's shards are moved in. Read
+    as it stands, such a folder mixes two versions; rerunning the command finishes the move. A
+    manifest that cannot be read is no concern here (the command that writes it refuses it)."""
+    held = {}  # folder -> the names of files in it
+    for path in files:
+        held.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
+    for folder, names in held.items():
+        for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.manifest.json"))):
+            listed = set()
+            with contextlib.suppress(
+                OSError, ValueError, TypeError, AttributeError, RecursionError
+            ):
+                if os.path.isfile(path) and not os.path.islink(path):  # (a pipe is never opened)
+                    with open(path, "rb") as f:
+                        m = json.load(f)
+                    if m.get("previous"):
+                        listed = {*m["previous"], *m.get("shards", ())}
+            if listed & names:
+                raise UserError(
+                    f"{path}: its corpus is half replaced (a run stopped while it moved the "
+                    f"shards): run the command that wrote it again to finish"
+                )
 
 
 class ByteEncoding:

@@ -39,7 +39,6 @@ the committed sample was made with the version in data/sample/README.md.
 Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~200 MB).
 """
 
-import contextlib
 import glob
 import hashlib
 import json
@@ -79,7 +78,15 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from data.shards import EOT, encoding, find_shards, header, read_shard, shard_encoding  # noqa: E402
+from data.shards import (  # noqa: E402
+    EOT,
+    check_whole,
+    encoding,
+    find_shards,
+    header,
+    read_shard,
+    shard_encoding,
+)
 
 GPT2_VOCAB = 50257
 
@@ -486,23 +493,12 @@ def convert(pattern, out, name):
 
 
 def check(folder):
-    """Verify every *.bin shard in folder: header, size, token range; and that no corpus there is
-    half replaced (its manifest still lists a previous version: a run stopped while its shards
-    were moved, by a failure or SIGKILL). Prints the counts."""
+    """Verify every *.bin shard in folder: header, size, token range, and none of a corpus half
+    replaced (check_whole). Prints the counts."""
     files = sorted(glob.glob(os.path.join(glob.escape(need(folder, "a folder")), "*.bin")))
     if not files:
         raise UserError(f"{folder}: no .bin shards")
-    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*.manifest.json"))):
-        half = False
-        with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
-            if os.path.isfile(path) and not os.path.islink(path):  # (a pipe is never opened)
-                with open(path, "rb") as f:
-                    half = bool(json.load(f).get("previous"))
-        if half:
-            raise UserError(
-                f"{path}: its corpus is half replaced (a run stopped while it moved the shards): "
-                f"run the command that wrote it again to finish"
-            )
+    check_whole(files)
     total = 0
     for path in files:
         enc = shard_encoding(path)

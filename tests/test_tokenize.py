@@ -524,10 +524,11 @@ def test_after_a_new_version_the_manifest_lists_its_shards_alone(tmp_path):
     assert sorted(manifest["shards"]) == ["c_train_000001.bin", "c_val_000000.bin"]
 
 
-def test_check_refuses_a_corpus_half_replaced(tmp_path, monkeypatch, capsys):
+def test_check_and_the_loader_refuse_a_corpus_half_replaced(tmp_path, monkeypatch, capsys):
     # a failure (here a rename that fails) while the new version's shards are moved: the
-    # manifest still lists the previous version, and --check says the corpus is half replaced;
-    # a rerun finishes it. A JSON of another's named like a manifest is no corpus's: not read so
+    # manifest still lists the previous version, and --check and the loader say the corpus is
+    # half replaced (another corpus beside it is read); a rerun finishes it. A JSON of
+    # another's named like a manifest is no corpus's: not read so
     tokenize = load_command("data/tokenize_corpus.py")
     (tmp_path / "long.txt").write_text("many words make many tokens " * 20)
     (tmp_path / "short.txt").write_text("few words " * 12)
@@ -535,6 +536,7 @@ def test_check_refuses_a_corpus_half_replaced(tmp_path, monkeypatch, capsys):
     (tmp_path / "s").mkdir()
     (out / "notes.manifest.json").write_text('["not", "a", "corpus"]')
     tokenize.tokenize([str(tmp_path / "long.txt")], str(out), "c", 20, 1)
+    tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "other", 20, 1)
     assert tokenize.run([f"--check={out}"]) == 0
 
     def fails_at_the_second(src, dst):
@@ -553,8 +555,13 @@ def test_check_refuses_a_corpus_half_replaced(tmp_path, monkeypatch, capsys):
         f"error: {out / 'c.manifest.json'}: its corpus is half replaced (a run stopped while it "
         f"moved the shards): run the command that wrote it again to finish\n"
     )
+    with pytest.raises(support.UserError, match="its corpus is half replaced") as refused:
+        tg.DistributedLoader(str(out / "c_train_*.bin"), 1, 4, 0, 1)
+    assert str(out / "c.manifest.json") in str(refused.value)
+    assert len(tg.DistributedLoader(str(out / "other_*.bin"), 1, 4, 0, 1).files) == 2
     tokenize.tokenize([str(tmp_path / "short.txt")], str(out), "c", 20, 1)
     assert tokenize.run([f"--check={out}"]) == 0
+    assert len(tg.DistributedLoader(str(out / "c_train_*.bin"), 1, 4, 0, 1).files) == 1
 
 
 def test_a_signal_during_the_commit_waits_for_a_whole_corpus(tmp_path, monkeypatch):
