@@ -7,7 +7,7 @@
 # huggingface_hub, safetensors and pytest, a C compiler and the Python headers (torch.compile
 # builds kernels at run time); no network: the embedded sample.
 #
-#     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>
+#     bash gpu_check.sh [OUT]     # default OUT: records/<date>_gpu_check_<gpu name>; -h: this
 #
 # OUT is a new folder or one this script made (its .gpu_check: also the lock that keeps a
 # second call out while one runs). Ctrl-C or TERM stops the stage in flight (it keeps its logs
@@ -58,6 +58,12 @@ fail() {  # bad input: one line, status 2, before anything is written
 if (( $# > 1 )) || { (( $# == 1 )) && [ -z "$1" ]; }; then
     fail "usage: bash gpu_check.sh [OUT]"
 fi
+case ${1:-} in
+    -h | --help)  # the comments above, as the Python commands' --help
+        sed -n '2,/^set -uo/{/^#/s/^# \{0,1\}//p}' "$0"
+        exit 0 ;;
+    -*) fail "$1: no such option (usage: bash gpu_check.sh [OUT]; a folder named so: ./$1)" ;;
+esac
 budget=${GPU_CHECK_SECONDS:-420}  # (read in arithmetic: a name or an expression would run)
 if ! [[ $budget =~ ^[1-9][0-9]{0,5}$ ]]; then
     fail "GPU_CHECK_SECONDS=$budget: give a whole number of seconds, 1 to 999999"

@@ -6,11 +6,11 @@ a run's checkpoint or another model source.
     python skipview.py RUN_DIR [--text=TEXT | --val_tokens=N] [--out=page.html] [--device=cpu]
     python skipview.py --init_from=SOURCE ...   # a folder in Hugging Face layout, hf:OWNER/NAME
 
-Writes a self-contained HTML page (inline style, no scripts or fonts from elsewhere) with a
-legend and the tokens that ran each unit (block, MLP or recursion), and prints the same as a
-compact terminal view: each token followed by its count. Without --text it reads the first
-N tokens (default 256) of the run's validation shard. Text longer than the model's context is
-cut to it.
+Prints a compact terminal view, each token followed by its count, and with --out writes the
+same as a self-contained HTML page (inline style, no scripts or fonts from elsewhere) with a
+legend and the tokens that ran each unit (block, MLP or recursion). Without --text it reads
+the first N tokens (default 256) of the run's validation shard. Text longer than the model's
+context is cut to it.
 """
 
 import html

@@ -184,6 +184,7 @@ def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_pa
         ("60", "mine", {}, f"{mine} holds files this script did not write"),
         ("60", "a_file", {}, f"{tmp_path / 'a_file'} is not a folder"),
         ("60", "new", {"TMPDIR": str(tmp_path / "a_file")}, f"TMPDIR={tmp_path / 'a_file'} is not"),
+        ("60", "--out", {}, "--out: no such option (usage: bash gpu_check.sh [OUT]; a folder"),
     ):
         r = run_command(
             script, out, env={**env, "GPU_CHECK_SECONDS": seconds, **extra}, cwd=tmp_path
@@ -192,6 +193,12 @@ def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_pa
         assert r.stderr.count("\n") == 1 and r.stdout == "", r.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine", "tmp"]
         assert not list(tmp.iterdir()) and os.listdir(mine) == ["notes.txt"]
+    for ask in ("-h", "--help"):  # its comments, as the Python commands' --help; nothing run
+        r = run_command(script, ask, env=env, cwd=tmp_path)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        assert r.stdout.startswith("Every GPU check in one call") and "\n# " not in r.stdout
+        assert r.stdout.endswith("(tests/test_gpu.py runs it so).\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine", "tmp"]
     # a relative OUT is the caller's; a second call on it while one runs is refused; Ctrl-C
     proc = start_command(script, "rel", env={**env, "GPU_CHECK_SECONDS": "300"}, cwd=tmp_path)
     try:
