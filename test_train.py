@@ -469,6 +469,24 @@ def test_chunked_loss_equals_the_full_cross_entropy_and_its_gradients(rows, comp
         assert model(idx, targets=targets).loss.item() == pytest.approx(reference.item(), rel=1e-6)
 
 
+def test_chunked_loss_is_finite_where_exp_of_the_logits_overflows():
+    # logits in the hundreds (exp overflows fp32 past 88): each row's largest is taken from its
+    # logits before exp, as F.cross_entropy does; the same loss and gradients
+    torch.manual_seed(0)
+    h = (10 * torch.randn(12, 16)).requires_grad_()
+    w = (3 * torch.randn(40, 16)).requires_grad_()
+    t = torch.randint(0, 40, (12,))
+    assert (h @ w.t()).abs().max() > 300
+    reference = F.cross_entropy(h @ w.t(), t, reduction="sum")
+    reference.backward()
+    expected, h.grad, w.grad = (h.grad, w.grad), None, None
+    loss = tg.LinearCrossEntropy.apply(h, w, t, 5, True)
+    loss.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert_close_rel(h.grad, expected[0], 1e-5)
+    assert_close_rel(w.grad, expected[1], 1e-5)
+
+
 def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
     # under autocast the products run in bf16: each chunk's softmax gradient is cast to it once,
     # for both products (grad_w's takes it transposed, with no second, transposing cast); loss
