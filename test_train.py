@@ -92,6 +92,18 @@ def test_attention_matches_reference_softmax(impl):
     assert (dense - out).abs().max().item() > 1e-2  # the gate term really changes the output
 
 
+def test_gated_sdpa_on_bf16_rounds_once():
+    # bf16 q, k, v (autocast's): the scores, ln g and the softmax in fp32, then one rounding to
+    # bf16: the output is the exact (float64) gated attention of those inputs, rounded (in bf16,
+    # ln g and the scores would be rounded too: 15% of the outputs another bf16 value)
+    q, k, v, log_g = random_qkv_logg(hd=16, seed=4)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    out = tg.gated_attention(q, k, v, log_g)
+    exact = reference_attention(q.double(), k.double(), v.double(), log_g.double())
+    assert out.dtype == torch.bfloat16
+    assert (out == exact.bfloat16()).float().mean() > 0.99
+
+
 def test_sdpa_and_flex_paths_agree():
     q, k, v, log_g = random_qkv_logg(T=40, seed=3)
     a = tg.gated_attention(q, k, v, log_g, None)
@@ -540,6 +552,17 @@ def test_the_controller_targets_are_section_3s():
     assert controller.var.tolist() == pytest.approx([m * (1 - m) for m in half + half[::-1]])
 
 
+@pytest.mark.parametrize("kind", list(tg.CONTROLLERS))
+def test_the_share_of_zero_gates_aimed_at_is_one_minus_each_mean_target(kind):
+    # (sweep.py's target_zero) a controller that reads mu aims each layer's zero gates at
+    # 1 - mu*_l; one that does not aims at none
+    mu = dict(mu_start=0.9, mu_end=0.3) if "mu_start" in tg.CONTROLLERS[kind] else {}
+    targets = tg.GPT(tiny(n_layers=8, controller=kind, **mu)).router.zero_targets()
+    half = [0.1, 0.3, 0.5, 0.7]
+    aims = kind in ("proportional_tol", "proportional", "adaptive", "sparsity_variance_l2")
+    assert targets == (pytest.approx(half + half[::-1]) if aims else [None] * 8)
+
+
 def test_controller_updates_match_hand_computed_steps():
     mean = torch.tensor([0.98, 0.70, 0.40, 0.40])  # targets 1.0, 0.5, 0.5, 1.0
     var = torch.tensor([0.01, 0.22, 0.32, 0.02])  # targets 0, 0.25, 0.25, 0
@@ -755,6 +778,8 @@ def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
         held.append(router.lengths)
     assert held == [[30, 4]] * routers.PACK_STEPS + [[2, 4]]
     assert len(router.seen) == routers.PACK_STEPS
+    # a step outgrew them where a count exceeds its length; one that fills it fits
+    assert not router.outgrew([2, 4]) and router.outgrew([3, 4]) and router.outgrew([2, 5])
     # a resume restores them, but not those saved at another seq_len (they count other sequences'
     # tokens): then it packs every token, as a new run's first step
     saved = {"hp": {"seq_len": 16}, "packing": {"lengths": [8, 4], "seen": [[7, 3]]}}
@@ -766,28 +791,36 @@ def test_packed_lengths_hold_the_most_of_the_last_steps_in_sixteenths():
     assert router.lengths == [8, 4] and router.seen == [[7, 3]]
 
 
-def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length():
-    # lengths too short for this batch: train_step sees the counts exceed them (in its one host
-    # read), redoes the step at full length and applies the masked model's update; without the
-    # redo the packed step would be another. The next lengths come from the step's counts
+@pytest.mark.parametrize("short", ["every", "first"])
+def test_a_step_that_outgrows_its_packed_lengths_is_redone_at_full_length(short):
+    # lengths too short for this batch (its two micro-batches, or only the first: the second's
+    # own counts fit): train_step sees the counts exceed them (in its one host read), redoes the
+    # step at full length and applies the masked model's update; without the redo the packed
+    # step would be another. The next lengths come from the step's counts
     hp = tiny(n_layers=4, dim=48, max_seq_len=32, seq_len=32, vocab_size=50257, batch_size=4)
     hp = replace(hp, device_batch_size=2)
     masked, model = steered_model(hp), tg.GPT(replace(hp, compact=True))
     model.load_state_dict(masked.state_dict())
-    short = tg.GPT(replace(hp, compact=True))
-    short.load_state_dict(masked.state_dict())
-    short.router.lengths = [2] * 4
     shards = f"{REPO}/data/sample/sample_train_*.bin"
-    x = torch.tensor(tg.read_shard(tg.find_shards(shards)[0], hp.vocab_size)[:64].astype("int64"))
-    x = x.view(2, 32)
-    assert (routers.packed_counts(masked(x).route) > 2).any()
-    assert (short(x).logits - masked(x).logits).abs().max() > 1e-3  # what the redo prevents
+    tokens = tg.read_shard(tg.find_shards(shards)[0], hp.vocab_size)
+    x = torch.tensor(tokens[128:256].astype("int64"))  # the loader's second step (see below)
+    first, second = (routers.packed_counts(masked(m).route) for m in x.view(2, 2, 32))
+    lengths = [2] * 4 if short == "every" else second.int().tolist()
+    assert (first > torch.tensor(lengths)).any() and (short == "every") == bool(
+        (second > torch.tensor(lengths)).any()
+    )
+    cut = tg.GPT(replace(hp, compact=True))
+    cut.load_state_dict(masked.state_dict())
+    cut.router.lengths = lengths
+    assert (cut(x[:64].view(2, 32)).logits - masked(x[:64].view(2, 32)).logits).abs().max() > 1e-3
+
     after = []
-    for m, lengths in ((masked, None), (model, [2] * 4)):
-        m.router.lengths = lengths
+    for m, given in ((masked, None), (model, lengths)):
+        m.router.lengths = given
         before = {n: p.detach().clone() for n, p in m.named_parameters()}
         opt = torch.optim.SGD(tg.param_groups(m), lr=1.0)  # the update: minus the gradient
         loader = tg.DistributedLoader(shards, 4, hp.seq_len, 0, 1, hp.vocab_size)
+        loader.next_batch()  # (its first step's second micro-batch packs more than its first)
         stats = tg.train_step(
             m,
             m.router,
@@ -995,6 +1028,9 @@ def test_query_axis_flops_keep_every_token_as_a_key():
         extra_kv + extra_attn
     )
     assert tg.forward_flops(query) == tg.forward_flops(key)  # all active: the same
+    # the pairs among the active tokens alone (evaluate's, route_sums) are not those it ran
+    pairs = [T * (T + 1) / 2 * a * a for a in active]
+    assert tg.forward_flops(query, active, pairs=pairs) == tg.forward_flops(query, active)
 
 
 def test_sparse_flops_scale_with_active_fraction():
@@ -1061,7 +1097,8 @@ def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):
 def test_validation_loss_per_token_its_documents_and_se_by_hand(tmp_path):
     # val_loss is the mean over tokens (per-document sums over their lengths), not a mean of the
     # documents' means; a document runs from a separator (a target) to the next, and a first
-    # target that is one leaves no empty document before it; val_se is the delta method's
+    # target that is one leaves no empty document before it; val_se is the delta method's;
+    # resid_norm the mean L2 norm over tokens of the stream after each block
     hp = tiny(router="none", vocab_size=256, encoding="bytes", device_batch_size=2, val_tokens=64)
     tokens = np.random.default_rng(0).integers(1, 256, 65)
     tokens[[1, 4, 20, 21, 50]] = tg.BYTES_EOT  # targets 0, 3, 19, 20, 49: one of one token
@@ -1072,8 +1109,12 @@ def test_validation_loss_per_token_its_documents_and_se_by_hand(tmp_path):
     v = tg.evaluate(model, hp, loader, tg.Dist(), contextlib.nullcontext())
     stream = torch.from_numpy(tokens.astype(np.int64))
     x, y = stream[:-1].view(4, 16), stream[1:]
+    streams = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda _, args, out: streams.append(out))
     with torch.no_grad():
         losses = F.cross_entropy(model(x).logits.flatten(0, 1), y, reduction="none")
+    assert v["resid_norm"] == pytest.approx([s.norm(dim=-1).mean().item() for s in streams])
     docs, mean, se = documents_by_hand(losses.tolist(), y.tolist(), tg.BYTES_EOT)
     assert [len(d) for d in docs] == [3, 16, 1, 29, 15]
     assert abs(mean - np.mean([sum(d) / len(d) for d in docs])) > 1e-3  # (they differ)
@@ -1112,6 +1153,7 @@ def test_lr_schedule():
     assert tg.lr_at(hp, 55, 100) == pytest.approx(0.5)
     assert tg.lr_at(hp, 100, 100) == pytest.approx(0.0, abs=1e-12)
     assert tg.lr_at(hp, 0, 5) == pytest.approx(0.1)  # a share of no whole step: one step
+    assert tg.lr_at(hp, 12, 127) == pytest.approx(1.0)  # 12.7 steps: the whole ones, 12
     none = replace(hp, warmup_frac=0.0)  # no warm-up: the cosine from the first step
     assert [tg.lr_at(none, s, 100) for s in (0, 50)] == pytest.approx([1.0, 0.5])
 

@@ -998,8 +998,8 @@ def val_batches(hp: Hyperparameters, world: int) -> int:
 
 
 def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
-    """Linear warm-up from warmup_start * lr over warmup_frac of the steps (at least one step,
-    none at 0), then cosine to 0."""
+    """Linear warm-up from warmup_start * lr over warmup_frac of the steps (its whole steps, at
+    least one; none at 0), then cosine to 0."""
     warmup = max(1, int(hp.warmup_frac * total)) if hp.warmup_frac else 0
     if step < warmup:
         return hp.lr * (hp.warmup_start + (1 - hp.warmup_start) * step / warmup)

@@ -443,7 +443,7 @@ def bad_inputs(tmp_path):
         (smoke + ["--mu_end=1.5"], "must lie in [0, 1]"),
         (smoke + ["--mu_start=-0.1"], "must lie in [0, 1]"),
         (smoke + ["--device_batch_size=3", "--val_tokens=3072"], "not divisible"),
-        (smoke + ["--seq_len=256"], "seq_len=256 is beyond the RoPE table (max_seq_len=128)"),
+        (smoke + ["--seq_len=129"], "seq_len=129 is beyond the RoPE table (max_seq_len=128)"),
         (
             ["--train_files=/nonexistent/x_*.bin"],
             "no shards match /nonexistent/x_*.bin: check the path",

@@ -305,6 +305,8 @@ def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
     code, out, err = run_main([f"--resume={tmp_path}", "--train_tokens=512"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1  # 2 steps in all, 4 done
     assert err.startswith("error: the checkpoint is at step 4 but these settings make 2 steps")
+    code, out, err = run_main([f"--resume={tmp_path}", "--stop_step=4"], capsys)  # (done)
+    assert (code, out, err) == (2, "", "error: stop_step=4 is not after the checkpoint's step 4\n")
     # a step of other tokens would count the schedule's steps and the budget otherwise (a
     # finished run trained on, one half done complete); its sequences may be cut otherwise
     for more in (["--batch_size=32"], ["--seq_len=16"], ["--batch_size=4", "--seq_len=16"]):

@@ -468,11 +468,10 @@ def test_mod_flops_match_flop_counter_at_capacity(monkeypatch):
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     reference = counted_flops(tg.GPT(hp).train(), 1, 64)  # top-k: exactly 16 of 64 tokens
     assert tg.forward_flops(hp, [1, 0.25, 1, 0.25]) == pytest.approx(reference, rel=1e-9)
-    # the two routers' linears, every token
-    assert (
-        tg.forward_flops(hp) - tg.forward_flops(replace(hp, router="none", compact=False))
-        == 2 * 64 * 2 * 128
-    )
+    # the two routers' linears, every token; at 5 layers the same two (blocks 1 and 3)
+    for shape in (hp, replace(hp, n_layers=5)):
+        dense = replace(shape, router="none", compact=False)
+        assert tg.forward_flops(shape) - tg.forward_flops(dense) == 2 * 64 * 2 * 128
 
 
 # ------------------------------------------------------------ Mixture-of-Recursions
@@ -642,6 +641,7 @@ def test_mor_settings_that_make_no_sense_are_refused():
     for kw, message in (
         (dict(n_layers=7), r"multiple of it \(n_layers=5 or 8\)"),
         (dict(n_layers=4), r"multiple of it \(n_layers=5\)"),
+        (dict(n_layers=2), r"multiple of it \(n_layers=5\)"),  # (no block to recur)
         (dict(mor_routed=False, compact=True), "every token runs everywhere"),
         (dict(n_layers=3, mor_recursions=1, compact=True), "every token runs"),
         (dict(mor_routed=False, mor_aux_coef=0.5), "has no effect"),
