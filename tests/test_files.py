@@ -517,6 +517,7 @@ def test_a_runs_csv_s_edge_values_are_read_and_its_faults_refused(tmp_path):
         ([dict(rows[0], val_loss="")] + rows[1:], "", ":2: val_loss is empty"),
         (rows, ",1", f":{len(rows) + 1}: not as many fields as the header"),
         (rows + rows[:1], "", "a (name, seed) appears twice; one row per run"),
+        (rows + [dict(rows[0], val_loss="9.5")], "", "a (name, seed) appears twice; one row"),
     ):
         with pytest.raises(support.UserError, match=re.escape(message)):
             sweep.read_runs(written(bad, tail))

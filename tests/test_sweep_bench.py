@@ -53,6 +53,10 @@ def test_student_t_and_holm_against_tables_and_closed_forms():
         [0.03, 0.06, 0.06, None, 0.02]
     )
     assert sweep.holm([0.5, 0.9]) == [1.0, 1.0]
+    # differences equal up to rounding are not tested; ones a ten-millionth apart are (df 2)
+    assert sweep.paired([0.1 + 0.2, 0.3, 0.3])["p"] is None
+    close = sweep.paired([1.0, 1.0 + 1e-7, 1.0 + 2e-7])
+    assert close["sd"] == pytest.approx(1e-7) and close["p"] < 1e-9
 
 
 def summary_row(name, seed, flops, loss):
@@ -151,6 +155,11 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert lines[("dense_4", "")]["seeds"] == "4 of 5" and lines[("dense_2", "")]["seeds"] == 5
     assert lines[("gated_a", "dense frontier")]["seeds"] == "4 of 5"  # seed 0's frontier: none
     assert lines[("dlo_rho0.5", "dlo_control")]["seeds"] == 5
+    # a seed with no dense run yet (a sweep part done): its other runs have no frontier
+    some = [r for r in rows if r["seed"] or not r["name"].startswith("dense_")]
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(some)}
+    a = lines[("gated_a", "dense frontier")]
+    assert a["seeds"] == "4 of 5" and a["mean"] == pytest.approx(sum(deltas[1:]) / 4)
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows[:-1])}  # gated_f seed 4
     assert lines[("gated_f", "dense frontier")]["seeds"] == "4 of 5"
     equal = dict(mean=0.0, p_holm=None, n=5, vs="dense frontier")  # neither below nor above
@@ -274,6 +283,27 @@ def test_each_dlo_and_mor_point_of_a_grid_is_paired_with_its_control_in_that_gri
     lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(rows)}
     mor = lines[("mor_r2", "recursive_r2")]  # seeds 0 and 1 only: -0.05 and -0.04
     assert (mor["seeds"], mor["n"]) == ("2 of 3", 2) and mor["mean"] == pytest.approx(-0.045)
+    # tested on its two seeds (df 1, Cauchy's closed forms: t = -9), its smallest detectable
+    # difference at Holm's first level over the grid's 2 tests (MoR against dense too)
+    sd, quantile = 0.01 / math.sqrt(2), lambda tail: math.tan(math.pi / 2 * (1 - tail))
+    assert mor["sd"] == pytest.approx(sd) and mor["p"] == pytest.approx(
+        1 - 2 * math.atan(9) / math.pi, abs=1e-9
+    )
+    assert mor["hi"] - mor["mean"] == pytest.approx(quantile(0.05) * sd / math.sqrt(2), rel=1e-6)
+    assert mor["detectable"] == pytest.approx(
+        (quantile(0.05 / 2) + quantile(0.4)) * sd / math.sqrt(2), rel=1e-6
+    )
+    # a control in the grid, but for none of its seeds: not tested, and why
+    alone = [r for r in rows if r["name"] != "recursive_r2" and r["seed"] < 2]
+    alone += [summary_row("recursive_r2", 2, 2e6, 3.45)]
+    lines = {(ln["name"], ln["vs"]): ln for ln in sweep.summarise(alone)}
+    assert lines[("mor_r2", "recursive_r2")]["verdict"] == "no control run"
+    assert "Not tested: mor_r2 no control run" in sweep.verdict_text(list(lines.values()))
+    # a control not in the grid at all: no line against it
+    lines = sweep.summarise([r for r in rows if r["name"] != "recursive_r2"])
+    assert [(ln["name"], ln["vs"]) for ln in lines if ln["name"] == "mor_r2"] == [
+        ("mor_r2", "dense frontier")
+    ]
     # none for seed 0: seeds 1 and 2 each against its own, 3.41 - 3.47 and 3.42 - 3.49
     rows = [r for r in rows if r["name"] != "recursive_r2"]
     rows += [summary_row("recursive_r2", s, 2e6, 3.45 + 0.02 * s) for s in (1, 2)]
