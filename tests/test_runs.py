@@ -380,6 +380,30 @@ time.sleep(0.5)
     assert not (tmp_path / "next").exists() and not (tmp_path / "other").exists()
 
 
+def test_a_plan_starts_once_the_one_it_names_is_done(tmp_path):
+    # (a DLO run's expansion reads its source's checkpoint) with room for two at once, a plan
+    # listed first but named after another waits for that one's last command to end; a third
+    # runs meanwhile
+    log = tmp_path / "log"
+    step = script(
+        tmp_path / "step.py",
+        """import sys, time
+open(sys.argv[1], "a").write(sys.argv[2] + " begins\\n")
+time.sleep(float(sys.argv[3]))
+open(sys.argv[1], "a").write(sys.argv[2] + " ends\\n")
+""",
+    )
+    plans = [
+        runs.Plan("dlo", [(step, [str(log), "dlo", "0"])], after="dense"),
+        runs.Plan("dense", [(step, [str(log), "dense", "0.6"]), (step, [str(log), "more", "0"])]),
+        runs.Plan("other", [(step, [str(log), "other", "0.3"])]),
+    ]
+    runs.run_plans(plans, 1, jobs=2)
+    lines = log.read_text().splitlines()
+    assert sorted(lines[:2]) == ["dense begins", "other begins"]
+    assert lines.index("dlo begins") > lines.index("more ends") and len(lines) == 8
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPUs by affinity (Linux)")
 def test_runs_side_by_side_each_get_their_share_of_the_cpus(tmp_path, monkeypatch):
     # each of J runs at once gets 1/J of the CPUs this process may use (at least one; its
