@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -378,6 +379,57 @@ time.sleep(0.5)
         runs.run_plans(plans, 1, jobs=2)
     assert "no other run starts: waiting for the 1 in flight" in capsys.readouterr().out
     assert not (tmp_path / "next").exists() and not (tmp_path / "other").exists()
+
+
+def test_of_two_failures_the_first_is_raised_and_the_other_counted(tmp_path):
+    # the first to fail is named, with its kind (status 2, bad input: UserError), and the other,
+    # which failed later, counted
+    flag = tmp_path / "failed"
+    first = script(
+        tmp_path / "first.py",
+        f"""import pathlib, sys
+print("error: refused", file=sys.stderr)
+pathlib.Path({str(flag)!r}).touch()
+sys.exit(2)
+""",
+    )
+    later = script(
+        tmp_path / "later.py",
+        f"""import pathlib, sys, time
+while not pathlib.Path({str(flag)!r}).exists():
+    time.sleep(0.01)
+time.sleep(0.3)
+sys.exit("error: broke")
+""",
+    )
+    plans = [runs.Plan("later", [(later, [])]), runs.Plan("first", [(first, [])])]
+    said = r"^first: .*first\.py exited 2: error: refused \(and 1 more runs failed\)$"
+    with pytest.raises(support.UserError, match=said):
+        runs.run_plans(plans, 1, jobs=2)
+
+
+def test_expand_runs_as_one_process_where_trainers_run_under_torchrun(tmp_path, monkeypatch):
+    # (expand.py is not a distributed job) a plan's commands as started with nproc_per_node=2
+    started = []
+
+    class Ended:  # a process that has ended well
+        pid, returncode = 0, 0
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(runs.subprocess, "Popen", Ended)
+    steps = [("train_gpt.py", ["--a"]), ("expand.py", ["--b"]), ("train_gpt.py", ["--c"])]
+    runs.run_plans([runs.Plan("dlo", steps)], 2)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert started == [
+        [sys.executable, *torchrun, "train_gpt.py", "--a"],
+        [sys.executable, "expand.py", "--b"],
+        [sys.executable, *torchrun, "train_gpt.py", "--c"],
+    ]
 
 
 def test_a_plan_starts_once_the_one_it_names_is_done(tmp_path):
