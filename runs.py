@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -116,7 +117,7 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
         )
     try:
         mtime = os.stat(path).st_mtime_ns
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_tensors(path)
         missing = [k for k in keys if k not in state]
         if not missing:
             check(state)
@@ -136,6 +137,14 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
     return {**state, "mtime": mtime}
 
 
+def load_tensors(path: str, mmap: bool = False):
+    """torch.load(path) on the CPU, weights only, its warnings dropped: the checks that follow
+    say in one line what is wrong with a file (torch 2.15 warns of its sparse tensors)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+
+
 # what torch.load raises on a truncated, damaged or foreign file (tried: all but the last four)
 UNREADABLE = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
 UNREADABLE += (KeyError, TypeError, AttributeError, IndexError)
@@ -147,7 +156,7 @@ def saved_step(path: str, run_id: str):
     if kind_of(path) != "a file":
         return None
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        state = load_tensors(path, mmap=True)
     except UNREADABLE:  # truncated, damaged, or not a checkpoint
         return None
     if not isinstance(state, dict) or state.get("run_id") != run_id:
