@@ -107,10 +107,16 @@ def start_command(script, *args, nproc=1, threads=None, env=None, cwd=REPO, **po
 
 
 def run_main(args, capsys, main=None):
-    """A main (train_gpt.py's by default) run here as __main__ does -> (status, stdout, stderr)."""
-    code = support.cli(main or tg.main, [str(a) for a in args])
+    """A main (train_gpt.py's by default) run here as __main__ does -> (status, stdout, stderr),
+    stderr with the warnings it raised first, as a process prints them (Python's defaults: a
+    deprecation not)."""
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=PendingDeprecationWarning)
+        code = support.cli(main or tg.main, [str(a) for a in args])
     out = capsys.readouterr()
-    return code, out.out, out.err
+    printed = [warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in raised]
+    return code, out.out, "".join(printed) + out.err
 
 
 def load_command(path):
