@@ -163,9 +163,15 @@ def test_expanded_settings_derive_the_layer_count_and_refuse_what_cannot_expand(
     assert (hp.n_layers, hp.dim) == (6, 32)
     # tau may be a whole group (2), not more (the model's 4 layers: a merge of 3 would read the
     # group's 2 and divide by 3); identity reads no tau: groups of one layer take the default
-    assert expand.expanded_settings(dense, {}, 2, 1, "linear", 2).n_layers == 6
-    with pytest.raises(support.UserError, match=r"--tau=3 must lie in \[1, 2\] \(layers per"):
-        expand.expanded_settings(dense, {}, 2, 1, "linear", 3)
+    for init in ("linear", "slerp"):  # (slerp's merge would index past the group)
+        assert expand.expanded_settings(dense, {}, 2, 1, init, 2).n_layers == 6
+        with pytest.raises(support.UserError, match=r"--tau=3 must lie in \[1, 2\] \(layers per"):
+            expand.expanded_settings(dense, {}, 2, 1, init, 3)
+    # n_layers given as another count; settings that training (the resume) would refuse
+    with pytest.raises(support.UserError, match="^n_layers is derived: 6, not 7$"):
+        expand.expanded_settings(dense, {"n_layers": 7}, 2, 1, "identity", 2)
+    with pytest.raises(support.UserError, match="^train_tokens is less than one global batch$"):
+        expand.expanded_settings(dense, {"train_tokens": 1}, 2, 1, "identity", 2)
     assert expand.expanded_settings(dense, {}, 4, 2, "identity", 2).n_layers == 4 * (1 + 2)
     # a checkpoint whose router is tied to the layer count: refused, whatever router it would
     # become (the dense model's weights would not hold its router's)
@@ -238,6 +244,7 @@ def test_an_expansion_onto_other_shards_starts_at_their_first_global_batch(tmp_p
     assert code == 0, err
     loader = tg.load_checkpoint(str(tmp_path / "new"))["loader"]
     assert (loader["shard"], loader["pos"], loader["laps"]) == (1, 0, 0)
+    assert json.loads((tmp_path / "new" / "expand.json").read_text())["data_position"] == loader
     code, _, err = run_main([f"--resume={tmp_path / 'new'}"], capsys)
     assert code == 0, err
 
@@ -281,6 +288,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     # where the source stopped, by hand: 5120 tokens in steps of 8 x 32, within the sample's
     # one training shard
     assert (source["shard"], source["pos"], source["laps"]) == (0, 5120, 0)
+    assert json.loads((tmp_path / "dlo" / "expand.json").read_text())["data_position"] == source
     code, _, err = run_main([f"--resume={tmp_path / 'dlo'}"], capsys)
     assert code == 0, err
     dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
@@ -309,6 +317,11 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         ((tmp_path / "dense", tmp_path / "x", "--dim=64"), "keeps the checkpoint's shape"),
         ((tmp_path / "dense", tmp_path / "x", "--groups=3"), "cannot make 3 groups of 2"),
         ((tmp_path / "dense", tmp_path / "x", "--init=linear", "--tau=3"), "--tau=3"),
+        ((tmp_path / "dense", tmp_path / "x", "--init=slerp", "--tau=3"), "--tau=3"),
+        (
+            (tmp_path / "dense", tmp_path / "x", "--train_tokens=1"),
+            "train_tokens is less than one global batch",
+        ),
         ((tmp_path / "dense", tmp_path / "x", "--init=magic"), "--init: invalid choice"),
         ((tmp_path / "dense", tmp_path / "x", "--seed=3"), "--seed sets a new model's initial"),
         (
@@ -341,8 +354,8 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         new[seed] = tg.load_checkpoint(str(tmp_path / f"r{seed}"))["model"]
     assert torch.equal(new[3]["blocks.0.attn.wq.weight"], new[4]["blocks.0.attn.wq.weight"])
     assert not torch.equal(new[3]["blocks.2.attn.wq.weight"], new[4]["blocks.2.attn.wq.weight"])
-    # nor onto an aborted run's logs, or a file of that name of the user's: neither moved nor
-    # replaced
+    # nor onto an aborted run's logs, or a file (or a link) of that name of the user's: neither
+    # moved nor replaced
     for name in ("train.log", "expand.json"):
         (tmp_path / "mine").mkdir(exist_ok=True)
         (tmp_path / "mine" / name).write_text("mine")
@@ -350,6 +363,10 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         assert code == 2 and f"mine already holds {name}: " in err and err.count("\n") == 1, err
         assert [p.name for p in (tmp_path / "mine").iterdir()] == [name]
         (tmp_path / "mine" / name).unlink()
+    (tmp_path / "mine" / "train.log").symlink_to(tmp_path / "missing")  # a link, dangling
+    code, _, err = expand_cli(tmp_path / "dense", tmp_path / "mine")
+    assert code == 2 and "mine already holds train.log: " in err and err.count("\n") == 1, err
+    assert os.readlink(tmp_path / "mine" / "train.log") == str(tmp_path / "missing")
     # a disk that fills while the new checkpoint is written: named, status 1, nothing left
     # over the 1 MiB probe
     r = run_command(
