@@ -501,6 +501,19 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     assert "command: `unknown`" in card and "- commit: unknown\n" in card
     assert "from a random initialisation" in card
     (run / "config.json").write_text(json.dumps(logged))
+    # a checkpoint copied in from another run (the card would name this run's command and
+    # loss), and settings no model is built on: refused, one line, nothing written
+    shutil.copytree(run, tmp_path / "copy")
+    good = torch.load(run / "checkpoint.pt", weights_only=True)
+    for edit, message in (
+        ({"run_id": "0123456789abcdef"}, "checkpoint.pt belongs to another run"),
+        ({"hp": {**good["hp"], "compact": True, "gate_axis": "query"}}, "compact=true needs"),
+    ):
+        torch.save({**good, **edit}, tmp_path / "copy" / "checkpoint.pt")
+        assert support.cli(export.main, [str(tmp_path / "copy"), str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "x").exists()
     # the tools read the exported folder as they read the run
     sampler, texts = load_command("sample.py"), []
     for source in ([str(run)], [f"--init_from={out}"]):
@@ -636,6 +649,7 @@ def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors.k2j5x_0q.tmp").write_bytes(b"cut")
+    (out / ".outputs.json.k2j5x_0q.tmp").write_bytes(b"cut")  # (the record's)
     export.check_out_dir(str(out))
     for mine, message in (
         ("notes.txt", "holds files export did not write (notes.txt)"),
@@ -648,11 +662,47 @@ def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path)
             export.check_out_dir(str(out))
         assert (out / mine).read_text() == "mine"
         (out / mine).unlink()
-    assert os.listdir(out) == ["model.safetensors.k2j5x_0q.tmp"]
+    for name in "abcde":  # five: three named
+        (out / name).write_text("mine")
+    with pytest.raises(support.UserError, match=re.escape("did not write (a, b, c and 2 more)")):
+        export.check_out_dir(str(out))
+    for name in "abcde":
+        (out / name).unlink()
+    cut = [".outputs.json.k2j5x_0q.tmp", "model.safetensors.k2j5x_0q.tmp"]
+    assert sorted(os.listdir(out)) == cut
     for bad in ("a--b/c", "a/b..c", "-a/b", "a/b.", "a/b/c"):  # the Hub's rule for --push_to
         with pytest.raises(argparse.ArgumentTypeError, match="expected OWNER/NAME"):
             export.repo_id(bad)
     assert export.repo_id("Some-one/tiny.v2_b") == "Some-one/tiny.v2_b"
+
+
+def test_a_push_uploads_exports_three_files_to_a_repository_made_or_already_there(
+    tmp_path, monkeypatch, capsys
+):
+    # (the Hub as a stand-in that records each call) the repository made only if absent: a
+    # second push, more training later, goes to the same one; nothing but the three files (not
+    # the record, nor what a cut write left)
+    import huggingface_hub
+
+    repos, uploads = set(), []
+
+    class Hub:
+        def create_repo(self, repo, exist_ok=False):
+            if repo in repos and not exist_ok:
+                raise RuntimeError("409 Conflict: the repository exists")
+            repos.add(repo)
+
+        def upload_folder(self, **kwargs):
+            uploads.append(kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Hub)
+    export = load_command("export.py")
+    for _ in range(2):
+        export.push(str(tmp_path), "me/tiny")
+        assert capsys.readouterr().out == "pushed to https://huggingface.co/me/tiny\n"
+    three = ["model.safetensors", "config.json", "README.md"]
+    upload = {"repo_id": "me/tiny", "folder_path": str(tmp_path), "allow_patterns": three}
+    assert repos == {"me/tiny"} and uploads == [upload, upload]
 
 
 def test_export_s_card_shows_the_validation_of_the_step_written(tmp_path):
@@ -670,6 +720,7 @@ def test_export_s_card_shows_the_validation_of_the_step_written(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(text + "\n")
     val = export.last_validation(str(tmp_path), 5)
     assert val == lines[2] and export.last_validation(str(tmp_path), 4) == {}
+    assert export.last_validation(str(tmp_path), 7) == {}  # (not step 6's: other weights)
     trained = {"run_id": "r1", "step": 5, "tokens": 640, "logged": True, "command": "python x"}
     figures = {"sparsity": 0.25, "fwd_flops_per_token": 12345678, "fwd_flops_per_token_dense": 2e7}
     trained |= {"git_commit": "abc123", "git_dirty": False, "validation": {**val, **figures}}
