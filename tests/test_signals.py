@@ -693,6 +693,46 @@ def test_a_gpu_worker_is_set_up_on_its_local_device_and_gives_up_when_its_launch
             ranks.setup_distributed()
 
 
+def test_a_launcher_gone_before_set_up_is_noticed_by_the_parent_at_start(monkeypatch):
+    # the launcher is the parent this worker had when it started: one gone before set-up (the
+    # worker re-parented since) is gone, not a new launcher; no rendezvous is tried
+    import torch.distributed as dist
+
+    calls = []
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)  # (no store to ask)
+    monkeypatch.setattr(ranks.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: calls.append(backend))
+    monkeypatch.setattr(ranks, "PARENT", os.getppid() + 1)  # (the launcher that started it)
+    with pytest.raises(support.RunStopped, match="^the launcher is gone: this worker stops"):
+        ranks.setup_distributed()
+    assert calls == []
+
+
+def test_ranks_agree_on_signals_on_their_device_and_close_collects_first(monkeypatch):
+    # the agreement's tensor is on the rank's device (NCCL reduces no CPU tensor), one rank's on
+    # the CPU (no collective); close collects what refers to the group, then destroys it
+    import torch.distributed as dist
+
+    seen = []
+
+    def all_reduce(t, op):
+        seen.append((t.device.type, op))
+        return torch.tensor(0.0)
+
+    monkeypatch.setattr(ranks, "all_reduce", all_reduce)
+    for world in (2, 1):
+        ranks.agreed_signal(types.SimpleNamespace(signum=0), ranks.Dist(world=world, device="meta"))
+    assert seen == [("meta", "max"), ("cpu", "max")]
+    order = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ranks.gc, "collect", lambda: order.append("collect"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: order.append("destroy"))
+    ranks.Dist(world=2).close()
+    assert order == ["collect", "destroy"]
+
+
 def test_a_launcher_gone_while_the_rendezvous_waits_ends_the_worker(monkeypatch):
     # init_process_group waits in C++, where no Python signal handler runs: the watch ends
     # the worker (status 1) once its launcher is gone meanwhile
