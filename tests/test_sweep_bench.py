@@ -3,6 +3,7 @@ scripts kept with the records."""
 
 import json
 import math
+import os
 import re
 import shlex
 import shutil
@@ -1000,6 +1001,24 @@ def test_bench_refuses_zero_repeats_before_anything_is_written(tmp_path, capsys)
     assert not (tmp_path / "b").exists()
 
 
+def test_benches_started_in_one_second_each_write_a_folder_of_their_own(monkeypatch):
+    # the default folder (no --out): dated to the second, and a random part, so that the second
+    # does not take the first's bench.md as its own and replace it
+    bench, chosen = load_command("bench.py"), []
+
+    def writable_dir(path, names, by):  # the folder each would write: then no further
+        chosen.append(path)
+        raise support.UserError("stop here")
+
+    monkeypatch.setattr(bench.time, "strftime", lambda form: "2026-11-30_093000")
+    monkeypatch.setattr(bench.support, "writable_dir", writable_dir)
+    for _ in range(2):
+        with pytest.raises(support.UserError, match="stop here"):
+            bench.main([])
+    prefix = os.path.join("logs", "2026-11-30_093000_skip_bench_cpu_")
+    assert all(p.startswith(prefix) for p in chosen) and len(set(chosen)) == 2, chosen
+
+
 def test_bench_forces_each_sparsity_and_works_out_speedup_and_efficiency(monkeypatch, capsys):
     # a row per target p: the share of zero gates forced is p (a batch of 4 x 64 tokens, to
     # a token or two); the ideal is 1 at p = 0, else, a share s of the tokens skipping, above
@@ -1046,8 +1065,8 @@ def test_bench_times_a_source_alone_at_its_own_batch_and_refuses_one_without_a_c
     tmp_path, capsys
 ):
     # --init_from alone: that model timed (no default size), at its device_batch_size, named
-    # by its source in bench.json and bench.md; a dense model (no gates to skip by): refused
-    # in one line before anything is written
+    # by its source in bench.json and bench.md; a dense model (no gates to skip by), or one
+    # gated on the query axis: refused in one line before anything is written
     run = tmp_path / "run"
     code, _, err = run_main(TINY_RUN + ["--stop_step=1", f"--run_dir={run}"], capsys)
     assert code == 0, err
@@ -1063,15 +1082,20 @@ def test_bench_times_a_source_alone_at_its_own_batch_and_refuses_one_without_a_c
     ]
     page = (out / "bench.md").read_text()
     assert f"batch per size: {run}={config['device_batch_size']}; median of 1 " in page
-    dense = tmp_path / "dense"
-    dense_run = TINY_RUN + ["--router=none", "--stop_step=1", f"--run_dir={dense}"]
-    code, _, err = run_main(dense_run, capsys)
-    assert code == 0, err
-    code = support.cli(bench.main, [f"--init_from={dense}", f"--out={tmp_path / 'b'}"])
-    said = capsys.readouterr()
-    assert code == 2 and said.out == "" and said.err.count("\n") == 1, said.err
-    assert "bench.py times skip_middle's compact path; this model's router is none" in said.err
-    assert not (tmp_path / "b").exists()
+    for setting, message in (  # a gate on the query axis: skipped tokens are still keys
+        ("--router=none", "bench.py times skip_middle's compact path; this model's router is none"),
+        ("--gate_axis=query", "needs the gate on the key axis; this model's is on the query"),
+    ):
+        source = tmp_path / setting[2:]
+        code, _, err = run_main(
+            TINY_RUN + [setting, "--stop_step=1", f"--run_dir={source}"], capsys
+        )
+        assert code == 0, err
+        code = support.cli(bench.main, [f"--init_from={source}", f"--out={tmp_path / 'b'}"])
+        said = capsys.readouterr()
+        assert code == 2 and said.out == "" and said.err.count("\n") == 1, said.err
+        assert message in said.err
+        assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.slow
