@@ -367,6 +367,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     code, _, err = expand_cli(tmp_path / "dense", tmp_path / "mine")
     assert code == 2 and "mine already holds train.log: " in err and err.count("\n") == 1, err
     assert os.readlink(tmp_path / "mine" / "train.log") == str(tmp_path / "missing")
+    assert os.listdir(tmp_path / "mine") == ["train.log"]
     # a disk that fills while the new checkpoint is written: named, status 1, nothing left
     # over the 1 MiB probe
     r = run_command(

@@ -510,9 +510,8 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
         ({"hp": {**good["hp"], "compact": True, "gate_axis": "query"}}, "compact=true needs"),
     ):
         torch.save({**good, **edit}, tmp_path / "copy" / "checkpoint.pt")
-        assert support.cli(export.main, [str(tmp_path / "copy"), str(tmp_path / "x")]) == 2
-        err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1, err
+        code, _, err = run_main([tmp_path / "copy", tmp_path / "x"], capsys, export.main)
+        assert code == 2 and message in err and err.count("\n") == 1, err
         assert not (tmp_path / "x").exists()
     # the tools read the exported folder as they read the run
     sampler, texts = load_command("sample.py"), []
@@ -649,7 +648,7 @@ def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors.k2j5x_0q.tmp").write_bytes(b"cut")
-    (out / ".outputs.json.k2j5x_0q.tmp").write_bytes(b"cut")  # (the record's)
+    (out / f"{support.OUTPUTS}.k2j5x_0q.tmp").write_bytes(b"cut")  # (the record's)
     export.check_out_dir(str(out))
     for mine, message in (
         ("notes.txt", "holds files export did not write (notes.txt)"),
@@ -662,13 +661,14 @@ def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path)
             export.check_out_dir(str(out))
         assert (out / mine).read_text() == "mine"
         (out / mine).unlink()
-    for name in "abcde":  # five: three named
-        (out / name).write_text("mine")
-    with pytest.raises(support.UserError, match=re.escape("did not write (a, b, c and 2 more)")):
-        export.check_out_dir(str(out))
-    for name in "abcde":
-        (out / name).unlink()
-    cut = [".outputs.json.k2j5x_0q.tmp", "model.safetensors.k2j5x_0q.tmp"]
+    for names, said in (("abc", "(a, b, c)"), ("abcde", "(a, b, c and 2 more)")):  # three named
+        for name in names:
+            (out / name).write_text("mine")
+        with pytest.raises(support.UserError, match=re.escape(f"did not write {said}: ")):
+            export.check_out_dir(str(out))
+        for name in names:
+            (out / name).unlink()
+    cut = [f"{support.OUTPUTS}.k2j5x_0q.tmp", "model.safetensors.k2j5x_0q.tmp"]
     assert sorted(os.listdir(out)) == cut
     for bad in ("a--b/c", "a/b..c", "-a/b", "a/b.", "a/b/c"):  # the Hub's rule for --push_to
         with pytest.raises(argparse.ArgumentTypeError, match="expected OWNER/NAME"):

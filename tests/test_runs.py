@@ -383,22 +383,28 @@ time.sleep(0.5)
 
 def test_of_two_failures_the_first_is_raised_and_the_other_counted(tmp_path):
     # the first to fail is named, with its kind (status 2, bad input: UserError), and the other,
-    # which failed later, counted
+    # which fails once the first has been reaped (run_plans has seen it end), counted
     flag = tmp_path / "failed"
     first = script(
         tmp_path / "first.py",
-        f"""import pathlib, sys
+        f"""import os, pathlib, sys
 print("error: refused", file=sys.stderr)
-pathlib.Path({str(flag)!r}).touch()
+pathlib.Path({str(flag)!r}).write_text(str(os.getpid()))
 sys.exit(2)
 """,
     )
     later = script(
         tmp_path / "later.py",
-        f"""import pathlib, sys, time
-while not pathlib.Path({str(flag)!r}).exists():
+        f"""import os, pathlib, sys, time
+flag = pathlib.Path({str(flag)!r})
+while not flag.exists() or not flag.read_text():
     time.sleep(0.01)
-time.sleep(0.3)
+while True:
+    try:
+        os.kill(int(flag.read_text()), 0)  # (until reaped, an ended process is still there)
+    except ProcessLookupError:
+        break
+    time.sleep(0.01)
 sys.exit("error: broke")
 """,
     )
@@ -412,8 +418,8 @@ def test_expand_runs_as_one_process_where_trainers_run_under_torchrun(tmp_path, 
     # (expand.py is not a distributed job) a plan's commands as started with nproc_per_node=2
     started = []
 
-    class Ended:  # a process that has ended well
-        pid, returncode = 0, 0
+    class Ended:  # a process that has ended well (no pid: none is signalled)
+        returncode = 0
 
         def __init__(self, cmd, **kwargs):
             started.append(cmd)

@@ -1010,7 +1010,7 @@ def test_benches_started_in_one_second_each_write_a_folder_of_their_own(monkeypa
         chosen.append(path)
         raise support.UserError("stop here")
 
-    monkeypatch.setattr(bench.time, "strftime", lambda form: "2026-11-30_093000")
+    monkeypatch.setattr(bench.time, "strftime", lambda *args: "2026-11-30_093000")
     monkeypatch.setattr(bench.support, "writable_dir", writable_dir)
     for _ in range(2):
         with pytest.raises(support.UserError, match="stop here"):
@@ -1091,10 +1091,10 @@ def test_bench_times_a_source_alone_at_its_own_batch_and_refuses_one_without_a_c
             TINY_RUN + [setting, "--stop_step=1", f"--run_dir={source}"], capsys
         )
         assert code == 0, err
-        code = support.cli(bench.main, [f"--init_from={source}", f"--out={tmp_path / 'b'}"])
-        said = capsys.readouterr()
-        assert code == 2 and said.out == "" and said.err.count("\n") == 1, said.err
-        assert message in said.err
+        code, out, err = run_main(
+            [f"--init_from={source}", f"--out={tmp_path / 'b'}"], capsys, bench.main
+        )
+        assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
         assert not (tmp_path / "b").exists()
 
 
