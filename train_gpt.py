@@ -282,27 +282,43 @@ class Block(nn.Module):
         in three bench calls on an H200, records/2026-11-28_gpu_check_NVIDIA_H200). Tc = length,
         known on the host (no sync); a sequence with more active tokens loses those past it, so
         whoever gives lengths checks packed_counts (train_step redoes such a step at full
-        length). Without one, Tc is the most any sequence has, read on the host (a sync:
-        evaluation) and rounded up as packed_length rounds, so that a compiled block sees few
-        shapes. At least 1: with no active token a block still runs on one padding token (g = 0,
-        x unchanged) and every parameter gets a (zero) gradient: under DDP a rank where a
-        block's parameters got none would stall the all-reduce."""
+        length). Without one, Tc is packed_size's. At least 1: with no active token a block
+        still runs on one padding token (g = 0, x unchanged) and every parameter gets a (zero)
+        gradient: under DDP a rank where a block's parameters got none would stall the
+        all-reduce."""
         T = active.size(1)
-        Tc = packed_length(int(active.sum(dim=1).max()), T) if length is None else length
+        Tc = Block.packed_size(active) if length is None else length
         return None if Tc >= T else (~active).to(torch.int8).argsort(dim=1, stable=True)[:, :Tc]
 
+    @staticmethod
+    def packed_size(active) -> int:
+        """The most active tokens any sequence of active (B, T) has, read on the host (a sync:
+        evaluation) and rounded up as packed_length rounds, so that a compiled block sees few
+        shapes."""
+        return packed_length(int(active.sum(dim=1).max()), active.size(1))
+
     def forward_compact(self, x, g, mask, keys, length):
-        """The active tokens packed (pack), run with their positions, scattered back: causality by
-        packed index is causality by position, and the padding, inactive tokens (keys = g = 0)
-        after every active one, is seen by no active query and left unchanged. Packed to every
-        position (pack: None), the block runs as masked (a g = 0 key weighted by gate_eps)."""
-        pos = self.pack(keys.squeeze(-1) > 0, length)  # (B, Tc), None: every position
-        if pos is None:  # (skip_middle's and MoR's key weight is their gate: masked's graph)
+        """The active tokens (keys > 0) packed to `length` and run there (packed). Packed to
+        every position, the block runs as masked (a g = 0 key weighted by gate_eps)."""
+        if length is None:
+            length = self.packed_size(keys.squeeze(-1) > 0)
+        # (skip_middle's and MoR's key weight is their gate: masked's graph)
+        if length >= x.size(1):
             return self.every_token(x, g, mask, keys=None if keys is g else keys)
+        mask = None if mask is None else causal_block_mask(length, str(x.device))
+        # g and keys as one input: as two, one tensor or two would compile two graphs a length
+        return self.packed(x, torch.cat((g, keys), dim=-1), mask, length)
+
+    def packed(self, x, gk, mask, length):
+        """The active tokens packed (pack), run with their positions, scattered back: causality
+        by packed index is causality by position, and the padding, inactive tokens (keys = g = 0)
+        after every active one, is seen by no active query and left unchanged. One compiled
+        region per length (compile_model): the packing's sort, gathers and scatter with the
+        block's own work (with them run eagerly around the block, a compacted step at sparsity
+        0.75 left an H200 idle for a quarter of it: records/2026-11-28_gpu_check_NVIDIA_H200_v2)."""
+        pos = self.pack(gk[..., 1] > 0, length)  # (B, Tc); gk: (B, T, 2), g and keys
         index = pos[..., None].expand(-1, -1, x.size(-1))
-        # both gathered, even where they are one tensor: the routers share one graph per length
-        gc, kc = g.gather(1, pos[..., None]), keys.gather(1, pos[..., None])
-        mask = None if mask is None else causal_block_mask(pos.size(1), str(x.device))
+        gc, kc = gk.gather(1, pos[..., None].expand(-1, -1, 2)).split(1, dim=-1)
         return x.scatter(1, index, self.every_token(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
 
@@ -1209,7 +1225,8 @@ def evaluate(
     )
 
 
-REGIONS = ("every_token", "attend", "mlp")  # what the routers call of a block (DLO: the halves)
+# compiled of a block: what the routers call (DLO: the halves) and forward_compact's packed work
+REGIONS = ("every_token", "attend", "mlp", "packed")
 
 
 def compile_model(raw: GPT) -> GPT:

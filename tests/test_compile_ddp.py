@@ -171,6 +171,9 @@ def test_a_compiled_model_stays_compiled(
     if router == "skip_middle" and compact:  # one graph a length: shared by every block
         assert training_graphs - 1 == len(shapes) <= routers.PACKS
         assert len(graphs) - training_graphs <= len(evaluated) + 2
+        # each length below T's graph holds the packing too (a region of its own: Block.packed)
+        packed = torch._dynamo.eval_frame._debug_get_cache_entry_list(tg.Block.packed.__code__)
+        assert len(packed) == len(shapes) - 1 + len(evaluated) - 1, (len(packed), shapes, evaluated)
 
 
 @pytest.mark.slow
