@@ -313,9 +313,10 @@ class Block(nn.Module):
         """The active tokens packed (pack), run with their positions, scattered back: causality
         by packed index is causality by position, and the padding, inactive tokens (keys = g = 0)
         after every active one, is seen by no active query and left unchanged. One compiled
-        region per length (compile_model): the packing's sort, gathers and scatter with the
-        block's own work (with them run eagerly around the block, a compacted step at sparsity
-        0.75 left an H200 idle for a quarter of it: records/2026-11-28_gpu_check_NVIDIA_H200_v2)."""
+        region per length (compile_model): the packing's sort, gathers and scatter fused with
+        the block's own work, where eagerly they were launches of their own (on an H200, forward
+        and backward at sparsity 0.5: 0.71 of the FLOP ideal with them eager, in one bench call,
+        0.83 and 0.76 compiled, in two: records/2026-11-30_gpu_check_NVIDIA_H200)."""
         pos = self.pack(gk[..., 1] > 0, length)  # (B, Tc); gk: (B, T, 2), g and keys
         index = pos[..., None].expand(-1, -1, x.size(-1))
         gc, kc = gk.gather(1, pos[..., None].expand(-1, -1, 2)).split(1, dim=-1)
