@@ -698,6 +698,27 @@ def test_compact_block_matches_the_dense_masked_block(length):
         assert not torch.allclose(y2, y1, atol=1e-3)
 
 
+def test_a_compacted_blocks_key_weights_get_a_gradient_only_where_they_learn(monkeypatch):
+    # skip-middle's keys are its gate, which learns through ln g as a key weight; MoD's and
+    # MoR's are their choices, with no gradient: the packed region is told which, and key
+    # weights told not to learn get none (not one computed for nothing and dropped)
+    hp = tiny(dim=48, n_heads=4, n_kv_heads=2, max_seq_len=24, seq_len=24)
+    torch.manual_seed(0)
+    block, x, g = tg.Block(hp), torch.randn(4, 24, hp.dim), mixed_gates(4, 24)
+    told, real = [], tg.Block.packed
+    monkeypatch.setattr(tg.Block, "packed", lambda self, *a: told.append(a[-1]) or real(self, *a))
+    gate, chosen = g.clone().requires_grad_(), (g > 0).float()
+    block(x, gate, None, compact=True, length=16)  # skip-middle: keys=None, the gate
+    block(x, gate * chosen, None, compact=True, keys=chosen, length=16)  # MoD
+    block(x, chosen, None, compact=True, keys=chosen, length=16)  # MoR: g and keys its choice
+    assert told == [True, False, False]
+    gk = torch.cat((gate, gate), dim=-1).detach().requires_grad_()
+    for learns in (True, False):
+        gk.grad = None
+        real(block, x, gk, None, 16, learns).square().sum().backward()
+        assert (gk.grad[..., 1] != 0).any() == learns and (gk.grad[..., 0] != 0).any()
+
+
 def test_compact_model_matches_masked_logits_and_gradients():
     torch.manual_seed(0)
     hp = tiny(n_layers=6, dim=48, max_seq_len=32, seq_len=32)

@@ -307,19 +307,20 @@ class Block(nn.Module):
             return self.every_token(x, g, mask, keys=None if keys is g else keys)
         mask = None if mask is None else causal_block_mask(length, str(x.device))
         # g and keys as one input: as two, one tensor or two would compile two graphs a length
-        return self.packed(x, torch.cat((g, keys), dim=-1), mask, length)
+        return self.packed(x, torch.cat((g, keys), dim=-1), mask, length, keys.requires_grad)
 
-    def packed(self, x, gk, mask, length):
+    def packed(self, x, gk, mask, length, keys_grad):
         """The active tokens packed (pack), run with their positions, scattered back: causality
         by packed index is causality by position, and the padding, inactive tokens (keys = g = 0)
         after every active one, is seen by no active query and left unchanged. One compiled
-        region per length (compile_model): the packing's sort, gathers and scatter fused with
-        the block's own work, where eagerly they were launches of their own (on an H200, forward
-        and backward at sparsity 0.5: 0.71 of the FLOP ideal with them eager, in one bench call,
-        0.83 and 0.76 compiled, in two: records/2026-11-30_gpu_check_NVIDIA_H200)."""
+        region per length (compile_model): the packing's sort, gathers and scatter in the
+        block's graph, not launched eagerly around it (measured on an H200:
+        records/2026-11-30_gpu_check_NVIDIA_H200). keys_grad: whether keys learn (skip-middle's
+        gate; not MoD's or MoR's choices, whose gradient through ln keys would be wasted)."""
         pos = self.pack(gk[..., 1] > 0, length)  # (B, Tc); gk: (B, T, 2), g and keys
         index = pos[..., None].expand(-1, -1, x.size(-1))
         gc, kc = gk.gather(1, pos[..., None].expand(-1, -1, 2)).split(1, dim=-1)
+        kc = kc if keys_grad else kc.detach()
         return x.scatter(1, index, self.every_token(x.gather(1, index), gc, mask, pos=pos, keys=kc))
 
 
@@ -1234,11 +1235,11 @@ def compile_model(raw: GPT) -> GPT:
     """Regional compilation (PyTorch's recipe for a fast cold start): each block's REGIONS and
     the model's readout compiled in place, shapes static. The blocks share their code, so a
     graph compiled for one serves all: a cold compile is one block's, not the model's. The
-    embedding, the router and Block.pack run eagerly. Under compact a packed length is a shape: a
-    new one compiles a new graph of one block, at most PACKS lengths per mode (packed_length)
-    and the routers' top-k ones in training, each shown in the log (compile_ms). Why static
-    lengths (symbolic ones crashed Inductor) and a compiled readout (eagerly, slow kernels),
-    measured: docs/gpu.md."""
+    embedding and the router run eagerly (DLO's packing too). Under compact a packed length is a
+    shape: a new one compiles a new graph of one block, at most PACKS lengths per mode
+    (packed_length) and the routers' top-k ones in training, each shown in the log
+    (compile_ms). Why static lengths (symbolic ones crashed Inductor) and a compiled readout
+    (eagerly, slow kernels), measured: docs/gpu.md."""
     config = torch._dynamo.config
     # graphs per region: PACKS lengths and the top-k ones (MoD: one; MoR: one per recursion
     # after the first), training and evaluation, gated and not, shared by the routers (sweep.py's

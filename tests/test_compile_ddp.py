@@ -171,7 +171,9 @@ def test_a_compiled_model_stays_compiled(
     if router == "skip_middle" and compact:  # one graph a length: shared by every block
         assert training_graphs - 1 == len(shapes) <= routers.PACKS
         assert len(graphs) - training_graphs <= len(evaluated) + 2
-        # each length below T's graph holds the packing too (a region of its own: Block.packed)
+        # each length below T's graph holds the packing too (a region of its own: Block.packed),
+        # training's apart from evaluation's (SDPA: by grad mode; Flex, whose training here runs
+        # without gradients: by the batch, 1 sequence against 2)
         packed = torch._dynamo.eval_frame._debug_get_cache_entry_list(tg.Block.packed.__code__)
         assert len(packed) == len(shapes) - 1 + len(evaluated) - 1, (len(packed), shapes, evaluated)
 
@@ -219,12 +221,15 @@ def test_one_process_evaluating_every_router_at_every_packed_length_stays_compil
                 for n in lengths:
                     compact.router.lengths = [n] * applied
                     compact(idx)
-    regions = [getattr(tg.Block, name).__code__ for name in tg.REGIONS]
-    graphs = max(len(torch._dynamo.eval_frame._debug_get_cache_entry_list(c)) for c in regions)
-    # at least a graph per packed length: else the compacted blocks ran eagerly (measure would
-    # time eager blocks), which an upper bound alone lets pass
-    assert len(lengths) <= graphs, (graphs, lengths)
-    assert graphs <= len(lengths) + len(tg.ROUTERS), graphs  # and each router's masked one
+    cached = torch._dynamo.eval_frame._debug_get_cache_entry_list
+    graphs = {name: len(cached(getattr(tg.Block, name).__code__)) for name in tg.REGIONS}
+    # a graph per packed length, else the compacted blocks ran eagerly (measure would time eager
+    # blocks), which an upper bound alone lets pass: the gated routers' packed region, one for
+    # them all, at each length below T, and DLO's MLP at each; at most one more a router (its
+    # masked model's) in any region
+    assert graphs["packed"] == len(lengths) - 1, (graphs, lengths)
+    assert len(lengths) <= graphs["mlp"], (graphs, lengths)
+    assert max(graphs.values()) <= len(lengths) + len(tg.ROUTERS), graphs
 
 
 @pytest.mark.parametrize(
