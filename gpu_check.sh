@@ -20,8 +20,8 @@
 #            first, as a compiled run that does not learn makes the rest moot: the paper
 #            configuration (12 layers, dim 768, 32 x 1024 tokens, compiled, bf16), 40 steps,
 #            failing unless the last validation loss is under 5.5 (seven records: 3.81-4.84);
-#            dense, and gated (its gates skip by the end: on the H200 at 4e62648 blocks 1 and 10
-#            ran 0.27 of the last validation's tokens, blocks 2-9 0.001); run folders outside
+#            dense, and gated (its gates skip by the end: on the H200 at 66a3cb6 blocks 0 and 11
+#            ran 0.91 of the last validation's tokens, blocks 1-10 0.025-0.030); run folders outside
 #            the record (a 2.3 GB checkpoint), logs copied in (a cut stage's too)      52, 42
 #   paper_masked, paper_compact
 #            40 more steps from paper_skip_middle's weights (--init_from: gates that already

@@ -1197,12 +1197,12 @@ def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_every_script_under_records_runs_on_todays_code(tmp_path):
     scripts = sorted(Path(REPO).glob("records/*/*.py"), key=lambda p: (p.name, str(p)))
-    names = ["compile_time.py", "memory_step.py", "replay.py", "table.py", "table.py"]
+    names = ["compile_time.py", "memory_step.py", "probe.py", "replay.py", "table.py", "table.py"]
     assert [p.name for p in scripts] == names  # a new one: run it here
     for script in scripts:  # each answers --help with its docstring
         r = run_command(script, "--help")
         assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr[-500:])
-    for script, rows in zip(scripts[3:], (10, 19), strict=True):  # each record's table, from
+    for script, rows in zip(scripts[4:], (10, 19), strict=True):  # each record's table, from
         r = run_command(script)  # its runs, as its README shows it
         readme = (script.parent / "README.md").read_text()
         assert r.returncode == 0 and r.stdout.count("\n") == rows and r.stdout in readme, r.stdout
@@ -1213,8 +1213,16 @@ def test_every_script_under_records_runs_on_todays_code(tmp_path):
     timed = json.loads(r.stdout)
     assert timed["graphs"] == 2 and timed["steps"][0]["compile_s"] > 0, timed
     assert timed["steps"][1]["compile_s"] == 0 < timed["steps"][1]["wall_s"], timed
+    r = run_command(  # one block's packed region, compiled static at a packed length, as eager
+        scripts[2], "static", "4", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "probe")}
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = re.fullmatch(
+        r"length 16: first call [\d.]+ s, then [\d.]+ ms, vs eager (\S+)", r.stdout.splitlines()[1]
+    )
+    assert first and float(first[1]) < 1e-5 and "compile_fx_inner" in r.stdout, r.stdout
     r = run_command(  # today's packed_lengths on the recorded counts: the run's own redos
-        scripts[2], timeout=120
+        scripts[3], timeout=120
     )
     assert r.returncode == 0 and r.stdout.splitlines()[:2] == [
         "300 steps, 12 redone in the run",
@@ -1222,7 +1230,7 @@ def test_every_script_under_records_runs_on_todays_code(tmp_path):
     ], r.stdout + r.stderr[-2000:]
     assert "packed_lengths over 4 steps: 43 redone, packed / needed 1.316" in r.stdout, r.stdout
     h200 = Path(REPO, "records/2026-11-27_gpu_check_NVIDIA_H200/paper_compact/metrics.jsonl")
-    r = run_command(scripts[2], h200, timeout=120)  # the H200 record's figures, as it quotes them
+    r = run_command(scripts[3], h200, timeout=120)  # the H200 record's figures, as it quotes them
     assert r.returncode == 0 and r.stdout.splitlines()[-1] == (
         "steps 31-40: active 0.236, fullest row 0.311, ran 0.911 of the blocks' positions"
     ), r.stdout + r.stderr[-2000:]

@@ -1,5 +1,16 @@
-# Probe (not part of the project): one block's packed region, compiled static or dynamic, at
-# several packed lengths: compile time per new length, run time, agreement with eager.
+"""One block's `packed` region (train_gpt.Block.packed) compiled static or with symbolic shapes
+(torch.compile's dynamic=True), forward and backward, at packed lengths given in units of
+seq_len / 16, in turn: each length's first call (its compile, if any, and the run), the fastest
+of five calls after it, and the largest difference from the eager region (on CPU, at a tiny
+size under SDPA; on CUDA, the paper's size under Flex, where the column compares the output
+with itself: no eager reference is run). Then Dynamo's table of compile times.
+
+    python probe.py static|dynamic UNITS     # from a checkout's root; UNITS: 4,5,8,12,1,3
+
+Run it with TORCHINDUCTOR_CACHE_DIR set to a new folder: a cold compile.
+"""
+
+import argparse
 import os
 import sys
 import time
@@ -8,10 +19,14 @@ import traceback
 import torch
 from torch._dynamo.utils import compile_times
 
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+p.add_argument("mode", choices=("static", "dynamic"))
+p.add_argument("units", help="packed lengths in units of seq_len / 16, comma-separated")
+args = p.parse_args()
 sys.path.insert(0, os.getcwd())
 import train_gpt as tg  # noqa: E402
 
-mode = sys.argv[1]  # static | dynamic
+mode = args.mode
 cuda = torch.cuda.is_available()
 dev = "cuda" if cuda else "cpu"
 if cuda:
@@ -34,13 +49,13 @@ print(mode, torch.__version__, dev, flush=True)
 
 def step(f, x, gk, mask, n):
     with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
-        y = f(x, gk, mask, n)
+        y = f(x, gk, mask, n, True)  # keys_grad: the keys learn, as g (66a3cb6 had no such flag)
     y.float().square().mean().backward()
     sync()
     return y.detach().float()
 
 
-for n in [int(a) * unit for a in sys.argv[2].split(",")]:
+for n in [int(a) * unit for a in args.units.split(",")]:
     x = torch.randn(B, T, hp.dim, device=dev, requires_grad=True)
     keep = torch.rand(B, T, device=dev).argsort(dim=1)[:, :n]  # n active tokens a sequence
     g = torch.zeros(B, T, device=dev).scatter(1, keep, torch.rand(B, n, device=dev) * 0.9 + 0.1)
