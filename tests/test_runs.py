@@ -559,6 +559,24 @@ def resumable(run_dir, step=3, run_id="ab"):
     return {"run_id": run_id, "step": step, "mtime": os.stat(path).st_mtime_ns}
 
 
+def test_a_saved_step_is_a_whole_number_in_a_checkpoint_of_the_run(tmp_path):
+    # (its callers compare steps: a bool is an int to isinstance, and True would be step 1)
+    path = tmp_path / "ckpt.pt"
+    for step, run_id, read in (
+        (3, "ab", 3),
+        (True, "ab", None),
+        (3.0, "ab", None),
+        (3, "cd", None),
+    ):
+        torch.save({"run_id": run_id, "step": step}, path)
+        assert runs.saved_step(str(path), "ab") == read, (step, run_id)
+    os.symlink(path, tmp_path / "link.pt")  # never opened through a link
+    torch.save({"run_id": "ab", "step": 3}, path)
+    assert runs.saved_step(str(tmp_path / "link.pt"), "ab") is None
+    path.write_bytes(b"not a checkpoint")
+    assert runs.saved_step(str(path), "ab") is None
+
+
 def test_a_resume_refuses_a_linked_or_changed_checkpoint_and_takes_a_same_step_copy(
     tmp_path, monkeypatch
 ):
