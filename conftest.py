@@ -73,6 +73,15 @@ def free_folders():
 # ---------------------------------------------------------------------------- commands
 
 
+# bash started as from a terminal, with the saving signals' defaults: one that this process
+# ignores (as pytest started in the background ignores SIGINT) bash could not trap
+FROM_A_TERMINAL = """import os, signal, sys
+for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_DFL)
+os.execvp("bash", sys.argv[1:])
+"""
+
+
 def _command(script, args, nproc, threads, env, cwd) -> dict:
     """The command line, folder and environment of run_command and start_command, as keywords."""
     # script: a path (from cwd), "-c" with the code as the first argument, or a .sh (for bash);
@@ -80,7 +89,7 @@ def _command(script, args, nproc, threads, env, cwd) -> dict:
     # that a run begun in this process and resumed in another reduces in the same order (bit for
     # bit), or one thread per process under torchrun (for the 2 cores). env: added to os.environ
     if str(script).endswith(".sh"):
-        argv = ["bash", str(script)]
+        argv = [sys.executable, "-c", FROM_A_TERMINAL, "bash", str(script)]
     elif nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         argv = [sys.executable, *launcher, str(script)]
