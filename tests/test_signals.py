@@ -540,6 +540,43 @@ def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monk
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
+def test_a_trainer_that_exits_2_after_the_sweeps_signal_is_a_failed_run_not_bad_input(tmp_path):
+    # status 2 is bad input only before a signal: after one, the sweep's input was good (it
+    # started the run), so the run failed (RunStopped, status 1), named with its error line
+    ready = tmp_path / "ready"
+    refusing = tmp_path / "refusing.py"
+    refusing.write_text(
+        f"""import pathlib, signal, sys, time
+def refuse(*_):
+    print("error: refused on the signal", file=sys.stderr)
+    sys.exit(2)
+signal.signal(signal.SIGINT, refuse)
+pathlib.Path({str(ready)!r}).touch()
+time.sleep(60)
+"""
+    )
+    over, lock = threading.Event(), threading.Lock()  # (as the Ctrl-C test above)
+
+    def interrupt():
+        deadline = time.time() + 60
+        while not over.is_set() and time.time() < deadline and not ready.exists():
+            time.sleep(0.01)
+        with lock:
+            if not over.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
+    said = r"^run: .*refusing\.py exited 2: error: refused on the signal$"
+    try:
+        with pytest.raises(support.RunStopped, match=said):
+            runs.run_plans([runs.Plan("run", [(str(refusing), [])])], 1)
+    finally:
+        with lock:
+            over.set()
+        thread.join()
+
+
 def test_a_signal_any_rank_got_outranks_a_launcher_gone():
     here = ranks.Dist()  # not a torchrun worker
     orphan = ranks.Dist(parent=os.getpid())  # its launcher (this pid) is not its parent: gone
