@@ -13,11 +13,11 @@ Each configuration of the grid trains through train_gpt.py in its own run direct
 finished runs, resumes the interrupted ones and starts the rest. What is measured, the verdict
 (paired over seeds, Holm-corrected) and the record: README.md, Results.
 
-Add a configuration with one line in a grid's runs (figure2_runs builds them; the byte grids keep
-BYTES_CORE's names): (name, [train_gpt.py overrides]). Names starting with "dense_" make the
-frontier. A run that starts from another (DLO) has a third element, expand.py's arguments, with
-"{runs}" and "{seed}" filled in: it is expanded from a dense run of the same grid and seed,
-listed before it, then trained with --resume.
+Add a configuration with one line in a grid's runs (figure2_runs builds them; bytes keeps them
+all, bytes_core BYTES_CORE's names): (name, [train_gpt.py overrides]). Names starting with
+"dense_" make the frontier. A run that starts from another (DLO) has a third element,
+expand.py's arguments, with "{runs}" and "{seed}" filled in: it is expanded from a dense run of
+the same grid and seed, listed before it, then trained with --resume.
 """
 
 import contextlib
