@@ -341,28 +341,29 @@ def main(argv):
     table = "\n".join([HEADER] + [format_row(r) for res in results for r in res["rows"]])
     targets = "\n".join(line for r in results for line in target_lines(r["size"], r["rows"]))
     print(targets)
-    if args.profile:  # (before bench.md: no profile of other figures stays beside a new one)
-        page = "\n\n".join(profiles).encode() + b"\n"
-        support.write_output(out, "profile.md", page, by=__file__)
-    else:  # an earlier --profile's, of other figures
-        support.remove_output(out, "profile.md", by=__file__)
-    support.write_output(
-        out,
-        "bench.md",
-        (
-            f"{command}\n\nbatch per size: {sizes_line}; median of {repeats} after one "
-            f"warm-up\n\n{table}\n\n{targets}\n"
-        ).encode(),
-        by=__file__,
-    )
-    support.write_output(
-        out,
-        "bench.json",
-        json.dumps(
-            dict(argv=argv, repeats=repeats, device=device, results=results), indent=1
-        ).encode(),
-        by=__file__,
-    )
+    with support.signals_held():  # a signal waits for the last: one bench's files, not a mix
+        if args.profile:  # (before bench.md: no profile of other figures stays beside a new one)
+            page = "\n\n".join(profiles).encode() + b"\n"
+            support.write_output(out, "profile.md", page, by=__file__)
+        else:  # an earlier --profile's, of other figures
+            support.remove_output(out, "profile.md", by=__file__)
+        support.write_output(
+            out,
+            "bench.md",
+            (
+                f"{command}\n\nbatch per size: {sizes_line}; median of {repeats} after one "
+                f"warm-up\n\n{table}\n\n{targets}\n"
+            ).encode(),
+            by=__file__,
+        )
+        support.write_output(
+            out,
+            "bench.json",
+            json.dumps(
+                dict(argv=argv, repeats=repeats, device=device, results=results), indent=1
+            ).encode(),
+            by=__file__,
+        )
     print(f"written to {out}")
 
 

@@ -231,8 +231,9 @@ def main(argv):
         CARD: model_card(hp, trained, params, LAYOUTS[args.format]).encode(),
     }
     os.makedirs(out, exist_ok=True)
-    for name, data in files.items():
-        support.write_output(out, name, data, by=__file__)
+    with support.signals_held():  # a signal waits for the last: one export's files, not a mix
+        for name, data in files.items():
+            support.write_output(out, name, data, by=__file__)
     print(f"written to {out}: {', '.join(FILES)}")
     if args.push_to:
         push(out, args.push_to)

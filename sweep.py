@@ -1009,7 +1009,9 @@ def main(argv):
         out = support.writable_dir(
             args.out or os.path.dirname(os.path.abspath(args.report)), REPORT, by=__file__
         )
-        print(verdict_text(write_report(out, rows)))
+        with support.signals_held():  # (as a grid's record below)
+            lines = write_report(out, rows)
+        print(verdict_text(lines))
         return
     if args.first_seed >= args.seeds:  # before any folder is made: a grid of no run
         raise support.UserError(
@@ -1044,27 +1046,28 @@ def main(argv):
         rows.append(dict(name=name, seed=seed, **measure(run_dir, args.device), command=command))
         print(f"{name} seed {seed}: measured in {time.perf_counter() - t1:.1f} s", flush=True)
     check_record(out, grid, seeds)
-    write_runs(out, rows)
-    rows = read_runs(os.path.join(out, "runs.csv"))  # the record is what runs.csv regenerates
-    lines = write_report(out, rows)
-    corpus = ", ".join(sorted({r["corpus_sha256"] for r in rows}))
-    pin = grid.get("corpus_sha256")
-    said = f"Corpus sha256 {corpus}: " + (
-        "no pin for this grid's corpus"
-        if not pin
-        else "the pinned corpus"
-        if corpus == pin
-        else f"NOT the pinned corpus ({pin})"
-    )
-    readme = (
-        f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
-        f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
-        f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
-        f"The table: table.md. Hardware (the runs, {args.jobs} at once: each one's threads in "
-        f"its train.log; the evaluation timed in this process, with the threads below):\n\n"
-        f"```\n{runlog.describe_system()}\n```\n"
-    )
-    support.write_output(out, "README.md", readme.encode(), by=__file__)
+    with support.signals_held():  # a signal waits for the last: one record, not a mix
+        write_runs(out, rows)
+        rows = read_runs(os.path.join(out, "runs.csv"))  # the record is what runs.csv regenerates
+        lines = write_report(out, rows)
+        corpus = ", ".join(sorted({r["corpus_sha256"] for r in rows}))
+        pin = grid.get("corpus_sha256")
+        said = f"Corpus sha256 {corpus}: " + (
+            "no pin for this grid's corpus"
+            if not pin
+            else "the pinned corpus"
+            if corpus == pin
+            else f"NOT the pinned corpus ({pin})"
+        )
+        readme = (
+            f"# Figure 2, grid `{args.grid}`\n\n    python sweep.py {shlex.join(argv)}\n    "
+            f"python sweep.py --report=runs.csv   # table.md and figure.png from runs.csv\n\n"
+            f"{said}\n\nVerdict: {verdict_text(lines)}\n\n![figure](figure.png)\n\n"
+            f"The table: table.md. Hardware (the runs, {args.jobs} at once: each one's threads in "
+            f"its train.log; the evaluation timed in this process, with the threads below):\n\n"
+            f"```\n{runlog.describe_system()}\n```\n"
+        )
+        support.write_output(out, "README.md", readme.encode(), by=__file__)
     print(said, verdict_text(lines), sep="\n")
     print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")
 

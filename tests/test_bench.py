@@ -12,7 +12,7 @@ import torch
 
 import support
 import train_gpt as tg
-from conftest import TINY_RUN, load_command, run_main
+from conftest import TINY_RUN, load_command, run_main, signal_self
 
 
 def test_bench_times_its_passes_side_by_side_each_by_its_median(monkeypatch):
@@ -189,6 +189,31 @@ def test_bench_forces_each_sparsity_and_works_out_speedup_and_efficiency(monkeyp
         assert r["fb_mfu_masked"] == pytest.approx(mfu, rel=1e-9)
         assert r["compile_masked"] == r["compile_compact"] == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_signal_during_a_bench_s_writes_leaves_its_files_of_one_bench(tmp_path, monkeypatch):
+    # Ctrl-C as each file is written over an earlier bench's: held till the last is written,
+    # then the command stops (130), bench.md and bench.json both the new bench's
+    bench, real = load_command("bench.py"), support.write_atomically
+    size = dict(n_layers=2, dim=32, n_heads=2, n_kv_heads=2, max_seq_len=32, seq_len=32)
+    monkeypatch.setitem(bench.SIZES, "tiny", ({**size, "vocab_size": 256}, 2))
+    argv = ["--size=tiny", "--repeats=1", f"--out={tmp_path}"]
+    for compact, cli_code in ((0.4, 0), (0.2, 130)):  # the second: 2x and 4x where 1x, 2x
+        medians = dict(fwd_masked=0.4, fwd_compact=compact, fb_masked=0.8, fb_compact=compact)
+        times = {**medians, **{f"host_{k}": 0.1 for k in medians}}
+        monkeypatch.setattr(bench, "timed", lambda fns, repeats, sync, times=times: times)
+        if cli_code:
+
+            def write(path, data):
+                real(path, data)
+                signal_self()
+
+            monkeypatch.setattr(support, "write_atomically", write)
+        assert support.cli(bench.main, argv) == cli_code
+    rows = json.loads((tmp_path / "bench.json").read_text())["results"][0]["rows"]
+    assert [(r["fwd_speedup"], r["fb_speedup"]) for r in rows] == [(2.0, 4.0)] * 4
+    table = (tmp_path / "bench.md").read_text()
+    assert table.count("| 400.0 | 200.0 | 2.00 | 800.0 | 200.0 | 4.00 |") == 4, table  # its rows
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from conftest import (
     read_metrics,
     run_command,
     run_main,
+    signal_self,
     tiny,
 )
 
@@ -420,6 +421,32 @@ def test_an_export_cut_at_any_write_is_finished_by_its_rerun(tmp_path, monkeypat
         done = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".tmp")}
         assert done == whole, cut
     capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_export_over_another_leaves_the_new_one_whole(
+    tmp_path, monkeypatch, capsys
+):
+    # Ctrl-C as each file is written over an earlier export (step 1's): held till the last is
+    # written, then the command stops (130), the folder the new export whole (step 2's), never
+    # new weights beside the old card
+    run, out = tmp_path / "run", tmp_path / "out"
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
+    assert code == 0, err
+    export, real = load_command("export.py"), support.write_atomically
+    assert support.cli(export.main, [str(run), str(out)]) == 0
+    code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    assert support.cli(export.main, [str(run), str(tmp_path / "whole")]) == 0
+    whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+
+    def write(path, data):
+        real(path, data)
+        signal_self()
+
+    monkeypatch.setattr(support, "write_atomically", write)
+    assert support.cli(export.main, [str(run), str(out)]) == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == whole
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from conftest import (
     load_command,
     read_metrics,
     run_command,
+    signal_self,
     write_shard,
 )
 from data import shards
@@ -385,6 +386,33 @@ def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_draws_that
         assert list(y) == pytest.approx([v for _, v in dense], abs=5e-5)
         tested_in_all += len(tested)
     assert tested_in_all >= 18
+
+
+@pytest.mark.slow
+def test_a_signal_during_a_report_leaves_the_table_and_figure_of_one_runs_csv(
+    tmp_path, monkeypatch
+):
+    # Ctrl-C as each file of a report is written over another record's: held till the last is
+    # written, then the command stops (130), table.md and figure.png both the new runs.csv's
+    sweep, real = load_command("sweep.py"), support.write_atomically
+    old, new = (
+        Path(REPO, "records", f"2026-11-26_figure2_bytes_core_5seeds_{v}_cpu", "runs.csv")
+        for v in ("v2", "v3")
+    )
+    for folder, csv_path in (("out", old), ("whole", new)):
+        (tmp_path / folder).mkdir()
+        shutil.copy(csv_path, tmp_path / folder / "runs.csv")
+        assert support.cli(sweep.main, [f"--report={tmp_path / folder / 'runs.csv'}"]) == 0
+    whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
+    shutil.copy(new, tmp_path / "out" / "runs.csv")
+
+    def write(path, data):
+        real(path, data)
+        signal_self()
+
+    monkeypatch.setattr(support, "write_atomically", write)
+    assert support.cli(sweep.main, [f"--report={tmp_path / 'out' / 'runs.csv'}"]) == 130
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == whole
 
 
 def table_rows(text: str, header: str) -> list:
