@@ -26,7 +26,8 @@ LOGS = ("train.log", "metrics.jsonl", "config.json")  # a run directory's record
 
 
 def run_records(run_dir: str, kind: str) -> list:
-    """The run's metrics.jsonl records of kind, in order (other lines, a user's notes, skipped)."""
+    """The run's metrics.jsonl records of kind, in order; other lines, a user's notes, skipped
+    (a record of ours has a whole-number step)."""
     out = []
     path = os.path.join(run_dir, LOGS[1])
     with contextlib.suppress(OSError), open(support.regular(path), "rb") as f:
@@ -34,7 +35,7 @@ def run_records(run_dir: str, kind: str) -> list:
             m = None  # a line that does not parse: a user's
             with contextlib.suppress(ValueError, RecursionError):  # (too deep: a user's too)
                 m = json.loads(line)
-            if isinstance(m, dict) and m.get("kind") == kind:
+            if isinstance(m, dict) and m.get("kind") == kind and type(m.get("step")) is int:
                 out.append(m)
     return out
 

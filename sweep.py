@@ -339,9 +339,12 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
                 ]
             if state != "fresh":
                 check_settings(run_dir, plan)
-            elif not expansion:  # the trainer's check of its settings (validate: not of its
-                # data or device), with the world size, before any run starts (under torchrun a
-                # rank's line came after other runs began); an expansion's, at its start
+            else:  # its folder as the trainer checks it first (a file there, say)
+                support.writable_dir(run_dir)
+            if state == "fresh" and not expansion:  # the trainer's check of its settings
+                # (validate: not of its data or device), with the world size, before any run
+                # starts (under torchrun a rank's line came after other runs began); an
+                # expansion's, at its start
                 try:
                     tg.validate(tg.resolve(tg.parse_overrides(plan[0][1])), nproc)
                 except support.UserError as e:

@@ -456,6 +456,10 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
     assert sweep.run_state(str(run)) == "fresh"  # a folder, nothing in it
     (run / "config.json").write_text("\ufeff" + json.dumps({"num_steps": 6}))  # an editor's BOM
     notes = ["my note", "[1, 2]", "[" * 100000, json.dumps({"step": 4})]  # a user's, no kind
+    notes += [
+        json.dumps({"kind": "val", "note": "re-check"}),
+        json.dumps({"kind": "val", "step": 1.0}),
+    ]
     records = [{"kind": "val", "step": 3}, *notes, {"kind": "train", "step": 5}]
     (run / "metrics.jsonl").write_text(
         "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
@@ -630,18 +634,25 @@ def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(
 ):
     # the trainer's check of its settings, with the world size: under torchrun each rank's line
     # came after runs had started, and the launcher's status (1) and last line (a banner) were
-    # all the sweep said
+    # all the sweep said; and of its folder (a user's file where a later run's would be)
     sweep = load_command("sweep.py")
     runs = [sweep.dense(2), ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"])]
     monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=runs))
+    monkeypatch.setitem(sweep.GRIDS, "tiny_ok", dict(base=TINY_GRID, runs=runs[:1]))
     out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
+    mine = tmp_path / "runs" / "dense_2_s1"  # where the second seed's run would be
     for argv, said in (
         (["--grid=cpu", "--nproc_per_node=3"], "_s0: val_tokens=4096 is not a whole number"),
         (["--grid=tiny"], "bad_s0: need dim (32) divisible by n_heads (3)"),
+        (["--grid=tiny_ok", "--seeds=2"], f"{mine} is a file, not a folder"),
     ):
+        if "--seeds=2" in argv:
+            mine.parent.mkdir()
+            mine.write_text("my notes")
         code, err = support.cli(sweep.main, argv + out), capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and said in err, err
-        assert not list(tmp_path.iterdir())  # no run started, nothing written
+        left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+        assert left == (["runs", "runs/dense_2_s1"] if mine.exists() else [])  # nothing written
 
 
 @pytest.mark.slow
