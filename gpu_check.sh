@@ -102,6 +102,8 @@ if [ ! -d "$tmp" ] || [ ! -w "$tmp" ]; then
     fail "TMPDIR=$tmp is not a folder this can write in (the runs' folders go there)"
 elif [ -e "$out" ] && [ ! -d "$out" ]; then
     fail "$out is not a folder"
+elif [ -L "$out/.gpu_check" ] || { [ -e "$out/.gpu_check" ] && [ ! -f "$out/.gpu_check" ]; }; then
+    fail "$out/.gpu_check is not a file (this script's is): give another OUT"  # (a pipe: a hang)
 elif [ ! -e "$out/.gpu_check" ] && [ -n "$(ls -A -- "$out" 2>/dev/null)" ]; then
     fail "$out holds files this script did not write (no .gpu_check): give another OUT"
 fi

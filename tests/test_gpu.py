@@ -175,6 +175,10 @@ def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_pa
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     (tmp_path / "a_file").write_text("x")
+    for name, make in (("pipe", os.mkfifo), ("dir", os.mkdir)):  # .gpu_check not a file: opening
+        (tmp_path / name).mkdir()  # a pipe to write would wait for a reader
+        make(tmp_path / name / ".gpu_check")
+    kept = ["a_file", "dir", "mine", "pipe", "tmp"]  # (a refusal writes nothing)
     env = {"GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "2", "TMPDIR": str(tmp)}
     ran = tmp_path / "ran"
     for seconds, out, extra, said in (
@@ -183,6 +187,8 @@ def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_pa
         (f"tiny[$(touch {ran})0]", "new", {}, "GPU_CHECK_SECONDS=tiny"),
         ("60", "mine", {}, f"{mine} holds files this script did not write"),
         ("60", "a_file", {}, f"{tmp_path / 'a_file'} is not a folder"),
+        ("60", "pipe", {}, f"{tmp_path / 'pipe' / '.gpu_check'} is not a file"),
+        ("60", "dir", {}, f"{tmp_path / 'dir' / '.gpu_check'} is not a file"),
         ("60", "new", {"TMPDIR": str(tmp_path / "a_file")}, f"TMPDIR={tmp_path / 'a_file'} is not"),
         ("60", "--out", {}, "--out: no such option (usage: bash gpu_check.sh [OUT]; a folder"),
     ):
@@ -191,14 +197,14 @@ def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_pa
         )
         assert r.returncode == 2 and r.stderr.startswith(f"error: {said}"), r.stderr
         assert r.stderr.count("\n") == 1 and r.stdout == "", r.stderr
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine", "tmp"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == kept
         assert not list(tmp.iterdir()) and os.listdir(mine) == ["notes.txt"]
     for ask in ("-h", "--help"):  # its comments, as the Python commands' --help; nothing run
         r = run_command(script, ask, env=env, cwd=tmp_path)
         assert r.returncode == 0 and r.stderr == "", r.stderr
         assert r.stdout.startswith("Every GPU check in one call") and "\n# " not in r.stdout
         assert r.stdout.endswith("(tests/test_gpu.py runs it so).\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "mine", "tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
     # a relative OUT is the caller's; a second call on it while one runs is refused; Ctrl-C
     proc = start_command(script, "rel", env={**env, "GPU_CHECK_SECONDS": "300"}, cwd=tmp_path)
     try:
