@@ -241,6 +241,7 @@ def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
     clock from a checkpoint; an edited or damaged one is a UserError."""
     where = os.path.join(job.run_dir, CHECKPOINT)
     check_weights(raw.state_dict(), ckpt["model"], where)
+    ours = [dict(group) for group in opt.param_groups]  # (load_state_dict takes the file's)
     try:
         raw.load_state_dict(ckpt["model"])  # (strict; floating dtypes convert)
         opt.load_state_dict(ckpt["optimizer"])
@@ -252,6 +253,7 @@ def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
             f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})"
         ) from None
     check_moments(raw, opt, where)
+    check_switches(opt, ours, where)
     routing = [
         t
         for v in raw.router.routing_state().values()  # tensors, or dicts of them
@@ -434,6 +436,20 @@ def check_moments(model, opt, where: str):
                 f"{where}: the optimiser's state of {name} is not AdamW's for that parameter "
                 f"(an edited or damaged checkpoint)"
             )
+
+
+def check_switches(opt, ours: list, where: str):
+    """Each group's switches (amsgrad, maximize, fused, ...: its options that are not numbers;
+    those a job sets, adamw_options and lr_at) as this trainer's optimiser ours has them:
+    load_state_dict takes them from the file, where amsgrad crashed a step and maximize trained
+    uphill."""
+    for group, mine in zip(opt.param_groups, ours, strict=True):  # (as many: load_state_dict)
+        for k, v in mine.items():
+            if (isinstance(v, bool) or v is None) and group.get(k, v) != v:
+                raise UserError(
+                    f"{where}: the optimiser's {k}={group[k]!r} is not this trainer's ({v!r}; "
+                    f"an edited or damaged checkpoint)"
+                )
 
 
 def all_finite(model, opt) -> bool:

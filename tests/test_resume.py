@@ -463,6 +463,8 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(
             "non-finite weights, optimiser",
         ),
         (lambda c: c["routing"]["controller"]["alpha"].fill_(nan), "controller state"),
+        (lambda c: c["optimizer"]["param_groups"][0].update(maximize=1), "'s maximize=1 is not"),
+        (lambda c: c["optimizer"]["param_groups"][-1].update(amsgrad=True), "s amsgrad=True is"),
     ) + tuple(  # AdamW's state of a parameter, as a step reads it (the fused step crashed)
         (lambda c, edit=edit: edit(next(iter(c["optimizer"]["state"].values()))), "optimiser's")
         for edit in (
