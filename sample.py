@@ -61,9 +61,12 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
+    vocab: int = None,
 ):
     """Sample after `prompt` (token ids) one token at a time with a KVCache. The prompt goes
-    through the same incremental path. -> (all tokens, the cache)."""
+    through the same incremental path. vocab: the tokenizer's ids, the model's first (None: all
+    of them); a vocabulary padded past them (nanoGPT's 50304) has ids no text decodes to, never
+    drawn. -> (all tokens, the cache)."""
     hp, device = model.hp, next(model.parameters()).device
     if not prompt or len(prompt) + max_new_tokens > hp.max_seq_len:
         raise support.UserError(f"need 1 <= prompt + new tokens <= max_seq_len ({hp.max_seq_len})")
@@ -75,7 +78,7 @@ def generate(
             torch.tensor([[tokens[pos]]], device=device),
             pos=torch.tensor([[pos]], device=device),
             cache=cache,
-        )[0][0, -1]
+        )[0][0, -1, :vocab]
         if pos == len(tokens) - 1 and temperature == 0:  # greedy
             tokens.append(int(logits.argmax()))
         elif pos == len(tokens) - 1:  # past the prompt: sample the next token
@@ -158,7 +161,7 @@ def main(argv):
             f"{len(prompt)}-token prompt",
             file=sys.stderr,
         )
-    tokens, cache = generate(model, prompt, n, temperature, top_k, seed)
+    tokens, cache = generate(model, prompt, n, temperature, top_k, seed, enc.n_vocab)
     print(enc.decode(tokens))
     fed = len(tokens) - 1  # the last sampled token is never fed back
     dense = hp.n_layers * fed

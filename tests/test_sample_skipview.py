@@ -144,6 +144,33 @@ def test_the_sampler_prints_what_its_options_draw_and_what_its_cache_holds(tmp_p
     assert len(set(drawn.values())) == len(drawn)
 
 
+def test_the_sampler_never_draws_an_id_its_tokenizer_lacks(tmp_path, capsys):
+    # a GPT-2 model padded to 50304 ids (nanoGPT's size) whose padding ids are the likeliest:
+    # sample.py draws among the tokenizer's 50257 alone, greedy or not (decoding one of the
+    # others raised KeyError)
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = tg.GPT(tiny(vocab_size=50304, gate_init="zero")).eval()
+    with torch.no_grad():
+        model.head.weight[50257:] *= 1e4
+    assert int(sample.generate(model, [1, 2], 1, temperature=0)[0][-1]) >= 50257  # as it is
+    source = tmp_path / "model"
+    source.mkdir()
+    save_file(model.state_dict(), source / "model.safetensors")
+    config = {"format": hub.FORMAT, "settings": asdict(model.hp)}
+    (source / "config.json").write_text(json.dumps(config))
+    sampler = load_command("sample.py")
+    enc = sampler.encoding("gpt2")
+    greedy, drawn = ["--temperature=0"], ["--temperature=1", "--top_k=0", "--seed=3"]
+    for options, draw in ((greedy, (0, 0, 0)), (drawn, (1, 0, 3))):  # (temperature, top_k, seed)
+        tokens, _ = sample.generate(model, enc.encode_ordinary("Hi"), 8, *draw, vocab=50257)
+        assert max(tokens) < 50257, tokens
+        argv = [f"--init_from={source}", "--prompt=Hi", "--tokens=8", *options]
+        assert support.cli(sampler.main, argv) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.splitlines()[0] == enc.decode(tokens)
+
+
 @pytest.mark.parametrize("axis", ["key", "query"])
 def test_incremental_decoding_matches_a_full_forward_pass(axis):
     torch.manual_seed(0)
