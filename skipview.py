@@ -25,7 +25,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from data.shards import encoding, find_shards, read_shard  # noqa: E402
+from data.shards import encoding, first_tokens  # noqa: E402
 
 
 @torch.no_grad()
@@ -143,7 +143,7 @@ def main(argv):
         if not ids:
             raise support.UserError("--text is empty")
     else:
-        ids = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[: args.val_tokens].tolist()
+        ids = first_tokens(hp.val_files, hp.vocab_size, args.val_tokens).tolist()
     ids = ids[: hp.max_seq_len]
     folder, name = os.path.split(os.path.abspath(args.out or "."))
     if args.out:  # a page that cannot be written fails before the work; a file of the user's

@@ -46,7 +46,7 @@ import runlog  # noqa: E402
 import runs  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data import debian_docs, tokenize_corpus  # noqa: E402
-from data.shards import check_fingerprints, find_shards, read_shard  # noqa: E402
+from data.shards import check_fingerprints, find_shards, first_tokens  # noqa: E402
 
 # ---------------------------------------------------------------------------- grids
 
@@ -409,9 +409,7 @@ def measure(run_dir: str, device: str) -> dict:
     model = tg.built(hp, weights, device).eval()
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
     compact = tg.built(replace(hp, compact=True), weights, device).eval() if can_compact else model
-    tokens = read_shard(find_shards(hp.val_files)[0], hp.vocab_size)[
-        : hp.device_batch_size * hp.seq_len
-    ]
+    tokens = first_tokens(hp.val_files, hp.vocab_size, hp.device_batch_size * hp.seq_len)
     idx = torch.from_numpy(tokens.astype("int64")).view(-1, hp.seq_len).to(device)
     if can_compact:  # packed lengths known on the host: no read per block
         routers.fit_lengths(compact, idx)

@@ -187,6 +187,20 @@ def find_shards(pattern: str) -> list:
     return files
 
 
+def first_tokens(pattern: str, vocab_size: int, n: int) -> np.ndarray:
+    """The first n tokens of pattern's shards (find_shards), read in order across them: an empty
+    or short shard does not end them; fewer where all of them hold fewer, none a UserError."""
+    parts, held = [], 0
+    for path in find_shards(pattern):
+        if held == n:
+            break
+        parts.append(read_shard(path, vocab_size)[: n - held])
+        held += len(parts[-1])
+    if not held:
+        raise UserError(f"the shards {pattern} matches hold no tokens")
+    return np.concatenate(parts)
+
+
 def check_whole(files: list):
     """A UserError if some of files belong to a corpus half replaced: a manifest beside them
     (data/tokenize_corpus.py's NAME.manifest.json) that lists them still lists a previous

@@ -524,6 +524,19 @@ def test_find_shards_names_what_a_path_is_and_advises_by_the_folder(tmp_path):
             shards.find_shards(str(tmp_path / folder / "*.bin"))
 
 
+def test_first_tokens_are_read_on_past_an_empty_or_short_shard(tmp_path):
+    # skipview's text and sweep's timed batch: the validation shards' first tokens, across
+    # shards in order (an empty first one, which --check passes, gave skipview a traceback);
+    # fewer where all of them hold fewer; none, one line
+    for name, tokens in (("v_0.bin", []), ("v_1.bin", [5, 6]), ("v_2.bin", [7, 8, 9])):
+        write_shard(tmp_path / name, tokens)
+    pattern = str(tmp_path / "v_*.bin")
+    assert shards.first_tokens(pattern, 97, 4).tolist() == [5, 6, 7, 8]
+    assert shards.first_tokens(pattern, 97, 9).tolist() == [5, 6, 7, 8, 9]
+    with pytest.raises(support.UserError, match=r"v_0\.bin matches hold no tokens$"):
+        shards.first_tokens(str(tmp_path / "v_0.bin"), 97, 4)
+
+
 def test_a_byte_encoding_refuses_a_model_vocabulary_other_than_256():
     assert shards.encoding("bytes", 256).n_vocab == 256
     for vocab in (255, 512):

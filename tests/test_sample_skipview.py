@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 from dataclasses import asdict, replace
 
 import pytest
@@ -270,6 +271,25 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     assert support.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
     assert support.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
     assert capsys.readouterr().err.count("error: ") == 2
+    # validation shards whose first is empty (a traceback): the tokens after it, as a model
+    # folder whose settings name them
+    from safetensors.torch import save_file
+
+    folder, empty = tmp_path / "model", tmp_path / "v_0.bin"
+    folder.mkdir()
+    empty.write_bytes(shards.header(0))
+    shutil.copy(shards.find_shards(model.hp.val_files)[0], tmp_path / "v_1.bin")
+    save_file(model.state_dict(), folder / "model.safetensors")
+    settings = {**asdict(model.hp), "val_files": str(tmp_path / "v_*.bin")}
+    (folder / "config.json").write_text(json.dumps({"format": hub.FORMAT, "settings": settings}))
+    page = tmp_path / "after_empty.html"
+    assert (
+        support.cli(skipview.main, [f"--init_from={folder}", "--val_tokens=7", f"--out={page}"])
+        == 0
+    )
+    parser = TokenSpans()
+    parser.feed(page.read_text())
+    assert [t for t, _ in parser.spans] == pieces, capsys.readouterr().err
 
 
 def test_skipview_counts_the_recursions_each_token_ran():
