@@ -14,9 +14,9 @@ run the same batch side by side, forward (no grad) and forward+backward: after o
 each, --repeats rounds each time all four passes once, in turn, and each pass's median is
 reported. The ideal speedup is forward_flops at the measured per-layer sparsity (the
 validation metric `fwd_flops_per_token`) against the dense count, and efficiency = measured /
-ideal speedup. TARGETS (issue 48) are printed met or not. At sparsity 0 every compacted block
-is packed to every position, so it runs as masked (Block.forward_compact): that row times the
-masked model twice, and the packing's cost shows from 0.25 on.
+ideal speedup. TARGETS (issue 48) are printed met or not (target_lines). At sparsity 0 every
+compacted block is packed to every position, so it runs as masked (Block.forward_compact): that
+row times the masked model twice, and the packing's cost shows from 0.25 on.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
 packed lengths are new compiles a block's graph again. The host columns: each pass's median
@@ -74,7 +74,7 @@ def force_sparsity(model, idx, p, seed=0):
         u = torch.randn(x.size(-1), generator=torch.Generator().manual_seed(seed)).to(x.device)
         z = x @ u
         t = torch.quantile(z.flatten().cpu(), 1 - p).item()
-        a = 1e4 / z.std().item()
+        a = 1e4 / (z.std(correction=0).item() or 1.0)  # (one token: no spread, none skips)
         model.router.gates[0].weight.copy_((a * u)[None])
         model.router.gates[0].bias.fill_(-a * t)
 
@@ -210,13 +210,19 @@ def bench_size(name, device, repeats, compile_, model=None, profile=False):
 
 
 TARGETS = ((0.0, "speedup", 0.95), (0.5, "eff", 0.8), (0.75, "eff", 0.8))  # issue 48, fwd+bwd
+FORCED_WITHIN = 0.02  # force_sparsity reaches its share to a token or two of a batch of 256+
 
 
 def target_lines(name, rows) -> list:
     """Each of TARGETS against this size's rows: compact no slower than masked (within 5%) at
-    sparsity 0, and at least 0.8 of the FLOP ideal at 0.5 and 0.75, forward + backward."""
+    sparsity 0, and at least 0.8 of the FLOP ideal at 0.5 and 0.75, forward + backward; a row
+    whose sparsity missed its target by more than FORCED_WITHIN (a batch too small to force it)
+    is not judged."""
     lines, at = [], {r["target"]: r for r in rows}
     for p, kind, least in TARGETS:
+        if abs(at[p]["sparsity"] - p) > FORCED_WITHIN:
+            lines.append(f"{name} at sparsity {p}: reached {at[p]['sparsity']:.3f}: not judged")
+            continue
         got = at[p][f"fb_{kind}"]
         what = "speedup (masked / compact time)" if kind == "speedup" else "of the FLOP ideal"
         verdict = "met" if got >= least else "not met"

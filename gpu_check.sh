@@ -162,7 +162,7 @@ summary_of() {  # one stage's figures for summary.txt
     local log=$out/$1/train.log
     case $1 in
         tests) echo "; $(tail -n1 "$out/tests.txt")" ;;
-        bench) echo "; $(grep -h ': met$\|: not met$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
+        bench) echo "; $(grep -h ': met$\|: not met$\|: not judged$\|MFU' "$out/bench.txt" | paste -sd ';' -)" ;;
         paper_*) if [ "$log" -nt "$out/.gpu_check" ]; then  # (this stage's: see stage)
                      echo "; $(grep -h '^step:.* train_loss' "$log" | grep -v ' compile:' | tail -1 | grep -o 'step_avg.*')" \
                           "$(grep -h '^peak memory' "$log"); $(grep -h '^compile:' "$log");" \

@@ -56,7 +56,7 @@ def test_evaluation_time_is_each_models_median_per_token_in_ms(monkeypatch):
 def test_bench_target_lines_compare_each_target_and_give_the_mfu():
     bench = load_command("bench.py")
     rows = [
-        dict(target=p, fb_speedup=s, fb_eff=e, fb_mfu_masked=0.3614 if p == 0 else 0.5)
+        dict(target=p, sparsity=p, fb_speedup=s, fb_eff=e, fb_mfu_masked=0.3614 if p == 0 else 0.5)
         for p, s, e in ((0.0, 0.96, 0.96), (0.25, 1.1, 0.9), (0.5, 1.3, 0.79), (0.75, 2.0, 0.84))
     ]
     assert bench.target_lines("paper", rows) == [
@@ -64,6 +64,18 @@ def test_bench_target_lines_compare_each_target_and_give_the_mfu():
         "paper at sparsity 0.5: 0.79 of the FLOP ideal (target 0.8): not met",
         "paper at sparsity 0.75: 0.84 of the FLOP ideal (target 0.8): met",
         "paper: MFU of the masked model at sparsity 0, fwd+bwd: 36.1%",
+    ]
+    # a row whose forced sparsity missed its target (a batch of one token forces none) is not
+    # judged, whatever its figure: a target is met only at its sparsity
+    rows[2]["sparsity"], rows[3]["sparsity"] = 0.479, 0.771
+    assert bench.target_lines("paper", rows)[1:3] == [
+        "paper at sparsity 0.5: reached 0.479: not judged",
+        "paper at sparsity 0.75: reached 0.771: not judged",
+    ]
+    rows[2]["sparsity"], rows[3]["sparsity"] = 0.481, 0.769  # (within 0.02: judged)
+    assert bench.target_lines("paper", rows)[1:3] == [
+        "paper at sparsity 0.5: 0.79 of the FLOP ideal (target 0.8): not met",
+        "paper at sparsity 0.75: 0.84 of the FLOP ideal (target 0.8): met",
     ]
 
 
@@ -116,7 +128,7 @@ def test_bench_rows_fill_the_headers_columns_each_with_its_own_figure():
 def test_bench_target_lines_count_a_figure_at_its_target_as_met():
     bench = load_command("bench.py")
     rows = [
-        dict(target=p, fb_speedup=s, fb_eff=e)
+        dict(target=p, sparsity=p, fb_speedup=s, fb_eff=e)
         for p, s, e in ((0.0, 0.95, 0.95), (0.25, 1.0, 0.5), (0.5, 1.6, 0.8), (0.75, 3.2, 0.8))
     ]
     assert [line.split(": ")[-1] for line in bench.target_lines("tiny", rows)] == ["met"] * 3
