@@ -266,7 +266,7 @@ def expand(argv):
     print(
         f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
         f"({hp.n_layers} layers, {hp.router}, init {args.init}); train it with:\n"
-        f"  python train_gpt.py --resume={out}"
+        f"  python train_gpt.py --resume={shlex.quote(out)}"
     )
 
 

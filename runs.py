@@ -316,7 +316,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         raise UserError(
             f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
             f"choose another directory, or continue it with train_gpt.py --resume="
-            f"{run_dir}"
+            f"{shlex.quote(run_dir)}"
             + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if held == [PREVIOUS] else "")
         )
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:

@@ -6,6 +6,7 @@ import errno
 import fnmatch
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -49,14 +50,17 @@ def test_default_run_dirs_are_unique_within_a_second(tmp_path, monkeypatch):
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
-    (tmp_path / "train.log").write_text("an earlier run\n")
-    (tmp_path / "checkpoint.pt").write_bytes(b"its checkpoint")
-    code, _, err = run_main(["--preset=smoke", f"--run_dir={tmp_path}"], capsys)
+    run = tmp_path / "my run"  # (the advice quotes it, to be pasted)
+    run.mkdir()
+    (run / "train.log").write_text("an earlier run\n")
+    (run / "checkpoint.pt").write_bytes(b"its checkpoint")
+    code, _, err = run_main(["--preset=smoke", f"--run_dir={run}"], capsys)
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith(f"error: {tmp_path} already holds a run")
-    assert (tmp_path / "train.log").read_text() == "an earlier run\n"
-    assert (tmp_path / "checkpoint.pt").read_bytes() == b"its checkpoint"
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert err.startswith(f"error: {run} already holds a run")
+    assert err.endswith(f"continue it with train_gpt.py --resume={shlex.quote(str(run))}\n"), err
+    assert (run / "train.log").read_text() == "an earlier run\n"
+    assert (run / "checkpoint.pt").read_bytes() == b"its checkpoint"
+    assert not (run / "metrics.jsonl").exists()
 
 
 def test_a_run_directory_is_held_by_one_job(tmp_path):
