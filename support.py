@@ -57,12 +57,13 @@ def interrupted(signum, _frame):
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 
 
-def cli(main, argv, before_error=None) -> int:
+def cli(main, argv, end_line=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
     full disk, RunStopped, or a failure once a training job has a run directory (the error's
     `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At most one error line.
     Once it returns, a signal (say, during the interpreter's shutdown) changes neither the
-    output nor the status."""
+    output nor the status. end_line: called as it stops early (an error, a signal), to end a
+    line left open (the tokenizer's progress line)."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
     status = 0
@@ -72,9 +73,7 @@ def cli(main, argv, before_error=None) -> int:
         return 0
     except KeyboardInterrupt as e:
         status, ckpt = 128 + getattr(e, "signum", signal.SIGINT), getattr(e, "checkpoint", None)
-        text = "interrupted by a second signal"
-        if ckpt is None:
-            return status
+        text = None if ckpt is None else "interrupted by a second signal"  # (a first: no line)
     except RunStopped as e:
         status, text, ckpt = 1, str(e), None  # it names the checkpoint itself
     except (UserError, OSError) as e:
@@ -90,14 +89,16 @@ def cli(main, argv, before_error=None) -> int:
         atexit.unregister(ignore_signals)
         atexit.register(ignore_signals)  # (last registered: the first to run at exit)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SAVE_SIGNALS)
-    text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
     try:
         sys.stdout.flush()
     except OSError:  # what stdout could not take is lost: drop it, or the flush at exit
         with contextlib.suppress(OSError, ValueError):  # would add a second message
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    if before_error is not None:  # e.g. the tokenizer ends its progress line first
-        before_error()
+    if end_line is not None:
+        end_line()
+    if text is None:
+        return status
+    text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
     # one line, whatever a name in it holds (a newline, say), in one write: ranks' lines do
     # not interleave
     text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

@@ -359,6 +359,12 @@ class Progress:
             )
             Progress.open_line = not final
 
+    @staticmethod
+    def end_line():
+        """A line redrawn and left open is ended: what follows (an error) starts a line."""
+        if Progress.open_line:
+            print(file=sys.stderr)
+
 
 def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, inputs=None, **by):
     """Encode every document in order and write shards; returns the shard paths. is_val: true of
@@ -639,7 +645,7 @@ def main(argv):
 
 def run(argv) -> int:
     """main() with one `error:` line for bad input, on a line of its own after the progress."""
-    return cli(main, argv, lambda: Progress.open_line and print(file=sys.stderr))
+    return cli(main, argv, Progress.end_line)
 
 
 if __name__ == "__main__":

@@ -697,6 +697,16 @@ def test_an_error_after_a_progress_line_starts_a_line_of_its_own(monkeypatch, ca
     assert capsys.readouterr().err.endswith("tok/s\n")
     assert tokenize.run(["--check=/nonexistent/x"]) == 2
     assert capsys.readouterr().err == "error: /nonexistent/x: no such folder\n"
+    # nor does a Ctrl-C leave it open (the command says nothing more, but its line ends)
+
+    def interrupted(argv):
+        raise KeyboardInterrupt  # (as support.cli's handler raises on a signal)
+
+    monkeypatch.setattr(tokenize, "main", interrupted)
+    progress.last = 0
+    progress.update(3, 1234, 3)
+    assert capsys.readouterr().err.endswith("tok/s")
+    assert tokenize.run([]) == 130 and capsys.readouterr().err == "\n"
 
 
 # ------------------------------------------------------------------ bytes as tokens
