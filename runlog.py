@@ -40,6 +40,13 @@ def run_records(run_dir: str, kind: str) -> list:
     return out
 
 
+def complete(run_dir: str) -> bool:
+    """Whether the run validated at its last step (its final validation is recorded)."""
+    vals = run_records(run_dir, "val")
+    config = json_object(os.path.join(run_dir, "config.json"))
+    return bool(vals) and vals[-1]["step"] == config.get("num_steps")
+
+
 def json_object(path: str) -> dict:
     """The JSON object in path, a run's small record (config.json, expand.json); {} where there is
     none: not a regular file, over support.MAX_RECORD_BYTES, not JSON, not an object."""

@@ -32,7 +32,7 @@ import torch
 
 import hub
 from ranks import Dist
-from runlog import LOGS, RunLog, check_metrics, json_object, provenance, run_records
+from runlog import LOGS, RunLog, check_metrics, complete, json_object, provenance
 from support import (
     HERE,
     SAVE_SIGNALS,
@@ -353,10 +353,10 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
 
 
 def check_aborted(run_dir: str, old: list):
-    """A new run in RUN_DIR, which holds `old` (of LOGS): they are moved aside only as the logs
-    of a run of ours that never saved (its config.json, written first, has its run_id and job;
-    its metrics.jsonl records no checkpoint); a model folder, a run that saved, or anyone
-    else's config.json or logs, is refused, nothing moved."""
+    """A new run in RUN_DIR, which holds `old` (of LOGS) and no checkpoint: they are moved aside
+    only as the logs of an unfinished run of ours (its config.json, written first, has its run_id
+    and job); a model folder, a complete run, or anyone else's config.json or logs, is refused,
+    nothing moved."""
     if os.path.lexists(os.path.join(run_dir, hub.WEIGHTS)):
         raise UserError(
             f"{run_dir} holds a model ({hub.WEIGHTS}), not a run: give another run_dir "
@@ -368,11 +368,10 @@ def check_aborted(run_dir: str, old: list):
             f"(one with its run_id and job): not a run's to take over; give another run_dir "
             f"(nothing was moved)"
         )
-    if run_records(run_dir, "checkpoint"):  # (a finished run whose checkpoint was removed)
+    if complete(run_dir):  # (its checkpoint removed, or a record's folder: a result)
         raise UserError(
-            f"{run_dir} holds a run that saved checkpoints (its metrics.jsonl records them) but "
-            f"has none now: not an attempt that never saved; give another run_dir (nothing was "
-            f"moved)"
+            f"{run_dir} holds a complete run (validated at its last step) and no checkpoint: "
+            f"not one to start again; give another run_dir (nothing was moved)"
         )
 
 

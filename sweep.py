@@ -253,10 +253,8 @@ GRIDS["bytes_gpu"] = dict(
 
 
 def run_state(run_dir: str) -> str:
-    """done (its final validation is recorded), resume (a checkpoint), or fresh."""
-    vals = runlog.run_records(run_dir, "val")
-    config = runlog.json_object(os.path.join(run_dir, "config.json"))
-    if vals and vals[-1]["step"] == config.get("num_steps"):
+    """done (runlog.complete), resume (a checkpoint), or fresh."""
+    if runlog.complete(run_dir):
         return "done"
     return "resume" if os.path.exists(os.path.join(run_dir, runs.CHECKPOINT)) else "fresh"
 

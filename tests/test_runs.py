@@ -129,13 +129,18 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path,
         assert code == 2 and err.count("\n") == 1, err
         assert "checkpoint.pt is a broken symbolic link" in err, err  # (no run to continue)
     (tmp_path / "checkpoint.pt").unlink()
-    # nor started afresh there: it saved (its metrics say so), so it is no attempt that never
-    # did, whose logs a new run moves aside (a finished run whose checkpoint was removed, a
-    # record's folder)
+    assert files() == before  # a refusal writes nothing
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh: logs kept
+    assert code == 0 and "its files are in" in err, err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "aborted_1").iterdir()} == before
+    # but a complete run (validated at its last step: a result, a record's folder) is not
+    # started again in its folder, its checkpoint gone or not
+    (tmp_path / "checkpoint.pt").unlink()
+    before = files()
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
     assert code == 2 and err.count("\n") == 1, err
-    assert f"{tmp_path} holds a run that saved checkpoints (its metrics.jsonl" in err, err
-    assert files() == before and not (tmp_path / "aborted_1").exists()  # a refusal writes nothing
+    assert f"{tmp_path} holds a complete run (validated at its last step) and no" in err, err
+    assert files() == before and not (tmp_path / "aborted_2").exists()
 
 
 def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch, capsys):
