@@ -14,9 +14,10 @@ run the same batch side by side, forward (no grad) and forward+backward: after o
 each, --repeats rounds each time all four passes once, in turn, and each pass's median is
 reported. The ideal speedup is forward_flops at the measured per-layer sparsity (the
 validation metric `fwd_flops_per_token`) against the dense count, and efficiency = measured /
-ideal speedup. TARGETS (issue 48) are printed met or not (target_lines). At sparsity 0 every
-compacted block is packed to every position, so it runs as masked (Block.forward_compact): that
-row times the masked model twice, and the packing's cost shows from 0.25 on.
+ideal speedup. TARGETS (issue 48) are printed met, not met or not judged (target_lines). At
+sparsity 0 every compacted block is packed to every position, so it runs as masked
+(Block.forward_compact): that row times the masked model twice, and the packing's cost shows
+from 0.25 on.
 The compile columns give each model's compile time at that sparsity (runlog.compile_ms), every
 graph its calls there compiled (forced gates and fitted lengths included): a sparsity whose
 packed lengths are new compiles a block's graph again. The host columns: each pass's median

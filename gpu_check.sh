@@ -37,10 +37,10 @@
 #            run again                                                                  42, 75
 #   bench    bench.py --size=paper --compile=1 --repeats=10 (the compacted model's median of 3
 #            moved by up to 10 ms between calls at f68bedd): masked against compacted blocks at
-#            the four sparsities, against issue 48's targets (summary.txt: each target met or
-#            not, the masked MFU), compile time apart; bench/profile.md: each row's costliest
-#            operators, forward and forward+backward, by GPU and by host time, profiled after
-#            the timing (where a missed target's time went)                          88
+#            the four sparsities, against issue 48's targets (summary.txt: each target met, not
+#            met or not judged, the masked MFU), compile time apart; bench/profile.md: each row's
+#            costliest operators, forward and forward+backward, by GPU and by host time,
+#            profiled after the timing (where a missed target's time went)            88
 #   tests    last, as nothing in it is timed (a second call that finishes it changes no
 #            figure): the CUDA tests, -k cuda, in one process (tests/test_gpu.py: compiled =
 #            eager, Flex with ln g, packed lengths compiled once each and never a sync; failing

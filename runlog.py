@@ -25,9 +25,15 @@ from support import HERE, RunStopped, UserError, fmt_list, named, sha256_of, wri
 LOGS = ("train.log", "metrics.jsonl", "config.json")  # a run directory's record (RunLog)
 
 
+def ours(m) -> bool:
+    """Whether a metrics.jsonl line's object is a record of ours (RECORD_KINDS, a whole-number
+    step), not a user's note."""
+    return isinstance(m, dict) and m.get("kind") in RECORD_KINDS and type(m.get("step")) is int
+
+
 def run_records(run_dir: str, kind: str) -> list:
-    """The run's metrics.jsonl records of kind, in order; other lines, a user's notes, skipped
-    (a record of ours has a whole-number step)."""
+    """The run's metrics.jsonl records of kind (ours), in order; other lines, a user's notes,
+    skipped."""
     out = []
     path = os.path.join(run_dir, LOGS[1])
     with contextlib.suppress(OSError), open(support.regular(path), "rb") as f:
@@ -35,7 +41,7 @@ def run_records(run_dir: str, kind: str) -> list:
             m = None  # a line that does not parse: a user's
             with contextlib.suppress(ValueError, RecursionError):  # (too deep: a user's too)
                 m = json.loads(line)
-            if isinstance(m, dict) and m.get("kind") == kind and type(m.get("step")) is int:
+            if ours(m) and m["kind"] == kind:
                 out.append(m)
     return out
 
@@ -136,7 +142,7 @@ def kept_metrics(path: str, resumed_at: int, val_done: int) -> bytes:
             try:
                 m = json.loads(line)
                 seen = min(resumed_at, val_done) if m["kind"] == "val" else resumed_at
-                gone = m["kind"] in RECORD_KINDS and m["step"] > seen  # (a user's line stays)
+                gone = ours(m) and m["step"] > seen  # (a user's line stays)
             except (ValueError, KeyError, TypeError, RecursionError):
                 gone = line.startswith(b'{"kind": ') and not line.endswith(b"\n")
             if not gone:

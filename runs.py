@@ -311,14 +311,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
             )
     path, resuming = os.path.join(run_dir, CHECKPOINT), ckpt is not None
     lock_run_dir(run_dir, make=not resuming)  # first: what is checked below cannot change under it
-    held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
-    if not resuming and held:
-        raise UserError(
-            f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
-            f"choose another directory, or continue it with train_gpt.py --resume="
-            f"{shlex.quote(run_dir)}"
-            + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if held == [PREVIOUS] else "")
-        )
+    old = [] if resuming else check_new_run_dir(run_dir)
     if resuming and (os.stat(path).st_mtime_ns if os.path.exists(path) else None) != ckpt["mtime"]:
         raise UserError(
             f"{path} changed while this job started (another job was using the run); resume again"
@@ -326,9 +319,6 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     if resuming:
         check_owner(run_dir, ckpt)
         check_metrics(os.path.join(run_dir, LOGS[1]))  # (before anything is written)
-    old = [n for n in LOGS if not resuming and os.path.exists(os.path.join(run_dir, n))]
-    if not resuming:  # a folder is ours to take only if what it holds is a run's of ours
-        check_aborted(run_dir, old)
     # a save killed half-way (SIGKILL) left its temporary file, named by its run's id
     # (save_checkpoint): the resumed run's, or the one that never saved, whose logs go aside
     owner = ckpt["run_id"] if resuming else logged(run_dir)  # (a new run: None, or checked above)
@@ -352,11 +342,21 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     return run_dir
 
 
-def check_aborted(run_dir: str, old: list):
-    """A new run in RUN_DIR, which holds `old` (of LOGS) and no checkpoint: they are moved aside
-    only as the logs of an unfinished run of ours (its config.json, written first, has its run_id
-    and job); a model folder, a complete run, or anyone else's config.json or logs, is refused,
-    nothing moved."""
+def check_new_run_dir(run_dir: str) -> list:
+    """A new run's folder RUN_DIR as open_run_dir takes it, read only (sweep.py checks its grid's
+    before any run starts): a checkpoint there is refused, and the logs there (LOGS, returned)
+    are moved aside only as those of an unfinished run of ours (its config.json, written first,
+    has its run_id and job); a model folder, a complete run, or anyone else's config.json or
+    logs, is refused, nothing moved."""
+    held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
+    if held:
+        raise UserError(
+            f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
+            f"choose another directory, or continue it with train_gpt.py --resume="
+            f"{shlex.quote(run_dir)}"
+            + (f" once {PREVIOUS} is renamed {CHECKPOINT}" if held == [PREVIOUS] else "")
+        )
+    old = [n for n in LOGS if os.path.exists(os.path.join(run_dir, n))]
     if os.path.lexists(os.path.join(run_dir, hub.WEIGHTS)):
         raise UserError(
             f"{run_dir} holds a model ({hub.WEIGHTS}), not a run: give another run_dir "
@@ -373,6 +373,7 @@ def check_aborted(run_dir: str, old: list):
             f"{run_dir} holds a complete run (validated at its last step) and no checkpoint: "
             f"not one to start again; give another run_dir (nothing was moved)"
         )
+    return old
 
 
 def check_owner(run_dir: str, ckpt: dict):
@@ -438,10 +439,10 @@ def check_moments(model, opt, where: str):
 
 
 def check_switches(opt, ours: list, where: str):
-    """Each group's switches (amsgrad, maximize, fused, ...: its options that are not numbers;
-    those a job sets, adamw_options and lr_at) as this trainer's optimiser ours has them:
-    load_state_dict takes them from the file, where amsgrad crashed a step and maximize trained
-    uphill."""
+    """Each loaded group's switches (its options that are bool or None: amsgrad, maximize, fused,
+    ...) as in ours, the groups this trainer built, taken before load_state_dict: it takes them
+    from the file (amsgrad=True crashed a step, maximize=True trained uphill). The numbers a job
+    sets itself (adamw_options, lr_at)."""
     for group, mine in zip(opt.param_groups, ours, strict=True):  # (as many: load_state_dict)
         for k, v in mine.items():
             if (isinstance(v, bool) or v is None) and group.get(k, v) != v:

@@ -337,16 +337,17 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
                 ]
             if state != "fresh":
                 check_settings(run_dir, plan)
-            else:  # its folder as the trainer checks it first (a file there, say)
+            else:  # its first command's checks, before any run starts (under torchrun a rank's
+                # line came after other runs began): where it writes (a file there, say), and
+                # the trainer's (an expansion's: at its start) of what its folder holds and of
+                # its settings (validate: not of its data or device) with the world size
                 support.writable_dir(run_dir)
-            if state == "fresh" and not expansion:  # the trainer's check of its settings
-                # (validate: not of its data or device), with the world size, before any run
-                # starts (under torchrun a rank's line came after other runs began); an
-                # expansion's, at its start
-                try:
-                    tg.validate(tg.resolve(tg.parse_overrides(plan[0][1])), nproc)
-                except support.UserError as e:
-                    raise support.UserError(f"{run_dir}: {e}") from None
+                if not expansion:
+                    runs.check_new_run_dir(run_dir)
+                    try:
+                        tg.validate(tg.resolve(tg.parse_overrides(plan[0][1])), nproc)
+                    except support.UserError as e:
+                        raise support.UserError(f"{run_dir}: {e}") from None
             steps = {"fresh": plan, "resume": [resume], "done": []}[state]
             said = f"{name} seed {seed}: {state if state == 'done' else 'trained'}"
             plans.append(runs.Plan(run_dir, steps, after=source, said=said))

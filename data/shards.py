@@ -188,8 +188,9 @@ def find_shards(pattern: str) -> list:
 
 
 def first_tokens(pattern: str, vocab_size: int, n: int) -> np.ndarray:
-    """The first n tokens of pattern's shards (find_shards), read in order across them: an empty
-    or short shard does not end them; fewer where all of them hold fewer, none a UserError."""
+    """The first n >= 1 tokens of pattern's shards (find_shards), read in order across them: an
+    empty or short shard does not end them; fewer where all of them hold fewer, none a
+    UserError."""
     parts, held = [], 0
     for path in find_shards(pattern):
         if held == n:

@@ -364,6 +364,7 @@ class Progress:
         """A line redrawn and left open is ended: what follows (an error) starts a line."""
         if Progress.open_line:
             print(file=sys.stderr)
+            Progress.open_line = False
 
 
 def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, inputs=None, **by):

@@ -273,28 +273,28 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     # the shape comes from the checkpoint: P = 1 group of 2 layers, q = 2 new ones
     code, out, err = expand_cli(
         tmp_path / "dense",
-        tmp_path / "dlo",
+        tmp_path / "my dlo",
         "--per_group=2",
         "--router=dlo",
         "--dlo_rho=0.5",
         "--dlo_anneal_steps=10",
         "--train_tokens=7680",
     )
-    assert code == 0 and f"--resume={tmp_path / 'dlo'}" in out, err
-    expanded = tg.load_checkpoint(str(tmp_path / "dlo"))
+    assert code == 0 and f"--resume={shlex.quote(str(tmp_path / 'my dlo'))}\n" in out, err
+    expanded = tg.load_checkpoint(str(tmp_path / "my dlo"))
     assert expanded["step"] == 0  # it reads on where the source stopped: the tokens it has not seen
     source = tg.load_checkpoint(str(tmp_path / "dense"))["loader"]
     assert expanded["loader"] == source
     # where the source stopped, by hand: 5120 tokens in steps of 8 x 32, within the sample's
     # one training shard
     assert (source["shard"], source["pos"], source["laps"]) == (0, 5120, 0)
-    assert json.loads((tmp_path / "dlo" / "expand.json").read_text())["data_position"] == source
-    code, _, err = run_main([f"--resume={tmp_path / 'dlo'}"], capsys)
+    assert json.loads((tmp_path / "my dlo" / "expand.json").read_text())["data_position"] == source
+    code, _, err = run_main([f"--resume={tmp_path / 'my dlo'}"], capsys)
     assert code == 0, err
     dense = [m for m in read_metrics(tmp_path / "dense") if m["kind"] == "val"]
-    dlo = [m for m in read_metrics(tmp_path / "dlo") if m["kind"] == "val"]
-    assert json.loads((tmp_path / "dlo" / "config.json").read_text())["n_layers"] == 4
-    assert "def train(" in (tmp_path / "dlo" / "train.log").read_text()  # the source, once
+    dlo = [m for m in read_metrics(tmp_path / "my dlo") if m["kind"] == "val"]
+    assert json.loads((tmp_path / "my dlo" / "config.json").read_text())["n_layers"] == 4
+    assert "def train(" in (tmp_path / "my dlo" / "train.log").read_text()  # the source, once
     # identity expansion: the expanded model starts exactly where the dense one ended
     assert dlo[0]["step"] == 0 and dlo[0]["val_loss"] == pytest.approx(
         dense[-1]["val_loss"], abs=1e-4
@@ -307,7 +307,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
     # that the checkpoint's replace (the seed but for --init=random); a checkpoint already there
     for args, message in (
         (
-            (tmp_path / "dlo", tmp_path / "x", "--router=mod"),
+            (tmp_path / "my dlo", tmp_path / "x", "--router=mod"),
             "expands into a dlo model, not router=mod",
         ),
         (
@@ -335,7 +335,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
             "more than the validation shards hold",
         ),
         (
-            (tmp_path / "dense", tmp_path / "dlo"),
+            (tmp_path / "dense", tmp_path / "my dlo"),
             "dlo already holds checkpoint.pt, expand.json, "
             "train.log, checkpoint.prev.pt, metrics.jsonl, config.json: expand into a folder",
         ),

@@ -192,8 +192,12 @@ def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_pa
         ("60", "new", {"TMPDIR": str(tmp_path / "a_file")}, f"TMPDIR={tmp_path / 'a_file'} is not"),
         ("60", "--out", {}, "--out: no such option (usage: bash gpu_check.sh [OUT]; a folder"),
     ):
-        r = run_command(
-            script, out, env={**env, "GPU_CHECK_SECONDS": seconds, **extra}, cwd=tmp_path
+        r = run_command(  # (a refusal takes a second: a hang, as at a pipe, fails in 60)
+            script,
+            out,
+            env={**env, "GPU_CHECK_SECONDS": seconds, **extra},
+            cwd=tmp_path,
+            timeout=60,
         )
         assert r.returncode == 2 and r.stderr.startswith(f"error: {said}"), r.stderr
         assert r.stderr.count("\n") == 1 and r.stdout == "", r.stderr

@@ -278,6 +278,7 @@ def test_a_resume_drops_only_our_records_past_its_checkpoint(tmp_path, capsys):
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=2"], capsys)
     assert code == 0, err
     mine = [b"my note: try a lower lr\n", b'{"kind": "note", "step": "two"}\n', b"[1, 2]\n"]
+    mine += [b'{"kind": "val", "step": 3.5}\n']  # (no whole step: not ours, runlog.ours)
     with open(tmp_path / "metrics.jsonl", "ab") as f:  # a user's lines, then as if a job had
         f.write(b"".join(mine) + b'{"kind": "train", "step": 3}\n{"kind": "tra')  # crashed
     code, _, err = run_main([f"--resume={tmp_path}", "--stop_step=3"], capsys)

@@ -634,25 +634,36 @@ def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(
 ):
     # the trainer's check of its settings, with the world size: under torchrun each rank's line
     # came after runs had started, and the launcher's status (1) and last line (a banner) were
-    # all the sweep said; and of its folder (a user's file where a later run's would be)
+    # all the sweep said; and of its folder (a user's file where a later run's would be, or a
+    # user's log in that folder)
     sweep = load_command("sweep.py")
     runs = [sweep.dense(2), ("bad", ["--router=none", "--n_layers=2", "--n_heads=3"])]
     monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=runs))
     monkeypatch.setitem(sweep.GRIDS, "tiny_ok", dict(base=TINY_GRID, runs=runs[:1]))
     out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
     mine = tmp_path / "runs" / "dense_2_s1"  # where the second seed's run would be
-    for argv, said in (
-        (["--grid=cpu", "--nproc_per_node=3"], "_s0: val_tokens=4096 is not a whole number"),
-        (["--grid=tiny"], "bad_s0: need dim (32) divisible by n_heads (3)"),
-        (["--grid=tiny_ok", "--seeds=2"], f"{mine} is a file, not a folder"),
+
+    def a_file():
+        mine.write_text("my notes")
+
+    def my_log():
+        mine.mkdir()
+        (mine / "train.log").write_text("my notes")
+
+    for argv, said, make in (
+        (["--grid=cpu", "--nproc_per_node=3"], "_s0: val_tokens=4096 is not a whole number", None),
+        (["--grid=tiny"], "bad_s0: need dim (32) divisible by n_heads (3)", None),
+        (["--grid=tiny_ok", "--seeds=2"], f"{mine} is a file, not a folder", a_file),
+        (["--grid=tiny_ok", "--seeds=2"], f"{mine} holds train.log but no config.json", my_log),
     ):
-        if "--seeds=2" in argv:
+        shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+        if make:
             mine.parent.mkdir()
-            mine.write_text("my notes")
+            make()
+        before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
         code, err = support.cli(sweep.main, argv + out), capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and said in err, err
-        left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-        assert left == (["runs", "runs/dense_2_s1"] if mine.exists() else [])  # nothing written
+        assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.slow

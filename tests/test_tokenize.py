@@ -707,6 +707,8 @@ def test_an_error_after_a_progress_line_starts_a_line_of_its_own(monkeypatch, ca
     progress.update(3, 1234, 3)
     assert capsys.readouterr().err.endswith("tok/s")
     assert tokenize.run([]) == 130 and capsys.readouterr().err == "\n"
+    tokenize.Progress.end_line()  # (ended once: nothing more)
+    assert capsys.readouterr().err == ""
 
 
 # ------------------------------------------------------------------ bytes as tokens
