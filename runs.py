@@ -300,8 +300,8 @@ def lock_run_dir(run_dir: str, make: bool = True):
 
 def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
     """Choose (default: a new one) and lock the run directory. Resuming (ckpt: read_checkpoint's),
-    the checkpoint must be the one read and of this folder's run; a run that never saved
-    starts afresh, its files kept in aborted_<k>/."""
+    the checkpoint must be the one read and of this folder's run; a new run where an unfinished
+    one left no checkpoint starts afresh, its files kept in aborted_<k>/ (check_new_run_dir)."""
     writable_dir(run_dir or "logs")  # before anything is written, folders included
     run_dir = run_dir or new_run_dir(name)
     for path in (os.path.join(run_dir, n) for n in LOGS + (CHECKPOINT, PREVIOUS)):
