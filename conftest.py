@@ -277,6 +277,18 @@ def signal_self(signum=signal.SIGINT):
     time.sleep(0.01)
 
 
+def signal_at_each_write(monkeypatch):
+    """Each support.write_atomically (write_output's writes), then a signal to this process
+    (signal_self): a Ctrl-C that lands while a command writes its files."""
+    real = support.write_atomically
+
+    def write(path, data):
+        real(path, data)
+        signal_self()
+
+    monkeypatch.setattr(support, "write_atomically", write)
+
+
 def another_job_locks(folder):
     """Lock folder as another process would (an flock on a descriptor of its own) -> the
     descriptor (close it to release), or None where a lock is held."""

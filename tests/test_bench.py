@@ -12,7 +12,7 @@ import torch
 
 import support
 import train_gpt as tg
-from conftest import TINY_RUN, load_command, run_main, signal_self
+from conftest import TINY_RUN, load_command, run_main, signal_at_each_write
 
 
 def test_bench_times_its_passes_side_by_side_each_by_its_median(monkeypatch):
@@ -206,7 +206,7 @@ def test_bench_forces_each_sparsity_and_works_out_speedup_and_efficiency(monkeyp
 def test_a_signal_during_a_bench_s_writes_leaves_its_files_of_one_bench(tmp_path, monkeypatch):
     # Ctrl-C as each file is written over an earlier bench's: held till the last is written,
     # then the command stops (130), bench.md and bench.json both the new bench's
-    bench, real = load_command("bench.py"), support.write_atomically
+    bench = load_command("bench.py")
     size = dict(n_layers=2, dim=32, n_heads=2, n_kv_heads=2, max_seq_len=32, seq_len=32)
     monkeypatch.setitem(bench.SIZES, "tiny", ({**size, "vocab_size": 256}, 2))
     argv = ["--size=tiny", "--repeats=1", f"--out={tmp_path}"]
@@ -215,12 +215,7 @@ def test_a_signal_during_a_bench_s_writes_leaves_its_files_of_one_bench(tmp_path
         times = {**medians, **{f"host_{k}": 0.1 for k in medians}}
         monkeypatch.setattr(bench, "timed", lambda fns, repeats, sync, times=times: times)
         if cli_code:
-
-            def write(path, data):
-                real(path, data)
-                signal_self()
-
-            monkeypatch.setattr(support, "write_atomically", write)
+            signal_at_each_write(monkeypatch)
         assert support.cli(bench.main, argv) == cli_code
     rows = json.loads((tmp_path / "bench.json").read_text())["results"][0]["rows"]
     assert [(r["fwd_speedup"], r["fb_speedup"]) for r in rows] == [(2.0, 4.0)] * 4

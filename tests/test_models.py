@@ -29,7 +29,7 @@ from conftest import (
     read_metrics,
     run_command,
     run_main,
-    signal_self,
+    signal_at_each_write,
     tiny,
 )
 
@@ -433,18 +433,13 @@ def test_a_signal_during_an_export_over_another_leaves_the_new_one_whole(
     run, out = tmp_path / "run", tmp_path / "out"
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
-    export, real = load_command("export.py"), support.write_atomically
+    export = load_command("export.py")
     assert support.cli(export.main, [str(run), str(out)]) == 0
     code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
     assert code == 0, err
     assert support.cli(export.main, [str(run), str(tmp_path / "whole")]) == 0
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
-
-    def write(path, data):
-        real(path, data)
-        signal_self()
-
-    monkeypatch.setattr(support, "write_atomically", write)
+    signal_at_each_write(monkeypatch)
     assert support.cli(export.main, [str(run), str(out)]) == 130
     assert {p.name: p.read_bytes() for p in out.iterdir()} == whole
 

@@ -22,7 +22,7 @@ from conftest import (
     load_command,
     read_metrics,
     run_command,
-    signal_self,
+    signal_at_each_write,
     write_shard,
 )
 from data import shards
@@ -394,7 +394,7 @@ def test_a_signal_during_a_report_leaves_the_table_and_figure_of_one_runs_csv(
 ):
     # Ctrl-C as each file of a report is written over another record's: held till the last is
     # written, then the command stops (130), table.md and figure.png both the new runs.csv's
-    sweep, real = load_command("sweep.py"), support.write_atomically
+    sweep = load_command("sweep.py")
     old, new = (
         Path(REPO, "records", f"2026-11-26_figure2_bytes_core_5seeds_{v}_cpu", "runs.csv")
         for v in ("v2", "v3")
@@ -405,12 +405,7 @@ def test_a_signal_during_a_report_leaves_the_table_and_figure_of_one_runs_csv(
         assert support.cli(sweep.main, [f"--report={tmp_path / folder / 'runs.csv'}"]) == 0
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
     shutil.copy(new, tmp_path / "out" / "runs.csv")
-
-    def write(path, data):
-        real(path, data)
-        signal_self()
-
-    monkeypatch.setattr(support, "write_atomically", write)
+    signal_at_each_write(monkeypatch)
     assert support.cli(sweep.main, [f"--report={tmp_path / 'out' / 'runs.csv'}"]) == 130
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == whole
 
