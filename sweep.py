@@ -337,6 +337,8 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
                 ]
             if state != "fresh":
                 check_settings(run_dir, plan)
+                if state == "done":
+                    final_validation(run_dir)  # (what measure reads of it)
             else:  # its first command's checks, before any run starts (under torchrun a rank's
                 # line came after other runs began): where it writes (a file there, say), and
                 # the trainer's (an expansion's: at its start) of what its folder holds and of
@@ -398,11 +400,51 @@ def check_corpus(run_dir: str):
         raise support.UserError(f"{run_dir}: {e}") from None
 
 
+# runs.csv's columns that a run's final validation record gives (measure), and its keys for them
+RECORDED = {
+    "val_loss": "val_loss",
+    "val_se": "val_se",
+    "val_docs": "val_docs",
+    "sparsity": "sparsity",
+    "flops_per_token": "fwd_flops_per_token",
+}
+
+
+def final_validation(run_dir: str) -> dict:
+    """A finished run's final validation record (runlog.complete), what measure reads of it
+    checked as read_runs checks runs.csv: each RECORDED column a number of its type and range,
+    and block_active a share per layer. A UserError where the record was edited (run_grid: before
+    the grid trains, not a traceback once it has)."""
+    val = runlog.run_records(run_dir, "val")[-1]
+    n_layers = runlog.json_object(os.path.join(run_dir, "config.json")).get("n_layers")
+    for column, key in RECORDED.items():
+        v, number = val.get(key), (int,) if RUN_KEYS[column] is int else (int, float)
+        if not (v is None and column in OPTIONAL) and not (
+            type(v) in number and support.within(v, RUN_RANGES.get(column, "[0, 1e100)"))
+        ):
+            bad = f"{key}={v!r}"
+            break
+    else:
+        shares = val.get("block_active")
+        if (
+            isinstance(shares, list)
+            and len(shares) == n_layers
+            and all(type(a) in (int, float) and 0 <= a <= 1 for a in shares)
+        ):
+            return val
+        bad = f"block_active={shares!r} (a share of tokens for each of its {n_layers} layers)"
+    raise support.UserError(
+        f"{os.path.join(run_dir, runlog.LOGS[1])}: its final validation record has {bad}, which "
+        f"the trainer does not write (edited?): mend the line, or move the run away to train it "
+        f"again"
+    )
+
+
 def measure(run_dir: str, device: str) -> dict:
     """One row of runs.csv: the run's final validation record, its settings and commit, the
     sparsity each block reached against its target, and evaluation time per token on its final
     weights (masked, and compacted where the router allows it)."""
-    val = runlog.run_records(run_dir, "val")[-1]
+    val = final_validation(run_dir)
     config = runlog.json_object(os.path.join(run_dir, "config.json"))
     hp, weights = tg.read_source(run_dir)  # (the checkpoint read once, for both models)
     model = tg.built(hp, weights, device).eval()
@@ -688,6 +730,7 @@ MAX_RUNS_CSV = 64 << 20  # a grid's runs.csv: about 2 kB a run; more is not one
 # where runs.csv's numbers lie (read_runs); any other: [0, 1e100), a bound that keeps the
 # report's statistics and figure finite
 RUN_RANGES = {"flops_per_token": "(0, 1e100)", "sparsity": "[0, 1]"}
+OPTIONAL = ("val_se", "val_docs")  # its columns that may be empty (None)
 
 
 def read_runs(path: str) -> list:
@@ -725,7 +768,7 @@ def read_runs(path: str) -> list:
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
         for k, v in r.items():
             spec = RUN_RANGES.get(k, "[0, 1e100)")
-            if v is None and k not in ("val_se", "val_docs"):
+            if v is None and k not in OPTIONAL:
                 raise support.UserError(f"{path}:{i}: {k} is empty")
             if isinstance(v, (int, float)) and not support.within(v, spec):
                 raise support.UserError(f"{path}:{i}: {k}={v} must lie in {spec}")

@@ -624,6 +624,46 @@ def test_a_run_refused_under_torchrun_is_said_by_its_ranks_error_line(
     assert f"bad_s0: train_gpt.py exited 1: error: no shards match {tmp_path / 'runs'}/" in err, err
 
 
+def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_starts(
+    tmp_path, monkeypatch, capsys
+):
+    # measure reads each run's final validation record once the grid has trained: an edited one
+    # (a figure dropped, or of another type or range than runs.csv takes) was a traceback there
+    sweep = load_command("sweep.py")
+    monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=[sweep.dense(2)]))
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    done = runs / "dense_2_s0"
+    done.mkdir(parents=True)
+    argv = TINY_GRID + ["--router=none", "--n_layers=2", "--seed=0", f"--run_dir={done}"]
+    config = {**asdict(tg.resolve(tg.parse_overrides(argv))), "num_steps": 5}
+    (done / "config.json").write_text(json.dumps(config))
+    shares = dict(sparsity=0.25, fwd_flops_per_token=1e5, block_active=[1.0, 0.5])
+    record = dict(kind="val", step=5, val_loss=3.5, val_se=0.1, val_docs=7, **shares)
+    for edit, said in (
+        (dict(val_loss=None), "val_loss=None"),
+        (dict(val_loss="3.5"), "val_loss='3.5'"),
+        (dict(val_loss=math.inf), "val_loss=inf"),
+        (dict(val_docs=7.5), "val_docs=7.5"),
+        (dict(val_docs=True), "val_docs=True"),
+        (dict(val_se=-0.1), "val_se=-0.1"),
+        (dict(sparsity=1.5), "sparsity=1.5"),
+        (dict(fwd_flops_per_token=0), "fwd_flops_per_token=0"),
+        (dict(block_active=[1.0]), "block_active=[1.0] (a share of tokens for each of its 2"),
+        (dict(block_active=[1.0, "1"]), "block_active=[1.0, '1']"),
+        (dict(block_active=[1.0, 1.5]), "block_active=[1.0, 1.5]"),
+    ):
+        (done / "metrics.jsonl").write_text(json.dumps({**record, **edit}) + "\n")
+        assert sweep.run_state(str(done)) == "done"
+        argv = [f"--runs={runs}", f"--out={out}", "--grid=tiny", "--seeds=2"]
+        code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and said in err, err
+        assert "metrics.jsonl: its final validation record has" in err
+        assert [p.name for p in runs.iterdir()] == ["dense_2_s0"] and not out.exists()  # no run
+    for written in (record, {**record, "val_se": None, "val_docs": None}):  # (older: no docs)
+        (done / "metrics.jsonl").write_text(json.dumps(written) + "\n")
+        assert sweep.final_validation(str(done)) == written
+
+
 def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(
     tmp_path, monkeypatch, capsys
 ):
