@@ -540,7 +540,8 @@ def writable_dir(path: str, outputs=(), by: str = "") -> str:
     """Before any long work: folder path (or where it would be made) takes PROBE_BYTES, synced, in
     a nameless file (an empty file fits on a full disk), and each of outputs there is absent or
     a file that write_output wrote for command `by` (its file), unchanged since: no user's file
-    is replaced, nor another command's."""
+    is replaced, nor another command's. With outputs, an existing folder is locked now, as
+    write_output would lock it (another job's, a run in training say: refused before the work)."""
     if not path:
         raise UserError("expected a folder, got an empty path")
     if OUTPUTS in outputs:  # (skipview.py --out=FILE names its own)
@@ -548,6 +549,8 @@ def writable_dir(path: str, outputs=(), by: str = "") -> str:
             f"{os.path.join(path, OUTPUTS)}: that name is the folder's record of what commands "
             f"wrote there: name the output otherwise; nothing was written"
         )
+    if outputs and os.path.isdir(path):
+        lock_folder(path)
     ours = written_outputs(path) if outputs else {}  # (a command that keeps no record: not read)
     for name in outputs:
         problem, _ = ownership(path, name, ours, by)

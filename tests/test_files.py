@@ -311,16 +311,18 @@ def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path
 
 
 def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path, monkeypatch, capsys):
-    # the folder's lock held by another job: a command's first write there (write_output,
-    # remove_output) is refused before anything is written; its own first write takes the lock
-    # (its check, writable_dir, takes none) and keeps it to the command's end; where the file
-    # system takes no lock, a note, and the write goes on
+    # the folder's lock held by another job: a command's check of the folder before its work
+    # (writable_dir, where the folder is there), or its first write (write_output,
+    # remove_output) is refused before anything is written; its own first takes the lock and
+    # keeps it to the command's end; where the file system takes no lock, a note, and the write
+    # goes on
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("a user's file")
-    support.writable_dir(str(out), ("bench.md",), by="bench.py")
+    support.writable_dir(str(out / "new"), ("bench.md",), by="bench.py")  # (none there to lock)
     other = another_job_locks(out)
     calls = {
+        "check": lambda: support.writable_dir(str(out), ("bench.md",), by="bench.py"),
         "write": lambda: support.write_output(str(out), "bench.md", b"table", by="bench.py"),
         "remove": lambda: support.remove_output(str(out), "mine.txt", by="bench.py"),
     }
@@ -331,8 +333,9 @@ def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path, monkeypatch,
             assert os.listdir(out) == ["mine.txt"], when
     finally:
         os.close(other)
-    support.write_output(str(out), "bench.md", b"table", by="bench.py")
+    support.writable_dir(str(out), ("bench.md",), by="bench.py")
     assert another_job_locks(out) is None  # held by this job till it is over
+    support.write_output(str(out), "bench.md", b"table", by="bench.py")
     support.write_output(str(out), "bench.json", b"{}", by="bench.py")  # (its own: no refusal)
     support.release_locks()
     os.close(another_job_locks(out))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import shutil
 from dataclasses import asdict, replace
@@ -16,6 +17,7 @@ import train_gpt as tg
 from conftest import (
     AUTHORS_TINY,
     RESUME_RUN,
+    another_job_locks,
     load_command,
     logits_gates,
     mor_model,
@@ -271,6 +273,13 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     assert support.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
     assert support.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
     assert capsys.readouterr().err.count("error: ") == 2
+    training = another_job_locks(run)  # a page into a folder that a job holds (a run training)
+    try:  # refused before the work (no view printed), not at its write
+        assert support.cli(skipview.main, [str(run), "--text=a", f"--out={run / 'p.html'}"]) == 2
+    finally:
+        os.close(training)
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"error: {run} is in use by another job"), err
     # validation shards whose first is empty (a traceback): the tokens after it, as a model
     # folder whose settings name them
     from safetensors.torch import save_file
