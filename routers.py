@@ -20,6 +20,8 @@ DLO (Tan et al. 2024), `router=dlo`:
     contradicts eq. 3's top floor((1 - rho_i) S) and eq. 10, whose scales average near 1 only
     for a skip rate (Algorithm 1 line 35's top floor(rho_i S) agrees with eq. 8 as written).
     rho_{i,1} is step 1's annealed rate.
+  - Inference runs the MLP where r >= beta / 2 (eq. 2; Algorithm 1 line 37: r > beta / 2):
+    only a token with r exactly beta / 2 differs, every token of the zero-initialised routers.
   - Labels (eq. 5) rank the R' x S similarities (R' = n_layers) within each sequence, keeping
     floor((1 - rho^t) R' S) at the annealed rate (Algorithm 1 line 46; eq. 5 prints the target
     rho); eqs. 6 and 8 average over the global batch. Top-k ties (every r is 1 at routers' zero

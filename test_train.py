@@ -1017,9 +1017,10 @@ def test_embedded_sample_is_valid():
 # -------------------------------------------------------------------- FLOPs and MFU
 
 
-@pytest.mark.parametrize("seq_len", [64, 256])
-def test_dense_flops_per_token_match_flop_counter_at_the_trained_length(monkeypatch, seq_len):
-    hp = tiny(router="none", vocab_size=1000, dim=128, n_layers=2, max_seq_len=256, seq_len=seq_len)
+@pytest.mark.parametrize("router, seq_len", [("none", 64), ("none", 256), ("skip_middle", 64)])
+def test_flops_per_token_match_flop_counter_at_the_trained_length(monkeypatch, router, seq_len):
+    # every token run (gated: as masked runs them, its gate linears' matmuls too)
+    hp = tiny(router=router, vocab_size=1000, dim=128, n_layers=2, max_seq_len=256, seq_len=seq_len)
     monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
     reference = counted_flops(tg.GPT(hp), 1, seq_len)
     assert tg.forward_flops(hp) == pytest.approx(reference, rel=1e-9)  # (every matmul, exactly)
@@ -1067,7 +1068,7 @@ def test_sparse_flops_scale_with_active_fraction():
     assert full - tg.forward_flops(hp, [1, 0.5, 0.5, 1]) == pytest.approx(half)
     assert full - tg.forward_flops(hp, None, [1, 0, 0, 1]) == 2 * ffn  # the MLPs alone
     dense = tg.forward_flops(replace(hp, router="none"))
-    assert full - dense == 2 * 16 * 2 * (32 + 1)  # only the two gate linears differ
+    assert full - dense == 2 * 16 * 2 * 32  # only the two gate linears' matmuls differ
 
 
 def test_mfu_counts_the_tokens_of_the_step_at_the_trained_length(monkeypatch):

@@ -24,6 +24,8 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
   - ReLU in eq. 1 and eq. 2's clamp have subgradient 1 at their bounds (clamp_keep_grad, on
     every torch), so `gate_init=zero` gates learn.
   - The gate of block l < L/2 reads the stream entering block l (h^(i,l) is ambiguous).
+  - Section 2.4's targets run linearly from mu_start at block 0 to mu_end at block L/2 - 1
+    (the last gated one; the paper's index is L/2), as the authors' code (mean_targets).
   - Eq. 6's tolerance applies to |deviation| (authors' code): coefficients fall as well as rise;
     beta uses it with variance targets mu*(1 - mu*); eq. 4's variance is over N (their loss's:
     N - 1).
@@ -457,7 +459,7 @@ class SkipMiddle(Router):
 
     @staticmethod
     def extra_flops(hp, T):
-        return (hp.n_layers // 2) * T * 2 * (hp.dim + 1)  # gate linears, all tokens
+        return (hp.n_layers // 2) * T * 2 * hp.dim  # gate linears' matmuls, all tokens
 
     @staticmethod
     def skipped_tokens_are_keys(hp):
