@@ -204,6 +204,11 @@ class RunLog:
     def print(self, line: str):
         if self.active:
             print(line, flush=True)
+            self.write(line)
+
+    def write(self, line: str):
+        """line to train.log alone."""
+        if self.active:
             with named(self.log.name):
                 self.log.write(line + "\n")
                 self.log.flush()
@@ -278,8 +283,8 @@ class RunLog:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if isinstance(error, RunStopped):  # the error line in train.log too
-                self.print(f"error: {error}")
+            if isinstance(error, RunStopped):  # the error line (support.cli's) in train.log too
+                self.write(f"error: {error}")
         finally:  # (closed even if that line cannot be written)
             self.close()
 
