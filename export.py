@@ -108,7 +108,7 @@ def model_card(hp, trained: dict, params: int, layout: str) -> str:
     v = trained["validation"]
     figures = (
         f"- validation at step {v.get('step')}: loss {figure(v, 'val_loss', '.4f')} (SE "
-        f"{figure(v, 'val_se', '.4f')} over {v.get('val_docs')} documents), sparsity "
+        f"{figure(v, 'val_se', '.4f')} over {figure(v, 'val_docs', '')} documents), sparsity "
         f"{figure(v, 'sparsity', '.4f')}, forward FLOPs per token "
         f"{figure(v, 'fwd_flops_per_token', '.4g')} (dense "
         f"{figure(v, 'fwd_flops_per_token_dense', '.4g')})"

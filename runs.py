@@ -330,14 +330,23 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
                     os.remove(stale)
     if old:
         k = 1
-        while os.path.exists(aside := os.path.join(run_dir, f"aborted_{k}")):
+        while os.path.lexists(aside := os.path.join(run_dir, f"aborted_{k}")):  # (a link: taken)
             k += 1
+        moved = []
         try:
             os.makedirs(aside)
             for n in old:
                 os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
-        except OSError as e:
-            raise UserError(f"cannot move the earlier attempt's logs aside: {e.strerror}") from None
+                moved.append(n)
+        except OSError as e:  # those moved put back: one attempt's logs stay in one place
+            with contextlib.suppress(OSError):
+                for n in moved:
+                    os.replace(os.path.join(aside, n), os.path.join(run_dir, n))
+                os.rmdir(aside)  # (made above: empty again)
+            raise UserError(
+                f"cannot move the earlier attempt's logs aside ({os_error_text(e)}): move them "
+                f"yourself, or give another folder"
+            ) from None
         print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
     return run_dir
 

@@ -110,7 +110,9 @@ def test_a_second_job_on_a_busy_run_is_refused_and_a_killed_one_leaves_no_lock(t
     assert train == list(range(1, step + 2))  # each step once
 
 
-def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path, capsys):
+def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(
+    tmp_path, monkeypatch, capsys
+):
     code, _, err = run_main(RESUME_RUN + ["--stop_step=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 0, err
     (tmp_path / "checkpoint.pt").unlink()
@@ -130,9 +132,24 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path,
         assert "checkpoint.pt is a broken symbolic link" in err, err  # (no run to continue)
     (tmp_path / "checkpoint.pt").unlink()
     assert files() == before  # a refusal writes nothing
+    # a log that cannot be moved aside (made immutable, say): those moved before it put back
+    real = os.replace
+
+    def stuck(src, dst):
+        if os.path.basename(src) == "metrics.jsonl":
+            raise PermissionError(errno.EPERM, "Operation not permitted", src)
+        real(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(runs.os, "replace", stuck)
+        code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"aside ({tmp_path / 'metrics.jsonl'}: Operation not permitted)" in err, err
+    assert files() == before and not os.path.lexists(tmp_path / "aborted_1")
+    (tmp_path / "aborted_1").symlink_to(tmp_path / "gone")  # a broken link: that name is taken
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh: logs kept
     assert code == 0 and "its files are in" in err, err
-    assert {p.name: p.read_bytes() for p in (tmp_path / "aborted_1").iterdir()} == before
+    assert {p.name: p.read_bytes() for p in (tmp_path / "aborted_2").iterdir()} == before
     # but a complete run (validated at its last step: a result, a record's folder) is not
     # started again in its folder, its checkpoint gone or not
     (tmp_path / "checkpoint.pt").unlink()
@@ -140,7 +157,7 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(tmp_path,
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert f"{tmp_path} holds a complete run (validated at its last step) and no" in err, err
-    assert files() == before and not (tmp_path / "aborted_2").exists()
+    assert files() == before and not (tmp_path / "aborted_3").exists()
 
 
 def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch, capsys):
