@@ -106,6 +106,10 @@ def figure(v: dict, key: str, form: str) -> str:
 
 def model_card(hp, trained: dict, params: int, layout: str) -> str:
     v = trained["validation"]
+    # each a line of the card: a newline in one (a folder's name, an edit) escaped
+    said = {
+        k: support.one_line(trained.get(k) or "") for k in ("command", "git_commit", "init_from")
+    }
     figures = (
         f"- validation at step {v.get('step')}: loss {figure(v, 'val_loss', '.4f')} (SE "
         f"{figure(v, 'val_se', '.4f')} over {figure(v, 'val_docs', '')} documents), sparsity "
@@ -115,14 +119,14 @@ def model_card(hp, trained: dict, params: int, layout: str) -> str:
         if v
         else f"- no validation of these weights (step {trained.get('step')}) recorded"
     )
-    commit = trained.get("git_commit") or "unknown"
+    commit = said["git_commit"] or "unknown"
     if trained.get("git_dirty"):
         commit = f"{commit}, with changes not committed (the run's train.log holds its sources)"
     origin = "a random initialisation" if trained["logged"] else "unknown (no config.json)"
     if trained.get("expanded"):
         origin = "a depth expansion of another run's weights (the run's expand.json)"
-    if trained.get("init_from"):
-        origin = f"the weights of {trained['init_from']}"
+    if said["init_from"]:
+        origin = f"the weights of {said['init_from']}"
     return f"""# {hp.router} model, {hp.n_layers} layers, dim {hp.dim}
 
 A model trained by this project's `train_gpt.py` (token-conditional depth in Transformers:
@@ -135,7 +139,7 @@ weights are `model.safetensors`.
 - trained here {trained.get("step")} steps, {trained.get("tokens")} tokens (run
   {trained.get("run_id")}), from {origin}
 {figures}
-- the last job's command: `{trained.get("command") or "unknown"}` (train.log: every job's)
+- the last job's command: `{said["command"] or "unknown"}` (train.log: every job's)
 - commit: {commit}
 
 ## Use it with this project

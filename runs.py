@@ -332,23 +332,36 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         k = 1
         while os.path.lexists(aside := os.path.join(run_dir, f"aborted_{k}")):  # (a link: taken)
             k += 1
-        moved = []
-        try:
-            os.makedirs(aside)
-            for n in old:
-                os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
-                moved.append(n)
-        except OSError as e:  # those moved put back: one attempt's logs stay in one place
-            with contextlib.suppress(OSError):
-                for n in moved:
-                    os.replace(os.path.join(aside, n), os.path.join(run_dir, n))
-                os.rmdir(aside)  # (made above: empty again)
-            raise UserError(
-                f"cannot move the earlier attempt's logs aside ({os_error_text(e)}): move them "
-                f"yourself, or give another folder"
-            ) from None
+        move_aside(run_dir, old, aside)
         print(f"{run_dir} held a run with no checkpoint; its files are in {aside}", file=sys.stderr)
     return run_dir
+
+
+def move_aside(run_dir: str, names: list, aside: str):
+    """RUN_DIR's files `names` moved into the new folder aside, all of them or none: where one
+    cannot move, those moved go back and the folder goes (one attempt's logs stay in one place),
+    and a UserError names it (and any that could not go back); a full disk stays one (refuse)."""
+    try:
+        os.makedirs(aside)
+    except OSError as e:
+        refuse(e, aside, "create")
+    moved = []
+    try:
+        for n in names:
+            os.replace(os.path.join(run_dir, n), os.path.join(aside, n))
+            moved.append(n)
+    except OSError as e:
+        for n in moved:
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(aside, n), os.path.join(run_dir, n))
+        left = os.listdir(aside)  # (made above: empty, unless one could not go back)
+        if not left:
+            os.rmdir(aside)
+        raise UserError(
+            f"cannot move the earlier attempt's logs aside ({os_error_text(e)})"
+            + (f"; {', '.join(sorted(left))} left in {aside}" if left else "")
+            + ": move them yourself, or give another folder"
+        ) from None
 
 
 def check_new_run_dir(run_dir: str) -> list:

@@ -99,12 +99,15 @@ def cli(main, argv, end_line=None) -> int:
     if text is None:
         return status
     text += "" if ckpt is None else f"; last checkpoint: {ckpt}"
-    # one line, whatever a name in it holds (a newline, say), in one write: ranks' lines do
-    # not interleave
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-    sys.stderr.write(f"error: {text}\n")
+    # one line, whatever a name in it holds, in one write: ranks' lines do not interleave
+    sys.stderr.write(f"error: {one_line(text)}\n")
     sys.stderr.flush()
     return status
+
+
+def one_line(text: str) -> str:
+    """text on one line: each character that does not print (a newline, say) as its escape."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def ignore_signals():

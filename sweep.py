@@ -412,32 +412,38 @@ RECORDED = {
 
 def final_validation(run_dir: str) -> dict:
     """A finished run's final validation record (runlog.complete), what measure reads of it
-    checked as read_runs checks runs.csv: each RECORDED column a number of its type and range,
-    and block_active a share per layer. A UserError where the record was edited (run_grid: before
-    the grid trains, not a traceback once it has)."""
+    checked as read_runs checks runs.csv: each RECORDED column (recordable), and block_active a
+    share per layer (every router's record has it). A UserError naming what is not (run_grid:
+    before the grid trains, not a traceback once it has)."""
     val = runlog.run_records(run_dir, "val")[-1]
     n_layers = runlog.json_object(os.path.join(run_dir, "config.json")).get("n_layers")
-    for column, key in RECORDED.items():
-        v, number = val.get(key), (int,) if RUN_KEYS[column] is int else (int, float)
-        if not (v is None and column in OPTIONAL) and not (
-            type(v) in number and support.within(v, RUN_RANGES.get(column, "[0, 1e100)"))
-        ):
-            bad = f"{key}={v!r}"
-            break
-    else:
-        shares = val.get("block_active")
-        if (
-            isinstance(shares, list)
-            and len(shares) == n_layers
-            and all(type(a) in (int, float) and 0 <= a <= 1 for a in shares)
-        ):
-            return val
-        bad = f"block_active={shares!r} (a share of tokens for each of its {n_layers} layers)"
-    raise support.UserError(
-        f"{os.path.join(run_dir, runlog.LOGS[1])}: its final validation record has {bad}, which "
-        f"the trainer does not write (edited?): mend the line, or move the run away to train it "
-        f"again"
-    )
+    shares = val.get("block_active")
+    unread = [f"{key}={val.get(key)!r}" for c, key in RECORDED.items() if not recordable(c, val)]
+    if not (
+        isinstance(shares, list)
+        and len(shares) == n_layers
+        and all(type(a) in (int, float) and 0 <= a <= 1 for a in shares)
+    ):
+        unread.append(
+            f"block_active={shares!r} (a share of tokens for each of its {n_layers} layers)"
+        )
+    if unread:
+        raise support.UserError(
+            f"{os.path.join(run_dir, runlog.LOGS[1])}: its final validation record has "
+            f"{unread[0]}, which runs.csv cannot take (edited, or an older version's?): mend the "
+            f"line, or move the run away to train it again"
+        )
+    return val
+
+
+def recordable(column: str, val: dict) -> bool:
+    """Whether the record val's figure for runs.csv's column (RECORDED) is one read_runs takes: a
+    number of the column's type in its range (RUN_RANGES), or none where it may be empty."""
+    v = val.get(RECORDED[column])
+    if v is None:
+        return column in OPTIONAL
+    number = (int,) if RUN_KEYS[column] is int else (int, float)
+    return type(v) in number and support.within(v, RUN_RANGES.get(column, "[0, 1e100)"))
 
 
 def measure(run_dir: str, device: str) -> dict:
@@ -459,12 +465,9 @@ def measure(run_dir: str, device: str) -> dict:
         return tg.compile_model(m) if device.startswith("cuda") else m
 
     row = dict(
-        val_loss=val["val_loss"],
-        val_se=val.get("val_se"),
-        val_docs=val.get("val_docs"),  # (None:
-        encoding=hp.encoding,  # validated before train_gpt.py counted documents)
-        sparsity=val["sparsity"],
-        flops_per_token=val["fwd_flops_per_token"],
+        # (val_se and val_docs None: validated before train_gpt.py counted documents)
+        **{column: val.get(key) for column, key in RECORDED.items()},
+        encoding=hp.encoding,
         steps=val["step"],
         tokens=val["step"] * hp.batch_size * hp.seq_len,
         commit=(config.get("git_commit") or "none") + ("+dirty" if config.get("git_dirty") else ""),

@@ -758,9 +758,13 @@ def test_export_s_card_shows_the_validation_of_the_step_written(tmp_path):
     card = export.model_card(tiny(), dirty, 1234, "LAYOUT.")
     assert "- commit: abc123, with changes not committed (the run's train.log" in card
     assert "loss n/a (SE n/a over 3 documents), sparsity n/a" in card  # (a bool: no figure)
-    edited = {**dirty, "validation": {"step": 5, "val_docs": "many\n# a heading"}}  # (a user's)
+    # what a user (or a folder's name) put in the records: each where it belongs, one line
+    edited = {**dirty, "validation": {"step": 5, "val_docs": "many\n# a heading"}}
+    edited |= {k: f"{k}\n# a heading" for k in ("command", "git_commit", "init_from")}
     card = export.model_card(tiny(), edited, 1234, "LAYOUT.")
-    assert "(SE n/a over n/a documents)" in card and "# a heading" not in card
+    assert "(SE n/a over n/a documents)" in card and "\n#" not in card.split("\n## Use")[0][1:]
+    assert "command: `command\\n# a heading`" in card and "commit: git_commit\\n# a" in card
+    assert "from the weights of init_from\\n# a heading" in card
     card = export.model_card(tiny(), {**trained, "logged": False, "validation": {}}, 1, "")
     assert (
         "from unknown (no config.json)" in card

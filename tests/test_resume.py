@@ -799,6 +799,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys
     )
     assert not glob.glob(str(tmp_path / "checkpoint.pt.*.tmp"))  # the partial file is gone
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
+    # (step 0's, no longer needed, given up before the write: step 2's under both names)
+    assert os.path.samefile(tmp_path / "checkpoint.pt", tmp_path / "checkpoint.prev.pt")
     monkeypatch.undo()  # space freed
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)
     assert code == 0, err

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -132,20 +133,36 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(
         assert "checkpoint.pt is a broken symbolic link" in err, err  # (no run to continue)
     (tmp_path / "checkpoint.pt").unlink()
     assert files() == before  # a refusal writes nothing
-    # a log that cannot be moved aside (made immutable, say): those moved before it put back
-    real = os.replace
+    # a log that cannot be moved aside (made immutable, say): those moved before it put back,
+    # or named where one cannot go back either; a full disk as the folder is made: status 1
+    real, make, aside = os.replace, os.makedirs, tmp_path / "aborted_1"
 
-    def stuck(src, dst):
-        if os.path.basename(src) == "metrics.jsonl":
+    def stuck(src, dst, back=False):
+        if os.path.basename(src) == "metrics.jsonl" or (
+            back and os.path.dirname(src) == str(aside)
+        ):
             raise PermissionError(errno.EPERM, "Operation not permitted", src)
         real(src, dst)
 
-    with monkeypatch.context() as m:
-        m.setattr(runs.os, "replace", stuck)
-        code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
-    assert code == 2 and err.count("\n") == 1, err
-    assert f"aside ({tmp_path / 'metrics.jsonl'}: Operation not permitted)" in err, err
-    assert files() == before and not os.path.lexists(tmp_path / "aborted_1")
+    def full(path, *args, **kwargs):
+        if os.path.basename(path) == "aborted_1":
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        make(path, *args, **kwargs)
+
+    for patch, status, said in (
+        (dict(replace=stuck), 2, f"aside ({tmp_path / 'metrics.jsonl'}: Operation not permitted)"),
+        (dict(replace=partial(stuck, back=True)), 2, f"; train.log left in {aside}: move them"),
+        (dict(makedirs=full), 1, f"error: {aside}: No space left on device\n"),
+    ):
+        with monkeypatch.context() as m:
+            for name, fake in patch.items():
+                m.setattr(runs.os, name, fake)
+            code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+        assert code == status and err.count("\n") == 1 and said in err, err
+        if "left in" in said:  # (the one that could not go back, put back here)
+            real(aside / "train.log", tmp_path / "train.log")
+            aside.rmdir()
+        assert files() == before and not os.path.lexists(aside)
     (tmp_path / "aborted_1").symlink_to(tmp_path / "gone")  # a broken link: that name is taken
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)  # afresh: logs kept
     assert code == 0 and "its files are in" in err, err
