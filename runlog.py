@@ -20,7 +20,16 @@ import numpy as np
 import torch
 
 import support
-from support import HERE, RunStopped, UserError, fmt_list, named, sha256_of, write_atomically
+from support import (
+    HERE,
+    RunStopped,
+    UserError,
+    fmt_list,
+    named,
+    os_error_text,
+    sha256_of,
+    write_atomically,
+)
 
 LOGS = ("train.log", "metrics.jsonl", "config.json")  # a run directory's record (RunLog)
 
@@ -283,8 +292,9 @@ class RunLog:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if isinstance(error, RunStopped):  # the error line (support.cli's) in train.log too
-                self.write(f"error: {error}")
+            # the error line (support.cli's, but the checkpoint the ledger names) in train.log too
+            if isinstance(error, (RunStopped, UserError, OSError)):
+                self.write(f"error: {os_error_text(error)}")
         finally:  # (closed even if that line cannot be written)
             self.close()
 

@@ -274,6 +274,17 @@ def test_a_run_log_ends_with_a_stop_line_and_closes_both_files(tmp_path, capsys)
     said = "\nerror: disk full; last checkpoint: none\n"
     assert (tmp_path / "train.log").read_text().endswith(said)
     assert log.log.closed and log.metrics.closed
+    for error, said in (  # a job's other failures mid-run (a bad shard, a full disk) too
+        (support.UserError("a bad shard"), "a bad shard"),
+        (
+            OSError(errno.ENOSPC, "No space left on device", "f.bin"),
+            "f.bin: No space left on device",
+        ),
+    ):
+        with pytest.raises(type(error)):
+            with runlog.RunLog(str(tmp_path / "failed"), config, True):
+                raise error
+        assert (tmp_path / "failed" / "train.log").read_text().endswith(f"\nerror: {said}\n")
     assert read_metrics(tmp_path) == [{"kind": "train", "step": 1}]
     other = tmp_path / "other"
     other.mkdir()
