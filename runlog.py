@@ -291,12 +291,12 @@ class RunLog:
         return self
 
     def __exit__(self, kind, error, traceback):
-        try:
-            # the error line (support.cli's, but the checkpoint the ledger names) in train.log too
-            if isinstance(error, (RunStopped, UserError, OSError)):
+        # the error line (support.cli's, but the checkpoint the ledger names) in train.log too,
+        # if it can be written: the error itself (a full disk, say) goes on, as it was
+        if isinstance(error, (RunStopped, UserError, OSError)):
+            with contextlib.suppress(OSError):
                 self.write(f"error: {os_error_text(error)}")
-        finally:  # (closed even if that line cannot be written)
-            self.close()
+        self.close()
 
     def close(self):
         if self.active:  # every write was flushed: a failure here would only hide the first

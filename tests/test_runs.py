@@ -285,6 +285,14 @@ def test_a_run_log_ends_with_a_stop_line_and_closes_both_files(tmp_path, capsys)
             with runlog.RunLog(str(tmp_path / "failed"), config, True):
                 raise error
         assert (tmp_path / "failed" / "train.log").read_text().endswith(f"\nerror: {said}\n")
+
+    def full(line):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(support.RunStopped, match="cannot write the checkpoint"):  # as it was
+        with runlog.RunLog(str(tmp_path / "full"), config, True) as log:
+            log.log.write = full  # (its line cannot be written)
+            raise support.RunStopped("cannot write the checkpoint of step 4; last checkpoint: x")
     assert read_metrics(tmp_path) == [{"kind": "train", "step": 1}]
     other = tmp_path / "other"
     other.mkdir()
