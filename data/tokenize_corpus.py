@@ -18,7 +18,7 @@ modded-nanogpt format that train_gpt.py reads, the encoding in the header; the f
 named as validation: NAME_val_000000.bin, then NAME_train_000001.bin, ... (with --val_every=K,
 every K-th document goes to validation shards instead). Documents with empty text are
 skipped; an input with none is an error; a JSON text holding a lone surrogate (an escape such as
-"\\ud800": not Unicode) is refused in either encoding. Encoding uses --workers processes; the
+"\\ud800": not Unicode) is refused in either encoding. Encoding uses --workers threads; the
 documents keep their order.
 
 What it may delete (class Corpus): shards are written into a temporary folder inside --out and
@@ -39,17 +39,19 @@ the committed sample was made with the version in data/sample/README.md.
 Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~200 MB).
 """
 
+import collections
+import contextlib
 import glob
 import hashlib
+import itertools
 import json
-import multiprocessing as mp
 import os
 import re
-import signal
 import stat
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
@@ -307,12 +309,30 @@ def documents(paths, raw: bool = False):
 _encodings = {}
 
 
-def quiet_worker():
-    """A pool worker leaves Ctrl-C and SIGUSR1 to its parent, and ends at once, without a
-    traceback, on the SIGTERM of the parent's pool.terminate()."""
-    for sig in (signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def encoded(items, workers: int):
+    """_encode over items, in order: here, or in `workers` threads (tiktoken lets go of the GIL
+    while it encodes), a few chunks of 16 in flight. Threads, not processes: a signal to the
+    whole process group (timeout, systemd, Slurm) reaches this process alone, and no worker
+    killed by it can leave a queue's lock held (multiprocessing.Pool's terminate() then waited
+    for ever). Stopped early (an error, a signal), the chunks not begun are dropped, and those
+    begun end first."""
+    if workers == 1:
+        yield from map(_encode, items)
+        return
+    pool, flight = ThreadPoolExecutor(workers), collections.deque()
+    try:
+        for chunk in iter(lambda: list(itertools.islice(items, 16)), []):
+            flight.append(pool.submit(_encode_all, chunk))
+            if len(flight) > 2 * workers:
+                yield from flight.popleft().result()
+        while flight:
+            yield from flight.popleft().result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _encode_all(chunk):
+    return [_encode(item) for item in chunk]
 
 
 def _encode(item):
@@ -391,47 +411,43 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
         ) from None
     fill, split = {False: 0, True: 0}, is_val or (lambda i: False)
     progress = Progress()
-    pool = mp.Pool(workers, quiet_worker) if workers > 1 else None
-    try:
-        with Corpus(out, name, enc, **by) as corpus:
-            corpus.inputs = inputs
-            items = ((n, text, enc) for n, text in documents(paths, raw=enc == "bytes"))
-            results = pool.imap(_encode, items, chunksize=16) if pool else map(_encode, items)
-            for doc_name, ids in results:
-                if isinstance(ids, str):
-                    raise UserError(f"{doc_name}: {ids}")
-                if len(ids) == 1:  # empty text: no document
-                    continue
-                val = split(n_docs)
-                n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
-                shard = buffers[val]
-                while len(ids):  # a long document may span several shards
-                    take = min(len(ids), shard_tokens - fill[val])
-                    shard[fill[val] : fill[val] + take], fill[val], ids = (
-                        ids[:take],
-                        fill[val] + take,
-                        ids[take:],
-                    )
-                    if fill[val] == shard_tokens:
-                        corpus.add(shard, val if is_val else None)
-                        fill[val] = 0
-                progress.update(n_docs, n_tokens, len(corpus.shards))
-            for val in (True, False):
-                if fill[val]:
-                    corpus.add(buffers[val][: fill[val]], val if is_val else None)
-            if not any("_train_" in n for n in corpus.shards) and corpus.shards:
-                raise UserError(
-                    f"all {n_docs} documents went to validation: no training shard; nothing "
-                    f"was written"
-                    if is_val
-                    else f"the {n_tokens:,} tokens fill one shard (--shard_tokens={shard_tokens}),"
-                    f" the validation one: no training shard; give a smaller --shard_tokens, or "
-                    f"--val_every=K; nothing was written"
+    items = ((n, text, enc) for n, text in documents(paths, raw=enc == "bytes"))
+    with (
+        Corpus(out, name, enc, **by) as corpus,
+        contextlib.closing(encoded(items, workers)) as results,  # (its workers ended first)
+    ):
+        corpus.inputs = inputs
+        for doc_name, ids in results:
+            if isinstance(ids, str):
+                raise UserError(f"{doc_name}: {ids}")
+            if len(ids) == 1:  # empty text: no document
+                continue
+            val = split(n_docs)
+            n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+            shard = buffers[val]
+            while len(ids):  # a long document may span several shards
+                take = min(len(ids), shard_tokens - fill[val])
+                shard[fill[val] : fill[val] + take], fill[val], ids = (
+                    ids[:take],
+                    fill[val] + take,
+                    ids[take:],
                 )
-            written = corpus.commit()
-    finally:
-        if pool:
-            pool.terminate()
+                if fill[val] == shard_tokens:
+                    corpus.add(shard, val if is_val else None)
+                    fill[val] = 0
+            progress.update(n_docs, n_tokens, len(corpus.shards))
+        for val in (True, False):
+            if fill[val]:
+                corpus.add(buffers[val][: fill[val]], val if is_val else None)
+        if not any("_train_" in n for n in corpus.shards) and corpus.shards:
+            raise UserError(
+                f"all {n_docs} documents went to validation: no training shard; nothing was written"
+                if is_val
+                else f"the {n_tokens:,} tokens fill one shard (--shard_tokens={shard_tokens}),"
+                f" the validation one: no training shard; give a smaller --shard_tokens, or "
+                f"--val_every=K; nothing was written"
+            )
+        written = corpus.commit()
     progress.update(n_docs, n_tokens, len(written), final=True)
     return written
 
@@ -549,7 +565,7 @@ def parser() -> ArgParser:
         type=in_range(int, 1, MAX_PROCESSES),
         default=max(1, usable_cpus() - 1),
         metavar="K",
-        help=f"encoding processes, at most {MAX_PROCESSES} (default: CPUs - 1, here %(default)s)",
+        help=f"encoding threads, at most {MAX_PROCESSES} (default: CPUs - 1, here %(default)s)",
     )
     p.add_argument(
         "--encoding",

@@ -1,6 +1,7 @@
 """data/tokenize_corpus.py: a corpus as shards of GPT-2 tokens or of bytes, its manifest and
 its check, and the loader reading them back (the other data scripts: tests/test_data.py)."""
 
+import contextlib
 import errno
 import glob
 import json
@@ -374,27 +375,45 @@ def test_each_shard_is_on_disk_before_the_manifest_that_lists_it(tmp_path, monke
     assert len(made) == 3 and set(made) <= set(synced[: synced.index("manifest")])
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum):
-    # what a scheduler sends (scancel: SIGTERM; Slurm's --signal: SIGUSR1) mid-way through
-    (tmp_path / "big.jsonl").write_text((json.dumps({"text": " word" * 20_000}) + "\n") * 300)
+@pytest.mark.parametrize(
+    "signum, workers, group",
+    [(signal.SIGTERM, 1, False), (signal.SIGUSR1, 1, False), (signal.SIGTERM, 2, True)],
+    ids=["sigterm", "sigusr1", "sigterm_to_the_group_of_two_workers"],
+)
+def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum, workers, group):
+    # what a scheduler sends (scancel: SIGTERM; Slurm's --signal: SIGUSR1) mid-way through; to
+    # the process group (timeout, systemd, Slurm), the workers too: one killed while it held
+    # multiprocessing.Pool's task queue lock made the pool's terminate() wait for ever
+    # (two workers: many short documents, so that one mostly waits for its next, holding that
+    # lock, while this process writes the shards)
+    doc, docs = (" word" * 20_000, 300) if workers == 1 else (" word" * 4, 300_000)
+    (tmp_path / "big.jsonl").write_text((json.dumps({"text": doc}) + "\n") * docs)
     out = tmp_path / "out" / "deeper"
-    proc = start_command(
-        "data/tokenize_corpus.py",
-        str(tmp_path / "big.jsonl"),
-        f"--out={out}",
-        "--workers=1",
-        "--shard_tokens=10000",
-        stdout=None,
-        env={"PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.time() + 120
-    while not list(out.glob(".corpus.*/*.bin")) and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signum and "Traceback" not in err, err
-    assert not (tmp_path / "out").exists()  # no shard, no temporary folder, no folder it made
+    for _ in range(2 if group else 1):  # (each round caught that hang 3 times in 4)
+        proc = start_command(
+            "data/tokenize_corpus.py",
+            str(tmp_path / "big.jsonl"),
+            f"--out={out}",
+            f"--workers={workers}",
+            "--shard_tokens=10000",
+            stdout=None,
+            env={"PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # (its own process group)
+        )
+        try:
+            deadline = time.time() + 120
+            while not list(out.glob(".corpus.*/*.bin")) and time.time() < deadline:
+                time.sleep(0.02)
+            if group:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # (a hung one)
+        assert proc.returncode == 128 + signum and "Traceback" not in err, err
+        assert not (tmp_path / "out").exists()  # no shard, no temporary folder, no folder it made
 
 
 def test_a_second_signal_while_the_tokenizer_cleans_up_leaves_nothing(tmp_path, monkeypatch):
