@@ -28,11 +28,13 @@ class KVCache:
     """Keys, values and ln g per block for one sequence being decoded. A token skipped at a
     block stores nothing there, so middle blocks hold fewer entries than outer ones."""
 
-    def __init__(self, hp: tg.Hyperparameters, device):
+    def __init__(self, hp: tg.Hyperparameters, device, size: int):
+        """size: the positions to hold (generate's prompt and tokens, not the whole context: a
+        model whose max_seq_len is large would not leave room for the cache of all of it)."""
         hd = hp.dim // hp.n_heads
-        self.k = torch.zeros(hp.n_layers, hp.n_kv_heads, hp.max_seq_len, hd, device=device)
+        self.k = torch.zeros(hp.n_layers, hp.n_kv_heads, size, hd, device=device)
         self.v = torch.zeros_like(self.k)
-        self.log_g = torch.zeros(hp.n_layers, hp.max_seq_len, device=device)  # per cached key
+        self.log_g = torch.zeros(hp.n_layers, size, device=device)  # per cached key
         self.n = [0] * hp.n_layers  # entries per block
 
     def attend(self, layer, q, k, v, log_g):
@@ -71,7 +73,7 @@ def generate(
     if not prompt or len(prompt) + max_new_tokens > hp.max_seq_len:
         raise support.UserError(f"need 1 <= prompt + new tokens <= max_seq_len ({hp.max_seq_len})")
     model.eval()
-    cache, tokens = KVCache(hp, device), list(prompt)
+    cache, tokens = KVCache(hp, device, len(prompt) + max_new_tokens), list(prompt)
     rng = torch.Generator(device=device).manual_seed(seed)
     for pos in range(len(prompt) + max_new_tokens - 1):
         logits = model(
@@ -79,6 +81,11 @@ def generate(
             pos=torch.tensor([[pos]], device=device),
             cache=cache,
         )[0][0, -1, :vocab]
+        if pos == len(tokens) - 1 and not bool(torch.isfinite(logits).all()):
+            raise support.UserError(
+                f"the model's logits after {pos + 1} tokens are not all finite (finite weights "
+                f"too large, say): no distribution to draw the next token from"
+            )
         if pos == len(tokens) - 1 and temperature == 0:  # greedy
             tokens.append(int(logits.argmax()))
         elif pos == len(tokens) - 1:  # past the prompt: sample the next token

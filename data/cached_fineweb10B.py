@@ -189,6 +189,9 @@ def main(argv) -> None:
                 f"{problem}: it is there and is not a whole shard, so this command did not "
                 f"write it: move it away and run this again; nothing was fetched"
             )
+    from huggingface_hub.utils import logging as hub_logging
+
+    hub_logging.set_verbosity_error()  # (each retry's warning: a failure is said once, below)
     first = fetch(names[0], out, f"[1/{len(names)}]")  # alone: offline, each of the others
     failed = [(names[0], first)] if first else []  # would wait through the same retries
     if not first:

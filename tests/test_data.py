@@ -116,6 +116,17 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     assert not (tmp_path / "data2").exists()
 
 
+@pytest.mark.slow
+def test_a_hub_that_cannot_be_reached_is_one_error_line(tmp_path):
+    # not offline, but nothing answers (a closed port): huggingface_hub's retries (~23 s) said
+    # no warning of their own, only the command's line
+    env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT="http://127.0.0.1:9")
+    r = run_command("data/cached_fineweb10B.py", "0", f"--out={tmp_path / 'out'}", env=env)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: 1 of 1 files missing (fineweb_val_000000.bin; not in the")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bad_download_is_fetched_once_more_then_reported(tmp_path, monkeypatch, capsys):
     import huggingface_hub
 

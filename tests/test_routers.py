@@ -590,7 +590,7 @@ def decoded_as_the_full_pass(model):
     """Decodes 16 tokens one at a time with a KV cache: each step's logits the full pass's, and
     each block's cached K/V those of the tokens it ran -> the cache."""
     idx = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(10))
-    full, cache = model(idx), sample.KVCache(model.hp, "cpu")
+    full, cache = model(idx), sample.KVCache(model.hp, "cpu", 16)
     for pos in range(16):
         step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
         assert (step[0, -1] - full.logits[0, pos]).abs().max().item() < 1e-4

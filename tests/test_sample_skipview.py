@@ -37,6 +37,14 @@ def test_generate_samples_reproducibly_and_reports_the_cache():
     b, _ = sample.generate(model, [1, 2, 3], 10, temperature=0.8, top_k=20, seed=5)
     assert a == b and len(a) == 13 and a[:3] == [1, 2, 3] and all(0 <= t < 97 for t in a)
     assert cache.n == [12, 12]  # zero gates: every token runs every block (the last is not fed)
+    # room for the prompt and the tokens, not the whole context (a long max_seq_len: memory)
+    assert cache.k.shape[2] == cache.log_g.shape[1] == 13 < model.hp.max_seq_len
+    huge = tg.GPT(model.hp)  # finite weights whose logits are not: no token drawn, or made up
+    big = {k: model.state_dict()[k] * 1e36 for k in ("head.weight", "head_norm.weight")}
+    huge.load_state_dict({**model.state_dict(), **big})
+    for temperature in (0.8, 0):
+        with pytest.raises(tg.UserError, match="logits after 3 tokens are not all finite"):
+            sample.generate(huge, [1, 2, 3], 10, temperature=temperature)
     assert len(sample.generate(model, [1] * 6, 10)[0]) == 16  # max_seq_len exactly
     for prompt, new in (([1] * 7, 10), ([], 5)):  # a token past it; no prompt
         with pytest.raises(tg.UserError, match=r"prompt \+ new tokens <= max_seq_len \(16\)"):
@@ -188,7 +196,7 @@ def test_incremental_decoding_matches_a_full_forward_pass(axis):
         dense_masked = tg.GPT(replace(hp, compact=False)).eval()
         dense_masked.load_state_dict(model.state_dict())
         masked = dense_masked(idx).logits
-    cache = sample.KVCache(hp, "cpu")
+    cache = sample.KVCache(hp, "cpu", 24)
     for pos in range(24):
         with torch.no_grad():
             step = model(idx[:, pos : pos + 1], pos=torch.tensor([[pos]]), cache=cache).logits
