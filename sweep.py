@@ -412,38 +412,26 @@ RECORDED = {
 
 def final_validation(run_dir: str) -> dict:
     """A finished run's final validation record (runlog.complete), what measure reads of it
-    checked as read_runs checks runs.csv: each RECORDED column (recordable), and block_active a
-    share per layer (every router's record has it). A UserError naming what is not (run_grid:
-    before the grid trains, not a traceback once it has)."""
+    checked as read_runs checks runs.csv (column_problem), and block_active a share per layer
+    (every router's record has it). A UserError naming what is not (run_grid: before the grid
+    trains, not a traceback once it has)."""
     val = runlog.run_records(run_dir, "val")[-1]
     n_layers = runlog.json_object(os.path.join(run_dir, "config.json")).get("n_layers")
     shares = val.get("block_active")
-    unread = [f"{key}={val.get(key)!r}" for c, key in RECORDED.items() if not recordable(c, val)]
+    problems = [column_problem(c, val.get(key), key) for c, key in RECORDED.items()]
     if not (
         isinstance(shares, list)
         and len(shares) == n_layers
         and all(type(a) in (int, float) and 0 <= a <= 1 for a in shares)
     ):
-        unread.append(
-            f"block_active={shares!r} (a share of tokens for each of its {n_layers} layers)"
-        )
-    if unread:
+        problems.append(f"block_active={shares!r} is not a share for each of its {n_layers} layers")
+    if problem := next(filter(None, problems), ""):
         raise support.UserError(
-            f"{os.path.join(run_dir, runlog.LOGS[1])}: its final validation record has "
-            f"{unread[0]}, which runs.csv cannot take (edited, or an older version's?): mend the "
-            f"line, or move the run away to train it again"
+            f"{os.path.join(run_dir, runlog.LOGS[1])}: in its final validation record, {problem}"
+            f" (edited, or an older version's?): mend the line, or move the run away to train it "
+            f"again"
         )
     return val
-
-
-def recordable(column: str, val: dict) -> bool:
-    """Whether the record val's figure for runs.csv's column (RECORDED) is one read_runs takes: a
-    number of the column's type in its range (RUN_RANGES), or none where it may be empty."""
-    v = val.get(RECORDED[column])
-    if v is None:
-        return column in OPTIONAL
-    number = (int,) if RUN_KEYS[column] is int else (int, float)
-    return type(v) in number and support.within(v, RUN_RANGES.get(column, "[0, 1e100)"))
 
 
 def measure(run_dir: str, device: str) -> dict:
@@ -736,6 +724,19 @@ RUN_RANGES = {"flops_per_token": "(0, 1e100)", "sparsity": "[0, 1]"}
 OPTIONAL = ("val_se", "val_docs")  # its columns that may be empty (None)
 
 
+def column_problem(column: str, v, name: str = None) -> str:
+    """What keeps the value v (named name, by default the column's) from runs.csv's numeric
+    column: empty (None) where it may not be (OPTIONAL), not a number of its type (RUN_KEYS), or
+    out of its range (RUN_RANGES); "" where nothing does."""
+    name, spec = name or column, RUN_RANGES.get(column, "[0, 1e100)")
+    whole = RUN_KEYS.get(column, float) is int
+    if v is None:
+        return "" if column in OPTIONAL else f"{name} is empty"
+    if type(v) not in ((int,) if whole else (int, float)):
+        return f"{name}={v!r} is not {'a whole number' if whole else 'a number'}"
+    return "" if support.within(v, spec) else f"{name}={v} must lie in {spec}"
+
+
 def read_runs(path: str) -> list:
     """runs.csv -> its rows, numbers as numbers (an empty field: None). At most MAX_RUNS_CSV
     bytes; a file cut short (its last row unended, or a row short of the header's fields) is
@@ -770,11 +771,8 @@ def read_runs(path: str) -> list:
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
         for k, v in r.items():
-            spec = RUN_RANGES.get(k, "[0, 1e100)")
-            if v is None and k not in OPTIONAL:
-                raise support.UserError(f"{path}:{i}: {k} is empty")
-            if isinstance(v, (int, float)) and not support.within(v, spec):
-                raise support.UserError(f"{path}:{i}: {k}={v} must lie in {spec}")
+            if RUN_KEYS.get(k, float) is not str and (problem := column_problem(k, v)):
+                raise support.UserError(f"{path}:{i}: {problem}")
         zero, target = r["gate_zero"].split(), r["target_zero"].split()
         if len(zero) != len(target) or not all(
             is_share(z) and (t == "none" or is_share(t)) for z, t in zip(zero, target, strict=True)

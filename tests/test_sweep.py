@@ -640,7 +640,7 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
     shares = dict(sparsity=0.25, fwd_flops_per_token=1e5, block_active=[1.0, 0.5])
     record = dict(kind="val", step=5, val_loss=3.5, val_se=0.1, val_docs=7, **shares)
     for edit, said in (
-        (dict(val_loss=None), "val_loss=None"),
+        (dict(val_loss=None), "val_loss is empty"),
         (dict(val_loss="3.5"), "val_loss='3.5'"),
         (dict(val_loss=math.inf), "val_loss=inf"),
         (dict(val_docs=7.5), "val_docs=7.5"),
@@ -648,7 +648,7 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
         (dict(val_se=-0.1), "val_se=-0.1"),
         (dict(sparsity=1.5), "sparsity=1.5"),
         (dict(fwd_flops_per_token=0), "fwd_flops_per_token=0"),
-        (dict(block_active=[1.0]), "block_active=[1.0] (a share of tokens for each of its 2"),
+        (dict(block_active=[1.0]), "block_active=[1.0] is not a share for each of its 2 "),
         (dict(block_active=[1.0, "1"]), "block_active=[1.0, '1']"),
         (dict(block_active=[1.0, 1.5]), "block_active=[1.0, 1.5]"),
     ):
@@ -657,7 +657,7 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
         argv = [f"--runs={runs}", f"--out={out}", "--grid=tiny", "--seeds=2"]
         code, err = support.cli(sweep.main, argv), capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and said in err, err
-        assert "metrics.jsonl: its final validation record has" in err
+        assert "metrics.jsonl: in its final validation record, " in err
         assert [p.name for p in runs.iterdir()] == ["dense_2_s0"] and not out.exists()  # no run
     for written in (record, {**record, "val_se": None, "val_docs": None}):  # (older: no docs)
         (done / "metrics.jsonl").write_text(json.dumps(written) + "\n")
