@@ -26,6 +26,7 @@ from support import (
     UserError,
     fmt_list,
     named,
+    one_line,
     os_error_text,
     sha256_of,
     write_atomically,
@@ -291,12 +292,14 @@ class RunLog:
         return self
 
     def __exit__(self, kind, error, traceback):
-        # the error line (support.cli's, but the checkpoint the ledger names) in train.log too,
-        # if it can be written: the error itself (a full disk, say) goes on, as it was
-        if isinstance(error, (RunStopped, UserError, OSError)):
-            with contextlib.suppress(OSError):
-                self.write(f"error: {os_error_text(error)}")
-        self.close()
+        # the error line (support.cli's, but the checkpoint the ledger names after) in train.log
+        # too, if it can be written: the error itself (a full disk, say) goes on, as it was
+        try:
+            if isinstance(error, (RunStopped, UserError, OSError)):
+                with contextlib.suppress(OSError, ValueError):  # (ValueError: a closed log)
+                    self.write(f"error: {one_line(os_error_text(error))}")
+        finally:
+            self.close()
 
     def close(self):
         if self.active:  # every write was flushed: a failure here would only hide the first

@@ -276,6 +276,7 @@ def test_a_run_log_ends_with_a_stop_line_and_closes_both_files(tmp_path, capsys)
     assert log.log.closed and log.metrics.closed
     for error, said in (  # a job's other failures mid-run (a bad shard, a full disk) too
         (support.UserError("a bad shard"), "a bad shard"),
+        (support.UserError("shard_\udcff.bin: bad\nnews"), "shard_\\udcff.bin: bad\\nnews"),
         (
             OSError(errno.ENOSPC, "No space left on device", "f.bin"),
             "f.bin: No space left on device",
