@@ -40,18 +40,20 @@ Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~20
 """
 
 import collections
+import concurrent.futures
 import contextlib
 import glob
 import hashlib
 import itertools
 import json
 import os
+import queue
 import re
 import stat
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
@@ -314,25 +316,60 @@ def encoded(items, workers: int):
     while it encodes), a few chunks of 16 in flight. Threads, not processes: a signal to the
     whole process group (timeout, systemd, Slurm) reaches this process alone, and no worker
     killed by it can leave a queue's lock held (multiprocessing.Pool's terminate() then waited
-    for ever). Stopped early (an error, a signal), the chunks not begun are dropped, and those
-    begun end first."""
+    for ever). Daemon threads: stopped early (an error, a signal), this returns at once, the
+    chunks not begun dropped and one being encoded (a long document) left to end alone. An
+    item that cannot be read (a UserError of documents) stops it in its place, as here."""
     if workers == 1:
         yield from map(_encode, items)
         return
-    pool, flight = ThreadPoolExecutor(workers), collections.deque()
+    tasks, flight, source = queue.SimpleQueue(), collections.deque(), in_place(items)
+    threads = [
+        threading.Thread(target=encode_tasks, args=(tasks,), daemon=True) for _ in range(workers)
+    ]
+    for thread in threads:
+        thread.start()
     try:
-        for chunk in iter(lambda: list(itertools.islice(items, 16)), []):
-            flight.append(pool.submit(_encode_all, chunk))
+        for chunk in iter(lambda: list(itertools.islice(source, 16)), []):
+            flight.append(concurrent.futures.Future())
+            tasks.put((flight[-1], chunk))
             if len(flight) > 2 * workers:
-                yield from flight.popleft().result()
+                yield from results_of(flight.popleft())
         while flight:
-            yield from flight.popleft().result()
+            yield from results_of(flight.popleft())
     finally:
-        pool.shutdown(cancel_futures=True)
+        for future in flight:
+            future.cancel()
+        for _ in threads:
+            tasks.put(None)  # (each thread ends at it, once its chunk is done)
+    for thread in threads:  # (every chunk was read: none is busy, none is waited for long)
+        thread.join()
 
 
-def _encode_all(chunk):
-    return [_encode(item) for item in chunk]
+def in_place(items):
+    """items, then the UserError that reading the next one raised, as an item."""
+    try:
+        yield from items
+    except UserError as e:
+        yield e
+
+
+def encode_tasks(tasks):
+    """A thread of encoded: (future, chunk) tasks until None, each chunk's _encode results (an
+    item that is a UserError: as it is) set on its future unless it was cancelled."""
+    while (task := tasks.get()) is not None:
+        future, chunk = task
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result([i if isinstance(i, UserError) else _encode(i) for i in chunk])
+            except BaseException as e:  # (MemoryError, say: raised where it is read)
+                future.set_exception(e)
+
+
+def results_of(future):
+    for result in future.result():
+        if isinstance(result, UserError):
+            raise result
+        yield result
 
 
 def _encode(item):

@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -671,22 +672,26 @@ def test_a_json_text_that_is_not_a_string_is_named(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_the_encoding_workers_end_with_the_tokenizer(tmp_path):
-    # pool workers are this process's children: none is left once tokenize returns or fails
-    import multiprocessing
-
-    from data import tokenize_corpus as tokenize  # (importable: the workers unpickle _encode)
-
+def test_the_encoding_workers_end_with_the_tokenizer_and_errors_keep_their_order(tmp_path):
+    # the encoding threads: none left once tokenize returns (joined), nor soon after it fails
+    # (left to end alone, not waited for); the first error in the documents' order is the one
+    # said, whatever the workers (a line that cannot be read after one that cannot be encoded)
+    tokenize = load_command("data/tokenize_corpus.py")
     (tmp_path / "a.jsonl").write_text(
         "".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(40))
     )
-    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"no": "text"}\n')
-    before = multiprocessing.active_children()  # (none of this test's)
+    lines = [json.dumps({"text": "fine"})] * 20 + [json.dumps({"text": "\ud800"})]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines * 2 + ['{"no": "text"}']) + "\n")
+    before = set(threading.enumerate())
     tokenize.tokenize([str(tmp_path / "a.jsonl")], str(tmp_path / "s"), "c", 50, 2)
-    assert multiprocessing.active_children() == before
-    with pytest.raises(support.UserError, match="bad.jsonl:2"):
-        tokenize.tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "t"), "c", 50, 2)
-    assert multiprocessing.active_children() == before
+    assert set(threading.enumerate()) == before
+    for workers in (1, 2, 3):
+        with pytest.raises(support.UserError, match="bad.jsonl:21: a lone surrogate"):
+            tokenize.tokenize([str(tmp_path / "bad.jsonl")], str(tmp_path / "t"), "c", 50, workers)
+    deadline = time.time() + 10
+    while set(threading.enumerate()) != before and time.time() < deadline:
+        time.sleep(0.01)
+    assert set(threading.enumerate()) == before
 
 
 def test_check_holds_byte_shards_to_256_ids_and_an_empty_folder_is_refused(tmp_path, capsys):
