@@ -191,7 +191,8 @@ def main(argv) -> None:
             )
     from huggingface_hub.utils import logging as hub_logging
 
-    hub_logging.set_verbosity_error()  # (each retry's warning: a failure is said once, below)
+    if "HF_HUB_VERBOSITY" not in os.environ:  # (the user's, as given)
+        hub_logging.set_verbosity_error()  # each retry's warning: a failure is said once, below
     first = fetch(names[0], out, f"[1/{len(names)}]")  # alone: offline, each of the others
     failed = [(names[0], first)] if first else []  # would wait through the same retries
     if not first:
