@@ -385,12 +385,14 @@ def _encode(item):
             ids = np.frombuffer(data, dtype=np.uint8)
         else:
             text.encode("utf-8")  # (checked as bytes are: tiktoken would make it U+FFFD)
-            ids = _enc.encode_ordinary(text)
+            # encode_ordinary's ids (no special token), as an array: no list made while the
+            # GIL is held (the threads' time: encoded)
+            ids = _enc.encode_to_numpy(text, disallowed_special=())
     except UnicodeEncodeError as e:  # a JSON text's escape such as "\ud800"
         return name, f"a lone surrogate (character {e.start}) is no Unicode text: remove it"
     except Exception as e:  # (what tiktoken may raise: its own words)
         return name, f"cannot be encoded: {type(e).__name__}: {e}"
-    if len(ids) and max(ids) >= 2**16:
+    if len(ids) and ids.max() >= 2**16:
         return name, "token ids do not fit uint16"
     return name, np.concatenate([[_enc.eot_token], ids]).astype(np.uint16)
 

@@ -390,7 +390,7 @@ def test_a_signal_to_the_tokenizer_takes_back_what_it_wrote(tmp_path, signum, wo
     doc, docs = (" word" * 20_000, 300) if workers == 1 else (" word" * 4, 300_000)
     (tmp_path / "big.jsonl").write_text((json.dumps({"text": doc}) + "\n") * docs)
     out = tmp_path / "out" / "deeper"
-    for _ in range(2 if group else 1):  # (each round caught that hang 3 times in 4)
+    for _ in range(2 if group else 1):  # (two rounds: the Pool's hang, in 8 runs of 11)
         proc = start_command(
             "data/tokenize_corpus.py",
             str(tmp_path / "big.jsonl"),
