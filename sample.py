@@ -81,14 +81,16 @@ def generate(
             pos=torch.tensor([[pos]], device=device),
             cache=cache,
         )[0][0, -1, :vocab]
-        if pos == len(tokens) - 1 and not bool(torch.isfinite(logits).all()):
+        if pos < len(tokens) - 1:  # within the prompt: its next token is known
+            continue
+        if not bool(torch.isfinite(logits).all()):
             raise support.UserError(
                 f"the model's logits after {pos + 1} tokens are not all finite (finite weights "
                 f"too large, say): no distribution to draw the next token from"
             )
-        if pos == len(tokens) - 1 and temperature == 0:  # greedy
+        if temperature == 0:  # greedy
             tokens.append(int(logits.argmax()))
-        elif pos == len(tokens) - 1:  # past the prompt: sample the next token
+        else:  # sample the next token
             # <= 0: no overflow, however small T; float64, where a T of 1e-50 is not 0
             logits = (logits.double() - logits.max()) / temperature
             if top_k:
