@@ -6,8 +6,9 @@
 
 Prints the text, then how many K/V entries the cache holds against a dense cache: a token
 whose gate is 0 at a block skips it and stores nothing there. --temperature=0 is greedy;
---top_k=0 samples from the whole vocabulary; an empty prompt starts from <|endoftext|> (a
-NUL byte for a byte-level run, whose text is decoded as UTF-8, U+FFFD where it is not).
+--top_k=0 samples from the whole vocabulary; <|endoftext|> in the prompt, and an empty prompt,
+is the document separator (a NUL byte for a byte-level run, whose text is decoded as UTF-8,
+U+FFFD where it is not).
 """
 
 import sys
@@ -21,7 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from data.shards import encoding  # noqa: E402
+from data.shards import encoding, text_ids  # noqa: E402
 
 
 class KVCache:
@@ -108,7 +109,8 @@ def parser() -> support.ArgParser:
         "--prompt",
         default="\n",
         metavar="TEXT",
-        help="text to continue; empty: start from the document separator (default: a newline)",
+        help="text to continue; <|endoftext|> in it, or an empty one: the document separator "
+        "(default: a newline)",
     )
     p.add_argument(
         "--tokens",
@@ -157,7 +159,7 @@ def main(argv):
     model = tg.load_model(source, device)
     hp = model.hp
     enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
-    prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
+    prompt = text_ids(enc, args.prompt, "--prompt") or [enc.eot_token]
     if len(prompt) >= hp.max_seq_len:
         raise support.UserError(
             f"the prompt is {len(prompt)} tokens; the model's context holds "

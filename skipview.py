@@ -25,7 +25,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import train_gpt as tg  # noqa: E402
-from data.shards import encoding, first_tokens  # noqa: E402
+from data.shards import encoding, first_tokens, text_ids  # noqa: E402
 
 
 @torch.no_grad()
@@ -103,8 +103,8 @@ def parser() -> support.ArgParser:
     p.add_model_source()
     p.add_argument(
         "--text",
-        help="the text to show (default: the first --val_tokens tokens of "
-        "the run's validation shard)",
+        help="the text to show, <|endoftext|> in it the document separator (default: the first "
+        "--val_tokens tokens of the run's validation shard)",
     )
     p.add_argument(
         "--val_tokens",
@@ -139,7 +139,7 @@ def main(argv):
     hp = model.hp
     enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     if args.text is not None:
-        ids = enc.encode_ordinary(args.text)
+        ids = text_ids(enc, args.text, "--text")
         if not ids:
             raise support.UserError("--text is empty")
     else:

@@ -264,6 +264,26 @@ def encoding(name: str, vocab_size: int = None):
     return enc
 
 
+def text_ids(enc, text: str, option: str) -> list:
+    """A command line's text (`option`'s) as enc's token ids, each <|endoftext|> in it the
+    document separator (as nanoGPT's sample.py reads a prompt). Bytes that are not UTF-8 a
+    byte-level model takes exactly; GPT-2's BPE, whose tokenizer would make them U+FFFD,
+    refuses them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        if enc.name != "bytes":
+            raise UserError(
+                f"{option} is not UTF-8 from byte {len(text[: e.start].encode())} on, and "
+                f"GPT-2's BPE encodes text alone"
+            ) from None
+    parts = [enc.encode_ordinary(part) for part in text.split("<|endoftext|>")]
+    ids = parts[0]
+    for part in parts[1:]:
+        ids += [enc.eot_token, *part]
+    return ids
+
+
 def gpt2_encoding():
     """tiktoken's GPT-2 BPE. The name r50k_base (the same vocabulary) is tried first, as it is
     found offline in TIKTOKEN_CACHE_DIR; then gpt2 (online, tiktoken downloads and caches it

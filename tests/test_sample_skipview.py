@@ -352,6 +352,29 @@ def test_skipview_shows_a_character_split_over_gpt2_tokens_once_at_its_first_byt
     assert skipview.token_pieces(enc, ids) == want
 
 
+def test_a_prompt_reads_the_separator_and_refuses_bytes_gpt2_cannot_encode(tmp_path, capsys):
+    # <|endoftext|> in a prompt is the separator, as tiktoken's encode with it allowed (and
+    # nanoGPT's sample.py) has it, and skipview's --text alike; a byte model keeps a command
+    # line's stray bytes, GPT-2 refuses them
+    sampler = load_command("sample.py")
+    gpt2, byte = shards.encoding("gpt2", 50257), shards.encoding("bytes", 256)
+    for text in ("a<|endoftext|>b", "<|endoftext|><|endoftext|> x", "é<|endoftext|>"):
+        want = gpt2.encode(text, allowed_special={"<|endoftext|>"})
+        assert shards.text_ids(gpt2, text, "--prompt") == want, text
+    assert shards.text_ids(byte, "é<|endoftext|>\udcff", "--prompt") == [*"é".encode(), 0, 255]
+    model = [f"--init_from={AUTHORS_TINY}", "--temperature=0", "--tokens=3"]
+    assert support.cli(sampler.main, [*model, "--prompt=a<|endoftext|>"]) == 0
+    assert " of 16 entries " in capsys.readouterr().err  # 2 prompt tokens + 3, 4 fed, 4 blocks
+    assert support.cli(sampler.main, [*model, "--prompt=é\udcffa"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --prompt is not UTF-8 from byte 2 on, and GPT-2's BPE encodes text alone\n"
+    )
+    skipview = load_command("skipview.py")  # (its --text as the prompt)
+    argv = [f"--init_from={AUTHORS_TINY}", "--text=a<|endoftext|>b", f"--out={tmp_path / 'p.html'}"]
+    assert support.cli(skipview.main, argv) == 0
+    assert "\ntokens 3; blocks run per token" in capsys.readouterr().out
+
+
 def test_the_commands_start_from_the_separator_and_keep_to_the_context(tmp_path, capsys):
     # the authors' tiny model (GPT-2 tokens, a 64-token context): an empty prompt is
     # <|endoftext|>; a prompt of 60 tokens leaves room for 4 (63 fed to each of 4 blocks); a
