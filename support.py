@@ -59,11 +59,11 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file s
 
 def cli(main, argv, end_line=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
-    full disk, RunStopped, or a failure once a training job has a run directory (the error's
-    `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At most one error line.
-    Once it returns, a signal (say, during the interpreter's shutdown) changes neither the
-    output nor the status. end_line: called as it stops early (an error, a signal), to end a
-    line left open (the tokenizer's progress line)."""
+    full disk, memory exhausted, RunStopped, or a failure once a training job has a run
+    directory (the error's `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At
+    most one error line. Once it returns, a signal (say, during the interpreter's shutdown)
+    changes neither the output nor the status. end_line: called as it stops early (an error, a
+    signal), to end a line left open (the tokenizer's progress line)."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
     status = 0
@@ -79,6 +79,8 @@ def cli(main, argv, end_line=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = getattr(e, "checkpoint", None), os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
+    except MemoryError:  # the machine's limit, not the input's (as a full disk)
+        status, text, ckpt = 1, "out of memory: this machine cannot allocate what it needs", None
     finally:  # once it is over a signal ends the process at once, with the command's own
         # status, and its folders are free (in a test, the process goes on); the signals held
         # while the handlers change (a second one: no traceback)

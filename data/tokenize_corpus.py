@@ -390,6 +390,8 @@ def _encode(item):
             ids = _enc.encode_to_numpy(text, disallowed_special=())
     except UnicodeEncodeError as e:  # a JSON text's escape such as "\ud800"
         return name, f"a lone surrogate (character {e.start}) is no Unicode text: remove it"
+    except MemoryError:  # (the machine's, not the document's: cli says so)
+        raise
     except Exception as e:  # (what tiktoken may raise: its own words)
         return name, f"cannot be encoded: {type(e).__name__}: {e}"
     if len(ids) and ids.max() >= 2**16:

@@ -748,6 +748,14 @@ def test_an_error_line_is_one_line_and_a_second_signal_exits_128_plus_its_number
     assert support.cli(second, []) == 128 + signal.SIGTERM
     assert capsys.readouterr().err == ""
 
+    def exhausted(argv):  # (the machine's limit: 1, as a full disk)
+        raise MemoryError
+
+    assert support.cli(exhausted, []) == 1
+    assert capsys.readouterr().err == (
+        "error: out of memory: this machine cannot allocate what it needs\n"
+    )
+
 
 def test_a_field_is_given_only_as_dash_dash_name_equals_value():
     assert support.parse_fields([runs.RunState], ["--step=5"]) == {"step": 5}

@@ -694,6 +694,29 @@ def test_the_encoding_workers_end_with_the_tokenizer_and_errors_keep_their_order
     assert set(threading.enumerate()) == before
 
 
+def test_memory_exhausted_while_encoding_is_the_machines_limit_not_the_documents(
+    tmp_path, monkeypatch, capsys
+):
+    # a MemoryError inside the encoder (a huge document): status 1, out of memory, at 1 or 2
+    # workers; not status 2 blaming the document as one that "cannot be encoded"
+    tokenize = load_command("data/tokenize_corpus.py")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+
+    class Exhausted:
+        eot_token = 50256
+
+        def encode_to_numpy(self, text, **_):
+            raise MemoryError
+
+    monkeypatch.setitem(tokenize._encodings, "gpt2", Exhausted())
+    for workers in (1, 2):
+        argv = [str(tmp_path / "a.jsonl"), f"--out={tmp_path / 's'}", f"--workers={workers}"]
+        assert tokenize.run(argv) == 1
+        err = capsys.readouterr().err
+        assert err.endswith("error: out of memory: this machine cannot allocate what it needs\n")
+    assert not (tmp_path / "s").exists()
+
+
 def test_check_holds_byte_shards_to_256_ids_and_an_empty_folder_is_refused(tmp_path, capsys):
     tokenize = load_command("data/tokenize_corpus.py")
     (tmp_path / "b_val_000000.bin").write_bytes(tokenize.shard_bytes([0, 104, 255], "bytes"))
