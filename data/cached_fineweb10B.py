@@ -123,8 +123,11 @@ def fetch(name: str, out: str, counter: str) -> str:
     for force in (False, True):  # a bad file in the cache is downloaded once more
         try:
             cached = hf_hub_download(REPO, name, repo_type="dataset", force_download=force)
-        except LocalEntryNotFoundError:  # (offline, or the hub unreachable)
-            return "not in the Hugging Face cache, and the Hub cannot be reached"
+        except LocalEntryNotFoundError as e:  # (offline, the Hub unreachable, or its refusal:
+            # 429, too many requests, or 5xx, the Hub down, say, once its retries are spent)
+            answer = getattr(getattr(e.__cause__, "response", None), "status_code", None)
+            said = f"answered HTTP {answer}" if answer else "cannot be reached"
+            return f"not in the Hugging Face cache, and the Hub {said}"
         except Exception as e:  # a full disk, no right to the file, ...: its own words
             return f"{type(e).__name__}: {first_line(e)}"
         problem = damage(cached)

@@ -1,13 +1,16 @@
 """The data scripts under data/: fetching FineWeb, Debian's documentation as a corpus, the shard
 format by hand; none of them imports torch (tokenizing a corpus: tests/test_tokenize.py)."""
 
+import contextlib
 import errno
 import hashlib
+import http.server
 import json
 import os
 import re
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -116,14 +119,38 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     assert not (tmp_path / "data2").exists()
 
 
+class TooManyRequests(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self):  # (the Hub's answer to a client over its rate limit)
+        self.send_response(429)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_HEAD
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.mark.slow
-def test_a_hub_that_cannot_be_reached_is_one_error_line(tmp_path):
-    # not offline, but nothing answers (a closed port): huggingface_hub's retries (~23 s) said
-    # no warning of their own, only the command's line
-    env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT="http://127.0.0.1:9")
-    r = run_command("data/cached_fineweb10B.py", "0", f"--out={tmp_path / 'out'}", env=env)
+@pytest.mark.parametrize("hub", ["closed port", "answers 429"])
+def test_a_hub_that_cannot_be_reached_or_refuses_is_one_error_line(tmp_path, hub):
+    # not offline, but nothing answers (a closed port), or the Hub refuses (429): its retries
+    # (~23 s) said no warning of their own, only the command's line, which says which
+    endpoint, said = "http://127.0.0.1:9", "the Hub cannot be reached"
+    with contextlib.ExitStack() as stack:
+        if hub == "answers 429":
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), TooManyRequests)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            stack.callback(server.server_close)
+            stack.callback(server.shutdown)
+            endpoint, said = f"http://127.0.0.1:{server.server_port}", "the Hub answered HTTP 429"
+        env = dict(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT=endpoint)
+        r = run_command("data/cached_fineweb10B.py", "0", f"--out={tmp_path / 'out'}", env=env)
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("error: 1 of 1 files missing (fineweb_val_000000.bin; not in the")
+    assert r.stderr.startswith(
+        f"error: 1 of 1 files missing (fineweb_val_000000.bin; not in the Hugging Face cache, "
+        f"and {said}). Rerun "
+    )
     assert not (tmp_path / "out").exists()
 
 
