@@ -712,12 +712,10 @@ class DistributedLoader:
 
 
 def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
-    """Forward FLOPs of one sequence of T = seq_len tokens. active / mlp_active: per layer,
-    the share of tokens that run the block / its MLP (None: all / as active). A skipped token
-    costs nothing there (the paper's Figure 2): projections and FFN scale with the share a,
-    attention with the causal query-key pairs: `pairs` per layer (the mean over sequences of
-    n(n+1)/2 for n active tokens, route_sums), else a^2 T(T+1)/2 (low when shares differ between
-    sequences). Where skipped tokens stay keys (query-axis gate) K/V and attention run for all."""
+    """Forward FLOPs of one sequence of T = seq_len tokens (the convention: docs/flops.md).
+    active / mlp_active: per layer, the share of tokens that run the block / its MLP (None: all
+    / as active); pairs: per layer, the mean causal query-key pairs of the active tokens
+    (route_sums), else a^2 T(T+1)/2."""
     T, d, hd = hp.seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
     proj_qo, proj_kv = 2 * 2 * d * d, 2 * 2 * d * kv  # q and o, k and v per token
@@ -762,12 +760,8 @@ on_mor = partial(setting, router="mor")
 @dataclass
 class Hyperparameters:
     """What defines a run: a checkpoint stores it, a resume restores it. Each field is a
-    support.setting: its range or choices (checked), its help (--help); fixed=True where a resume
-    may not change it (shapes, which blocks are routed, the gate's axis); on_ROUTER where that
-    router alone reads it; trains, or use="train", where training alone reads it (--eval_only
-    refuses it), initial, or use="init", where a new model's initial weights alone do (--resume
-    and --init_from refuse it: check_source). The comments in it are for readers: no code reads
-    them."""
+    support.setting (its docstring: what its facts mean; trains, initial, on_ROUTER: above; what
+    they refuse: check_source). The comments in it are for readers: no code reads them."""
 
     # data
     train_files: str = trains("data/fineweb10B/fineweb_train_*.bin", help="training shards (glob)")
@@ -907,7 +901,7 @@ def resolve(given: dict, base: Hyperparameters = None) -> Hyperparameters:
     check_fields(hp)  # (the router among them, before check_knobs reads it)
     check_knobs(hp, merged)
     for f in ("train_files", "val_files"):
-        root = "" if f in given else os.path.dirname(os.path.abspath(__file__))
+        root = "" if f in given else support.HERE
         hp = replace(hp, **{f: os.path.abspath(os.path.join(root, getattr(hp, f)))})
     return hp
 
@@ -1243,10 +1237,8 @@ def compile_model(raw: GPT) -> GPT:
     (compile_ms). Why static lengths (symbolic ones crashed Inductor) and a compiled readout
     (eagerly, slow kernels), measured: docs/gpu.md."""
     config = torch._dynamo.config
-    # graphs per region: PACKS lengths and the top-k ones (MoD: one; MoR: one per recursion
-    # after the first), training and evaluation, gated and not, shared by the routers (sweep.py's
-    # measure evaluates them all in one process); past the default 8, Dynamo would run the rest
-    # eagerly
+    # graphs per region (docstring), for training and evaluation, gated and not, all routers in
+    # one process (sweep.py's measure); past the default 8, Dynamo would run the rest eagerly
     config.recompile_limit = max(config.recompile_limit, 4 * (PACKS + raw.hp.mor_recursions))
     regions = [(block, name) for block in raw.blocks for name in REGIONS] + [(raw, "readout")]
     for module, name in regions:
