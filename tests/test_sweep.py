@@ -463,10 +463,20 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
     assert sweep.run_state(str(run)) == "fresh"  # validated mid-way, no checkpoint
     (run / "checkpoint.pt").write_bytes(b"")
     assert sweep.run_state(str(run)) == "resume"
-    for step, state in ((5, "resume"), (6, "done")):  # (done at the last step, not the one before)
+    # done at the last step, not the one before, once saved there too: killed between its
+    # final validation and its final save, a run goes on from its checkpoint of an earlier step
+    for kind, step, state in (
+        ("val", 5, "resume"),
+        ("val", 6, "resume"),
+        ("checkpoint", 6, "done"),
+    ):
         with open(run / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"kind": "val", "step": step}) + "\n")
+            f.write(json.dumps({"kind": kind, "step": step}) + "\n")
         assert sweep.run_state(str(run)) == state, step
+    (run / "checkpoint.pt").unlink()  # (a user's, to save space): measure would find no weights
+    with pytest.raises(support.UserError, match="run: a finished run without its checkpoint.pt"):
+        sweep.run_state(str(run))
+    (run / "checkpoint.pt").write_bytes(b"")
     huge = json.dumps({"num_steps": 6, "pad": " " * (1 << 20)})  # over the cap: not a run's
     for text in ("[6]", "not json", "{", huge):  # no JSON object: no settings
         (run / "config.json").write_text(text)
@@ -639,6 +649,8 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
     (done / "config.json").write_text(json.dumps(config))
     shares = dict(sparsity=0.25, fwd_flops_per_token=1e5, block_active=[1.0, 0.5])
     record = dict(kind="val", step=5, val_loss=3.5, val_se=0.1, val_docs=7, **shares)
+    (done / "checkpoint.pt").write_bytes(b"")  # (never read: refused before)
+    saved = json.dumps(dict(kind="checkpoint", step=5)) + "\n"
     for edit, said in (
         (dict(val_loss=None), "val_loss is empty"),
         (dict(val_loss="3.5"), "val_loss='3.5'"),
@@ -652,13 +664,18 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
         (dict(block_active=[1.0, "1"]), "block_active=[1.0, '1']"),
         (dict(block_active=[1.0, 1.5]), "block_active=[1.0, 1.5]"),
     ):
-        (done / "metrics.jsonl").write_text(json.dumps({**record, **edit}) + "\n")
+        (done / "metrics.jsonl").write_text(json.dumps({**record, **edit}) + "\n" + saved)
         assert sweep.run_state(str(done)) == "done"
         argv = [f"--runs={runs}", f"--out={out}", "--grid=tiny", "--seeds=2"]
         code, err = support.cli(sweep.main, argv), capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and said in err, err
         assert "metrics.jsonl: in its final validation record, " in err
         assert [p.name for p in runs.iterdir()] == ["dense_2_s0"] and not out.exists()  # no run
+        assert sorted(p.name for p in done.iterdir()) == [
+            "checkpoint.pt",
+            "config.json",
+            "metrics.jsonl",
+        ]
     for written in (record, {**record, "val_se": None, "val_docs": None}):  # (older: no docs)
         (done / "metrics.jsonl").write_text(json.dumps(written) + "\n")
         assert sweep.final_validation(str(done)) == written
