@@ -948,21 +948,22 @@ def test_loader_passes_over_a_shard_shorter_than_one_global_batch(tmp_path):
     # shard, sorted first, say) and shard 2 (8) hold none: never read, not even to start, in the
     # first pass or the next (the pass counted where the last shard ends it); a shard's tail
     # short of a batch is left, as ever, and a shard of k batches and the one token more that
-    # the last target needs gives all k
-    sizes = [3, 17, 8, 12]
+    # the last target needs gives all k; one of exactly 2 batches (16) gives 1, then the next
+    sizes = [3, 17, 8, 12, 16]
     start = np.cumsum([0] + sizes)
     for i, n in enumerate(sizes):
         write_shard(tmp_path / f"d_{i}.bin", np.arange(start[i], start[i] + n))
     loader = tg.DistributedLoader(str(tmp_path / "d_*.bin"), 2, 4, 0, 1)
     assert (loader.state()["shard"], sorted(loader.read)) == (1, [1])
     firsts, laps = [], []
-    for _ in range(6):
+    for _ in range(8):
         firsts.append(loader.next_batch()[0][0, 0].item())
         laps.append(loader.laps)
-    # shard 1: tokens 3..19, 2 batches (3, 11); shard 3: 28..39, 1 batch (28); then round again
-    assert firsts == [3, 11, 28, 3, 11, 28] and laps == [0, 0, 1, 1, 1, 2]
-    assert sum(loader.batches) == 3  # global batches in one pass
-    assert sorted(loader.read) == [1, 3]
+    # shard 1: tokens 3..19, 2 batches (3, 11); shard 3: 28..39, 1 batch (28); shard 4: 40..55,
+    # 1 batch (40); then round again
+    assert firsts == [3, 11, 28, 40, 3, 11, 28, 40] and laps == [0, 0, 0, 1, 1, 1, 1, 2]
+    assert sum(loader.batches) == 4  # global batches in one pass
+    assert sorted(loader.read) == [1, 3, 4]
     assert loader.fingerprints(3)["read"] == [
         [1, *tg.shard_fingerprint(loader.files[1])],
         [3, *tg.shard_fingerprint(loader.files[3])],
@@ -1145,10 +1146,14 @@ def test_validation_loss_per_token_its_documents_and_se_by_hand(tmp_path):
     assert v["val_se"] == pytest.approx(se, rel=1e-5)
 
 
-def test_validation_flops_price_the_blocks_and_causal_pairs_each_sequence_ran(tmp_path):
+def test_validation_flops_price_the_blocks_and_causal_pairs_each_sequence_ran(
+    tmp_path, monkeypatch
+):
     # Figure 2's x-axis from the data alone: token 5 skips every gated block and token 7 none
     # (steered_model), so each block ran each sequence's n 7s: their share of the tokens, and
-    # n(n+1)/2 causal pairs per sequence (not the mean share squared), priced by forward_flops
+    # n(n+1)/2 causal pairs per sequence (not the mean share squared), priced by forward_flops;
+    # the dense figure is a dense model's, as FlopCounterMode counts it; compact validates every
+    # token, whatever packed lengths training left (not cut to them), and leaves them as it found
     hp = tiny(device_batch_size=2, val_tokens=64)
     tokens = np.random.default_rng(0).choice([5, 7], 65)
     write_shard(tmp_path / "v_0.bin", tokens)
@@ -1162,6 +1167,15 @@ def test_validation_flops_price_the_blocks_and_causal_pairs_each_sequence_ran(tm
     assert v["fwd_flops_per_token"] == pytest.approx(want / hp.seq_len, rel=1e-12)
     assert v["fwd_flops_per_seq"] == pytest.approx(want, rel=1e-12)
     assert v["fwd_flops_per_token"] < 0.9 * v["fwd_flops_per_token_dense"]
+    monkeypatch.setattr(tg.F, "scaled_dot_product_attention", math_sdpa)
+    dense = counted_flops(tg.GPT(replace(hp, router="none")), 1, hp.seq_len) / hp.seq_len
+    assert v["fwd_flops_per_token_dense"] == pytest.approx(dense, rel=1e-9)
+    compact = steered_model(replace(hp, compact=True))
+    short = [1] * hp.n_layers  # (a training step's lengths: one token a sequence at each block)
+    compact.router.lengths = short
+    packed = tg.evaluate(compact, hp, loader, tg.Dist(), contextlib.nullcontext())
+    assert packed["val_loss"] == pytest.approx(v["val_loss"], rel=1e-6)
+    assert packed["block_active"] == v["block_active"] and compact.router.lengths is short
 
 
 # ---------------------------------------------------- the training loop, end to end
