@@ -327,6 +327,45 @@ def test_zero_initialised_gates_are_not_stuck():
     assert biases == pytest.approx([-0.1 * 4 / 4, -0.1 * 2 / 4])
 
 
+def test_the_gated_model_matches_sections_2_1_to_2_3_written_out_with_every_gradient():
+    # the model around the block (checked above): the embedding, its norm; the gate of block
+    # l < L/2 reads the stream entering block l (eq. 1), S sums the s_k, g = 1 - clamp(S) (eq.
+    # 2); block L-1-l reuses g_l; the head's norm and head. Logits and every parameter's
+    # gradient (through the gates into the stream, the embedding's too) as autograd gives them
+    hp = tiny(n_layers=6)
+    model = tg.GPT(hp)
+    spread_gates(model, std=0.4, bias=0.05)
+    idx = torch.randint(
+        0, hp.vocab_size, (3, hp.seq_len), generator=torch.Generator().manual_seed(2)
+    )
+    weights = torch.randn(3, hp.seq_len, hp.vocab_size, generator=torch.Generator().manual_seed(3))
+
+    def by_hand():
+        x, S, gates = model.embed_norm(model.embed(idx)), 0.0, []
+        for layer, block in enumerate(model.blocks):
+            if layer < hp.n_layers // 2:
+                gate = model.router.gates[layer]
+                S = S + torch.relu(x @ gate.weight[0] + gate.bias[0])  # eq. (1), summed
+                gates.append(1 - S.clamp(0, 1))  # eq. (2)
+            g = gates[min(layer, hp.n_layers - 1 - layer)]
+            x = block(x, g[..., None], None)
+        return model.head(model.head_norm(x))
+
+    grads = []
+    for forward in (lambda: model(idx).logits, by_hand):
+        model.zero_grad()
+        logits = forward()
+        (logits * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        gates = model(idx).route["gates"]
+    assert 0.1 < (gates == 0).float().mean() < 0.9 and ((gates > 0) & (gates < 1)).any()
+    assert torch.allclose(model(idx).logits, by_hand(), atol=1e-6)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
+    assert grads[0]["router.gates.0.weight"].abs().sum() > 0  # (the gates learn here)
+
+
 def test_eq1_and_eq2_have_gradient_one_at_their_bounds_on_every_torch():
     # torch 2.15 made clamp's gradient 0 at a bound: with it, zero-initialised gates never move
     x = torch.tensor([-1.0, 0.0, 0.5, 1.0, 2.0], requires_grad=True)
