@@ -1281,6 +1281,37 @@ def test_the_optimiser_reads_its_settings_where_built_and_where_a_resume_reappli
     assert [s for _, s, _ in seen] == list(range(steps))
 
 
+def test_the_controller_is_fed_the_sums_and_tokens_of_the_whole_global_batch(
+    tmp_path, monkeypatch, capsys
+):
+    # train() hands router.update the gates' sums of every micro-step of the step (2 here) and
+    # the global batch's token count: one micro-batch's count would double eq. (4)'s mean, the
+    # last micro-step's sums alone halve it
+    micro, fed = [], []
+    loss, update = tg.SkipMiddle.loss, tg.SkipMiddle.update
+
+    def spy_loss(self, route, step):
+        out = loss(self, route, step)
+        micro.append((step, out[1].clone(), route["gates"][0].numel()))
+        return out
+
+    def spy_update(self, sums, count, step):
+        fed.append((step, sums.clone(), count))
+        update(self, sums, count, step)
+
+    monkeypatch.setattr(tg.SkipMiddle, "loss", spy_loss)
+    monkeypatch.setattr(tg.SkipMiddle, "update", spy_update)
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--stop_step=2"], capsys)
+    assert code == 0, err
+    hp = tg.resolve(tg.parse_overrides(RESUME_RUN))
+    assert [step for step, _, _ in fed] == [0, 1]
+    for step, sums, count in fed:
+        mine = [(s, n) for at, s, n in micro if at == step]
+        assert len(mine) == hp.batch_size // hp.device_batch_size == 2
+        assert count == sum(n for _, n in mine) == hp.batch_size * hp.seq_len
+        assert torch.allclose(sums, sum(s for s, _ in mine), rtol=1e-12)
+
+
 class FakeLog:
     """RunLog's print and record, kept."""
 
