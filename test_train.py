@@ -540,8 +540,9 @@ def test_chunked_loss_is_finite_where_exp_of_the_logits_overflows():
 
 def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
     # under autocast the products run in bf16: each chunk's softmax gradient is cast to it once,
-    # for both products (grad_w's takes it transposed, with no second, transposing cast); loss
-    # and gradients within bf16's rounding of fp32's
+    # for both products (grad_w's takes it transposed, with no second, transposing cast); grad_w
+    # sums the chunks' bf16 products in fp32, as its docstring says (counted: a sum in bf16
+    # stays within this test's tolerance); loss and gradients within bf16's rounding of fp32's
     torch.manual_seed(0)
     n, rows, vocab, dim = 64, 16, 300, 32
     h = torch.randn(n, dim, requires_grad=True)
@@ -555,10 +556,22 @@ def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
         cast = func.overloadpacket is torch.ops.aten._to_copy
         return cast and kwargs.get("dtype") == torch.bfloat16 and args[0].numel() == rows * vocab
 
-    with torch.autocast("cpu", dtype=torch.bfloat16), CountedOps(softmax_cast) as casts:
+    def chunk_sum(dtype):  # an add of a (vocab, dim) tensor of dtype: grad_w's running sum
+        def which(func, args, kwargs):
+            shapes = {(a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor)}
+            return func.overloadpacket is torch.ops.aten.add and ((vocab, dim), dtype) in shapes
+
+        return which
+
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        CountedOps(softmax_cast) as casts,
+        CountedOps(chunk_sum(torch.float32)) as fp32_sums,
+        CountedOps(chunk_sum(torch.bfloat16)) as bf16_sums,
+    ):
         loss = tg.LinearCrossEntropy.apply(h, w, t, rows, True)
     loss.backward()
-    assert casts.n == n // rows
+    assert casts.n == n // rows and (fp32_sums.n, bf16_sums.n) == (n // rows, 0)
     assert loss.item() == pytest.approx(reference.item(), rel=1e-2)
     assert_close_rel(h.grad, expected[0], 3e-2)
     assert_close_rel(w.grad, expected[1], 3e-2)
