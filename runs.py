@@ -683,9 +683,10 @@ class Trainer:
 
 class Trainers:
     """The trainer processes in flight, each in a session of its own, so that a Ctrl-C at the
-    terminal reaches this sweep alone. Each of the trainer's saving signals that comes is passed
-    on once to every trainer in flight, or started after it (torchrun passes it to its workers):
-    each saves its checkpoint. The handler only notes a signal and the waiting loop passes it on
+    terminal reaches this sweep alone. Each of the trainer's saving signals that comes (and a
+    SIGHUP, unless ignored as under nohup, as a SIGTERM) is passed on once to every trainer in
+    flight, or started after it (under torchrun to its workers: pass_on): each saves its
+    checkpoint. The handler only notes a signal and the waiting loop passes it on
     (a handler that sent could run in the middle of a start and send twice). Output goes to
     files, read once a trainer ends (a pipe could fill while others run). Left with trainers in
     flight (an error here), it stops them as a signal would and waits for them. env: the
@@ -698,6 +699,8 @@ class Trainers:
 
     def __enter__(self):
         self.previous = {sig: signal.signal(sig, self.note) for sig in SAVE_SIGNALS}
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # (nohup's ignoring: kept)
+            self.previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.hung_up)
         return self
 
     def __exit__(self, *exc):
@@ -713,16 +716,27 @@ class Trainers:
     def note(self, sig, _):
         self.got.append(sig)
 
+    def hung_up(self, sig, _):  # the terminal closed: the trainers, in sessions of their own,
+        # would train on unseen (and hold their folders from a rerun); they save and stop as
+        # on a SIGTERM, which they take
+        self.got.append(signal.SIGTERM)
+
     def pass_on(self):
-        """Each signal that came, once, to each trainer in flight (torchrun: its group)."""
+        """Each signal that came, once, to each trainer in flight: under torchrun to its
+        workers, which save and exit 0, torchrun then too (signalled itself, torchrun exits 1,
+        a failure here, and sends its workers a second signal, which cuts their save); once
+        they are there, or without /proc (not Linux) to its process group."""
         came = len(self.got)
         for proc, trainer in self.live.items():
+            if trainer.sent == came:
+                continue
+            pids = [proc.pid] if trainer.nproc == 1 else children(proc.pid)
+            if pids == []:
+                continue  # (torchrun starting its workers: passed on once they are there)
             for sig in self.got[trainer.sent : came]:
-                with contextlib.suppress(ProcessLookupError):  # (ended since)
-                    if trainer.nproc == 1:
-                        proc.send_signal(sig)
-                    else:
-                        os.killpg(proc.pid, sig)
+                for pid in pids or [-proc.pid]:  # (a negative pid: the group)
+                    with contextlib.suppress(ProcessLookupError):  # (ended since)
+                        os.kill(pid, sig)
             trainer.sent = came
 
     def start(self, plan: Plan, step: int, nproc: int):
@@ -759,6 +773,21 @@ class Trainers:
                         *map(read_back, trainer.files),
                     )
             time.sleep(0.05)
+
+
+def children(pid: int):
+    """The pids of pid's child processes (torchrun's: its workers), from /proc; None without
+    /proc."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # (ended, or not a process)
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(")") + 1 :].split()[1]) == pid:  # (after the name: ppid)
+                found.append(int(entry))
+    return found
 
 
 def read_back(f) -> str:

@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -575,6 +576,77 @@ print(json.dumps([os.environ.get(k) for k in {names!r}]), file=open(sys.argv[1],
     assert seen(16, 2) == ["8", "8"]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert seen(16, 2) == ["3", "8"]
+
+
+@pytest.mark.parametrize("when", ["running", "starting"])
+def test_a_signal_to_the_sweep_reaches_torchruns_workers_once_and_not_torchrun(tmp_path, when):
+    # a stand-in for torchrun: signalled itself it exits 1 (torchrun's SignalException) and its
+    # workers would get a second signal (its shutdown's), cutting their save; else it ends as its
+    # workers do. The sweep's signal reaches each worker once, also one that came while the
+    # launcher was starting them (held till they are there), and the launcher ends 0
+    worker = script(
+        tmp_path / "worker.py",
+        """import os, pathlib, signal, sys, time
+mine = pathlib.Path(sys.argv[1], str(os.getpid()))
+signal.signal(signal.SIGINT, lambda *_: mine.open("a").write("INT\\n"))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (held from its start)
+mine.touch()
+while "INT" not in mine.read_text():
+    time.sleep(0.01)
+time.sleep(0.3)  # (saving: a second signal would be written down too)
+""",
+    )
+    launcher = script(
+        tmp_path / "launcher.py",
+        f"""import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, lambda *_: sys.exit(1))
+time.sleep(float(sys.argv[2]))
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})  # (a worker's, till its handler)
+workers = [subprocess.Popen([sys.executable, {worker!r}, sys.argv[1]]) for _ in range(2)]
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+sys.exit(max(w.wait() for w in workers))
+""",
+    )
+    (tmp_path / "seen").mkdir()
+    with runs.Trainers() as trainers:
+        files = [runs.tempfile.TemporaryFile("w+") for _ in range(2)]
+        delay = "0.5" if when == "starting" else "0"
+        cmd = [sys.executable, launcher, str(tmp_path / "seen"), delay]
+        proc = subprocess.Popen(cmd, stdout=files[0], stderr=files[1], start_new_session=True)
+        trainers.live[proc] = runs.Trainer(runs.Plan("run", [(launcher, [])]), 0, 2, files)
+        while when == "running" and len(os.listdir(tmp_path / "seen")) < 2:  # (both begun)
+            time.sleep(0.01)
+        trainers.got.append(signal.SIGINT)
+        plan, step, code, out, err = trainers.ended()
+    assert code == 0, err
+    seen = [p.read_text() for p in (tmp_path / "seen").iterdir()]
+    assert seen == ["INT\n", "INT\n"]
+
+
+def test_a_hangup_reaches_the_trainers_as_a_sigterm_unless_ignored_as_by_nohup(tmp_path):
+    # the terminal closed: the trainer, in a session of its own, saves and stops (SIGTERM, which
+    # it takes), not trains on unseen; under nohup (SIGHUP ignored) the sweep goes on
+    trainer = script(
+        tmp_path / "trainer.py",
+        f"""import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+pathlib.Path({str(tmp_path / "begun")!r}).touch()
+time.sleep(60)
+""",
+    )
+    with runs.Trainers() as trainers:
+        assert signal.getsignal(signal.SIGHUP) == trainers.hung_up
+        trainers.start(runs.Plan("run", [(trainer, [])]), 0, 1)
+        while not (tmp_path / "begun").exists():
+            time.sleep(0.01)
+        signal.raise_signal(signal.SIGHUP)
+        assert trainers.ended()[2] == 0 and trainers.got == [signal.SIGTERM]
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with runs.Trainers():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_an_error_in_the_sweep_stops_its_trainers_as_a_signal_would(tmp_path, monkeypatch):
