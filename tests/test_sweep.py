@@ -484,6 +484,24 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
     assert sweep.run_state(str(run)) == "resume"
 
 
+def test_a_resume_keeps_the_job_settings_of_the_grid_and_of_its_preset(tmp_path, monkeypatch):
+    # a resume takes no --preset: the preset's job settings (smoke's compile=False) are given
+    # as such, then the grid's own (a resumed run compiled where the fresh one ran eagerly would
+    # not reproduce its digits on a GPU)
+    sweep = load_command("sweep.py")
+    planned = []
+    monkeypatch.setattr(sweep.runs, "run_plans", lambda plans, *_: planned.extend(plans))
+    grid = dict(base=TINY_GRID + ["--untimed_steps=3"], runs=[sweep.dlo(0.5, "dense_2", 2, 1)])
+    done = sweep.run_grid(grid, str(tmp_path), range(1), 1)
+    resume = planned[0].steps[1]
+    assert resume == (
+        "train_gpt.py",
+        [f"--resume={tmp_path / 'dlo_rho0.5_s0'}", "--compile=False", "--untimed_steps=0"]
+        + ["--untimed_steps=3"],
+    )
+    assert done[0][3].endswith(" && python train_gpt.py " + shlex.join(resume[1]))
+
+
 def test_a_run_s_settings_are_compared_with_the_grid_s_as_its_docstring_says(tmp_path):
     sweep = load_command("sweep.py")
     run = tmp_path / "dense_2_s0"
