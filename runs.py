@@ -845,10 +845,11 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
             elif code:
                 # its error line (under torchrun, each rank's comes before the launcher's own
                 # lines), else its last
-                lines = err.strip().splitlines() or ["(no output)"]
+                lines = err.strip().splitlines() or ["nothing on stderr"]
                 tail = next((ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1])
                 kind = UserError if code == 2 and not got else RunStopped
-                failed.append((kind, f"{plan.label}: {script} exited {code}: {tail}"))
+                how = f"ended by signal {-code}" if code < 0 else f"exited {code}"
+                failed.append((kind, f"{plan.label}: {script} {how}: {tail}"))
                 if trainers.live:
                     print(
                         f"{failed[-1][1]}; no other run starts: waiting for the "

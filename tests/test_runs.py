@@ -446,6 +446,12 @@ time.sleep(0.5)
     ]
     with pytest.raises(support.RunStopped, match=r"^bad: .*fail\.py exited 1: error: refused$"):
         runs.run_plans(plans, 1, jobs=2)
+    killed = script(  # (the out-of-memory killer's, say: its printed lines are no error's)
+        tmp_path / "killed.py", "import os, signal\nprint('step:1')\nos.kill(os.getpid(), 9)\n"
+    )
+    said = r"^k: .*killed\.py ended by signal 9: nothing on stderr$"
+    with pytest.raises(support.RunStopped, match=said):
+        runs.run_plans([runs.Plan("k", [(killed, [])])], 1)
     assert "no other run starts: waiting for the 1 in flight" in capsys.readouterr().out
     assert not (tmp_path / "next").exists() and not (tmp_path / "other").exists()
 
