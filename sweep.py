@@ -777,9 +777,13 @@ def read_runs(path: str) -> list:
             kind = RUN_KEYS.get(k, float)  # (a column that is not ours: a number)
             try:
                 if kind is not str:
+                    if "_" in v:  # (Python's digit grouping, which float() takes: no CSV's)
+                        raise ValueError
                     r[k] = kind(v) if v else None
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
+        if not r["name"]:
+            raise support.UserError(f"{path}:{i}: a run with no name")
         for k, v in r.items():
             if RUN_KEYS.get(k, float) is not str and (problem := column_problem(k, v)):
                 raise support.UserError(f"{path}:{i}: {problem}")
