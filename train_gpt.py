@@ -1376,7 +1376,8 @@ def train(
     steps, accum = num_steps(hp), hp.batch_size // (hp.device_batch_size * d.world)
     start, saved_val = run.step, run.val_done
     if ckpt is not None and start == run.val_done == steps:  # complete: nothing to write
-        print(f"the run is complete at step {start}")
+        if d.master:
+            print(f"the run is complete at step {start}")
         return job.run_dir
     cuda = d.device.startswith("cuda")
     peak = support.peak_flops(torch.cuda.get_device_name(d.device) if cuda else "", job.peak_flops)
