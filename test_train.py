@@ -1217,12 +1217,15 @@ def test_validation_flops_price_the_blocks_and_causal_pairs_each_sequence_ran(
     # (steered_model), so each block ran each sequence's n 7s: their share of the tokens, and
     # n(n+1)/2 causal pairs per sequence (not the mean share squared), priced by forward_flops;
     # the dense figure is a dense model's, as FlopCounterMode counts it; compact validates every
-    # token, whatever packed lengths training left (not cut to them), and leaves them as it found
+    # token, whatever packed lengths training left (not cut to them), and leaves them as it found;
+    # each validation reads the same tokens (the first val_tokens, not those after the last's)
     hp = tiny(device_batch_size=2, val_tokens=64)
     tokens = np.random.default_rng(0).choice([5, 7], 65)
     write_shard(tmp_path / "v_0.bin", tokens)
+    write_shard(tmp_path / "v_1.bin", np.full(65, 5))  # (what a validation must not reach)
     loader = tg.DistributedLoader(str(tmp_path / "v_*.bin"), 2, 16, 0, 1, hp.vocab_size)
     v = tg.evaluate(steered_model(hp), hp, loader, tg.Dist(), contextlib.nullcontext())
+    assert tg.evaluate(steered_model(hp), hp, loader, tg.Dist(), contextlib.nullcontext()) == v
     n = (tokens[:-1].reshape(4, 16) == 7).sum(axis=1)  # (sequences,)
     assert len(set(n.tolist())) > 1  # (sequences that differ: the pairs are not the share's)
     share, pairs = n.sum() / 64, (n * (n + 1) / 2).mean()
@@ -1597,6 +1600,13 @@ def test_every_position_the_loader_reaches_is_one_a_resume_accepts(tmp_path):
         seen.append((loader.shard, loader.pos))
         loader.next_batch()
     assert seen == [(0, 0), (0, 8), (1, 0), (0, 0)]
+    # and a new loader restored to each state goes on with the same batches, passes counted
+    for _ in range(3):
+        again = tg.DistributedLoader(str(tmp_path / "d_*.bin"), 2, 4, 0, 1)
+        again.restore(loader.state())
+        for _ in range(3):
+            assert all(map(torch.equal, loader.next_batch(), again.next_batch()))
+            assert again.state() == loader.state()
     for shard, pos in ((0, 9), (1, 1), (0, -1), (2, 0), (-1, 0)):
         with pytest.raises(tg.UserError, match=rf"data position \(shard {shard}, token {pos}\)"):
             loader.check_position({"shard": shard, "pos": pos})

@@ -2,6 +2,7 @@
 Mixture-of-Depths and Mixture-of-Recursions, each against a reference written here."""
 
 import collections
+import contextlib
 import math
 import os
 from dataclasses import replace
@@ -25,6 +26,7 @@ from conftest import (
     run_main,
     timing,
     tiny,
+    write_shard,
 )
 
 # --------------------------------------------------------------------- every router
@@ -336,6 +338,27 @@ def test_dlo_inference_skips_every_negative_logit_however_small():
     trace = collections.defaultdict(list)
     model.router.run(0, block, x, trace, None)
     assert trace["mlp"][0][0].tolist() == [False, False, True, True, False]
+
+
+def test_dlo_validation_counts_skipped_mlps_as_its_sparsity(tmp_path):
+    # every DLO block runs its attention (block_active 1): the share skipped is of the MLPs,
+    # counted here from the routers' own choices (eq. 2 at inference: hW >= 0 runs)
+    torch.manual_seed(0)
+    hp = tiny(router="dlo", n_layers=2, device_batch_size=2, val_tokens=64)
+    model = tg.GPT(hp)
+    for router in model.router.routers:
+        torch.nn.init.normal_(router.weight, std=0.5)
+    tokens = torch.randint(0, hp.vocab_size, (65,)).numpy()
+    write_shard(tmp_path / "v_0.bin", tokens)
+    loader = tg.DistributedLoader(str(tmp_path / "v_*.bin"), 2, 16, 0, 1, hp.vocab_size)
+    v = tg.evaluate(model, hp, loader, tg.Dist(), contextlib.nullcontext())
+    ran = []
+    model.router.routers[0].register_forward_hook(lambda _, args, out: ran.append(out >= 0))
+    with torch.no_grad():
+        model.eval()(torch.from_numpy(tokens[:-1].astype("int64")).view(4, 16))
+    assert v["block_active"] == [1.0, 1.0]
+    assert v["mlp_active"][0] == pytest.approx(ran[0].float().mean().item(), abs=1e-12)
+    assert 0 < v["sparsity"] == pytest.approx(1 - sum(v["mlp_active"]) / 2, abs=1e-12)
 
 
 def test_dlo_flops_count_only_executed_mlps():
