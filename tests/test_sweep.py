@@ -122,7 +122,11 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     mean, sd = sum(deltas) / 5, math.sqrt(sum((d - sum(deltas) / 5) ** 2 for d in deltas) / 4)
     assert a["mean"] == pytest.approx(mean) and a["sd"] == pytest.approx(sd)
     assert a["hi"] - a["mean"] == pytest.approx(2.776 * sd / math.sqrt(5), rel=1e-3)
-    assert a["p"] == pytest.approx(1.45e-4, rel=0.01) and a["verdict"] == "better than dense"
+    # Student's t with 4 df in closed form: P(|T| >= t) = 1 - sin(th) (1 + cos(th)^2 / 2),
+    # th = atan(t / 2) (here t = -14.14, p = 1.45e-4, as scipy's ttest_1samp gives)
+    theta = math.atan(abs(mean / (sd / math.sqrt(5))) / 2)
+    p = 1 - math.sin(theta) * (1 + math.cos(theta) ** 2 / 2)
+    assert a["p"] == pytest.approx(p, rel=1e-6) and a["verdict"] == "better than dense"
     b = lines[("gated_b", "dense frontier")]
     assert b["mean"] == pytest.approx(0, abs=1e-12) and b["p"] == pytest.approx(1.0)
     assert b["verdict"] == f"no detectable difference (95% CI [{b['lo']:+.3f}, {b['hi']:+.3f}])"
