@@ -61,19 +61,22 @@ def cli(main, argv, end_line=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
     full disk, memory exhausted, RunStopped, or a failure once a training job has a run
     directory (the error's `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At
-    most one error line. Once it returns, a signal (say, during the interpreter's shutdown)
-    changes neither the output nor the status. end_line: called as it stops early (an error, a
-    signal), to end a line left open (the tokenizer's progress line)."""
+    most one error line. Once main has returned (its work done), a signal (say, during the
+    interpreter's shutdown) changes neither the output nor the status. end_line: called as it
+    stops early (an error, a signal), to end a line left open (the tokenizer's progress line)."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
-    status = 0
+    status, done = 0, False
     try:
         main(argv)
+        done = True  # (CPython handles a signal at its next call or loop: after this store)
         sys.stdout.flush()
         return 0
     except KeyboardInterrupt as e:
         status, ckpt = 128 + getattr(e, "signum", signal.SIGINT), getattr(e, "checkpoint", None)
         text = None if ckpt is None else "interrupted by a second signal"  # (a first: no line)
+        if done:  # (as the flush began: what it had not written is written below)
+            status, text = 0, None
     except RunStopped as e:
         status, text, ckpt = 1, str(e), None  # it names the checkpoint itself
     except (UserError, OSError) as e:

@@ -1,6 +1,7 @@
 """Command lines: the settings' facts and checks, bad input to train_gpt.py, and the other
 commands' options and errors (one line, status 2)."""
 
+import contextlib
 import math
 import os
 import re
@@ -746,6 +747,19 @@ def test_an_error_line_is_one_line_and_a_second_signal_exits_128_plus_its_number
         raise support.Interrupted(signal.SIGTERM)
 
     assert support.cli(second, []) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ""
+
+    class Flushed:  # a signal handled as stdout is flushed, once the work is done: status 0
+        def __init__(self):
+            self.signals = 1
+
+        def flush(self):
+            while self.signals:
+                self.signals -= 1
+                support.interrupted(signal.SIGTERM, None)
+
+    with contextlib.redirect_stdout(Flushed()):
+        assert support.cli(lambda argv: None, []) == 0
     assert capsys.readouterr().err == ""
 
     def exhausted(argv):  # (the machine's limit: 1, as a full disk)
