@@ -253,21 +253,21 @@ GRIDS["bytes_gpu"] = dict(
 
 
 def run_state(run_dir: str) -> str:
-    """done: validated and saved at its last step (runlog.complete, and a checkpoint record of
-    that step: a job killed between the two left an earlier checkpoint, which the trainer goes
-    on from); resume (a checkpoint); or fresh. A done run without its checkpoint, whose weights
-    measure reads, is a UserError (before any run starts, not after the grid has trained)."""
-    held = os.path.exists(os.path.join(run_dir, runs.CHECKPOINT))
-    last = runlog.json_object(os.path.join(run_dir, "config.json")).get("num_steps")
-    saved = [r["step"] for r in runlog.run_records(run_dir, "checkpoint")]
-    if runlog.complete(run_dir) and last in saved:
-        if not held:
+    """done: validated at its last step (runlog.complete) and its checkpoint of that step, as
+    the trainer has it (a job killed between the two left an earlier one, which it goes on
+    from); resume (a checkpoint); or fresh. A validated run without its checkpoint, whose
+    weights measure reads, is a UserError (before any run starts, not after the grid trained)."""
+    path = os.path.join(run_dir, runs.CHECKPOINT)
+    if runlog.complete(run_dir):
+        if not os.path.exists(path):
             raise support.UserError(
                 f"{run_dir}: a finished run without its {runs.CHECKPOINT}, whose weights are "
                 f"measured: put it back, or move the run away to train it again"
             )
-        return "done"
-    return "resume" if held else "fresh"
+        last = runlog.json_object(os.path.join(run_dir, "config.json")).get("num_steps")
+        if runs.saved_step(path, runs.logged(run_dir)) == last:
+            return "done"
+    return "resume" if os.path.exists(path) else "fresh"
 
 
 EXPANSION = ("groups", "per_group", "init", "tau")  # expand.py's own settings (expand.json)

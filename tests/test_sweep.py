@@ -453,7 +453,8 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
     run = tmp_path / "run"
     run.mkdir()
     assert sweep.run_state(str(run)) == "fresh"  # a folder, nothing in it
-    (run / "config.json").write_text("\ufeff" + json.dumps({"num_steps": 6}))  # an editor's BOM
+    config = {"num_steps": 6, "run_id": "ab"}
+    (run / "config.json").write_text("\ufeff" + json.dumps(config))  # an editor's BOM
     notes = ["my note", "[1, 2]", "[" * 100000, json.dumps({"step": 4})]  # a user's, no kind
     notes += [
         json.dumps({"kind": "val", "note": "re-check"}),
@@ -467,16 +468,16 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
     assert sweep.run_state(str(run)) == "fresh"  # validated mid-way, no checkpoint
     (run / "checkpoint.pt").write_bytes(b"")
     assert sweep.run_state(str(run)) == "resume"
-    # done at the last step, not the one before, once saved there too: killed between its
-    # final validation and its final save, a run goes on from its checkpoint of an earlier step
-    for kind, step, state in (
-        ("val", 5, "resume"),
-        ("val", 6, "resume"),
-        ("checkpoint", 6, "done"),
-    ):
+    # done at the last step, not the one before, once its checkpoint is of that step too (the
+    # trainer's rule): killed between its final validation and its final save, a run goes on
+    # from its checkpoint of an earlier step; one of another run is not its own
+    for step, saved, state in ((5, 4, "resume"), (6, 4, "resume"), (6, 6, "done")):
         with open(run / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"kind": kind, "step": step}) + "\n")
-        assert sweep.run_state(str(run)) == state, step
+            f.write(json.dumps({"kind": "val", "step": step}) + "\n")
+        torch.save({"run_id": "ab", "step": saved}, run / "checkpoint.pt")
+        assert sweep.run_state(str(run)) == state, (step, saved)
+    torch.save({"run_id": "cd", "step": 6}, run / "checkpoint.pt")
+    assert sweep.run_state(str(run)) == "resume"
     (run / "checkpoint.pt").unlink()  # (a user's, to save space): measure would find no weights
     with pytest.raises(support.UserError, match="run: a finished run without its checkpoint.pt"):
         sweep.run_state(str(run))
@@ -667,12 +668,11 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
     done = runs / "dense_2_s0"
     done.mkdir(parents=True)
     argv = TINY_GRID + ["--router=none", "--n_layers=2", "--seed=0", f"--run_dir={done}"]
-    config = {**asdict(tg.resolve(tg.parse_overrides(argv))), "num_steps": 5}
+    config = {**asdict(tg.resolve(tg.parse_overrides(argv))), "num_steps": 5, "run_id": "ab"}
     (done / "config.json").write_text(json.dumps(config))
     shares = dict(sparsity=0.25, fwd_flops_per_token=1e5, block_active=[1.0, 0.5])
     record = dict(kind="val", step=5, val_loss=3.5, val_se=0.1, val_docs=7, **shares)
-    (done / "checkpoint.pt").write_bytes(b"")  # (never read: refused before)
-    saved = json.dumps(dict(kind="checkpoint", step=5)) + "\n"
+    torch.save({"run_id": config["run_id"], "step": 5}, done / "checkpoint.pt")
     for edit, said in (
         (dict(val_loss=None), "val_loss is empty"),
         (dict(val_loss="3.5"), "val_loss='3.5'"),
@@ -686,7 +686,7 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
         (dict(block_active=[1.0, "1"]), "block_active=[1.0, '1']"),
         (dict(block_active=[1.0, 1.5]), "block_active=[1.0, 1.5]"),
     ):
-        (done / "metrics.jsonl").write_text(json.dumps({**record, **edit}) + "\n" + saved)
+        (done / "metrics.jsonl").write_text(json.dumps({**record, **edit}) + "\n")
         assert sweep.run_state(str(done)) == "done"
         argv = [f"--runs={runs}", f"--out={out}", "--grid=tiny", "--seeds=2"]
         code, err = support.cli(sweep.main, argv), capsys.readouterr().err
