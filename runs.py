@@ -723,9 +723,10 @@ class Trainers:
 
     def pass_on(self):
         """Each signal that came, once, to each trainer in flight: under torchrun to its
-        workers, which save and exit 0, torchrun then too (signalled itself, torchrun exits 1,
-        a failure here, and sends its workers a second signal, which cuts their save); once
-        they are there, or without /proc (not Linux) to its process group."""
+        workers, which save and exit 0, torchrun then too (signalled itself, torchrun sends its
+        workers a second signal, which cuts their save); to those there at the first look that
+        finds any (one rank is enough: every rank stops at the step the first signalled one
+        does, ranks.agreed_signal), or without /proc (not Linux) to its process group."""
         came = len(self.got)
         for proc, trainer in self.live.items():
             if trainer.sent == came:
@@ -759,19 +760,14 @@ class Trainers:
         self.live[proc] = Trainer(plan, step, nproc, files)
 
     def ended(self) -> tuple:
-        """Wait for a trainer to end, passing signals on: -> (plan, step, its exit status,
+        """Wait for a trainer to end, passing signals on: -> (the Trainer, its exit status,
         stdout, stderr)."""
         while True:
             self.pass_on()
             for proc in list(self.live):
                 if proc.poll() is not None:
                     trainer = self.live.pop(proc)
-                    return (
-                        trainer.plan,
-                        trainer.step,
-                        proc.returncode,
-                        *map(read_back, trainer.files),
-                    )
+                    return trainer, proc.returncode, *map(read_back, trainer.files)
             time.sleep(0.05)
 
 
@@ -832,10 +828,14 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
                     continue
             if not trainers.live:
                 break  # stopped or failed: nothing more starts
-            plan, step, code, out, err = trainers.ended()
+            trainer, code, out, err = trainers.ended()
+            plan, step = trainer.plan, trainer.step
             script = plan.steps[step][0]
             got = trainers.got
-            if got and code in {0} | {128 + s for s in got} | {-s for s in got}:  # obeyed
+            # obeyed: under torchrun, whose status is 1 for workers a signal stopped at once (a
+            # second, or one that came as they started), 1 too once it was passed on
+            torchrun = {1} if trainer.nproc > 1 and trainer.sent else set()
+            if got and code in {0} | {128 + s for s in got} | {-s for s in got} | torchrun:
                 # a second signal, or one while the run was starting, leaves no new checkpoint
                 saved.append(
                     f"{plan.label} saved its checkpoint"
@@ -844,8 +844,9 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
                 )
             elif code:
                 # its error line (under torchrun, each rank's comes before the launcher's own
-                # lines), else its last
-                lines = err.strip().splitlines() or ["nothing on stderr"]
+                # lines), else its last that is not a rule (torchrun's summary ends with ====)
+                lines = [ln for ln in err.strip().splitlines() if ln.strip("=-")]
+                lines = lines or ["nothing on stderr"]
                 tail = next((ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1])
                 kind = UserError if code == 2 and not got else RunStopped
                 how = f"ended by signal {-code}" if code < 0 else f"exited {code}"
