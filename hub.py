@@ -169,6 +169,8 @@ def read_weights(path: str, shown: str) -> dict:
     regular(path, shown)
     try:
         return load_file(path)
+    except MemoryError:  # (the machine's, not the file's: support.cli says so)
+        raise
     except Exception as e:  # safetensors' own error, or the OS's
         raise UserError(f"{shown} is not a complete safetensors file ({first_line(e)})") from None
 

@@ -125,6 +125,8 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
         raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
     except OSError as e:  # (not the file's fault: a permission, say)
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    except MemoryError:  # (the machine's, not the file's: support.cli says so)
+        raise
     except Exception as e:  # truncated, overwritten, or from an incompatible version
         raise UserError(
             f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})"
@@ -509,7 +511,7 @@ class Ledger:
         return self
 
     def __exit__(self, kind, error, traceback):
-        if isinstance(error, (KeyboardInterrupt, UserError, OSError)):
+        if isinstance(error, (KeyboardInterrupt, UserError, OSError, MemoryError)):
             error.checkpoint = self.last  # (a RunStopped names it in its message)
 
 

@@ -82,8 +82,9 @@ def cli(main, argv, end_line=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = getattr(e, "checkpoint", None), os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
-    except MemoryError:  # the machine's limit, not the input's (as a full disk)
-        status, text, ckpt = 1, "out of memory: this machine cannot allocate what it needs", None
+    except MemoryError as e:  # the machine's limit, not the input's (as a full disk)
+        status, ckpt = 1, getattr(e, "checkpoint", None)
+        text = "out of memory: this machine cannot allocate what it needs"
     finally:  # once it is over a signal ends the process at once, with the command's own
         # status, and its folders are free (in a test, the process goes on); the signals held
         # while the handlers change (a second one: no traceback)

@@ -18,6 +18,7 @@ from functools import partial
 import pytest
 import torch
 
+import hub
 import ranks
 import runlog
 import runs
@@ -205,6 +206,38 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, m
     assert left == ["checkpoint.pt.0123456789abcdef.k1ll3d_x.tmp"]
     assert val_steps(tmp_path) == [0, 4, 8]
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
+
+
+def test_memory_exhausted_mid_run_or_reading_a_checkpoint_is_the_machines_limit(
+    tmp_path, monkeypatch, capsys
+):
+    # mid-run: status 1, its line naming the last checkpoint as other failures' do; reading a
+    # sound checkpoint: status 1 too, not "corrupt or incompatible" (status 2, the file blamed)
+    real = tg.train_step
+
+    def exhausted(*args):
+        if args[-1] == 5:  # (step)
+            raise MemoryError
+        return real(*args)
+
+    monkeypatch.setattr(tg, "train_step", exhausted)
+    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--save_every=4"], capsys)
+    said = "error: out of memory: this machine cannot allocate what it needs"
+    assert code == 1 and err.endswith(
+        f"{said}; last checkpoint: {tmp_path}/checkpoint.pt (step 4)\n"
+    )
+    monkeypatch.setattr(tg, "train_step", real)
+
+    def no_room(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(runs, "load_tensors", no_room)
+    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
+    assert code == 1 and err.endswith(f"{said}\n"), err
+    monkeypatch.setattr("safetensors.torch.load_file", no_room)  # (a model's weights alike)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(MemoryError):
+        hub.read_weights(str(tmp_path / "model.safetensors"), "model.safetensors")
 
 
 # -------------------------------------------------------------- logs and provenance
