@@ -123,13 +123,14 @@ def fetch(name: str, out: str, counter: str) -> str:
     for force in (False, True):  # a bad file in the cache is downloaded once more
         try:
             cached = hf_hub_download(REPO, name, repo_type="dataset", force_download=force)
-        except LocalEntryNotFoundError as e:  # (offline, the Hub unreachable, or its refusal:
-            # 429, too many requests, or 5xx, the Hub down, say, once its retries are spent)
+        except Exception as e:  # offline, the Hub unreachable or refusing (429, too many
+            # requests; 5xx, down) once its retries are spent, a full disk, ...
             answer = getattr(getattr(e.__cause__, "response", None), "status_code", None)
+            if not (answer or isinstance(e, LocalEntryNotFoundError)):
+                return f"{type(e).__name__}: {first_line(e)}"  # (its own words)
             said = f"answered HTTP {answer}" if answer else "cannot be reached"
-            return f"not in the Hugging Face cache, and the Hub {said}"
-        except Exception as e:  # a full disk, no right to the file, ...: its own words
-            return f"{type(e).__name__}: {first_line(e)}"
+            where = "damaged in" if force else "not in"
+            return f"{where} the Hugging Face cache, and the Hub {said}"
         problem = damage(cached)
         if not problem:
             try:

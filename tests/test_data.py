@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -173,6 +174,18 @@ def test_a_bad_download_is_fetched_once_more_then_reported(tmp_path, monkeypatch
     assert why == f"{bad}: {truncated}, after a fresh download too", why
     assert capsys.readouterr().out.count("; fetching it again\n") == 1  # (not after the last)
     assert not (tmp_path / "out").exists()
+
+    class Refused(Exception):  # the Hub's answer to the forced download (huggingface_hub's
+        response = types.SimpleNamespace(status_code=429)  # ValueError is from it)
+
+    def refused(repo, name, repo_type, force_download):
+        if force_download:
+            raise ValueError("Force download failed due to the above error.") from Refused()
+        return str(bad)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refused)
+    why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
+    assert why == "damaged in the Hugging Face cache, and the Hub answered HTTP 429", why
 
 
 # ------------------------------------------------------------------- debian_docs.py
