@@ -318,8 +318,8 @@ def test_zero_initialised_gates_are_not_stuck(monkeypatch):
     # deviation in the docstring: relu'(0) = 0 would leave zero-initialised gates at 1 forever.
     # The controller's own loss, (1/L) sum_l alpha mean(g_l) (sparsity: alpha = fixed_coef):
     # gate 0's bias moves g_0..g_3 (S_0 and S_1, mirrored), gate 1's g_1 and g_2, each by -1.
-    # On every torch: clamp as torch 2.15 has it, gradient 0 at a bound (a plain clamp in eq. 1
-    # or 2 would then leave the gates stuck here too, not on 2.15 alone)
+    # On every torch: clamp (clip, clamp_min, clamp_max) as torch 2.15 has it, gradient 0 at a
+    # bound (a plain one in eq. 1 or 2 would then leave the gates stuck here too, not on 2.15)
     real = torch.Tensor.clamp
 
     def clamp_as_in_2_15(x, min=None, max=None):
@@ -328,8 +328,15 @@ def test_zero_initialised_gates_are_not_stuck(monkeypatch):
         inside &= True if max is None else x < max
         return torch.where(inside, x, real(x.detach(), min, max))
 
-    monkeypatch.setattr(torch, "clamp", clamp_as_in_2_15)
-    monkeypatch.setattr(torch.Tensor, "clamp", clamp_as_in_2_15)
+    forms = {
+        "clamp": clamp_as_in_2_15,
+        "clip": clamp_as_in_2_15,
+        "clamp_min": lambda x, min: clamp_as_in_2_15(x, min),
+        "clamp_max": lambda x, max: clamp_as_in_2_15(x, None, max),
+    }
+    for name, form in forms.items():
+        monkeypatch.setattr(torch, name, form)
+        monkeypatch.setattr(torch.Tensor, name, form)
     torch.manual_seed(0)
     model = tg.GPT(tiny(gate_init="zero", controller="sparsity", fixed_coef=0.1))
     route = model(torch.randint(0, 97, (2, 16))).route
@@ -571,7 +578,8 @@ def test_chunked_loss_under_bf16_autocast_casts_each_softmax_gradient_once():
     def chunk_sum(dtype):  # an add of a (vocab, dim) tensor of dtype: grad_w's running sum
         def which(func, args, kwargs):
             shapes = {(a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor)}
-            return func.overloadpacket is torch.ops.aten.add and ((vocab, dim), dtype) in shapes
+            adds = (torch.ops.aten.add, torch.ops.aten.add_)
+            return func.overloadpacket in adds and ((vocab, dim), dtype) in shapes
 
         return which
 
