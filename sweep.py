@@ -30,7 +30,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 
 import support
 
@@ -329,15 +329,15 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
             run_dir = os.path.join(runs_dir, f"{name}_s{seed}")
             state = run_state(run_dir)
             args = [a.format(runs=runs_dir, seed=seed) for a in overrides]
-            # the job's settings, kept on resume (which takes no preset): its preset's, then those
-            # given (--preset=smoke's compile=False: a resumed run on a GPU would compile)
-            kept, given = tg.JOB - {"run_dir", "resume", "preset"}, grid["base"] + args
-            preset = {}
-            for a in given:
-                if a.startswith("--preset="):
-                    preset = tg.PRESETS.get(a.split("=", 1)[1], {})
-            job = [f"--{k}={v}" for k, v in preset.items() if k in kept]
-            job += [a for a in given if a.split("=")[0][2:] in kept]
+            # the job's settings (the preset's, then those given), kept on resume, which takes
+            # no preset (--preset=smoke's compile=False: a resumed run on a GPU would compile)
+            settings = tg.job_settings(tg.parse_overrides(grid["base"] + args))
+            job = [
+                f"--{f.name}={getattr(settings, f.name)}"
+                for f in fields(settings)
+                if f.name not in ("run_dir", "resume", "preset")
+                and getattr(settings, f.name) != f.default
+            ]
             resume = ("train_gpt.py", [f"--resume={run_dir}", *job])
             source = ""
             if expansion:  # a step-0 checkpoint, then trained as a resume

@@ -501,8 +501,7 @@ def test_a_resume_keeps_the_job_settings_of_the_grid_and_of_its_preset(tmp_path,
     resume = planned[0].steps[1]
     assert resume == (
         "train_gpt.py",
-        [f"--resume={tmp_path / 'dlo_rho0.5_s0'}", "--compile=False", "--untimed_steps=0"]
-        + ["--untimed_steps=3"],
+        [f"--resume={tmp_path / 'dlo_rho0.5_s0'}", "--compile=False", "--untimed_steps=3"],
     )
     assert done[0][3].endswith(" && python train_gpt.py " + shlex.join(resume[1]))
 
@@ -774,9 +773,10 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
         events.append(("start", plan.label, plan.steps[step][0], len(self.live)))
 
     def finished(self):
-        plan, step, *rest = ended(self)
-        events.append(("end", plan.label, plan.steps[step][0], len(self.live)))
-        return plan, step, *rest
+        trainer, *rest = ended(self)
+        plan = trainer.plan
+        events.append(("end", plan.label, plan.steps[trainer.step][0], len(self.live)))
+        return trainer, *rest
 
     monkeypatch.setattr(sweep.runs.Trainers, "start", started)
     monkeypatch.setattr(sweep.runs.Trainers, "ended", finished)
