@@ -26,6 +26,7 @@ import functools
 import io
 import math
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -732,6 +733,8 @@ MAX_RUNS_CSV = 64 << 20  # a grid's runs.csv: about 2 kB a run; more is not one
 # report's statistics and figure finite
 RUN_RANGES = {"flops_per_token": "(0, 1e100)", "sparsity": "[0, 1]"}
 OPTIONAL = ("val_se", "val_docs")  # its columns that may be empty (None)
+# a number as a CSV writer writes one (Python's int() and float() take more: 1_0, " 5", "٥", nan)
+NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
 
 
 def column_problem(column: str, v, name: str = None) -> str:
@@ -777,12 +780,12 @@ def read_runs(path: str) -> list:
             kind = RUN_KEYS.get(k, float)  # (a column that is not ours: a number)
             try:
                 if kind is not str:
-                    if "_" in v:  # (Python's digit grouping, which float() takes: no CSV's)
+                    if v and not NUMBER.fullmatch(v):
                         raise ValueError
                     r[k] = kind(v) if v else None
             except (TypeError, ValueError):
                 raise support.UserError(f"{path}:{i}: {k}={v!r} is not a number") from None
-        if not r["name"]:
+        if not r["name"].strip():
             raise support.UserError(f"{path}:{i}: a run with no name")
         for k, v in r.items():
             if RUN_KEYS.get(k, float) is not str and (problem := column_problem(k, v)):

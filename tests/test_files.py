@@ -523,7 +523,10 @@ def test_a_runs_csv_s_edge_values_are_read_and_its_faults_refused(tmp_path):
         (rows + [dict(rows[0], val_loss="9.5")], "", "a (name, seed) appears twice; one row"),
         ([dict(rows[0], val_loss="1_0.4")] + rows[1:], "", ":2: val_loss='1_0.4' is not a num"),
         ([dict(rows[0], seed="1_0")] + rows[1:], "", ":2: seed='1_0' is not a number"),
-        ([dict(rows[0], name="")] + rows[1:], "", ":2: a run with no name"),
+        ([dict(rows[0], val_se=" 0.01")] + rows[1:], "", ":2: val_se=' 0.01' is not a number"),
+        ([dict(rows[0], seed="\u0663")] + rows[1:], "", ":2: seed='\u0663' is not a number"),
+        ([dict(rows[0], val_loss="nan")] + rows[1:], "", ":2: val_loss='nan' is not a number"),
+        ([dict(rows[0], name=" ")] + rows[1:], "", ":2: a run with no name"),
     ):
         with pytest.raises(support.UserError, match=re.escape(message)):
             sweep.read_runs(written(bad, tail))
