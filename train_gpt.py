@@ -713,9 +713,10 @@ class DistributedLoader:
 
 def forward_flops(hp: "Hyperparameters", active=None, mlp_active=None, pairs=None) -> float:
     """Forward FLOPs of one sequence of T = seq_len tokens (the convention: docs/flops.md).
-    active / mlp_active: per layer, the share of tokens that run the block / its MLP (None: all
+    active / mlp_active: per layer, the share a of tokens that run the block / its MLP (None: all
     / as active); pairs: per layer, the mean causal query-key pairs of the active tokens
-    (route_sums), else a^2 T(T+1)/2."""
+    (route_sums), else a^2 T(T+1)/2. Where skipped tokens stay keys (the query-axis gate), K/V
+    run for every token and attention for a T(T+1)/2 pairs, whatever pairs says."""
     T, d, hd = hp.seq_len, hp.dim, hp.dim // hp.n_heads
     kv = hp.n_kv_heads * hd
     proj_qo, proj_kv = 2 * 2 * d * d, 2 * 2 * d * kv  # q and o, k and v per token
