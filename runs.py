@@ -36,6 +36,7 @@ from runlog import LOGS, RunLog, check_metrics, complete, json_object, provenanc
 from support import (
     HERE,
     SAVE_SIGNALS,
+    SECOND,
     RunStopped,
     UserError,
     check_fields,
@@ -835,8 +836,10 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
             script = plan.steps[step][0]
             got = trainers.got
             # obeyed: under torchrun, whose status is 1 for workers a signal stopped at once (a
-            # second, or one that came as they started), 1 too once it was passed on
-            torchrun = {1} if trainer.nproc > 1 and trainer.sent else set()
+            # second, or one that came as they started), 1 too once it was passed on, unless a
+            # worker said an error of its own (a save that failed: a full disk, say)
+            own = [ln for ln in err.splitlines() if ln.startswith("error: ") and SECOND not in ln]
+            torchrun = {1} if trainer.nproc > 1 and trainer.sent and not own else set()
             if got and code in {0} | {128 + s for s in got} | {-s for s in got} | torchrun:
                 # a second signal, or one while the run was starting, leaves no new checkpoint
                 saved.append(

@@ -55,6 +55,7 @@ def interrupted(signum, _frame):
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
+SECOND = "interrupted by a second signal"  # a training job's line on one (cli)
 
 
 def cli(main, argv, end_line=None) -> int:
@@ -74,7 +75,7 @@ def cli(main, argv, end_line=None) -> int:
         return 0
     except KeyboardInterrupt as e:
         status, ckpt = 128 + getattr(e, "signum", signal.SIGINT), getattr(e, "checkpoint", None)
-        text = None if ckpt is None else "interrupted by a second signal"  # (a first: no line)
+        text = None if ckpt is None else SECOND  # (a first: no line)
         if done:  # (as the flush began: what it had not written is written below)
             status, text = 0, None
     except RunStopped as e:

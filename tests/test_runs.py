@@ -667,6 +667,23 @@ def test_torchrun_ending_1_on_a_signal_passed_to_its_workers_is_a_stop_not_a_fai
     with pytest.raises(runs.Stopped, match=said):
         runs.run_plans([runs.Plan("r", [(worker, [])])], 2)
     timer.join()
+    # but a worker that said an error of its own (its save failed, say) failed: as at one process
+    failing = script(
+        tmp_path / "failing.py",
+        "import pathlib, sys, time\nprint('error: cannot save: No space left', file=sys.stderr)\n"
+        f"sys.stderr.flush()\npathlib.Path({str(tmp_path / 'said')!r}).touch()\ntime.sleep(60)\n",
+    )
+
+    def once_said():  # (the signal after a worker's line: before it, it could end it unsaid)
+        while not (tmp_path / "said").exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=once_said)
+    timer.start()
+    with pytest.raises(support.RunStopped, match="r: .*exited 1: error: cannot save: No space"):
+        runs.run_plans([runs.Plan("r", [(failing, [])])], 2)
+    timer.join()
 
 
 def test_a_hangup_reaches_the_trainers_as_a_sigterm_unless_ignored_as_by_nohup(tmp_path):
