@@ -124,9 +124,11 @@ def fetch(name: str, out: str, counter: str) -> str:
         try:
             cached = hf_hub_download(REPO, name, repo_type="dataset", force_download=force)
         except Exception as e:  # offline, the Hub unreachable or refusing (429, too many
-            # requests; 5xx, down) once its retries are spent, a full disk, ...
+            # requests; 5xx, down) once its retries are spent (a forced download's ValueError
+            # is from that), a full disk, ...
             answer = getattr(getattr(e.__cause__, "response", None), "status_code", None)
-            if not (answer or isinstance(e, LocalEntryNotFoundError)):
+            forced = force and isinstance(e, ValueError) and e.__cause__ is not None
+            if not (answer or forced or isinstance(e, LocalEntryNotFoundError)):
                 return f"{type(e).__name__}: {first_line(e)}"  # (its own words)
             said = f"answered HTTP {answer}" if answer else "cannot be reached"
             where = "damaged in" if force else "not in"

@@ -187,6 +187,15 @@ def test_a_bad_download_is_fetched_once_more_then_reported(tmp_path, monkeypatch
     why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
     assert why == "damaged in the Hugging Face cache, and the Hub answered HTTP 429", why
 
+    def unreachable(repo, name, repo_type, force_download):  # (offline: its own ValueError)
+        if force_download:
+            raise ValueError("Force download failed due to the above error.") from OSError()
+        return str(bad)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
+    assert why == "damaged in the Hugging Face cache, and the Hub cannot be reached", why
+
 
 # ------------------------------------------------------------------- debian_docs.py
 
