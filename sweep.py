@@ -254,19 +254,22 @@ GRIDS["bytes_gpu"] = dict(
 
 
 def run_state(run_dir: str) -> str:
-    """done: validated at its last step (runlog.complete) and its checkpoint of that step, as
-    the trainer has it (a job killed between the two left an earlier one, which it goes on
-    from); resume (a checkpoint); or fresh. A validated run without its checkpoint, whose
+    """done: validated at its last step (runlog.complete) and its checkpoint of that step (a
+    job killed between the two left an earlier one, which the trainer goes on from); resume (a
+    checkpoint); or fresh. A validated run without a checkpoint of its own that loads, whose
     weights measure reads, is a UserError (before any run starts, not after the grid trained)."""
     path = os.path.join(run_dir, runs.CHECKPOINT)
     if runlog.complete(run_dir):
-        if not os.path.exists(path):
+        run_id = runs.logged(run_dir)
+        step = runs.saved_step(path, run_id) if isinstance(run_id, str) else None
+        if step is None:
             raise support.UserError(
-                f"{run_dir}: a finished run without its {runs.CHECKPOINT}, whose weights are "
-                f"measured: put it back, or move the run away to train it again"
+                f"{run_dir}: a finished run without a {runs.CHECKPOINT} of its own that loads "
+                f"(gone, damaged, a link, or another run's), whose weights are measured: put "
+                f"its own back, or move the run away to train it again"
             )
         last = runlog.json_object(os.path.join(run_dir, "config.json")).get("num_steps")
-        if runs.saved_step(path, runs.logged(run_dir)) == last:
+        if step == last:
             return "done"
     return "resume" if os.path.exists(path) else "fresh"
 

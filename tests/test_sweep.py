@@ -476,11 +476,20 @@ def test_a_run_is_done_only_at_its_last_validation_and_its_logs_are_read_lenient
             f.write(json.dumps({"kind": "val", "step": step}) + "\n")
         torch.save({"run_id": "ab", "step": saved}, run / "checkpoint.pt")
         assert sweep.run_state(str(run)) == state, (step, saved)
-    torch.save({"run_id": "cd", "step": 6}, run / "checkpoint.pt")
-    assert sweep.run_state(str(run)) == "resume"
-    (run / "checkpoint.pt").unlink()  # (a user's, to save space): measure would find no weights
-    with pytest.raises(support.UserError, match="run: a finished run without its checkpoint.pt"):
-        sweep.run_state(str(run))
+    # a finished run whose checkpoint is gone (a user's, to save space), damaged, a link or
+    # another run's: measure would find no weights of its own; refused before any run starts
+    (tmp_path / "elsewhere.pt").write_bytes((run / "checkpoint.pt").read_bytes())
+    for make in (
+        lambda p: p.unlink(),
+        lambda p: p.write_bytes(b"damaged"),
+        lambda p: torch.save({"run_id": "cd", "step": 6}, p),
+        lambda p: (p.unlink(), p.symlink_to(tmp_path / "elsewhere.pt")),
+    ):
+        shutil.copy(tmp_path / "elsewhere.pt", run / "checkpoint.pt")  # (done, as above)
+        make(run / "checkpoint.pt")
+        with pytest.raises(support.UserError, match="run: a finished run without a checkpoint.pt"):
+            sweep.run_state(str(run))
+        (run / "checkpoint.pt").unlink(missing_ok=True)
     (run / "checkpoint.pt").write_bytes(b"")
     huge = json.dumps({"num_steps": 6, "pad": " " * (1 << 20)})  # over the cap: not a run's
     for text in ("[6]", "not json", "{", huge):  # no JSON object: no settings
