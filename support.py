@@ -56,6 +56,7 @@ def interrupted(signum, _frame):
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 SECOND = "interrupted by a second signal"  # a training job's line on one (cli)
+OUT_OF_MEMORY = "out of memory: this machine cannot allocate what it needs"  # a MemoryError's
 
 
 def cli(main, argv, end_line=None) -> int:
@@ -84,8 +85,7 @@ def cli(main, argv, end_line=None) -> int:
         ckpt, text = getattr(e, "checkpoint", None), os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
     except MemoryError as e:  # the machine's limit, not the input's (as a full disk)
-        status, ckpt = 1, getattr(e, "checkpoint", None)
-        text = "out of memory: this machine cannot allocate what it needs"
+        status, text, ckpt = 1, OUT_OF_MEMORY, getattr(e, "checkpoint", None)
     finally:  # once it is over a signal ends the process at once, with the command's own
         # status, and its folders are free (in a test, the process goes on); the signals held
         # while the handlers change (a second one: no traceback)

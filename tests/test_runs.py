@@ -226,6 +226,7 @@ def test_memory_exhausted_mid_run_or_reading_a_checkpoint_is_the_machines_limit(
     assert code == 1 and err.endswith(
         f"{said}; last checkpoint: {tmp_path}/checkpoint.pt (step 4)\n"
     )
+    assert (tmp_path / "train.log").read_text().endswith(f"{said}\n")  # (as other errors')
     monkeypatch.setattr(tg, "train_step", real)
 
     def no_room(*args, **kwargs):
