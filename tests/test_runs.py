@@ -698,15 +698,16 @@ pathlib.Path({str(tmp_path / "begun")!r}).touch()
 time.sleep(60)
 """,
     )
-    with runs.Trainers() as trainers:
-        assert signal.getsignal(signal.SIGHUP) == trainers.hung_up
-        trainers.start(runs.Plan("run", [(trainer, [])]), 0, 1)
-        while not (tmp_path / "begun").exists():
-            time.sleep(0.01)
-        signal.raise_signal(signal.SIGHUP)
-        assert trainers.ended()[1] == 0 and trainers.got == [signal.SIGTERM]
-    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (the suite may run under nohup)
     try:
+        with runs.Trainers() as trainers:
+            assert signal.getsignal(signal.SIGHUP) == trainers.hung_up
+            trainers.start(runs.Plan("run", [(trainer, [])]), 0, 1)
+            while not (tmp_path / "begun").exists():
+                time.sleep(0.01)
+            signal.raise_signal(signal.SIGHUP)
+            assert trainers.ended()[1] == 0 and trainers.got == [signal.SIGTERM]
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         with runs.Trainers():
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
