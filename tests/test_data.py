@@ -178,23 +178,16 @@ def test_a_bad_download_is_fetched_once_more_then_reported(tmp_path, monkeypatch
     class Refused(Exception):  # the Hub's answer to the forced download (huggingface_hub's
         response = types.SimpleNamespace(status_code=429)  # ValueError is from it)
 
-    def refused(repo, name, repo_type, force_download):
-        if force_download:
-            raise ValueError("Force download failed due to the above error.") from Refused()
-        return str(bad)
+    for cause, said in ((Refused, "answered HTTP 429"), (OSError, "cannot be reached")):
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refused)
-    why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
-    assert why == "damaged in the Hugging Face cache, and the Hub answered HTTP 429", why
+        def forced_fails(repo, name, repo_type, force_download, cause=cause):  # (offline alike)
+            if force_download:
+                raise ValueError("Force download failed due to the above error.") from cause()
+            return str(bad)
 
-    def unreachable(repo, name, repo_type, force_download):  # (offline: its own ValueError)
-        if force_download:
-            raise ValueError("Force download failed due to the above error.") from OSError()
-        return str(bad)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
-    why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
-    assert why == "damaged in the Hugging Face cache, and the Hub cannot be reached", why
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", forced_fails)
+        why = cached_fineweb10B.fetch("fineweb_val_000000.bin", str(tmp_path / "out"), "[1/1]")
+        assert why == f"damaged in the Hugging Face cache, and the Hub {said}", why
 
 
 # ------------------------------------------------------------------- debian_docs.py
