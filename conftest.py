@@ -252,6 +252,26 @@ def nan_on_call(*n):
     return fake
 
 
+CUDA_OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"
+OUT_OF_MEMORY_LINES = {  # memory run out, each raiser's error line as a user reads it
+    "python": "out of memory: this machine cannot allocate what it needs",
+    "cpu": f"out of memory: this machine cannot allocate what it needs (torch asked for {2**62:,} "
+    "bytes)",
+    "gpu": f"out of memory: this machine cannot allocate what it needs ({CUDA_OUT_OF_MEMORY})",
+}
+
+
+def run_out_of_memory(kind: str):
+    """Memory run out as kind (OUT_OF_MEMORY_LINES) raises it: Python's MemoryError; torch's CPU
+    allocator asked for 2**62 bytes (its own error, really raised); torch on a GPU (its
+    OutOfMemoryError, made here with CUDA's words)."""
+    if kind == "python":
+        raise MemoryError
+    if kind == "cpu":
+        torch.empty(2**62, dtype=torch.uint8)
+    raise torch.OutOfMemoryError(CUDA_OUT_OF_MEMORY)
+
+
 def sha256(data):
     """The SHA-256 of data, in hexadecimal."""
     return hashlib.sha256(data).hexdigest()

@@ -25,7 +25,7 @@ import json
 import os
 import re
 
-from support import UserError, first_line, regular
+from support import UserError, first_line, out_of_memory, regular
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 FORMAT = "train_gpt"  # our config.json: {"format": FORMAT, "settings": {...}, "trained": {...}}
@@ -169,9 +169,9 @@ def read_weights(path: str, shown: str) -> dict:
     regular(path, shown)
     try:
         return load_file(path)
-    except MemoryError:  # (the machine's, not the file's: support.cli says so)
-        raise
     except Exception as e:  # safetensors' own error, or the OS's
+        if out_of_memory(e):  # (the machine's, not the file's: support.cli says so)
+            raise
         raise UserError(f"{shown} is not a complete safetensors file ({first_line(e)})") from None
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from support import PARENT, RunStopped, UserError, first_line
+from support import PARENT, RunStopped, UserError, first_line, out_of_memory
 
 
 @dataclass
@@ -71,8 +71,9 @@ class Dist:
         if dist.is_initialized():
             sent = error
             if not (error is None or isinstance(error, (UserError, OSError))):
+                said = out_of_memory(error) or f"{type(error).__name__}: {error}"
                 sent = RunStopped(
-                    f"rank 0 failed ({type(error).__name__}: {error})"
+                    f"rank 0 failed ({said})"
                     + (f"; last checkpoint: {last}" if last is not None else "")
                 )
             box = [sent, result if share else None]

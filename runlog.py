@@ -22,13 +22,13 @@ import torch
 import support
 from support import (
     HERE,
-    OUT_OF_MEMORY,
     RunStopped,
     UserError,
     fmt_list,
     named,
     one_line,
     os_error_text,
+    out_of_memory,
     sha256_of,
     write_atomically,
 )
@@ -296,8 +296,10 @@ class RunLog:
         # the error line (support.cli's, but the checkpoint the ledger names after) in train.log
         # too, if it can be written: the error itself (a full disk, say) goes on, as it was
         try:
-            if isinstance(error, (RunStopped, UserError, OSError, MemoryError)):
-                text = OUT_OF_MEMORY if isinstance(error, MemoryError) else os_error_text(error)
+            text = out_of_memory(error)
+            if text is None and isinstance(error, (RunStopped, UserError, OSError)):
+                text = os_error_text(error)
+            if text is not None:
                 with contextlib.suppress(OSError, ValueError):  # (ValueError: a closed log)
                     self.write(f"error: {one_line(text)}")
         finally:

@@ -44,6 +44,7 @@ from support import (
     lock_folder,
     need,
     os_error_text,
+    out_of_memory,
     refuse,
     setting,
     usable_cpus,
@@ -126,9 +127,9 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
         raise UserError(f"{path}: {e} (an edited or damaged checkpoint)") from None
     except OSError as e:  # (not the file's fault: a permission, say)
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
-    except MemoryError:  # (the machine's, not the file's: support.cli says so)
-        raise
     except Exception as e:  # truncated, overwritten, or from an incompatible version
+        if out_of_memory(e):  # (the machine's, not the file's: support.cli says so)
+            raise
         raise UserError(
             f"{path}: corrupt or incompatible checkpoint ({type(e).__name__})"
         ) from None
@@ -512,7 +513,7 @@ class Ledger:
         return self
 
     def __exit__(self, kind, error, traceback):
-        if isinstance(error, (KeyboardInterrupt, UserError, OSError, MemoryError)):
+        if isinstance(error, (KeyboardInterrupt, UserError, OSError)) or out_of_memory(error):
             error.checkpoint = self.last  # (a RunStopped names it in its message)
 
 

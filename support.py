@@ -56,13 +56,17 @@ def interrupted(signum, _frame):
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 SECOND = "interrupted by a second signal"  # a training job's line on one (cli)
-OUT_OF_MEMORY = "out of memory: this machine cannot allocate what it needs"  # a MemoryError's
+OUT_OF_MEMORY = "out of memory: this machine cannot allocate what it needs"  # (out_of_memory)
+# torch's CPU allocator's words (c10's alloc_cpu.cpp): a RuntimeError, no type of its own
+CPU_ALLOCATOR = re.compile(
+    r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+)"
+)
 
 
 def cli(main, argv, end_line=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
-    full disk, memory exhausted, RunStopped, or a failure once a training job has a run
-    directory (the error's `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At
+    full disk, memory run out (out_of_memory), RunStopped, or a failure once a training job has a
+    run directory (the error's `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At
     most one error line. Once main has returned (its work done), a signal (say, during the
     interpreter's shutdown) changes neither the output nor the status. end_line: called as it
     stops early (an error, a signal), to end a line left open (the tokenizer's progress line)."""
@@ -84,8 +88,11 @@ def cli(main, argv, end_line=None) -> int:
     except (UserError, OSError) as e:
         ckpt, text = getattr(e, "checkpoint", None), os_error_text(e)
         status = 1 if ckpt is not None or getattr(e, "errno", None) in DISK_FULL else 2
-    except MemoryError as e:  # the machine's limit, not the input's (as a full disk)
-        status, text, ckpt = 1, OUT_OF_MEMORY, getattr(e, "checkpoint", None)
+    except Exception as e:  # memory run out: the machine's limit, not the input's (as a full disk)
+        text = out_of_memory(e)
+        if text is None:
+            raise
+        status, ckpt = 1, getattr(e, "checkpoint", None)
     finally:  # once it is over a signal ends the process at once, with the command's own
         # status, and its folders are free (in a test, the process goes on); the signals held
         # while the handlers change (a second one: no traceback)
@@ -110,6 +117,21 @@ def cli(main, argv, end_line=None) -> int:
     sys.stderr.write(f"error: {one_line(text)}\n")
     sys.stderr.flush()
     return status
+
+
+def out_of_memory(e: BaseException | None) -> str | None:
+    """An error line's text if e is memory run out, else None: Python's MemoryError, torch's
+    OutOfMemoryError (a GPU's; torch's words follow) or its CPU allocator's error (the bytes it
+    was asked for follow). A command that reads a file lets it through, not blaming the file."""
+    torch = sys.modules.get("torch")  # (imported by what raised it, if torch did)
+    if isinstance(e, MemoryError):
+        return OUT_OF_MEMORY
+    if torch is not None and isinstance(e, torch.OutOfMemoryError):
+        return f"{OUT_OF_MEMORY} ({first_line(e, 400)})"
+    asked = CPU_ALLOCATOR.search(str(e)) if isinstance(e, RuntimeError) else None
+    if asked is None:
+        return None
+    return f"{OUT_OF_MEMORY} (torch asked for {int(asked[1]):,} bytes)"
 
 
 def one_line(text: str) -> str:

@@ -68,6 +68,7 @@ from support import (  # noqa: E402
     named,
     need,
     nonempty,
+    out_of_memory,
     path_arg,
     remove_made,
     sha256_of,
@@ -390,9 +391,9 @@ def _encode(item):
             ids = _enc.encode_to_numpy(text, disallowed_special=())
     except UnicodeEncodeError as e:  # a JSON text's escape such as "\ud800"
         return name, f"a lone surrogate (character {e.start}) is no Unicode text: remove it"
-    except MemoryError:  # (the machine's, not the document's: cli says so)
-        raise
     except Exception as e:  # (what tiktoken may raise: its own words)
+        if out_of_memory(e):  # (the machine's, not the document's: cli says so)
+            raise
         return name, f"cannot be encoded: {type(e).__name__}: {e}"
     if len(ids) and ids.max() >= 2**16:
         return name, "token ids do not fit uint16"

@@ -20,12 +20,14 @@ import support
 import train_gpt as tg
 from conftest import (
     COMMANDS,
+    OUT_OF_MEMORY_LINES,
     REPO,
     RESUME_RUN,
     TINY_RUN,
     load_command,
     run_command,
     run_main,
+    run_out_of_memory,
     tiny,
     write_shard,
 )
@@ -762,13 +764,15 @@ def test_an_error_line_is_one_line_and_a_second_signal_exits_128_plus_its_number
         assert support.cli(lambda argv: None, []) == 0
     assert capsys.readouterr().err == ""
 
-    def exhausted(argv):  # (the machine's limit: 1, as a full disk)
-        raise MemoryError
+    for kind, line in OUT_OF_MEMORY_LINES.items():  # (the machine's limit: 1, as a full disk)
+        assert support.cli(lambda argv, kind=kind: run_out_of_memory(kind), []) == 1
+        assert capsys.readouterr().err == f"error: {line}\n"
 
-    assert support.cli(exhausted, []) == 1
-    assert capsys.readouterr().err == (
-        "error: out of memory: this machine cannot allocate what it needs\n"
-    )
+    def failed(argv):  # any other RuntimeError: the traceback, as a bug's
+        raise RuntimeError("shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        support.cli(failed, [])
 
 
 def test_a_field_is_given_only_as_dash_dash_name_equals_value():

@@ -25,12 +25,14 @@ import runs
 import support
 import train_gpt as tg
 from conftest import (
+    OUT_OF_MEMORY_LINES,
     REPO,
     RESUME_RUN,
     another_job_locks,
     nan_on_call,
     read_metrics,
     run_main,
+    run_out_of_memory,
     sha256,
     start_command,
     val_steps,
@@ -208,8 +210,9 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, m
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
 
 
-def test_memory_exhausted_mid_run_or_reading_a_checkpoint_is_the_machines_limit(
-    tmp_path, monkeypatch, capsys
+@pytest.mark.parametrize("kind", OUT_OF_MEMORY_LINES)
+def test_memory_run_out_mid_run_or_reading_a_checkpoint_is_the_machines_limit(
+    kind, tmp_path, monkeypatch, capsys
 ):
     # mid-run: status 1, its line naming the last checkpoint as other failures' do; reading a
     # sound checkpoint: status 1 too, not "corrupt or incompatible" (status 2, the file blamed)
@@ -217,28 +220,29 @@ def test_memory_exhausted_mid_run_or_reading_a_checkpoint_is_the_machines_limit(
 
     def exhausted(*args):
         if args[-1] == 5:  # (step)
-            raise MemoryError
+            run_out_of_memory(kind)
         return real(*args)
 
     monkeypatch.setattr(tg, "train_step", exhausted)
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--save_every=4"], capsys)
-    said = "error: out of memory: this machine cannot allocate what it needs"
+    said = f"error: {OUT_OF_MEMORY_LINES[kind]}"
     assert code == 1 and err.endswith(
         f"{said}; last checkpoint: {tmp_path}/checkpoint.pt (step 4)\n"
-    )
+    ), err
     assert (tmp_path / "train.log").read_text().endswith(f"{said}\n")  # (as other errors')
     monkeypatch.setattr(tg, "train_step", real)
 
     def no_room(*args, **kwargs):
-        raise MemoryError
+        run_out_of_memory(kind)
 
     monkeypatch.setattr(runs, "load_tensors", no_room)
     code, _, err = run_main([f"--resume={tmp_path}"], capsys)
     assert code == 1 and err.endswith(f"{said}\n"), err
     monkeypatch.setattr("safetensors.torch.load_file", no_room)  # (a model's weights alike)
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(MemoryError):
+    with pytest.raises((MemoryError, RuntimeError)) as raised:
         hub.read_weights(str(tmp_path / "model.safetensors"), "model.safetensors")
+    assert support.out_of_memory(raised.value) == OUT_OF_MEMORY_LINES[kind]
 
 
 # -------------------------------------------------------------- logs and provenance

@@ -25,6 +25,7 @@ import train_gpt as tg
 from conftest import (
     AUTHORS_TINY,
     COMMANDS,
+    OUT_OF_MEMORY_LINES,
     REPO,
     RESUME_RUN,
     TINY_RUN,
@@ -872,6 +873,7 @@ for name, error, last in (
     ("user", support.UserError("bad input"), None),
     ("os", OSError(errno.ENOSPC, "No space left on device", "/x"), None),
     ("other", ValueError("boom"), "ck.pt"),
+    ("memory", MemoryError(), None),
 ):
     try:
         d.on_master(raises(error), last=last)
@@ -908,6 +910,8 @@ def test_two_ranks_agree_on_master_results_failures_sums_maxima_and_signals(tmp_
         assert said["user"] == ["UserError", "bad input"]
         assert said["os"] == ["OSError", "[Errno 28] No space left on device: '/x'"]
         assert said["other"] == (["ValueError", "boom"] if rank == 0 else stopped)
+        ran_out = ["RunStopped", f"rank 0 failed ({OUT_OF_MEMORY_LINES['python']})"]
+        assert said["memory"] == (["MemoryError", ""] if rank == 0 else ran_out)
         assert said["sums"] == {"a": [3.0, 4.0], "b": [[10.0], [10.0]]}  # by key, shapes kept
         assert said["max"] == [6.0]
         assert [said[f"signal {g}"] for g in ((15, 10), (0, 0), (0, 2))] == [15, 0, 2]
