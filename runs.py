@@ -806,14 +806,19 @@ def share_of_cpus(jobs: int) -> dict:
     return {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share, **os.environ}
 
 
+# of a failed run's stderr (a traceback) that has no error line of its own: under torchrun its
+# report on the failed workers follows theirs (about 40 lines for two, 8 more for each other)
+SHOWN_LINES = 100
+
+
 def run_plans(plans: list, nproc: int, jobs: int = 1):
     """Run each plan's commands in order, up to `jobs` plans at once, each command a process
     of its own (expand.py one process; a trainer under torchrun when nproc > 1), a plan after
     the one it names; more than one at once, each with its share of the CPUs (share_of_cpus). A
     signal: every trainer in flight saves its checkpoint, this waits for them, then raises
     Stopped; a second, passed on too, stops them at once. A command that fails: no other starts
-    (nor a plan's next command), those in flight run to their end, then its error is raised.
-    Rerun, the grid resumes (run_grid)."""
+    (nor a plan's next command), those in flight run to their end, then its error line is raised
+    (with none, its last line, and its stderr's end printed). Rerun, the grid resumes (run_grid)."""
     todo = list(plans)  # not started
     t0 = time.monotonic()  # (each run's line says when it ended, since this call began)
     failed = []  # (error kind, message), in the order they came
@@ -850,10 +855,22 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
                 )
             elif code:
                 # its error line (under torchrun, each rank's comes before the launcher's own
-                # lines), else its last that is not a rule (torchrun's summary ends with ====)
+                # lines); else (a bug's traceback, a crash) its stderr's end, shown, and its
+                # last line (torchrun's: its own report, so not that)
                 lines = [ln for ln in err.strip().splitlines() if ln.strip("=-")]
-                lines = lines or ["nothing on stderr"]
-                tail = next((ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1])
+                tail = next((ln for ln in reversed(lines) if ln.startswith("error: ")), None)
+                if tail is None and lines:
+                    shown = err.rstrip().splitlines()[-SHOWN_LINES:]
+                    print(
+                        f"{plan.label}: {script}'s stderr ends:",
+                        *shown,
+                        sep="\n  ",
+                        file=sys.stderr,
+                    )
+                    tail = (
+                        "a worker failed: its stderr is above" if trainer.nproc > 1 else lines[-1]
+                    )
+                tail = tail or "nothing on stderr"
                 kind = UserError if code == 2 and not got else RunStopped
                 how = f"ended by signal {-code}" if code < 0 else f"exited {code}"
                 failed.append((kind, f"{plan.label}: {script} {how}: {tail}"))

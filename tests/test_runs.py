@@ -495,7 +495,23 @@ time.sleep(0.5)
     assert not (tmp_path / "next").exists() and not (tmp_path / "other").exists()
 
 
-def test_of_two_failures_the_first_is_raised_and_the_other_counted(tmp_path):
+def test_a_run_that_fails_with_no_error_line_has_its_stderrs_end_shown(tmp_path, capsys):
+    # a bug's traceback (or a crash's output): the sweep's line says its last line, and the
+    # end of what it wrote (a traceback's frames) is shown above it, not lost
+    bug = script(
+        tmp_path / "bug.py",
+        "import sys\nfor i in range(200):\n    print(f'note {i}', file=sys.stderr)\n"
+        "def train():\n    raise ValueError('boom')\ntrain()\n",
+    )
+    with pytest.raises(support.RunStopped, match=r"^b: .*bug\.py exited 1: ValueError: boom$"):
+        runs.run_plans([runs.Plan("b", [(bug, [])])], 1)
+    alone = subprocess.run([sys.executable, bug], capture_output=True, text=True, cwd=tmp_path)
+    ends = alone.stderr.splitlines()[-runs.SHOWN_LINES :]  # (its traceback, and notes before)
+    assert "Traceback (most recent call last):" in ends and ends[0].startswith("note ")
+    assert capsys.readouterr().err.splitlines() == [f"b: {bug}'s stderr ends:"] + [
+        f"  {line}" for line in ends
+    ]
+
     # the first to fail is named, with its kind (status 2, bad input: UserError), and the other,
     # which fails once the first has been reaped (run_plans has seen it end), counted
     flag = tmp_path / "failed"
@@ -662,7 +678,9 @@ sys.exit(max(w.wait() for w in workers))
 
 
 @pytest.mark.slow
-def test_torchrun_ending_1_on_a_signal_passed_to_its_workers_is_a_stop_not_a_failure(tmp_path):
+def test_torchrun_ending_1_on_a_signal_passed_to_its_workers_is_a_stop_not_a_failure(
+    tmp_path, capsys
+):
     # torchrun's status is 1 for workers a signal ended at once (here, with no handler: as one
     # that comes while they start, or a second one): the sweep stopped, no run failed
     worker = script(tmp_path / "worker.py", "import time\ntime.sleep(60)\n")
@@ -689,6 +707,11 @@ def test_torchrun_ending_1_on_a_signal_passed_to_its_workers_is_a_stop_not_a_fai
     with pytest.raises(support.RunStopped, match="r: .*exited 1: error: cannot save: No space"):
         runs.run_plans([runs.Plan("r", [(failing, [])])], 2)
     timer.join()
+    # a worker's traceback (a bug): the line points to it, shown above, not to torchrun's report
+    bug = script(tmp_path / "bug.py", "raise ValueError('boom')\n")
+    with pytest.raises(support.RunStopped, match=r"bug\.py exited 1: a worker failed: its stderr"):
+        runs.run_plans([runs.Plan("r", [(bug, [])])], 2)
+    assert "ValueError: boom" in capsys.readouterr().err
 
 
 def test_a_hangup_reaches_the_trainers_as_a_sigterm_unless_ignored_as_by_nohup(tmp_path):
