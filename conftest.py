@@ -253,22 +253,27 @@ def nan_on_call(*n):
 
 
 CUDA_OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"
+CUDA_ERROR = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
+RAN_OUT = "out of memory: this machine cannot allocate what it needs"
 OUT_OF_MEMORY_LINES = {  # memory run out, each raiser's error line as a user reads it
-    "python": "out of memory: this machine cannot allocate what it needs",
-    "cpu": f"out of memory: this machine cannot allocate what it needs (torch asked for {2**62:,} "
-    "bytes)",
-    "gpu": f"out of memory: this machine cannot allocate what it needs ({CUDA_OUT_OF_MEMORY})",
+    "python": RAN_OUT,
+    "cpu": f"{RAN_OUT} (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    f"{2**62} bytes)",
+    "gpu": f"{RAN_OUT} ({CUDA_OUT_OF_MEMORY})",
+    "gpu starting": f"{RAN_OUT} (CUDA error: out of memory)",
 }
 
 
 def run_out_of_memory(kind: str):
     """Memory run out as kind (OUT_OF_MEMORY_LINES) raises it: Python's MemoryError; torch's CPU
-    allocator asked for 2**62 bytes (its own error, really raised); torch on a GPU (its
-    OutOfMemoryError, made here with CUDA's words)."""
+    allocator asked for 2**62 bytes (its own error, really raised); torch on a GPU, its
+    OutOfMemoryError or CUDA's own error as a context starts (made here with their words)."""
     if kind == "python":
         raise MemoryError
     if kind == "cpu":
         torch.empty(2**62, dtype=torch.uint8)
+    if kind == "gpu starting":
+        raise RuntimeError(CUDA_ERROR)
     raise torch.OutOfMemoryError(CUDA_OUT_OF_MEMORY)
 
 

@@ -57,9 +57,11 @@ def interrupted(signum, _frame):
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 SECOND = "interrupted by a second signal"  # a training job's line on one (cli)
 OUT_OF_MEMORY = "out of memory: this machine cannot allocate what it needs"  # (out_of_memory)
-# torch's CPU allocator's words (c10's alloc_cpu.cpp): a RuntimeError, no type of its own
-CPU_ALLOCATOR = re.compile(
-    r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+)"
+# torch's other words for it, in a RuntimeError of no type of its own: its CPU allocator's
+# (c10's alloc_cpu.cpp), CUDA's own (a GPU full as a context or a library starts)
+RAN_OUT = re.compile(
+    r"DefaultCPUAllocator: can't allocate memory: you tried to allocate \d+ bytes"
+    r"|CUDA error: out of memory"
 )
 
 
@@ -121,17 +123,15 @@ def cli(main, argv, end_line=None) -> int:
 
 def out_of_memory(e: BaseException | None) -> str | None:
     """An error line's text if e is memory run out, else None: Python's MemoryError, torch's
-    OutOfMemoryError (a GPU's; torch's words follow) or its CPU allocator's error (the bytes it
-    was asked for follow). A command that reads a file lets it through, not blaming the file."""
+    OutOfMemoryError (a GPU's) or a RuntimeError in RAN_OUT's words (torch's words follow). A
+    command that reads a file lets it through, not blaming the file."""
     torch = sys.modules.get("torch")  # (imported by what raised it, if torch did)
     if isinstance(e, MemoryError):
         return OUT_OF_MEMORY
     if torch is not None and isinstance(e, torch.OutOfMemoryError):
         return f"{OUT_OF_MEMORY} ({first_line(e, 400)})"
-    asked = CPU_ALLOCATOR.search(str(e)) if isinstance(e, RuntimeError) else None
-    if asked is None:
-        return None
-    return f"{OUT_OF_MEMORY} (torch asked for {int(asked[1]):,} bytes)"
+    said = RAN_OUT.search(str(e)) if isinstance(e, RuntimeError) else None
+    return None if said is None else f"{OUT_OF_MEMORY} ({said[0]})"
 
 
 def one_line(text: str) -> str:
