@@ -227,6 +227,7 @@ def expand(argv):
     if os.path.abspath(args.out) == os.path.abspath(args.run_dir):
         raise support.UserError("NEW_RUN_DIR must differ from RUN_DIR: a new run is written")
     src = tg.load_checkpoint(args.run_dir)
+    runs.check_owner(args.run_dir, src)  # (the folder's own run: expand.json names the folder)
     base = tg.saved_settings(src["hp"])
     try:
         overrides = parse_settings(rest)

@@ -198,7 +198,7 @@ def main(argv):
     args = parser().parse_args(argv)
     out = args.out_dir
     ckpt = tg.load_checkpoint(args.run_dir)  # read once: the weights and what they are
-    runs.check_owner(args.run_dir, ckpt)  # (the folder's own run, as a resume checks it)
+    runs.check_owner(args.run_dir, ckpt)  # (the folder's own run: its logs describe it)
     hp = tg.saved_settings(ckpt["hp"])
     tg.check_model(hp)
     theirs = authors_config(hp) if args.format == "authors" else None

@@ -322,6 +322,7 @@ def open_run_dir(run_dir: str, name: str, ckpt: dict = None) -> str:
         )
     if resuming:
         check_owner(run_dir, ckpt)
+        check_previous(run_dir, ckpt)
         check_metrics(os.path.join(run_dir, LOGS[1]))  # (before anything is written)
     # a save killed half-way (SIGKILL) left its temporary file, named by its run's id
     # (save_checkpoint): the resumed run's, or the one that never saved, whose logs go aside
@@ -403,10 +404,10 @@ def check_new_run_dir(run_dir: str) -> list:
 
 
 def check_owner(run_dir: str, ckpt: dict):
-    """A resumed checkpoint is this folder's run's: the run_id its config.json records. Another
-    run's logs would be cut by the resume, and a config.json that is not a run's overwritten;
-    no config.json and no metrics: expand.py's new run, whose first job this is. And PREVIOUS,
-    which the next save replaces, is this run's too."""
+    """A checkpoint read from a run folder is this folder's run's: the run_id its config.json
+    records (a resume would cut another run's logs and overwrite a config.json that is not a
+    run's; export, expand would describe it by them); no config.json and no metrics: expand.py's
+    new run, whose first job this is."""
     path, run_id = os.path.join(run_dir, CHECKPOINT), logged(run_dir)
     config = os.path.join(run_dir, "config.json")
     logs = (config, os.path.join(run_dir, "metrics.jsonl"))
@@ -418,9 +419,13 @@ def check_owner(run_dir: str, ckpt: dict):
     if run_id is not None and run_id != ckpt["run_id"]:
         raise UserError(
             f"{path} belongs to another run (run_id {ckpt['run_id']}; config.json says "
-            f"{run_id}): resume the run it came from"
+            f"{run_id}): use the folder of the run it came from"
         )
-    prev = os.path.join(run_dir, PREVIOUS)
+
+
+def check_previous(run_dir: str, ckpt: dict):
+    """PREVIOUS, which a resume's next save replaces, is an earlier checkpoint of ckpt's run."""
+    path, prev = os.path.join(run_dir, CHECKPOINT), os.path.join(run_dir, PREVIOUS)
     cut = os.path.isfile(path) and os.path.exists(prev) and os.path.samefile(prev, path)
     if os.path.lexists(prev) and not cut:  # (cut: a save stopped after its link, the same file)
         step = saved_step(prev, ckpt["run_id"])

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 
 import numpy as np
@@ -200,6 +201,14 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
     assert shlex.split(record["command"]) == ["python", "expand.py", *argv]
     ckpt = tg.load_checkpoint(str(new))
     assert (ckpt["step"], ckpt["world_size"], ckpt["hp"]["n_layers"]) == (0, 1, 4)
+    # a folder whose checkpoint is another run's (expand.json would name a folder whose logs
+    # describe that other run): refused, as export and a resume refuse it; nothing written
+    shutil.copytree(tmp_path / "dense", tmp_path / "mixed")
+    foreign = torch.load(tmp_path / "dense" / "checkpoint.pt", weights_only=True)
+    torch.save({**foreign, "run_id": "0123456789abcdef"}, tmp_path / "mixed" / "checkpoint.pt")
+    code, _, err = run_main([tmp_path / "mixed", tmp_path / "m"], capsys, expand_main)
+    assert code == 2 and "checkpoint.pt belongs to another run" in err and err.count("\n") == 1
+    assert not (tmp_path / "m").exists()
     # a signal (Ctrl-C) during the last write: what it wrote is taken back, the folder too
     real = support.write_atomically
 

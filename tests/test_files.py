@@ -385,7 +385,7 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     (run / "config.json").write_text('\ufeff{"run_id": "aa"}')  # (a BOM, as an editor saves it)
     ckpt = {"run_id": "aa", "step": 10}
     torch.save(ckpt, run / runs.CHECKPOINT)
-    runs.check_owner(str(run), ckpt)  # none there: fine
+    runs.check_previous(str(run), ckpt)  # none there: fine
     for prev, fine in (
         ({"run_id": "aa", "step": 4}, True),
         ({"run_id": "aa", "step": 10}, True),
@@ -394,13 +394,13 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     ):
         torch.save(prev, run / runs.PREVIOUS)
         if fine:
-            runs.check_owner(str(run), ckpt)
+            runs.check_previous(str(run), ckpt)
         else:
             with pytest.raises(support.UserError, match="not an earlier checkpoint of this run"):
-                runs.check_owner(str(run), ckpt)
+                runs.check_previous(str(run), ckpt)
     (run / runs.PREVIOUS).write_text("my notes")
     with pytest.raises(support.UserError, match="not an earlier checkpoint of this run"):
-        runs.check_owner(str(run), ckpt)
+        runs.check_previous(str(run), ckpt)
     # a linked checkpoint is not the run's own file: a resume refuses it
     (tmp_path / "new").mkdir()
     (tmp_path / "new" / runs.CHECKPOINT).symlink_to(run / runs.CHECKPOINT)

@@ -535,6 +535,12 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
         code, _, err = run_main([tmp_path / "copy", tmp_path / "x"], capsys, export.main)
         assert code == 2 and message in err and err.count("\n") == 1, err
         assert not (tmp_path / "x").exists()
+    # a checkpoint.prev.pt that is not the run's (a resume refuses it: its next save would
+    # replace it) is no concern of an export, which reads checkpoint.pt alone
+    torch.save(good, tmp_path / "copy" / "checkpoint.pt")
+    (tmp_path / "copy" / "checkpoint.prev.pt").write_text("my notes")
+    code, _, err = run_main([tmp_path / "copy", tmp_path / "x"], capsys, export.main)
+    assert code == 0, err
     # the tools read the exported folder as they read the run
     sampler, texts = load_command("sample.py"), []
     for source in ([str(run)], [f"--init_from={out}"]):

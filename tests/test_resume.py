@@ -631,6 +631,17 @@ def test_stop_and_error_lines_say_what_is_true(tmp_path, monkeypatch, capsys):
         code, _, err = run_main([f"--resume={c}", "--stop_step=5"], capsys)
     assert code == 0 and torch.load(c / "checkpoint.pt", weights_only=True)["step"] == 5, err
     assert not prev.exists() and not list(c.glob("*.tmp"))
+    # a checkpoint.prev.pt that is not this run's earlier one (the user's file, say): the
+    # resume's next save would replace it, so it is refused, nothing written
+    prev.write_text("my notes")
+    log = (c / "train.log").read_text()
+    code, _, err = run_main([f"--resume={c}", "--stop_step=6"], capsys)
+    assert (code, err) == (
+        2,
+        f"error: {prev} is not an earlier checkpoint of this run, and the next save would "
+        "replace it: move it\n",
+    )
+    assert prev.read_text() == "my notes" and (c / "train.log").read_text() == log
 
 
 def test_non_finite_loss_stops_the_run_at_a_checkpoint_that_trains(tmp_path, monkeypatch, capsys):
