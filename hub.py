@@ -167,6 +167,10 @@ def read_weights(path: str, shown: str) -> dict:
     from safetensors.torch import load_file
 
     regular(path, shown)
+    try:  # opened here first: safetensors says "No such file" of one it may not read
+        open(path, "rb").close()
+    except OSError as e:
+        raise UserError(f"cannot read {shown}: {e.strerror or e}") from None
     try:
         return load_file(path)
     except Exception as e:  # safetensors' own error, or the OS's

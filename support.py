@@ -503,8 +503,9 @@ def first_line(e: Exception, width: int = 160) -> str:
 
 
 def need(path: str, kind: str) -> str:
-    """path, if it is kind ('a file' or 'a folder', or a link to one: an input may be linked);
-    else a UserError saying what is there."""
+    """path, if it is kind ('a file' or 'a folder', or a link to one: an input may be linked),
+    a folder one whose files can be reached (else they would all seem absent); else a UserError
+    saying what is there."""
     found = kind_of(path)
     if found not in (kind, f"a symbolic link to {kind}"):
         raise UserError(
@@ -512,6 +513,8 @@ def need(path: str, kind: str) -> str:
             if found == "nothing"
             else f"{path} is {found}, not {kind}"
         )
+    if kind == "a folder" and not os.access(path, os.X_OK):
+        raise UserError(f"cannot read {path}: {os.strerror(errno.EACCES)}")
     return path
 
 

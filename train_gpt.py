@@ -1047,15 +1047,18 @@ def read_source(source: str) -> tuple:
     """-> (settings, (weights, where, label)) of a model: a run folder's checkpoint, or hub.read's
     (a folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION]); `where` names it for messages
     and the record, label(name) a tensor as the file names it (runs.check_weights)."""
+    local = not source.startswith("hf:")
+    if local:
+        support.need(source, "a folder")
     held = [n for n in (hub.WEIGHTS, CHECKPOINT) if os.path.lexists(os.path.join(source, n))]
-    if os.path.isdir(source) and len(held) != 1:  # (hf: names no folder)
+    if local and len(held) != 1:
         raise UserError(
             f"{source}: holds both {hub.WEIGHTS} (a model folder) and {CHECKPOINT} (a run "
             f"folder): which is meant is not clear; move one away"
             if held
             else f"{source}: neither a model folder ({hub.WEIGHTS}) nor a run folder ({CHECKPOINT})"
         )
-    if source.startswith("hf:") or held == [hub.WEIGHTS]:
+    if not local or held == [hub.WEIGHTS]:
         settings, weights, where, label = hub.read(source, asdict(Hyperparameters()))
         named = os.path.join(where, hub.CONFIG)
     else:

@@ -2,6 +2,7 @@
 --eval_only, and export.py."""
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -239,7 +240,7 @@ def test_rmsnorm_rounds_to_its_input_dtype_before_its_weight():
 
 
 @pytest.mark.slow
-def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, capsys):
+def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
     good = (AUTHORS_TINY / "model.safetensors").read_bytes()
 
     def drop(name):
@@ -323,6 +324,25 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, cap
     out = capsys.readouterr()
     assert "needs the gate on the key axis; this model's is on the query axis" in out.err
     assert out.err.count("\n") == 1 and out.out == "" and not (tmp_path / "b").exists()
+    # a folder whose files cannot be reached (no search permission; patched: root has it) or
+    # weights that cannot be read: said so, not "neither a model folder nor ..." or "not a
+    # complete safetensors file" (told so, a user would look for, or delete, what is there)
+    source, access, opened = authors_copy(tmp_path, "closed"), os.access, open
+    weights = os.path.join(source, "model.safetensors")
+    with monkeypatch.context() as m:
+        m.setattr(os, "access", lambda path, mode: path != source and access(path, mode))
+        code, _, err = run_main([f"--init_from={source}", *EVAL_ON_SAMPLE], capsys)
+    assert (code, err) == (2, f"error: cannot read {source}: Permission denied\n")
+
+    def denied(path, *args, **kwargs):
+        if path == weights:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return opened(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr("builtins.open", denied)
+        code, _, err = run_main([f"--init_from={source}", *EVAL_ON_SAMPLE], capsys)
+    assert (code, err) == (2, f"error: cannot read {weights}: Permission denied\n")
 
 
 def fake_model_repo(root, folder, repo="someone/tiny", commit="89abcdef" * 5) -> str:

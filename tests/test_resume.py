@@ -604,6 +604,12 @@ def test_stop_and_error_lines_say_what_is_true(tmp_path, monkeypatch, capsys):
         m.setattr(torch, "load", denied)
         code, _, err = run_main([f"--resume={c}"], capsys)
     assert (code, err) == (2, f"error: cannot read {c / 'checkpoint.pt'}: Permission denied\n")
+    # nor is a run folder that cannot be searched (patched: root may) called one with none
+    access = os.access
+    with monkeypatch.context() as m:
+        m.setattr(os, "access", lambda path, mode: path != str(c) and access(path, mode))
+        code, _, err = run_main([f"--resume={c}"], capsys)
+    assert (code, err) == (2, f"error: cannot read {c}: Permission denied\n")
     # a resume names the checkpoint before its newest, kept beside it (one step trained from it)
     code, _, err = run_main([f"--resume={c}", "--stop_step=2"], capsys)
     assert code == 0, err
