@@ -19,6 +19,8 @@ Reading the authors' layout as their code reads it (their projects/skip_middle/m
     its output is rounded to bfloat16 (embed_dtype=bfloat16), which their first norm keeps.
   - `initializer_range` and `zero_init_masks` become init_std and gate_init (they matter only
     to a run that re-initialises).
+  - Their config has no sequence length of training or evaluation: seq_len is our default, cut
+    to their max_seq_len (their RoPE table) where that is shorter.
 """
 
 import json
@@ -110,6 +112,8 @@ def read(source: str, defaults: dict) -> tuple:
     if isinstance(architectures, list) and AUTHORS in architectures:
         theirs = {v: k for k, v in AUTHORS_NAMES.items()}
         settings = {**defaults, **authors_settings(config)}
+        if type(settings["max_seq_len"]) is int:  # (else refused by the model's checks)
+            settings["seq_len"] = min(settings["seq_len"], settings["max_seq_len"])
         return settings, authors_weights(weights, where), where, lambda k: renamed(k, theirs) or k
     raise UserError(
         f"{shown} is neither this project's (format {FORMAT!r}) nor the authors' "

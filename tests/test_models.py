@@ -40,9 +40,11 @@ from conftest import (
 def test_eval_only_prints_the_cross_entropy_written_here(capsys):
     # the authors' model validated with settings other than its own (4 x 64 tokens, 1,536 of
     # them): the printed loss is the mean -log softmax of each target, the shard laid out as
-    # the loader reads it (each batch's 4 x 64 inputs and the next token of each)
+    # the loader reads it (each batch's 4 x 64 inputs and the next token of each); 64 with no
+    # --seq_len: their config has none, and ours (1024) is cut to their RoPE table's length
     B, T, N = 4, 64, 1536
-    given = ["--val_files=data/sample/sample_val_*.bin", f"--val_tokens={N}", f"--seq_len={T}"]
+    assert json.loads((AUTHORS_TINY / "config.json").read_text())["max_seq_len"] == T
+    given = ["--val_files=data/sample/sample_val_*.bin", f"--val_tokens={N}"]
     code, out, err = run_main(
         [f"--init_from={AUTHORS_TINY}", "--eval_only=true", *given, f"--device_batch_size={B}"],
         capsys,
