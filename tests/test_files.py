@@ -406,11 +406,12 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     (tmp_path / "new" / runs.CHECKPOINT).symlink_to(run / runs.CHECKPOINT)
     with pytest.raises(support.UserError, match="checkpoint.pt is a symbolic link to a file"):
         runs.open_run_dir(str(tmp_path / "new"), "x", {**ckpt, "mtime": 0})
-    # export.py reads a run's logs only as files (a named pipe would block it)
+    # export.py reads a run's logs only as files (a named pipe would block it): refused
     os.mkfifo(tmp_path / "fifo_run_metrics")
     (tmp_path / "r2").mkdir()
     (tmp_path / "r2" / "metrics.jsonl").symlink_to(tmp_path / "fifo_run_metrics")
-    assert load_command("export.py").last_validation(str(tmp_path / "r2"), 0) == {}
+    with pytest.raises(OSError, match="not a regular file: a symbolic link to a named pipe"):
+        load_command("export.py").last_validation(str(tmp_path / "r2"), 0)
     # skipview.py --out never replaces a user's file of that name
     skipview = load_command("skipview.py")
     (tmp_path / "notes.html").write_text("mine")

@@ -755,7 +755,7 @@ def test_a_push_uploads_exports_three_files_to_a_repository_made_or_already_ther
     assert repos == {"me/tiny"} and uploads == [upload, upload]
 
 
-def test_export_s_card_shows_the_validation_of_the_step_written(tmp_path):
+def test_export_s_card_shows_the_validation_of_the_step_written(tmp_path, monkeypatch):
     # the last validation record of the checkpoint's step (a resumed job may validate it again);
     # other steps, other kinds and lines that are no record left out
     export = load_command("export.py")
@@ -771,6 +771,18 @@ def test_export_s_card_shows_the_validation_of_the_step_written(tmp_path):
     val = export.last_validation(str(tmp_path), 5)
     assert val == lines[2] and export.last_validation(str(tmp_path), 4) == {}
     assert export.last_validation(str(tmp_path), 7) == {}  # (not step 6's: other weights)
+    # records that cannot be read are not "none" (the card would say no validation was made)
+    opened, path = open, str(tmp_path / "metrics.jsonl")
+
+    def denied(file, *args, **kwargs):
+        if file == path:
+            raise PermissionError(errno.EACCES, "Permission denied", file)
+        return opened(file, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr("builtins.open", denied)
+        with pytest.raises(PermissionError):
+            export.last_validation(str(tmp_path), 5)
     trained = {"run_id": "r1", "step": 5, "tokens": 640, "logged": True, "command": "python x"}
     figures = {"sparsity": 0.25, "fwd_flops_per_token": 12345678, "fwd_flops_per_token_dense": 2e7}
     trained |= {"git_commit": "abc123", "git_dirty": False, "validation": {**val, **figures}}
