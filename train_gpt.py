@@ -1391,7 +1391,9 @@ def train(
     run_dir = d.on_master(lambda: runs.open_run_dir(job.run_dir, job.preset or "run", ckpt))
     STOP.armed = True  # till now a signal stopped at once; from here it saves (step 0 at least)
     ledger = runs.Ledger(run_dir, start if ckpt else None)
-    origin = init[1] if init else None  # (where the weights came from)
+    origin = init[1] if init else None  # where the weights came from: a local path resolved
+    if origin is not None and not origin.startswith("hf:"):
+        origin = os.path.abspath(origin)
     facts = dict(grad_accum=accum, num_steps=steps)
     with (
         ledger,

@@ -573,9 +573,9 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     sample_val = ["--val_files=data/sample/sample_val_*.bin", "--val_tokens=1024"]
     code, evaluated, err = run_main([f"--init_from={out}", "--eval_only=true", *sample_val], capsys)
     assert code == 0, err
-    new = tmp_path / "new"
+    new, given = tmp_path / "new", os.path.relpath(out)  # (from the repository: a relative path)
     code, _, err = run_main(
-        [f"--init_from={out}", f"--run_dir={new}", "--train_tokens=5120", "--val_every=5"]
+        [f"--init_from={given}", f"--run_dir={new}", "--train_tokens=5120", "--val_every=5"]
         + sample_val,
         capsys,
     )
@@ -583,7 +583,8 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     first = [m for m in read_metrics(new) if m["kind"] == "val"][0]
     assert first["step"] == 0
     assert f"val_loss:{first['val_loss']:.4f}" in evaluated.splitlines()[0]
-    assert json.loads((new / "config.json").read_text())["init_from"] == str(out)
+    config = json.loads((new / "config.json").read_text())  # the source as given, and resolved
+    assert (config["job"]["init_from"], config["init_from"]) == (given, str(out))
     # a push without a network: one line, after the files are written
     r = run_command(
         "export.py",
