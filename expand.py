@@ -302,7 +302,7 @@ def write_run(
         out, runs.checkpoint_state(run, hp, 1, model, tg.optimizer(model, hp), position)
     )
     record = {
-        "expanded_from": args.run_dir,
+        "expanded_from": os.path.abspath(args.run_dir),
         "data_position": position,
         "source_step": src["step"],
         "groups": args.groups,

@@ -108,7 +108,8 @@ def model_card(hp, trained: dict, params: int, layout: str) -> str:
     v = trained["validation"]
     # each a line of the card: a newline in one (a folder's name, an edit) escaped
     said = {
-        k: support.one_line(trained.get(k) or "") for k in ("command", "git_commit", "init_from")
+        k: support.one_line(trained.get(k) or "")
+        for k in ("command", "git_commit", "init_from", "expanded_from")
     }
     figures = (
         f"- validation at step {v.get('step')}: loss {figure(v, 'val_loss', '.4f')} (SE "
@@ -124,7 +125,7 @@ def model_card(hp, trained: dict, params: int, layout: str) -> str:
         commit = f"{commit}, with changes not committed (the run's train.log holds its sources)"
     origin = "a random initialisation" if trained["logged"] else "unknown (no config.json)"
     if trained.get("expanded"):
-        origin = "a depth expansion of another run's weights (the run's expand.json)"
+        origin = f"a depth expansion (expand.py) of {said['expanded_from'] or 'another run'}"
     if said["init_from"]:
         origin = f"the weights of {said['init_from']}"
     return f"""# {hp.router} model, {hp.n_layers} layers, dim {hp.dim}
@@ -204,9 +205,12 @@ def main(argv):
     theirs = authors_config(hp) if args.format == "authors" else None
     check_out_dir(out)
     model = tg.built(hp, (ckpt["model"], os.path.join(args.run_dir, runs.CHECKPOINT), str), "cpu")
-    # config.json's command and commit (what it holds of the wrong type: not known)
-    logged = runlog.json_object(os.path.join(args.run_dir, runlog.LOGS[2]))
+    # config.json's command and commit, or an expansion's not yet trained (expand.json's); what
+    # it holds of the wrong type: not known
+    expansion = runlog.json_object(os.path.join(args.run_dir, "expand.json"))
+    logged = runlog.json_object(os.path.join(args.run_dir, runlog.LOGS[2])) or expansion
     known = {k: v for k, v in logged.items() if isinstance(v, bool if k == "git_dirty" else str)}
+    source = expansion.get("expanded_from")
     trained = {
         "run_id": ckpt["run_id"],
         "step": ckpt["step"],
@@ -217,6 +221,7 @@ def main(argv):
         "git_dirty": known.get("git_dirty"),
         "init_from": known.get("init_from"),
         "expanded": os.path.isfile(os.path.join(args.run_dir, "expand.json")),
+        "expanded_from": source if isinstance(source, str) else None,
         "validation": last_validation(args.run_dir, ckpt["step"]),
     }
     from safetensors.torch import save

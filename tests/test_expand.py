@@ -191,12 +191,14 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
     assert code == 0, err
     expand_main = load_command("expand.py").main
     new = tmp_path / "new run"  # (a space: the command quoted as a shell takes it)
-    argv = [str(tmp_path / "dense"), str(new), "--groups=2", "--per_group=1", "--init=copy"]
+    dense = os.path.relpath(tmp_path / "dense")  # (from the repository: recorded resolved)
+    argv = [dense, str(new), "--groups=2", "--per_group=1", "--init=copy"]
     code, _, err = run_main(argv, capsys, expand_main)
     assert code == 0, err
     record = json.loads((new / "expand.json").read_text())
     how = ("source_step", "groups", "per_group", "init", "tau")
     assert [record[k] for k in how] == [1, 2, 1, "copy", 2]
+    assert record["expanded_from"] == str(tmp_path / "dense")
     assert record["hp"]["n_layers"] == 2 * (2 // 2 + 1)  # P (R / P + q)
     assert shlex.split(record["command"]) == ["python", "expand.py", *argv]
     ckpt = tg.load_checkpoint(str(new))
@@ -209,6 +211,14 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
     code, _, err = run_main([tmp_path / "mixed", tmp_path / "m"], capsys, expand_main)
     assert code == 2 and "checkpoint.pt belongs to another run" in err and err.count("\n") == 1
     assert not (tmp_path / "m").exists()
+    # exported before any training, its card says what made it: expand.json's command, commit
+    # and source (resolved), not "unknown"
+    code, _, err = run_main([new, tmp_path / "card"], capsys, load_command("export.py").main)
+    assert code == 0, err
+    card = (tmp_path / "card" / "README.md").read_text()
+    assert f"from a depth expansion (expand.py) of {tmp_path / 'dense'}\n" in card
+    assert f"command: `{record['command']}`" in card
+    assert f"- commit: {record['git_commit']}" in card and record["git_commit"] != "unknown"
     # a signal (Ctrl-C) during the last write: what it wrote is taken back, the folder too
     real = support.write_atomically
 

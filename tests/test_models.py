@@ -643,7 +643,7 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     (tmp_path / "only" / "expand.json").write_text("{}")  # (expand.py's record of its weights)
     assert support.cli(export.main, [str(tmp_path / "only"), str(tmp_path / "only_out")]) == 0
     card = (tmp_path / "only_out" / "README.md").read_text()
-    assert "from a depth expansion of another run's weights (the run's expand.json)" in card
+    assert "from a depth expansion (expand.py) of another run\n" in card  # (its source not said)
     # a run theirs cannot express: refused, naming the setting, nothing written
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     for change, message in (
