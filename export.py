@@ -243,7 +243,7 @@ def main(argv):
     with support.signals_held():  # a signal waits for the last: one export's files, not a mix
         for name, data in files.items():
             support.write_output(out, name, data, by=__file__)
-    print(f"written to {out}: {', '.join(FILES)}")
+    print(f"written to {support.one_line(out)}: {', '.join(FILES)}")
     if args.push_to:
         push(out, args.push_to)
 

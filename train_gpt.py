@@ -1523,7 +1523,13 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     with ranks.watching(d):  # (nothing written: a launcher gone ends it at once)
         v = evaluate(raw, hp, loader, d, mixed_precision(d.device))
     if d.master:
-        print("\n".join(runlog.validation_lines(raw.router, v, f"eval_only {init[1]} ", "")))
+        print(
+            "\n".join(
+                runlog.validation_lines(
+                    raw.router, v, f"eval_only {support.one_line(init[1])} ", ""
+                )
+            )
+        )
     return v
 
 

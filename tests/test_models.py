@@ -345,6 +345,10 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, mon
         m.setattr("builtins.open", denied)
         code, _, err = run_main([f"--init_from={source}", *EVAL_ON_SAMPLE], capsys)
     assert (code, err) == (2, f"error: cannot read {weights}: Permission denied\n")
+    # a newline in the source's name: the printed validation is still one line
+    odd = authors_copy(tmp_path, "a\nb")
+    code, out, err = run_main([f"--init_from={odd}", *EVAL_ON_SAMPLE], capsys)
+    assert code == 0 and out.startswith(f"eval_only {tmp_path}/a\\nb val_loss:"), err
 
 
 def fake_model_repo(root, folder, repo="someone/tiny", commit="89abcdef" * 5) -> str:
@@ -537,11 +541,13 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     # the run's config.json values of another type are not known: neither shown nor passed on
     odd = {"command": ["python", "x"], "git_commit": 7, "git_dirty": "no", "init_from": 1}
     (run / "config.json").write_text(json.dumps({**logged, **odd}))
-    assert support.cli(export.main, [str(run), str(tmp_path / "odd")]) == 0
-    capsys.readouterr()
-    passed = json.loads((tmp_path / "odd" / "config.json").read_text())["trained"]
+    odd_out = tmp_path / "odd\nfolder"  # (a newline in its name: its stdout line is one line)
+    assert support.cli(export.main, [str(run), str(odd_out)]) == 0
+    said = f"written to {tmp_path}/odd\\nfolder: model.safetensors, config.json, README.md\n"
+    assert capsys.readouterr().out == said
+    passed = json.loads((odd_out / "config.json").read_text())["trained"]
     assert {k: passed[k] for k in odd} == dict.fromkeys(odd)
-    card = (tmp_path / "odd" / "README.md").read_text()
+    card = (odd_out / "README.md").read_text()
     assert "command: `unknown`" in card and "- commit: unknown\n" in card
     assert "from a random initialisation" in card
     (run / "config.json").write_text(json.dumps(logged))
