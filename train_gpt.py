@@ -1522,14 +1522,9 @@ def evaluate_only(hp: Hyperparameters, d: Dist, init: tuple) -> dict:
     raw = built(hp, init, d.device)
     with ranks.watching(d):  # (nothing written: a launcher gone ends it at once)
         v = evaluate(raw, hp, loader, d, mixed_precision(d.device))
-    if d.master:
-        print(
-            "\n".join(
-                runlog.validation_lines(
-                    raw.router, v, f"eval_only {support.one_line(init[1])} ", ""
-                )
-            )
-        )
+    if d.master:  # (one line, whatever the source's name holds)
+        head = f"eval_only {support.one_line(init[1])} "
+        print("\n".join(runlog.validation_lines(raw.router, v, head, "")))
     return v
 
 
