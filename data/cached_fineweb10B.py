@@ -202,7 +202,8 @@ def main(argv) -> None:
     first = fetch(names[0], out, f"[1/{len(names)}]")  # alone: offline, each of the others
     failed = [(names[0], first)] if first else []  # would wait through the same retries
     if not first:
-        with ThreadPoolExecutor(workers) as pool:
+        pool = ThreadPoolExecutor(workers)
+        try:
             futures = [
                 pool.submit(fetch, n, out, f"[{i + 1}/{len(names)}]")
                 for i, n in enumerate(names)
@@ -213,6 +214,8 @@ def main(argv) -> None:
                 for n, f in zip(names[1:], futures, strict=True)
                 if f.result() is not None
             ]
+        finally:  # a signal: no download starts; those under way end, each placed whole
+            pool.shutdown(cancel_futures=True)
     if failed:
         listed = ", ".join(n for n, _ in failed[:3]) + (" ..." if len(failed) > 3 else "")
         untried = "; the others were not tried" if first and len(names) > 1 else ""

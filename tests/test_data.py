@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -749,6 +750,25 @@ def test_one_fetch_at_a_time_writes_a_folder(tmp_path, monkeypatch):
     write_shard(tmp_path / "blob", range(10))
     fetch.place(str(tmp_path / "blob"), str(tmp_path / "new" / "x.bin"))
     assert another_job_locks(tmp_path / "new") is None
+
+
+def test_a_signal_stops_the_fetch_starting_no_more_downloads(tmp_path, monkeypatch):
+    # SIGTERM (a scheduler's) as the second of 21 downloads runs: it ends, no other starts, and
+    # the command stops with the signal's status (not after every queued download: 20 GB)
+    fetch, started = load_command("data/cached_fineweb10B.py"), []
+
+    def download(name, out, counter):
+        started.append(name)
+        if len(started) == 2:  # (once every download is queued: the main thread waits)
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+
+    monkeypatch.setattr(fetch, "fetch", download)
+    assert (
+        support.cli(fetch.main, ["20", "--workers=1", f"--out={tmp_path}"]) == 128 + signal.SIGTERM
+    )
+    assert started == ["fineweb_val_000000.bin", "fineweb_train_000001.bin"]
 
 
 def test_fineweb_says_the_others_were_not_tried_only_when_there_are_others(tmp_path, monkeypatch):
