@@ -140,6 +140,8 @@ class Corpus:
         (data/debian_docs.py's corpus and one of this script's never replace each other)."""
         if os.sep in name or name in (".", ".."):
             raise UserError(f"--name={name}: a name, not a path")
+        if set(name) & set("*?["):  # (--train_files='OUT/NAME_train_*.bin' would not find it)
+            raise UserError(f"--name={name}: a name, not a pattern (no *, ? or [)")
         out = os.path.abspath(out)  # a/b/../c: the folders made are the ones removed
         self.out, self.name, self.shards, self.enc, self.retry = out, name, {}, enc, retry
         self.writer = writer
@@ -303,10 +305,18 @@ def documents(paths, raw: bool = False):
                 yield path, f.read()
         else:
             try:
-                with open(path, encoding="utf-8", errors="strict") as f:
+                # its text exactly, line ends too (not made "\n"): as --encoding=bytes reads it
+                with open(path, encoding="utf-8", errors="strict", newline="") as f:
                     yield path, f.read()
             except UnicodeDecodeError as e:
                 raise UserError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def split_of(path: str):
+    """'val' or 'train': the split a shard's file name ends with (NAME_val_000000.bin), whatever
+    NAME holds; None for another name."""
+    found = re.search(r"_(val|train)_\d{6}\.bin$", os.path.basename(path))
+    return found[1] if found else None
 
 
 _encodings = {}
@@ -481,7 +491,7 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
         for val in (True, False):
             if fill[val]:
                 corpus.add(buffers[val][: fill[val]], val if is_val else None)
-        if not any("_train_" in n for n in corpus.shards) and corpus.shards:
+        if not any(split_of(n) == "train" for n in corpus.shards) and corpus.shards:
             raise UserError(
                 f"all {n_docs} documents went to validation: no training shard; nothing was written"
                 if is_val
@@ -518,7 +528,7 @@ def convert(pattern, out, name):
     <|endoftext|> becomes the byte separator, every other token its bytes. GPT-2's BPE is
     byte-level, so this is exact, and a document cut between two shards is cut between the
     same bytes. Returns the shard paths."""
-    files = sorted(find_shards(pattern), key=lambda p: ("_val_" not in os.path.basename(p), p))
+    files = sorted(find_shards(pattern), key=lambda p: (split_of(p) != "val", p))
     ours = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")  # what the new corpus replaces
     # validation first: FineWeb's val_000000, train_000001, ... keep their numbers
     for path in files:
@@ -548,7 +558,7 @@ def convert(pattern, out, name):
                 pieces += [sep, data] if len(part) and part[0] == EOT else [data]
             corpus.add(
                 np.frombuffer(b"".join(pieces), dtype=np.uint8),
-                val="_val_" in os.path.basename(path),
+                val=split_of(path) == "val",
             )
             print(
                 f"{path}: {len(tokens):,} tokens -> {sum(map(len, pieces)):,} bytes",

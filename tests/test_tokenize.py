@@ -41,13 +41,13 @@ from data import shards
 
 def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
     docs = [
-        "The quick brown fox.",
+        "The quick\r\nbrown\rfox.",  # (a .txt file's line ends as they are: not made "\n")
         "Ünïcödé and emoji 🙂 too",
         "",
         "line one\nline two\n",
         "<|endoftext|> is plain text here",
     ]
-    (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8")
+    (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8", newline="")
     with open(tmp_path / "b.jsonl", "w", encoding="utf-8") as f:
         for d in docs[1:-1]:  # (blank lines between them, passed over)
             f.write(json.dumps({"text": d, "id": 1}) + "\n\n  \n")
@@ -801,12 +801,18 @@ def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path, capsys):
         )
     # without is_val the first shard is validation: a corpus that fills one has no training
     # shard, and is refused as well, by the command, with nothing written
+    # (a NAME holding "_train_" too: a shard's split is its name's end)
     files = [str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")]
-    code = support.cli(tokenize.main, [*files, f"--out={tmp_path / 'one'}", "--encoding=bytes"])
-    err = capsys.readouterr().err
-    last = err.split("\n")[-2]  # (after the progress line)
-    assert code == 2 and err.count("error: ") == 1 and last.startswith("error: the 61 tokens fill")
-    assert not (tmp_path / "one").exists()  # (made by it: removed)
+    for named in ([], ["--name=my_train_set"]):
+        argv = [*files, f"--out={tmp_path / 'one'}", "--encoding=bytes", *named]
+        code, err = support.cli(tokenize.main, argv), capsys.readouterr().err
+        last = err.split("\n")[-2]  # (after the progress line)
+        assert code == 2 and err.count("error: ") == 1, err
+        assert last.startswith("error: the 61 tokens fill")
+        assert not (tmp_path / "one").exists()  # (made by it: removed)
+    # a NAME the documented --train_files='OUT/NAME_train_*.bin' would read as a pattern
+    code = support.cli(tokenize.main, [*files, f"--out={tmp_path / 'one'}", "--name=c[1]"])
+    assert code == 2 and capsys.readouterr().err.endswith("a name, not a pattern (no *, ? or [)\n")
     # skipview: a character's bytes show it once, at its first byte; a stray byte as U+FFFD
     pieces = load_command("skipview.py").token_pieces(
         shards.encoding("bytes"), list("aé🙂".encode()) + [0xFF, 98]
