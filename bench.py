@@ -36,6 +36,7 @@ Without it, a profile.md that an earlier --profile=1 wrote in --out, unchanged s
 
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -335,7 +336,7 @@ def main(argv):
                 args.init_from, device, repeats, compile_, source, profile=args.profile
             )
             results.append(dict(size=args.init_from, batch=batch, hp=asdict(hp), rows=rows))
-    command = f"    python bench.py {' '.join(argv)}\n\n{runlog.describe_system()}"
+    command = f"    {shlex.join(['python', 'bench.py', *argv])}\n\n{runlog.describe_system()}"
     profiles = [command]  # (moved out of the rows: bench.json keeps figures)
     if args.profile:
         for res in results:

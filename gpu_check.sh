@@ -67,7 +67,9 @@ budget=${GPU_CHECK_SECONDS:-420}  # (read in arithmetic: a name or an expression
 if ! [[ $budget =~ ^[1-9][0-9]{0,5}$ ]]; then
     fail "GPU_CHECK_SECONDS=$budget: give a whole number of seconds, 1 to 999999"
 fi
-out=$( (( $# )) && realpath -m -- "$1")  # the caller's OUT, before the cd below
+out=$( (( $# )) && realpath -m -- "$1")  # the caller's OUT and TMPDIR, before the cd below
+tmp=$(realpath -m -- "${TMPDIR:-/tmp}")
+export TMPDIR=$tmp  # (the stages' too)
 cd "$(dirname "$0")" || exit 2
 if ! python -c "import torch" 2>/dev/null; then
     echo "error: \`python\` cannot import torch: put the Python that holds it first on PATH" >&2
@@ -94,8 +96,8 @@ else
     gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 fi
 out=${out:-$PWD/records/$(date +%F)_gpu_check_$gpu}
+again="bash gpu_check.sh $(printf %q "$out")"  # (quoted as a shell reads it back)
 # the paper runs' folders (a checkpoint of 2.3 GB each), outside the record, one set per record
-tmp=${TMPDIR:-/tmp}
 work=$tmp/gpu_check_runs_$(printf '%s\n' "$out" | cksum | cut -d' ' -f1)
 settled=$work/paper_skip_middle  # kept till paper_masked and paper_compact, which start from it
 if [ ! -d "$tmp" ] || [ ! -w "$tmp" ]; then
@@ -122,7 +124,7 @@ stop() {  # a signal to this call (Ctrl-C, TERM): the stage in flight, in a proc
     # own, is given TERM (it keeps its logs and removes its run's folder), then this stops
     if [ -n "$running" ]; then kill -TERM "$running" 2>/dev/null; wait "$running"; fi
     rmdir "$work" 2>/dev/null
-    echo "stopped by a signal in $SECONDS s; run 'bash gpu_check.sh $out' again" >&2
+    echo "stopped by a signal in $SECONDS s; run '$again' again" >&2
     exit 130
 }
 trap stop INT TERM HUP
@@ -131,7 +133,7 @@ stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of t
     shift
     [ -e "$out/$name.done" ] && return 0
     if (( left < 1 )); then
-        echo "$name: not run, the budget of $budget s is spent; run 'bash gpu_check.sh $out' again" \
+        echo "$name: not run, the budget of $budget s is spent; run '$again' again" \
             | tee -a "$out/summary.txt"
         left_over+=("$name")
         return 0
@@ -149,7 +151,7 @@ stage() {  # stage NAME COMMAND...: run it unless done, cut at what is left of t
     # timeout's status, at the allowance (before it: a stage's own 124, or a kill, as by the
     # out-of-memory killer, is a failure)
     if (( (status == 124 || status == 137) && SECONDS - t0 >= left )); then
-        echo "$name: cut at $((SECONDS - t0)) s by the budget; run 'bash gpu_check.sh $out' again" \
+        echo "$name: cut at $((SECONDS - t0)) s by the budget; run '$again' again" \
             | tee -a "$out/summary.txt"
         left_over+=("$name")
         return 0

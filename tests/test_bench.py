@@ -235,7 +235,7 @@ def test_bench_times_a_source_alone_at_its_own_batch_and_refuses_one_without_a_c
     assert code == 0, err
     config = json.loads((run / "config.json").read_text())
     bench = load_command("bench.py")
-    out = tmp_path / "out"
+    out = tmp_path / "bench out"  # (a space: its command is recorded as a shell reads it back)
     assert support.cli(bench.main, [f"--init_from={run}", "--repeats=1", f"--out={out}"]) == 0
     capsys.readouterr()
     record = json.loads((out / "bench.json").read_text())
@@ -245,6 +245,7 @@ def test_bench_times_a_source_alone_at_its_own_batch_and_refuses_one_without_a_c
     ]
     page = (out / "bench.md").read_text()
     assert f"batch per size: {run}={config['device_batch_size']}; median of 1 " in page
+    assert f"    python bench.py --init_from={run} --repeats=1 '--out={out}'\n" in page
     for setting, message in (  # a gate on the query axis: skipped tokens are still keys
         ("--router=none", "bench.py times skip_middle's compact path; this model's router is none"),
         ("--gate_axis=query", "needs the gate on the key axis; this model's is on the query"),

@@ -209,20 +209,25 @@ def test_gpu_check_refuses_bad_input_before_writing_and_stops_on_a_signal(tmp_pa
         assert r.stdout.startswith("Every GPU check in one call") and "\n# " not in r.stdout
         assert r.stdout.endswith("(tests/test_gpu.py runs it so).\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == kept
-    # a relative OUT is the caller's; a second call on it while one runs is refused; Ctrl-C
-    proc = start_command(script, "rel", env={**env, "GPU_CHECK_SECONDS": "300"}, cwd=tmp_path)
+    # a relative OUT and TMPDIR are the caller's; a second call on it while one runs is refused;
+    # Ctrl-C, and the call to make again, quoted as a shell reads it (OUT holds a space)
+    env = {**env, "GPU_CHECK_SECONDS": "300", "TMPDIR": "tmp"}
+    proc = start_command(script, "rel out", env=env, cwd=tmp_path)
     try:
         wait_for_line(proc, "== paper_none", timeout=200)
-        r = run_command(script, "rel", env={**env, "GPU_CHECK_SECONDS": "300"}, cwd=tmp_path)
+        r = run_command(script, "rel out", env=env, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.startswith("error: another call is writing "), r
         time.sleep(3)  # (in its run)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
-    assert "stopped by a signal in " in proc.stderr.read()
-    assert (tmp_path / "rel" / "env.done").exists() and not os.path.exists(
-        os.path.join(REPO, "rel")
+    again = f"run 'bash gpu_check.sh {tmp_path}/rel\\ out' again"
+    assert re.fullmatch(
+        f"stopped by a signal in [0-9]+ s; {re.escape(again)}\n", proc.stderr.read()
+    )
+    assert (tmp_path / "rel out" / "env.done").exists() and not os.path.exists(
+        os.path.join(REPO, "rel out")
     )
     assert not list(tmp.glob("gpu_check_runs_*"))  # the stage's run: removed by its TERM handler
 
