@@ -254,13 +254,13 @@ def nan_on_call(*n):
 
 CUDA_OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"
 CUDA_ERROR = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
-RAN_OUT = "out of memory: this machine cannot allocate what it needs"
+OOM_TEXT = "out of memory: this machine cannot allocate what it needs"
 OUT_OF_MEMORY_LINES = {  # memory run out, each raiser's error line as a user reads it
-    "python": RAN_OUT,
-    "cpu": f"{RAN_OUT} (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "python": OOM_TEXT,
+    "cpu": f"{OOM_TEXT} (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
     f"{2**62} bytes)",
-    "gpu": f"{RAN_OUT} ({CUDA_OUT_OF_MEMORY})",
-    "gpu starting": f"{RAN_OUT} (CUDA error: out of memory)",
+    "gpu": f"{OOM_TEXT} ({CUDA_OUT_OF_MEMORY})",
+    "gpu starting": f"{OOM_TEXT} (CUDA error: out of memory)",
 }
 
 

@@ -208,8 +208,9 @@ def main(argv):
     # config.json's command and commit, or an expansion's not yet trained (expand.json's); what
     # it holds of the wrong type: not known
     expansion = runlog.json_object(os.path.join(args.run_dir, "expand.json"))
-    logged = runlog.json_object(os.path.join(args.run_dir, runlog.LOGS[2])) or expansion
-    known = {k: v for k, v in logged.items() if isinstance(v, bool if k == "git_dirty" else str)}
+    logged = runlog.json_object(os.path.join(args.run_dir, runlog.LOGS[2]))
+    made_by = logged or expansion
+    known = {k: v for k, v in made_by.items() if isinstance(v, bool if k == "git_dirty" else str)}
     source = expansion.get("expanded_from")
     trained = {
         "run_id": ckpt["run_id"],

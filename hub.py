@@ -122,11 +122,10 @@ def read(source: str, defaults: dict) -> tuple:
 
 
 def local_folder(source: str) -> tuple:
-    """-> (folder, where): a local folder as it is; hf:OWNER/NAME[@REVISION] fetched (resumably,
-    the two files only) into the Hub's cache, or found there offline."""
+    """-> (folder, where): a local folder as it is (read_source checked it); hf:OWNER/NAME
+    [@REVISION] fetched (resumably, the two files only) into the Hub's cache, or found there
+    offline."""
     if not source.startswith("hf:"):
-        if not os.path.isdir(source):
-            raise UserError(f"{source} is not a folder")
         return source, source
     repo, at, revision = source[3:].partition("@")
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or "@" in revision or (at and not revision):

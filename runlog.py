@@ -44,8 +44,8 @@ def ours(m) -> bool:
 
 def run_records(run_dir: str, kind: str) -> list:
     """The run's metrics.jsonl records of kind (ours), in order; other lines, a user's notes,
-    skipped. None without the file (expand.py's new run); one that cannot be read (a permission,
-    not a regular file) is its OSError: its records are not known to be none."""
+    skipped. No records ([]) without the file (expand.py's new run); one that cannot be read (a
+    permission, not a regular file) is its OSError: its records are not known to be none."""
     out = []
     path = os.path.join(run_dir, LOGS[1])
     with contextlib.suppress(FileNotFoundError), open(support.regular(path), "rb") as f:

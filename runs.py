@@ -162,7 +162,9 @@ def saved_step(path: str, run_id: str):
         return None
     try:
         state = load_tensors(path, mmap=True)
-    except UNREADABLE:  # truncated, damaged, or not a checkpoint
+    except UNREADABLE as e:  # truncated, damaged, or not a checkpoint
+        if out_of_memory(e):  # (the machine's: not known to be unreadable)
+            raise
         return None
     if not isinstance(state, dict) or state.get("run_id") != run_id:
         return None
@@ -253,6 +255,8 @@ def restore(ckpt: dict, job, raw, opt, loader, cuda: bool) -> RunState:
         torch.set_rng_state(ckpt["rng"]["cpu"])
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"] if cuda else [])  # ([]: none is set)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        if out_of_memory(e):  # (the AdamW moments moved to a full GPU: not the file's fault)
+            raise
         raise UserError(
             f"{where}: corrupt or incompatible checkpoint ({type(e).__name__})"
         ) from None
@@ -811,8 +815,8 @@ def share_of_cpus(jobs: int) -> dict:
     return {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share, **os.environ}
 
 
-# of a failed run's stderr (a traceback) that has no error line of its own: under torchrun its
-# report on the failed workers follows theirs (about 40 lines for two, 8 more for each other)
+# of a failed run's stderr (a traceback) that has no error line of its own, a process (under
+# torchrun its report on the failed workers follows theirs: about 40 lines for two, 81 for 8)
 SHOWN_LINES = 100
 
 
@@ -865,7 +869,7 @@ def run_plans(plans: list, nproc: int, jobs: int = 1):
                 lines = [ln for ln in err.strip().splitlines() if ln.strip("=-")]
                 tail = next((ln for ln in reversed(lines) if ln.startswith("error: ")), None)
                 if tail is None and lines:
-                    shown = err.rstrip().splitlines()[-SHOWN_LINES:]
+                    shown = err.rstrip().splitlines()[-SHOWN_LINES * trainer.nproc :]
                     print(
                         f"{plan.label}: {script}'s stderr ends:",
                         *shown,

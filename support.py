@@ -58,9 +58,9 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file s
 SECOND = "interrupted by a second signal"  # a training job's line on one (cli)
 OUT_OF_MEMORY = "out of memory: this machine cannot allocate what it needs"  # (out_of_memory)
 # torch's other words for it, in a RuntimeError of no type of its own: its CPU allocator's
-# (c10's alloc_cpu.cpp), CUDA's own (a GPU full as a context or a library starts)
+# (c10's alloc_cpu.cpp: POSIX's, Windows'), CUDA's own (a GPU full as a context or a library starts)
 RAN_OUT = re.compile(
-    r"DefaultCPUAllocator: can't allocate memory: you tried to allocate \d+ bytes"
+    r"DefaultCPUAllocator: (can't allocate|not enough) memory: you tried to allocate \d+ bytes"
     r"|CUDA error: out of memory"
 )
 

@@ -42,6 +42,7 @@ Disk: 2 bytes per token plus a 1 KiB header per shard (100M-token shards are ~20
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import glob
 import hashlib
 import itertools
@@ -447,7 +448,7 @@ def tokenize(paths, out, name, shard_tokens, workers, enc="gpt2", is_val=None, i
     for path in paths:
         need(path, "a file")
         if not os.access(path, os.R_OK):
-            raise UserError(f"{path}: not readable")
+            raise UserError(f"cannot read {path}: {os.strerror(errno.EACCES)}")
     writable_dir(out)  # before the long work, not after it
     encoding(enc)  # fail early, with the clear message, before any worker starts
     n_docs, n_tokens = 0, 0

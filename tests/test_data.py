@@ -668,7 +668,8 @@ def test_val_every_sends_documents_0_k_2k_to_validation_and_convert_keeps_each_s
     tmp_path, capsys
 ):
     # the command's --val_every=2 over 3 documents: 0 and 2 validate, 1 trains (bytes by hand);
-    # converting training shards alone gives training shards alone (none named validation)
+    # converting training shards alone gives training shards alone (none named validation),
+    # whatever their corpus's name holds (a shard's split is its name's end)
     tokenize = load_command("data/tokenize_corpus.py")
     (tmp_path / "d.jsonl").write_text(
         "".join(json.dumps({"text": t}) + "\n" for t in "ab cd ef".split())
@@ -679,9 +680,12 @@ def test_val_every_sends_documents_0_k_2k_to_validation_and_convert_keeps_each_s
         p.name: bytes(tg.read_shard(str(p), 256).tolist()) for p in (tmp_path / "b").glob("*.bin")
     }
     assert got == {"corpus_val_000000.bin": b"\0ab\0ef", "corpus_train_000001.bin": b"\0cd"}
-    tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw", 3, 1)
-    converted = tokenize.convert(str(tmp_path / "g" / "fw_train_*.bin"), str(tmp_path / "y"), "x")
-    assert converted and all("_train_" in os.path.basename(p) for p in converted), converted
+    tokenize.tokenize([str(tmp_path / "d.jsonl")], str(tmp_path / "g"), "fw_val_set", 3, 1)
+    pattern = str(tmp_path / "g" / "fw_val_set_train_*.bin")
+    converted = tokenize.convert(pattern, str(tmp_path / "y"), "x")
+    assert converted and all(
+        re.fullmatch(r"x_train_\d{6}\.bin", os.path.basename(p)) for p in converted
+    )
 
 
 def test_fineweb_damage_and_place_by_hand(tmp_path):

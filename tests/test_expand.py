@@ -219,6 +219,7 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
     assert f"from a depth expansion (expand.py) of {tmp_path / 'dense'}\n" in card
     assert f"command: `{record['command']}`" in card
     assert f"- commit: {record['git_commit']}" in card and record["git_commit"] != "unknown"
+    assert not json.loads((tmp_path / "card" / "config.json").read_text())["trained"]["logged"]
     # a signal (Ctrl-C) during the last write: what it wrote is taken back, the folder too
     real = support.write_atomically
 

@@ -210,39 +210,48 @@ def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, m
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 8
 
 
-@pytest.mark.parametrize("kind", OUT_OF_MEMORY_LINES)
 def test_memory_run_out_mid_run_or_reading_a_checkpoint_is_the_machines_limit(
-    kind, tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys
 ):
-    # mid-run: status 1, its line naming the last checkpoint as other failures' do; reading a
-    # sound checkpoint: status 1 too, not "corrupt or incompatible" (status 2, the file blamed)
-    real = tg.train_step
-
-    def exhausted(*args):
-        if args[-1] == 5:  # (step)
-            run_out_of_memory(kind)
-        return real(*args)
-
-    monkeypatch.setattr(tg, "train_step", exhausted)
-    code, _, err = run_main(RESUME_RUN + [f"--run_dir={tmp_path}", "--save_every=4"], capsys)
-    said = f"error: {OUT_OF_MEMORY_LINES[kind]}"
-    assert code == 1 and err.endswith(
-        f"{said}; last checkpoint: {tmp_path}/checkpoint.pt (step 4)\n"
-    ), err
-    assert (tmp_path / "train.log").read_text().endswith(f"{said}\n")  # (as other errors')
-    monkeypatch.setattr(tg, "train_step", real)
-
-    def no_room(*args, **kwargs):
-        run_out_of_memory(kind)
-
-    monkeypatch.setattr(runs, "load_tensors", no_room)
-    code, _, err = run_main([f"--resume={tmp_path}"], capsys)
-    assert code == 1 and err.endswith(f"{said}\n"), err
-    monkeypatch.setattr("safetensors.torch.load_file", no_room)  # (a model's weights alike)
+    # as each of its raisers raises it: mid-run, status 1, its line naming the last checkpoint
+    # as other failures' do (the first kind trains to step 4's save, each resumes from it);
+    # reading or restoring a sound checkpoint (the AdamW moments moved to a full GPU), status 1
+    # too, not "corrupt or incompatible" (status 2, the file blamed); a model's weights alike
+    real_step = tg.train_step
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises((MemoryError, RuntimeError)) as raised:
-        hub.read_weights(str(tmp_path / "model.safetensors"), "model.safetensors")
-    assert support.out_of_memory(raised.value) == OUT_OF_MEMORY_LINES[kind]
+    run, start = tmp_path / "run", RESUME_RUN + [f"--run_dir={tmp_path / 'run'}", "--save_every=4"]
+    for kind, line in OUT_OF_MEMORY_LINES.items():
+
+        def exhausted(*args, kind=kind):
+            if args[-1] == 5:  # (step)
+                run_out_of_memory(kind)
+            return real_step(*args)
+
+        def no_room(*args, kind=kind, **kwargs):
+            run_out_of_memory(kind)
+
+        with monkeypatch.context() as m:
+            m.setattr(tg, "train_step", exhausted)
+            code, _, err = run_main(start if kind == "python" else [f"--resume={run}"], capsys)
+        assert code == 1 and err.endswith(
+            f"error: {line}; last checkpoint: {run}/checkpoint.pt (step 4)\n"
+        ), err
+        assert (run / "train.log").read_text().endswith(f"error: {line}\n")  # (as other errors')
+        for patched in ((runs, "load_tensors"), (torch.optim.Optimizer, "load_state_dict")):
+            with monkeypatch.context() as m:
+                m.setattr(*patched, no_room)
+                code, _, err = run_main([f"--resume={run}"], capsys)
+            assert (code, err[err.index("error: ") :]) == (1, f"error: {line}\n"), err
+        with monkeypatch.context() as m:  # (nor is a checkpoint's step then "none")
+            m.setattr(runs, "load_tensors", no_room)
+            with pytest.raises((MemoryError, RuntimeError)) as raised:
+                runs.saved_step(str(run / "checkpoint.pt"), "any run")
+        assert support.out_of_memory(raised.value) == line
+        with monkeypatch.context() as m:
+            m.setattr("safetensors.torch.load_file", no_room)
+            with pytest.raises((MemoryError, RuntimeError)) as raised:
+                hub.read_weights(str(tmp_path / "model.safetensors"), "model.safetensors")
+        assert support.out_of_memory(raised.value) == line
 
 
 # -------------------------------------------------------------- logs and provenance
@@ -512,6 +521,8 @@ def test_a_run_that_fails_with_no_error_line_has_its_stderrs_end_shown(tmp_path,
         f"  {line}" for line in ends
     ]
 
+
+def test_of_two_failures_the_first_is_raised_and_the_other_counted(tmp_path):
     # the first to fail is named, with its kind (status 2, bad input: UserError), and the other,
     # which fails once the first has been reaped (run_plans has seen it end), counted
     flag = tmp_path / "failed"
