@@ -176,8 +176,10 @@ def package_pages(deb: str, shown: str) -> list:
 def download(spec: str, sha: str, folder: str, debs: str = None, unpinned: bool = False) -> tuple:
     """One package's .deb and its sha256: the pinned file from the folder debs, else apt-get
     download of the pinned version into folder (unpinned: of the version offered now)."""
-    if debs:
-        for path in sorted(glob.glob(os.path.join(glob.escape(debs), "*.deb"))):
+    if debs:  # (those named as apt names the package's first: a folder of many is hashed once)
+        named = spec.split("=")[0] + "_"
+        paths = glob.glob(os.path.join(glob.escape(debs), "*.deb"))
+        for path in sorted(paths, key=lambda p: (not os.path.basename(p).startswith(named), p)):
             if os.path.isfile(path) and tokenize_corpus.sha256_of(path) == sha:  # (no pipe)
                 return path, sha
         raise UserError(f"--debs={debs}: no .deb there has {spec}'s pinned sha256 {sha}")

@@ -226,7 +226,9 @@ def test_debian_docs_reads_a_package_whose_stream_goes_on_past_its_archive(tmp_p
     assert r.returncode == 0 and r.stdout == "[b'<p>a</p>', b'<p>b</p>']\n", r.stderr[-2000:]
 
 
-def test_debian_docs_takes_from_debs_the_file_of_the_pinned_sha256_whatever_its_name(tmp_path):
+def test_debian_docs_takes_from_debs_the_file_of_the_pinned_sha256_whatever_its_name(
+    tmp_path, monkeypatch
+):
     # --debs=DIR: a .deb named as the package's other version is not the pinned file; one of
     # the pinned sha256 is, whatever it is called
     docs = load_command("data/debian_docs.py")
@@ -241,6 +243,17 @@ def test_debian_docs_takes_from_debs_the_file_of_the_pinned_sha256_whatever_its_
         str(tmp_path / "z.deb"),
         sha,
     )
+    # a folder of many (apt's cache, say): the file named as the package's is hashed first
+    (tmp_path / f"{spec.split('=')[0]}_0.1_all.deb").write_bytes(b"the pinned one")
+    hashed, sha256_of = [], docs.tokenize_corpus.sha256_of
+
+    def noted(path):
+        hashed.append(path)
+        return sha256_of(path)
+
+    monkeypatch.setattr(docs.tokenize_corpus, "sha256_of", noted)
+    assert docs.download(spec, sha, str(tmp_path / "work"), str(tmp_path))[1] == sha
+    assert hashed == [str(tmp_path / f"{spec.split('=')[0]}_0.1_all.deb")]
 
 
 def fake_debian(tmp_path, apt_get: str) -> dict:
