@@ -245,6 +245,7 @@ def test_debian_docs_takes_from_debs_the_file_of_the_pinned_sha256_whatever_its_
     )
     # a folder of many (apt's cache, say): the file named as the package's is hashed first
     (tmp_path / f"{spec.split('=')[0]}_0.1_all.deb").write_bytes(b"the pinned one")
+    (tmp_path / "0.deb").write_bytes(b"another package")  # (first by name)
     hashed, sha256_of = [], docs.tokenize_corpus.sha256_of
 
     def noted(path):
