@@ -149,8 +149,12 @@ class Corpus:
         self.manifest = os.path.join(out, f"{name}.manifest.json")
         ours = self.read_manifest()  # name -> the sha256 of each version this script wrote
         self.pattern = re.compile(re.escape(name) + r"_(val|train)_\d{6}\.bin")
-        self.found = self.present()
-        foreign = [n for n, (sha, _) in self.found.items() if sha not in ours.get(n, ())]
+        self.found = self.present()  # (hashed once: commit compares their stats alone)
+        self.sums = {  # (a FIFO or a link is never read, nor ours)
+            n: sha256_of(os.path.join(out, n)) if regular else None
+            for n, (*_, regular) in self.found.items()
+        }
+        foreign = [n for n, sha in self.sums.items() if sha not in ours.get(n, ())]
         if foreign:
             more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
             self.refuse(
@@ -167,16 +171,12 @@ class Corpus:
             raise
 
     def present(self) -> dict:
-        """{shard-named file in OUT: (its sha256, or None if not a regular file; its stat)}."""
+        """{shard-named file in OUT: its stat (inode, size, mtime, whether a regular file)}."""
         found = {}
         for n in sorted(os.listdir(self.out) if os.path.isdir(self.out) else ()):
             if self.pattern.fullmatch(n):
-                path, st = os.path.join(self.out, n), os.lstat(os.path.join(self.out, n))
-                regular = stat.S_ISREG(st.st_mode)  # a FIFO or a link is never read, nor ours
-                found[n] = (
-                    sha256_of(path) if regular else None,
-                    (st.st_ino, st.st_size, st.st_mtime_ns),
-                )
+                st = os.lstat(os.path.join(self.out, n))
+                found[n] = (st.st_ino, st.st_size, st.st_mtime_ns, stat.S_ISREG(st.st_mode))
         return found
 
     def refuse(self, what: str):
@@ -234,14 +234,13 @@ class Corpus:
         """Publish the new shards, then drop the previous version's others; -> their paths."""
         if not self.shards:
             raise UserError("the input holds no documents (no non-empty text); nothing was written")
-        now = {n: st for n, (_, st) in self.present().items()}
-        if now != {n: st for n, (_, st) in self.found.items()}:
+        if self.present() != self.found:
             raise UserError(
                 f"the shards of corpus {self.name!r} in {self.out} changed while this "
                 f"ran (another job?); nothing was written"
             )
         with signals_held():  # (whole: a Ctrl-C here stops the command once it is done)
-            self.write_manifest({n: sha for n, (sha, _) in self.found.items()})  # first: a
+            self.write_manifest(self.sums)  # first: a
             # failure after it leaves only files it lists
             for shard in self.shards:
                 os.replace(os.path.join(self.tmp, shard), os.path.join(self.out, shard))

@@ -302,6 +302,23 @@ def test_a_manifest_it_did_not_write_is_refused_like_a_shard(tmp_path):
     assert (tmp_path / "theirs.json").read_text() == '{"shards": {}}'
 
 
+def test_a_corpus_being_replaced_is_read_once(tmp_path, monkeypatch):
+    # its shards are hashed as the command starts (whose they are), not again at the commit
+    # (their stats say whether they changed since): a FineWeb-size corpus is read once, not twice
+    tokenize, out = load_command("data/tokenize_corpus.py"), tmp_path / "s"
+    (tmp_path / "a.txt").write_text("many words make many tokens " * 20)
+    tokenize.tokenize([str(tmp_path / "a.txt")], str(out), "c", 20, 1)
+    old, hashed, sha256_of = sorted(str(p) for p in out.glob("*.bin")), [], tokenize.sha256_of
+
+    def noted(path):
+        hashed.append(path)
+        return sha256_of(path)
+
+    monkeypatch.setattr(tokenize, "sha256_of", noted)
+    tokenize.tokenize([str(tmp_path / "a.txt")], str(out), "c", 20, 1)
+    assert len(old) > 1 and sorted(p for p in hashed if os.path.dirname(p) == str(out)) == old
+
+
 def test_a_shard_that_appears_while_tokenizing_is_not_replaced(tmp_path, monkeypatch):
     tokenize = load_command("data/tokenize_corpus.py")
     out, real = tmp_path / "s", tokenize.documents
