@@ -275,7 +275,7 @@ def documents(paths, raw: bool = False):
     """Yield (name, text) for every document; a malformed one is an error naming it. raw: a
     .txt file's bytes as they are, not decoded (byte encoding: any bytes round-trip)."""
     for path in paths:
-        if path.endswith(".jsonl"):
+        if path.lower().endswith(".jsonl"):  # (data.JSONL too: not one text of raw JSON)
             with open(path, "rb") as f:  # bytes: a bad line is named, not a decoder traceback
                 for i, line_bytes in enumerate(f, 1):
                     name = f"{path}:{i}"

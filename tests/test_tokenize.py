@@ -48,7 +48,7 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
         "<|endoftext|> is plain text here",
     ]
     (tmp_path / "a.txt").write_text(docs[0], encoding="utf-8", newline="")
-    with open(tmp_path / "b.jsonl", "w", encoding="utf-8") as f:
+    with open(tmp_path / "b.JSONL", "w", encoding="utf-8") as f:  # (.JSONL: JSON lines too)
         for d in docs[1:-1]:  # (blank lines between them, passed over)
             f.write(json.dumps({"text": d, "id": 1}) + "\n\n  \n")
     (tmp_path / "c.txt").write_text(docs[-1], encoding="utf-8")  # a .txt after a .jsonl
@@ -56,7 +56,7 @@ def test_tokenize_matches_tiktoken_and_the_loader_reads_it_back(tmp_path):
     r = run_command(
         "data/tokenize_corpus.py",
         str(tmp_path / "a.txt"),
-        str(tmp_path / "b.jsonl"),
+        str(tmp_path / "b.JSONL"),
         str(tmp_path / "c.txt"),
         f"--out={out}",
         "--name=t",
