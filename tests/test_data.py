@@ -900,16 +900,20 @@ def test_fineweb_a_download_error_is_its_reason_and_a_shard_is_copied_where_link
     assert (tmp_path / "blob").read_bytes() == blob
 
 
-def test_fineweb_a_shard_it_cannot_read_is_named_not_a_traceback(tmp_path, monkeypatch):
-    # (as root no permission stops a read: the read itself fails here)
-    fetch = load_command("data/cached_fineweb10B.py")
-    write_shard(tmp_path / "x.bin", range(10))
+def test_fineweb_a_shard_it_cannot_read_is_named_not_a_traceback(tmp_path, monkeypatch, capsys):
+    # (as root no permission stops a read: the read itself fails here) one line naming it and
+    # why, status 2, nothing fetched; not "not a whole shard" (a good one would be moved away)
+    fetch, calls = load_command("data/cached_fineweb10B.py"), []
+    shard = tmp_path / "fineweb_val_000000.bin"
+    write_shard(shard, range(10))
 
     def unreadable(path):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
     monkeypatch.setattr(fetch, "shard_tokens", unreadable)
-    assert fetch.damage(str(tmp_path / "x.bin")) == f"{tmp_path / 'x.bin'}: Permission denied"
+    monkeypatch.setattr(fetch, "fetch", lambda *args: calls.append(args))
+    assert support.cli(fetch.main, ["0", f"--out={tmp_path}"]) == 2
+    assert capsys.readouterr().err == f"error: {shard}: Permission denied\n" and calls == []
 
 
 def test_debian_docs_page_text_by_hand():
