@@ -5,6 +5,7 @@ command in a process of its own; run_main: a command's main in this process), wh
 pytest was started from and wherever the test file is.
 """
 
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -275,6 +276,19 @@ def run_out_of_memory(kind: str):
     if kind == "gpu starting":
         raise RuntimeError(CUDA_ERROR)
     raise torch.OutOfMemoryError(CUDA_OUT_OF_MEMORY)
+
+
+def deny_reading(monkeypatch, path):
+    """open(path) fails as a permission would stop it (as root none does): a file whose reader
+    must say so, not call it damaged or absent."""
+    opened = open
+
+    def denied(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return opened(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", denied)
 
 
 def sha256(data):

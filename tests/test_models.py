@@ -2,7 +2,6 @@
 --eval_only, and export.py."""
 
 import argparse
-import errno
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from conftest import (
     TRAIN_ON_SAMPLE,
     another_job_locks,
     authors_copy,
+    deny_reading,
     load_command,
     read_metrics,
     run_command,
@@ -329,20 +329,14 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, mon
     # a folder whose files cannot be reached (no search permission; patched: root has it) or
     # weights that cannot be read: said so, not "neither a model folder nor ..." or "not a
     # complete safetensors file" (told so, a user would look for, or delete, what is there)
-    source, access, opened = authors_copy(tmp_path, "closed"), os.access, open
+    source, access = authors_copy(tmp_path, "closed"), os.access
     weights = os.path.join(source, "model.safetensors")
     with monkeypatch.context() as m:
         m.setattr(os, "access", lambda path, mode: path != source and access(path, mode))
         code, _, err = run_main([f"--init_from={source}", *EVAL_ON_SAMPLE], capsys)
     assert (code, err) == (2, f"error: cannot read {source}: Permission denied\n")
-
-    def denied(path, *args, **kwargs):
-        if path == weights:
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return opened(path, *args, **kwargs)
-
     with monkeypatch.context() as m:
-        m.setattr("builtins.open", denied)
+        deny_reading(m, weights)
         code, _, err = run_main([f"--init_from={source}", *EVAL_ON_SAMPLE], capsys)
     assert (code, err) == (2, f"error: cannot read {weights}: Permission denied\n")
     # a newline in the source's name: the printed validation is still one line
@@ -779,15 +773,8 @@ def test_export_s_card_shows_the_validation_of_the_step_written(tmp_path, monkey
     assert val == lines[2] and export.last_validation(str(tmp_path), 4) == {}
     assert export.last_validation(str(tmp_path), 7) == {}  # (not step 6's: other weights)
     # records that cannot be read are not "none" (the card would say no validation was made)
-    opened, path = open, str(tmp_path / "metrics.jsonl")
-
-    def denied(file, *args, **kwargs):
-        if file == path:
-            raise PermissionError(errno.EACCES, "Permission denied", file)
-        return opened(file, *args, **kwargs)
-
     with monkeypatch.context() as m:
-        m.setattr("builtins.open", denied)
+        deny_reading(m, tmp_path / "metrics.jsonl")
         with pytest.raises(PermissionError):
             export.last_validation(str(tmp_path), 5)
     trained = {"run_id": "r1", "step": 5, "tokens": 640, "logged": True, "command": "python x"}
