@@ -719,7 +719,12 @@ def test_torchrun_ending_1_on_a_signal_passed_to_its_workers_is_a_stop_not_a_fai
         runs.run_plans([runs.Plan("r", [(failing, [])])], 2)
     timer.join()
     # a worker's traceback (a bug): the line points to it, shown above, not to torchrun's report
-    bug = script(tmp_path / "bug.py", "raise ValueError('boom')\n")
+    # (rank 0's alone: two ranks' tracebacks written at once interleave; torchrun stops rank 1)
+    bug = script(
+        tmp_path / "bug.py",
+        "import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(60)\n"
+        "raise ValueError('boom')\n",
+    )
     with pytest.raises(support.RunStopped, match=r"bug\.py exited 1: a worker failed: its stderr"):
         runs.run_plans([runs.Plan("r", [(bug, [])])], 2)
     assert "ValueError: boom" in capsys.readouterr().err
