@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 import expand  # noqa: E402
+import launch  # noqa: E402
 import routers  # noqa: E402
 import runlog  # noqa: E402
 import runs  # noqa: E402
@@ -324,7 +325,7 @@ def check_settings(run_dir: str, plan: list):
 
 
 def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1) -> list:
-    """Train every (configuration, seed) not finished yet, up to `jobs` at once (runs.run_plans; a
+    """Train every (configuration, seed) not finished yet, up to `jobs` at once (launch.run_plans; a
     DLO run after its source), the settings of each run begun checked before any starts. ->
     [(name, seed, run_dir, the commands that train it alone)]."""
     plans, done = [], []
@@ -371,13 +372,13 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
                         raise support.UserError(f"{run_dir}: {e}") from None
             steps = {"fresh": plan, "resume": [resume], "done": []}[state]
             said = f"{name} seed {seed}: {state if state == 'done' else 'trained'}"
-            plans.append(runs.Plan(run_dir, steps, after=source, said=said))
+            plans.append(launch.Plan(run_dir, steps, after=source, said=said))
             # as run from the repository
             command = " && ".join(
                 f"python {script} {shlex.join(argv)}" for script, argv in plan
             ).replace(support.HERE + os.sep, "")
             done.append((name, seed, run_dir, command))
-    runs.run_plans(plans, nproc, jobs)
+    launch.run_plans(plans, nproc, jobs)
     return done
 
 
@@ -1099,7 +1100,7 @@ def main(argv):
     t0 = time.time()
     try:
         done = run_grid(grid, runs_dir, seeds, args.nproc_per_node, args.jobs)
-    except runs.Stopped as e:
+    except launch.Stopped as e:
         print(e, flush=True)
         return
     for *_, run_dir, _ in done:  # (one changed corpus: before any run is measured)

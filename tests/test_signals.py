@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import launch
 import ranks
 import runs
 import support
@@ -482,7 +483,7 @@ def test_ctrl_c_on_a_sweep_lets_each_run_in_flight_save_and_stop(tmp_path):
     # finishes its step and saves, and the sweep stops once both have
     dirs = [tmp_path / "a", tmp_path / "b"]
     plans = [
-        runs.Plan(
+        launch.Plan(
             str(d), [("train_gpt.py", RESUME_RUN + ["--train_tokens=1024000", f"--run_dir={d}"])]
         )
         for d in dirs
@@ -510,8 +511,8 @@ def test_ctrl_c_on_a_sweep_lets_each_run_in_flight_save_and_stop(tmp_path):
     thread = threading.Thread(target=interrupt, daemon=True)
     thread.start()
     try:
-        with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; ") as stopped:
-            runs.run_plans(plans, 1, jobs=2)
+        with pytest.raises(launch.Stopped, match="sweep stopped by SIGINT; ") as stopped:
+            launch.run_plans(plans, 1, jobs=2)
     finally:
         with lock:
             over.set()
@@ -533,10 +534,11 @@ def test_ctrl_c_while_a_sweep_starts_its_trainer_stops_it_quietly(tmp_path, monk
         os.kill(os.getpid(), signal.SIGINT)
         return proc
 
-    monkeypatch.setattr(runs.subprocess, "Popen", interrupted_popen)
-    with pytest.raises(runs.Stopped, match="sweep stopped by SIGINT; .* stopped, keeping its last"):
-        runs.run_plans(
-            [runs.Plan("run", [("train_gpt.py", RESUME_RUN + [f"--run_dir={tmp_path}"])])], 1
+    monkeypatch.setattr(launch.subprocess, "Popen", interrupted_popen)
+    said = "sweep stopped by SIGINT; .* stopped, keeping its last"
+    with pytest.raises(launch.Stopped, match=said):
+        launch.run_plans(
+            [launch.Plan("run", [("train_gpt.py", RESUME_RUN + [f"--run_dir={tmp_path}"])])], 1
         )
     assert not (tmp_path / "checkpoint.pt").exists()
 
@@ -571,7 +573,7 @@ time.sleep(60)
     said = r"^run: .*refusing\.py exited 2: error: refused on the signal$"
     try:
         with pytest.raises(support.RunStopped, match=said):
-            runs.run_plans([runs.Plan("run", [(str(refusing), [])])], 1)
+            launch.run_plans([launch.Plan("run", [(str(refusing), [])])], 1)
     finally:
         with lock:
             over.set()

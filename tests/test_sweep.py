@@ -504,7 +504,7 @@ def test_a_resume_keeps_the_job_settings_of_the_grid_and_of_its_preset(tmp_path,
     # not reproduce its digits on a GPU)
     sweep = load_command("sweep.py")
     planned = []
-    monkeypatch.setattr(sweep.runs, "run_plans", lambda plans, *_: planned.extend(plans))
+    monkeypatch.setattr(sweep.launch, "run_plans", lambda plans, *_: planned.extend(plans))
     grid = dict(base=TINY_GRID + ["--untimed_steps=3"], runs=[sweep.dlo(0.5, "dense_2", 2, 1)])
     done = sweep.run_grid(grid, str(tmp_path), range(1), 1)
     resume = planned[0].steps[1]
@@ -580,7 +580,7 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
     for r in rows:  # (dense models and the recursive baseline skip nothing: their one time twice)
         compact = 2.0 if r["router"] == "none" or r["name"].startswith("recursive_") else 1.0
         assert (r["ms_per_token_masked"], r["ms_per_token_compact"]) == (2.0, compact), r
-    share = sweep.runs.share_of_cpus(2)["OMP_NUM_THREADS"]  # each run's threads, as its log says
+    share = sweep.launch.share_of_cpus(2)["OMP_NUM_THREADS"]  # each run's threads, as its log says
     for log in (tmp_path / "runs").glob("*/train.log"):
         assert f"  threads {share}\n" in log.read_text(), log
     lines = {(ln["name"], ln["vs"]) for ln in sweep.summarise(rows)}
@@ -633,14 +633,14 @@ def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
         sweep.dense(4),
     ]
     monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=runs))
-    start = sweep.runs.Trainers.start
+    start = sweep.launch.Trainers.start
 
     def after_those_in_flight(self, plan, step, nproc):
         for proc in self.live:
             proc.wait(timeout=60)
         start(self, plan, step, nproc)
 
-    monkeypatch.setattr(sweep.runs.Trainers, "start", after_those_in_flight)
+    monkeypatch.setattr(sweep.launch.Trainers, "start", after_those_in_flight)
     argv = ["--grid=tiny", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}", "--jobs=2"]
     code, err = support.cli(sweep.main, argv), capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
@@ -770,12 +770,12 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     runs, out = tmp_path / "runs", tmp_path / "out"
     # a grid killed while it trained the gated run: that run has a checkpoint at step 2 of 5
     stopped = TINY_GRID + gated[1] + ["--seed=0", f"--run_dir={runs / 'gated_mu0.5_s0'}"]
-    sweep.runs.run_plans(
-        [sweep.runs.Plan("gated", [("train_gpt.py", stopped + ["--stop_step=2"])])], 1
+    sweep.launch.run_plans(
+        [sweep.launch.Plan("gated", [("train_gpt.py", stopped + ["--stop_step=2"])])], 1
     )
     assert sweep.run_state(str(runs / "gated_mu0.5_s0")) == "resume"
 
-    events, start, ended = [], sweep.runs.Trainers.start, sweep.runs.Trainers.ended
+    events, start, ended = [], sweep.launch.Trainers.start, sweep.launch.Trainers.ended
 
     def started(self, plan, step, nproc):  # what the sweep starts and sees end, in order
         start(self, plan, step, nproc)
@@ -787,8 +787,8 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
         events.append(("end", plan.label, plan.steps[trainer.step][0], len(self.live)))
         return trainer, *rest
 
-    monkeypatch.setattr(sweep.runs.Trainers, "start", started)
-    monkeypatch.setattr(sweep.runs.Trainers, "ended", finished)
+    monkeypatch.setattr(sweep.launch.Trainers, "start", started)
+    monkeypatch.setattr(sweep.launch.Trainers, "ended", finished)
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}", "--jobs=2"]
     assert support.cli(sweep.main, argv) == 0
     # --jobs=2: two processes side by side, never more; a DLO run's expansion after its source
