@@ -1120,7 +1120,7 @@ def check_source(given: dict, job: Job):
 
 def resume_settings(given: dict) -> tuple:
     """-> (hp, checkpoint): the checkpoint's settings with the given ones on top; none fixed,
-    and a step of as many tokens (its sequences may be cut otherwise)."""
+    a step of as many tokens (its sequences may be cut otherwise), and the same val_tokens."""
     run_dir = given["resume"]
     if given.get("run_dir", run_dir) != run_dir:
         raise UserError("--resume continues in its own directory; drop --run_dir")
@@ -1142,6 +1142,12 @@ def resume_settings(given: dict) -> tuple:
         raise UserError(
             f"a resume keeps the tokens of a step, batch_size x seq_len = {step} (the schedule "
             f"counts steps of them): give a batch_size and seq_len whose product is {step}"
+        )
+    if hp.val_tokens != base.val_tokens:
+        raise UserError(
+            f"a resume keeps the run's val_tokens={base.val_tokens}, so that its log's validation "
+            f"losses are on one set of tokens: drop --val_tokens (other tokens: --init_from=RUN "
+            f"--eval_only=true --val_tokens=N)"
         )
     return hp, ckpt
 

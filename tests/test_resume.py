@@ -316,6 +316,15 @@ def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
             "error: a resume keeps the tokens of a step, batch_size x seq_len = 256 (the "
             "schedule counts steps of them): give a batch_size and seq_len whose product is 256\n"
         ), err
+    # other validation tokens: its log's validation losses would be on two sets of tokens
+    code, out, err = run_main([f"--resume={tmp_path}", "--val_tokens=512"], capsys)
+    assert (code, out, err) == (
+        2,
+        "",
+        "error: a resume keeps the run's val_tokens=256, so that its log's validation losses are "
+        "on one set of tokens: drop --val_tokens (other tokens: --init_from=RUN --eval_only=true "
+        "--val_tokens=N)\n",
+    )
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4
 
