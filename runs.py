@@ -106,9 +106,11 @@ def read_checkpoint(run_dir: str, keys: tuple, check) -> dict:
     malformed records); state["mtime"] is the file's."""
     path = os.path.join(need(run_dir, "a folder"), CHECKPOINT)
     if not os.path.isfile(path):
+        model = os.path.lexists(os.path.join(run_dir, hub.WEIGHTS))  # (an export, say)
         raise UserError(
             f"{run_dir}: no checkpoint ({CHECKPOINT}) in it"
             + (f" ({path} is {kind_of(path)})" if os.path.lexists(path) else "")
+            + (f"; it holds a model ({hub.WEIGHTS}), not a run" if model else "")
         )
     try:
         mtime = os.stat(path).st_mtime_ns

@@ -70,6 +70,9 @@ def test_a_folder_that_is_not_a_runs_is_refused_as_run_dir_nothing_moved(tmp_pat
         [f"--init_from={model}", f"--run_dir={model}", *TRAIN_ON_SAMPLE], capsys
     )
     assert code == 2 and "holds a model (model.safetensors), not a run" in err, err
+    code, out, err = run_main([f"--resume={model}"], capsys)  # (resumed: what is there instead)
+    said = f"error: {model}: no checkpoint (checkpoint.pt) in it; it holds a model"
+    assert (code, out, err) == (2, "", f"{said} (model.safetensors), not a run\n")
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
 
 
