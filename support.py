@@ -306,6 +306,8 @@ def parse_fields(classes, argv) -> dict:
                 given[name] = text if name in choices else os.path.expanduser(text)
             else:
                 given[name] = parse_bool(text) if kind is bool else kind(text)
+            if kind is float and math.isinf(given[name]) and "inf" not in text.lower():
+                raise UserError(f"--{name}={text}: beyond a float's range")  # (1e400: not "inf")
         except (ValueError, argparse.ArgumentTypeError):
             raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
     return given

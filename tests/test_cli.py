@@ -435,6 +435,7 @@ def bad_inputs(tmp_path):
         ),
         (smoke + ["--val_tokens=1048576"], "more than the validation shards hold"),
         (smoke + ["--lr=inf"], "lr=inf must lie in (0, inf)"),
+        (smoke + ["--lr=1e400"], "--lr=1e400: beyond a float's range"),  # (not "lr=inf")
         (smoke + ["--beta2=1"], "beta2=1.0 must lie in [0, 1)"),
         (smoke + ["--dim=100000"], "these sizes need at least"),
         (smoke + ["--router=moe"], "router='moe'; choose from"),
