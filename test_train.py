@@ -1041,7 +1041,8 @@ def test_loader_passes_over_a_shard_shorter_than_one_global_batch(tmp_path):
         [3, *tg.shard_fingerprint(loader.files[3])],
     ]
     with pytest.raises(
-        tg.UserError, match=r"no shard that \S+ matches holds one global batch \(9 "
+        tg.UserError,
+        match=r"no shard that \S+ matches holds one batch over the ranks \(1 x 2 x 4 \+ 1 = 9 ",
     ):
         tg.DistributedLoader(str(tmp_path / "d_[02].bin"), 2, 4, 0, 1)
 

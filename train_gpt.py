@@ -627,8 +627,9 @@ class DistributedLoader:
             self.batches.append(max(0, (count - 1) // step))
         if not any(self.batches):
             raise UserError(
-                f"no shard that {pattern} matches holds one global batch ({step + 1} tokens): "
-                f"give a smaller batch, or more tokens a shard"
+                f"no shard that {pattern} matches holds one batch over the ranks ({world} x "
+                f"{B_local} x {T} + 1 = {step + 1} tokens): give a smaller batch, or more tokens "
+                f"a shard"
             )
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard, self.read = None, {}  # read: {index: shard_fingerprint} of those loaded

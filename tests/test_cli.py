@@ -415,7 +415,8 @@ def bad_inputs(tmp_path):
         (smoke + ["--val_files=/dev/null"], "which is a character device, not a shard file"),
         (
             smoke + [f"--train_files={tmp_path}/short_*.bin"],
-            "matches holds one global batch (1025 tokens): give a smaller batch, or more tokens",
+            "matches holds one batch over the ranks (1 x 8 x 128 + 1 = 1025 tokens): give a "
+            "smaller batch, or more tokens a shard",
         ),
         (
             smoke + ["--run_dir=/dev/null"],
