@@ -375,6 +375,8 @@ def check_new_run_dir(run_dir: str) -> list:
     has its run_id and job); a model folder, a complete run, or anyone else's config.json or
     logs, is refused, nothing moved."""
     held = [n for n in (CHECKPOINT, PREVIOUS) if os.path.lexists(os.path.join(run_dir, n))]
+    if held == [PREVIOUS] and complete(run_dir):  # (resumed from it, it would be rewound)
+        held = []  # (refused below, as complete)
     if held:
         raise UserError(
             f"{run_dir} already holds a run that saved a checkpoint ({held[0]}); "
@@ -396,8 +398,8 @@ def check_new_run_dir(run_dir: str) -> list:
         )
     if complete(run_dir):  # (its checkpoint removed, or a record's folder: a result)
         raise UserError(
-            f"{run_dir} holds a complete run (validated at its last step) and no checkpoint: "
-            f"not one to start again; give another run_dir (nothing was moved)"
+            f"{run_dir} holds a complete run (validated at its last step) and no checkpoint of "
+            f"that step: not one to start again; give another run_dir (nothing was moved)"
         )
     return old
 

@@ -176,6 +176,10 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(
     assert code == 2 and err.count("\n") == 1, err
     assert f"{tmp_path} holds a complete run (validated at its last step) and no" in err, err
     assert files() == before and not (tmp_path / "aborted_3").exists()
+    # its newest gone, the one before is no way on: renamed and resumed, it would rewind it
+    (tmp_path / "checkpoint.prev.pt").write_bytes(b"an earlier step's")
+    code, _, err2 = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
+    assert (code, err2) == (2, err)
 
 
 def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch, capsys):
