@@ -912,8 +912,8 @@ JOB = {f.name for f in fields(Job)}
 
 
 def check_model(hp: Hyperparameters):
-    """The model's settings in range and consistent (a model can be built); UserError naming the
-    first that is not."""
+    """The model's settings in range and consistent (a model can be built, its sequences within
+    its RoPE table); UserError naming the first that is not."""
     check_fields(hp)
     if hp.dim % hp.n_heads or hp.n_heads % hp.n_kv_heads:
         raise UserError(
@@ -922,6 +922,10 @@ def check_model(hp: Hyperparameters):
         )
     if (hp.dim // hp.n_heads) % 2:
         raise UserError("head dim (dim / n_heads) must be even for RoPE")
+    if hp.seq_len > hp.max_seq_len:
+        raise UserError(
+            f"seq_len={hp.seq_len} is beyond the RoPE table (max_seq_len={hp.max_seq_len})"
+        )
     if hp.encoding == "bytes" and hp.vocab_size != 256:
         raise UserError(
             f"encoding=bytes has 256 token ids: give vocab_size=256 (not {hp.vocab_size})"
@@ -959,14 +963,10 @@ def model_bytes(hp: Hyperparameters) -> int:
 
 
 def check_evaluation(hp: Hyperparameters, world: int):
-    """check_model, and a validation's settings: sequences within the RoPE table, and val_tokens
-    whole batches over the world (as modded-nanogpt asserts), so that every validation reads
-    them all, on any number of ranks that divides them."""
+    """check_model, and a validation's settings: val_tokens whole batches over the world (as
+    modded-nanogpt asserts), so that every validation reads them all, on any number of ranks
+    that divides them."""
     check_model(hp)
-    if hp.seq_len > hp.max_seq_len:
-        raise UserError(
-            f"seq_len={hp.seq_len} is beyond the RoPE table (max_seq_len={hp.max_seq_len})"
-        )
     batch = hp.device_batch_size * hp.seq_len * world
     if hp.val_tokens % batch:
         raise UserError(

@@ -515,6 +515,15 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     shared["val_files"] = tg.PRESETS["smoke"]["val_files"]  # (relative, as the defaults are)
     assert config["settings"] == {**asdict(trained.hp), **shared}
     assert config["trained"]["git_commit"] == logged["git_commit"]
+    # its settings are checked as its file's: a sequence past its RoPE table names config.json
+    long = Path(shutil.copytree(out, tmp_path / "long"))
+    seq_len = 2 * trained.hp.max_seq_len
+    config["settings"]["seq_len"] = seq_len
+    (long / "config.json").write_text(json.dumps(config))
+    said = f"{long}/config.json: seq_len={seq_len} is beyond the RoPE table"
+    with pytest.raises(support.UserError, match=re.escape(said)):
+        tg.read_source(str(long))
+    config["settings"]["seq_len"] = trained.hp.seq_len
     card = (out / "README.md").read_text()
     assert logged["command"] in card and f"loss {val['val_loss']:.4f}" in card
     assert f"sparsity {val['sparsity']:.4f}" in card
