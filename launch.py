@@ -1,6 +1,6 @@
 """sweep.py's runs side by side: each command of a run a process of its own (under torchrun
-for more than one process a run), up to --jobs at once, more than one each with its share of the
-CPUs; a signal that reaches the sweep is passed on once to every trainer in flight, which saves
+for more than one process a run), up to --jobs at once (then each with its share of the
+CPUs); a signal that reaches the sweep is passed on once to every trainer in flight, which saves
 and stops; a failed command starts nothing more and is raised with its error line (run_plans).
 
 Guarantees: no trainer is left running where a Ctrl-C no longer reaches it (Trainers: an error

@@ -12,6 +12,7 @@ only what it wrote itself (write_output, writable_dir)."""
 import argparse
 import atexit
 import contextlib
+import decimal
 import errno
 import fcntl
 import hashlib
@@ -306,11 +307,20 @@ def parse_fields(classes, argv) -> dict:
                 given[name] = text if name in choices else os.path.expanduser(text)
             else:
                 given[name] = parse_bool(text) if kind is bool else kind(text)
-            if kind is float and math.isinf(given[name]) and "inf" not in text.lower():
-                raise UserError(f"--{name}={text}: beyond a float's range")  # (1e400: not "inf")
+            if kind is float and past_floats(text, given[name]):
+                value = given[name]
+                raise UserError(f"--{name}={text}: past a float's range (it reads as {value})")
         except (ValueError, argparse.ArgumentTypeError):
             raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
     return given
+
+
+def past_floats(text: str, value: float) -> bool:
+    """Whether text, a finite number, reads as a float it is not: 1e400 as inf, 1e-400 as 0."""
+    with contextlib.suppress(decimal.InvalidOperation):  # (what Decimal does not read: float's)
+        exact = decimal.Decimal(text)
+        return exact.is_finite() and (math.isinf(value) or (value == 0) != (exact == 0))
+    return False
 
 
 def saved_fields(cls, saved) -> dict:

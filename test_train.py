@@ -1042,7 +1042,8 @@ def test_loader_passes_over_a_shard_shorter_than_one_global_batch(tmp_path):
     ]
     with pytest.raises(
         tg.UserError,
-        match=r"no shard that \S+ matches holds one batch over the ranks \(1 x 2 x 4 \+ 1 = 9 ",
+        match=r"no shard that \S+ matches holds one batch over the ranks \(ranks x sequences "
+        r"x length \+ 1 = 1 x 2 x 4 \+ 1 = 9 ",
     ):
         tg.DistributedLoader(str(tmp_path / "d_[02].bin"), 2, 4, 0, 1)
 

@@ -47,6 +47,7 @@ import collections
 import contextlib
 import math
 import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache, partial
@@ -627,9 +628,9 @@ class DistributedLoader:
             self.batches.append(max(0, (count - 1) // step))
         if not any(self.batches):
             raise UserError(
-                f"no shard that {pattern} matches holds one batch over the ranks ({world} x "
-                f"{B_local} x {T} + 1 = {step + 1} tokens): give a smaller batch, or more tokens "
-                f"a shard"
+                f"no shard that {pattern} matches holds one batch over the ranks (ranks x "
+                f"sequences x length + 1 = {world} x {B_local} x {T} + 1 = {step + 1} tokens): "
+                f"give a smaller batch, or more tokens a shard"
             )
         self.B, self.T, self.rank, self.world, self.vocab_size = B_local, T, rank, world, vocab_size
         self.shard, self.read = None, {}  # read: {index: shard_fingerprint} of those loaded
@@ -972,7 +973,8 @@ def check_evaluation(hp: Hyperparameters, world: int):
         raise UserError(
             f"val_tokens={hp.val_tokens} is not a whole number of validation batches of "
             f"device_batch_size x seq_len x world size = {batch} tokens: give a multiple, "
-            f"such as {max(1, hp.val_tokens // batch) * batch}"
+            f"such as {max(1, hp.val_tokens // batch) * batch} (a resume, which keeps val_tokens: "
+            f"another device_batch_size)"
         )
 
 
@@ -1146,9 +1148,9 @@ def resume_settings(given: dict) -> tuple:
         )
     if hp.val_tokens != base.val_tokens:
         raise UserError(
-            f"a resume keeps the run's val_tokens={base.val_tokens}, so that its log's validation "
-            f"losses are on one set of tokens: drop --val_tokens (other tokens: --init_from=RUN "
-            f"--eval_only=true --val_tokens=N)"
+            f"a resume keeps the run's val_tokens={base.val_tokens}, so that its validation "
+            f"losses are all on one set of tokens: drop --val_tokens (other tokens: --init_from="
+            f"{shlex.quote(run_dir)} --eval_only=true --val_tokens=N)"
         )
     return hp, ckpt
 

@@ -415,8 +415,8 @@ def bad_inputs(tmp_path):
         (smoke + ["--val_files=/dev/null"], "which is a character device, not a shard file"),
         (
             smoke + [f"--train_files={tmp_path}/short_*.bin"],
-            "matches holds one batch over the ranks (1 x 8 x 128 + 1 = 1025 tokens): give a "
-            "smaller batch, or more tokens a shard",
+            "matches holds one batch over the ranks (ranks x sequences x length + 1 = 1 x 8 x "
+            "128 + 1 = 1025 tokens): give a smaller batch, or more tokens a shard",
         ),
         (
             smoke + ["--run_dir=/dev/null"],
@@ -436,7 +436,8 @@ def bad_inputs(tmp_path):
         ),
         (smoke + ["--val_tokens=1048576"], "more than the validation shards hold"),
         (smoke + ["--lr=inf"], "lr=inf must lie in (0, inf)"),
-        (smoke + ["--lr=1e400"], "--lr=1e400: beyond a float's range"),  # (not "lr=inf")
+        (smoke + ["--lr=1e400"], "--lr=1e400: past a float's range (it reads as inf)"),
+        (smoke + ["--warmup_frac=-1e-400"], "--warmup_frac=-1e-400: past a float's range (it"),
         (smoke + ["--beta2=1"], "beta2=1.0 must lie in [0, 1)"),
         (smoke + ["--dim=100000"], "these sizes need at least"),
         (smoke + ["--router=moe"], "router='moe'; choose from"),

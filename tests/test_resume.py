@@ -321,9 +321,9 @@ def test_resume_with_fewer_steps_than_done_is_refused(tmp_path, capsys):
     assert (code, out, err) == (
         2,
         "",
-        "error: a resume keeps the run's val_tokens=256, so that its log's validation losses are "
-        "on one set of tokens: drop --val_tokens (other tokens: --init_from=RUN --eval_only=true "
-        "--val_tokens=N)\n",
+        "error: a resume keeps the run's val_tokens=256, so that its validation losses are all on "
+        f"one set of tokens: drop --val_tokens (other tokens: --init_from={tmp_path} "
+        "--eval_only=true --val_tokens=N)\n",
     )
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 4

@@ -178,8 +178,9 @@ def test_a_run_whose_checkpoint_vanished_is_not_resumed_or_overwritten(
     assert files() == before and not (tmp_path / "aborted_3").exists()
     # its newest gone, the one before is no way on: renamed and resumed, it would rewind it
     (tmp_path / "checkpoint.prev.pt").write_bytes(b"an earlier step's")
+    before = files()
     code, _, err2 = run_main(RESUME_RUN + [f"--run_dir={tmp_path}"], capsys)
-    assert (code, err2) == (2, err)
+    assert (code, err2) == (2, err) and files() == before
 
 
 def test_a_run_that_died_before_its_first_checkpoint_can_start_again(tmp_path, monkeypatch, capsys):
