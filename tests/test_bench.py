@@ -137,10 +137,9 @@ def test_bench_target_lines_count_a_figure_at_its_target_as_met():
 def test_bench_refuses_zero_repeats_before_anything_is_written(tmp_path, capsys):
     # a median of no timings does not exist: --repeats=0 is bad input, one line, no folder
     bench = load_command("bench.py")
-    code = support.cli(bench.main, ["--repeats=0", f"--out={tmp_path / 'b'}"])
-    said = capsys.readouterr()
-    assert code == 2 and said.out == "" and said.err.count("\n") == 1, said.err
-    assert said.err.startswith("error: --repeats: expected int in [1, 1000], got '0'")
+    code, out, err = run_main(["--repeats=0", f"--out={tmp_path / 'b'}"], capsys, bench.main)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --repeats: expected int in [1, 1000], got '0'")
     assert not (tmp_path / "b").exists()
 
 
@@ -203,7 +202,9 @@ def test_bench_forces_each_sparsity_and_works_out_speedup_and_efficiency(monkeyp
     assert capsys.readouterr().err == ""
 
 
-def test_a_signal_during_a_bench_s_writes_leaves_its_files_of_one_bench(tmp_path, monkeypatch):
+def test_a_signal_during_a_bench_s_writes_leaves_its_files_of_one_bench(
+    tmp_path, monkeypatch, capsys
+):
     # Ctrl-C as each file is written over an earlier bench's: held till the last is written,
     # then the command stops (130), bench.md and bench.json both the new bench's
     bench = load_command("bench.py")
@@ -216,7 +217,7 @@ def test_a_signal_during_a_bench_s_writes_leaves_its_files_of_one_bench(tmp_path
         monkeypatch.setattr(bench, "timed", lambda fns, repeats, sync, times=times: times)
         if cli_code:
             signal_at_each_write(monkeypatch)
-        assert support.cli(bench.main, argv) == cli_code
+        assert run_main(argv, capsys, bench.main)[0] == cli_code
     rows = json.loads((tmp_path / "bench.json").read_text())["results"][0]["rows"]
     assert [(r["fwd_speedup"], r["fb_speedup"]) for r in rows] == [(2.0, 4.0)] * 4
     table = (tmp_path / "bench.md").read_text()
@@ -236,8 +237,10 @@ def test_bench_times_a_source_alone_at_its_own_batch_and_refuses_one_without_a_c
     config = json.loads((run / "config.json").read_text())
     bench = load_command("bench.py")
     out = tmp_path / "bench out"  # (a space: its command is recorded as a shell reads it back)
-    assert support.cli(bench.main, [f"--init_from={run}", "--repeats=1", f"--out={out}"]) == 0
-    capsys.readouterr()
+    code, _, err = run_main(
+        [f"--init_from={run}", "--repeats=1", f"--out={out}"], capsys, bench.main
+    )
+    assert code == 0, err
     record = json.loads((out / "bench.json").read_text())
     assert (record["repeats"], record["device"]) == (1, "cpu")
     assert [(r["size"], r["batch"]) for r in record["results"]] == [
@@ -322,7 +325,7 @@ def test_bench_compiles_a_bounded_number_of_graphs_and_times_them(monkeypatch, s
 
 
 @pytest.mark.slow
-def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch):
+def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch, capsys):
     # --profile=1: profile.md, a table per row, model and pass (forward, forward+backward; on
     # CPU by host time alone), every operator here (PROFILE_ROWS), so that forward_compact's
     # scatter shows in each compacted table where tokens skip, and in no masked one: each
@@ -333,7 +336,8 @@ def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch
     monkeypatch.setitem(bench.SIZES, "tiny", (size, 4))
     monkeypatch.setattr(bench, "PROFILE_ROWS", 1000)
     argv = ["--size=tiny", "--repeats=1", "--profile=1", f"--out={tmp_path}"]
-    assert support.cli(bench.main, argv) == 0
+    code, _, err = run_main(argv, capsys, bench.main)
+    assert code == 0, err
     rows = json.loads((tmp_path / "bench.json").read_text())["results"][0]["rows"]
     assert not [k for r in rows for k in r if k.startswith("profile")]  # (figures only)
     sections = (tmp_path / "profile.md").read_text().split("## ")[1:]
@@ -349,7 +353,7 @@ def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch
     for edit, kept in (("", False), ("mine", True)):
         if edit:
             (tmp_path / "profile.md").write_text(edit)
-        assert support.cli(bench.main, argv[:2] + [f"--out={tmp_path}"]) == 0
+        assert run_main(argv[:2] + [f"--out={tmp_path}"], capsys, bench.main)[0] == 0
         assert (tmp_path / "profile.md").exists() == kept  # (and recorded as ours no more)
         assert "profile.md" not in support.written_outputs(str(tmp_path))
         assert "--profile" not in (tmp_path / "bench.md").read_text().split("\n")[0]

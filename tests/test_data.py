@@ -26,6 +26,7 @@ from conftest import (
     load_command,
     note_syncs,
     run_command,
+    run_main,
     signal_self,
     write_shard,
 )
@@ -689,7 +690,8 @@ def test_val_every_sends_documents_0_k_2k_to_validation_and_convert_keeps_each_s
         "".join(json.dumps({"text": t}) + "\n" for t in "ab cd ef".split())
     )
     argv = [str(tmp_path / "d.jsonl"), f"--out={tmp_path / 'b'}", "--encoding=bytes", "--workers=1"]
-    assert support.cli(tokenize.main, [*argv, "--val_every=2"]) == 0, capsys.readouterr().err
+    code, _, err = run_main([*argv, "--val_every=2"], capsys, tokenize.main)
+    assert code == 0, err
     got = {
         p.name: bytes(tg.read_shard(str(p), 256).tolist()) for p in (tmp_path / "b").glob("*.bin")
     }
@@ -770,7 +772,7 @@ def test_one_fetch_at_a_time_writes_a_folder(tmp_path, monkeypatch):
     assert another_job_locks(tmp_path / "new") is None
 
 
-def test_a_signal_stops_the_fetch_starting_no_more_downloads(tmp_path, monkeypatch):
+def test_a_signal_stops_the_fetch_starting_no_more_downloads(tmp_path, monkeypatch, capsys):
     # SIGTERM (a scheduler's) as the second of 21 downloads runs: it ends, no other starts, and
     # the command stops with the signal's status (not after every queued download: 20 GB)
     fetch, started = load_command("data/cached_fineweb10B.py"), []
@@ -783,9 +785,8 @@ def test_a_signal_stops_the_fetch_starting_no_more_downloads(tmp_path, monkeypat
         time.sleep(0.1)
 
     monkeypatch.setattr(fetch, "fetch", download)
-    assert (
-        support.cli(fetch.main, ["20", "--workers=1", f"--out={tmp_path}"]) == 128 + signal.SIGTERM
-    )
+    code = run_main(["20", "--workers=1", f"--out={tmp_path}"], capsys, fetch.main)[0]
+    assert code == 128 + signal.SIGTERM
     assert started == ["fineweb_val_000000.bin", "fineweb_train_000001.bin"]
 
 
@@ -912,8 +913,8 @@ def test_fineweb_a_shard_it_cannot_read_is_named_not_a_traceback(tmp_path, monke
 
     monkeypatch.setattr(fetch, "shard_tokens", unreadable)
     monkeypatch.setattr(fetch, "fetch", lambda *args: calls.append(args))
-    assert support.cli(fetch.main, ["0", f"--out={tmp_path}"]) == 2
-    assert capsys.readouterr().err == f"error: {shard}: Permission denied\n" and calls == []
+    code, _, err = run_main(["0", f"--out={tmp_path}"], capsys, fetch.main)
+    assert code == 2 and err == f"error: {shard}: Permission denied\n" and calls == []
 
 
 def test_debian_docs_page_text_by_hand():

@@ -201,8 +201,7 @@ def test_an_outputs_record_that_is_not_ours_is_refused_before_any_work(tmp_path,
         out.mkdir()
         make(out / support.OUTPUTS)
         before = sorted(os.listdir(out))
-        code = support.cli(bench.main, [f"--out={out}"])
-        err = capsys.readouterr().err
+        code, _, err = run_main([f"--out={out}"], capsys, bench.main)
         assert code == 2 and err.count("\n") == 1, (what, err)
         assert "is not a record this project wrote" in err, (what, err)
         assert sorted(os.listdir(out)) == before, what
@@ -419,30 +418,30 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     skipview = load_command("skipview.py")
     (tmp_path / "notes.html").write_text("mine")
     argv = [f"--init_from={AUTHORS_TINY}", "--text=a few words", f"--out={tmp_path}/notes.html"]
-    assert support.cli(skipview.main, argv) == 2
-    assert "did not write it" in capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, skipview.main)
+    assert code == 2 and "did not write it" in err, err
     assert (tmp_path / "notes.html").read_text() == "mine"
     support.write_output(str(tmp_path / "e"), "model.safetensors", b"weights", by="export.py")
     argv[-1] = f"--out={tmp_path}/e/model.safetensors"  # nor another command's (an export's)
-    assert support.cli(skipview.main, argv) == 2
-    assert "did not write it" in capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, skipview.main)
+    assert code == 2 and "did not write it" in err, err
     assert (tmp_path / "e" / "model.safetensors").read_bytes() == b"weights"
     for folder in ("pages/", "pages/."):  # a folder's name is no page's
         argv[-1] = f"--out={tmp_path}/{folder}"
-        assert support.cli(skipview.main, argv) == 2
-        assert "is a folder's name; give a file name" in capsys.readouterr().err
+        code, _, err = run_main(argv, capsys, skipview.main)
+        assert code == 2 and "is a folder's name; give a file name" in err, err
         assert not (tmp_path / "pages").exists()
     argv[-1] = f"--out={tmp_path}/page/{support.OUTPUTS}"  # nor the record of what it wrote
-    assert support.cli(skipview.main, argv) == 2
-    assert "that name is the folder's record" in capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, skipview.main)
+    assert code == 2 and "that name is the folder's record" in err, err
     assert not (tmp_path / "page").exists()
     # a runs.csv saved with a BOM (as a spreadsheet does) is read as it is
     csv_path = sorted(glob.glob(os.path.join(REPO, "records", "*", "runs.csv")))[-1]
     (tmp_path / "report").mkdir()
     (tmp_path / "report" / "runs.csv").write_bytes(b"\xef\xbb\xbf" + Path(csv_path).read_bytes())
     sweep = load_command("sweep.py")
-    assert support.cli(sweep.main, [f"--report={tmp_path / 'report' / 'runs.csv'}"]) == 0
-    capsys.readouterr()
+    code, _, err = run_main([f"--report={tmp_path / 'report' / 'runs.csv'}"], capsys, sweep.main)
+    assert code == 0, err
     # a runs.csv cut short, too large to be one, or with values no run has, is refused naming
     # what is wrong (issue 58), before anything is written
     whole = Path(csv_path).read_bytes()
@@ -485,9 +484,8 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
                 f.truncate(65 << 20)
         else:
             path.write_bytes(data)
-        assert support.cli(sweep.main, [f"--report={path}"]) == 2
-        err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1, err
+        code, _, err = run_main([f"--report={path}"], capsys, sweep.main)
+        assert code == 2 and message in err and err.count("\n") == 1, err
         assert os.listdir(path.parent) == ["runs.csv"]
     # the report's figure is drawn before anything is written: a failure there writes nothing
     monkeypatch.setattr(sweep, "figure", lambda *_: 1 / 0)
@@ -537,7 +535,7 @@ def test_a_runs_csv_s_edge_values_are_read_and_its_faults_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
+def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("thirty short lines\n" * 30)
     r = run_command(  # a worker per CPU at most: never thousands of processes
         "data/tokenize_corpus.py",
@@ -549,7 +547,8 @@ def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path):
     assert not (tmp_path / "s").exists()
     sweep = load_command("sweep.py")  # an empty range of seeds: refused, no folder made
     argv = ["--seeds=2", "--first_seed=2", f"--runs={tmp_path / 'r'}", f"--out={tmp_path / 'o'}"]
-    assert support.cli(sweep.main, argv) == 2
+    code, _, err = run_main(argv, capsys, sweep.main)
+    assert code == 2 and err.startswith("error: "), err
     assert not (tmp_path / "r").exists() and not (tmp_path / "o").exists()
     # debian_docs.py names its own options (it has --out, no --name)
     (tmp_path / "d").mkdir()

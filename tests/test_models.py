@@ -322,10 +322,10 @@ def test_a_source_that_cannot_be_represented_is_one_line_naming_it(tmp_path, mon
         drop = given.split("=")[0]
         assert (code, out, err) == (2, "", f"error: --eval_only trains nothing: drop {drop}\n")
     bench = load_command("bench.py")  # the gate on the query axis has no compact path
-    assert support.cli(bench.main, [f"--init_from={AUTHORS_TINY}", f"--out={tmp_path}/b"]) == 2
-    out = capsys.readouterr()
-    assert "needs the gate on the key axis; this model's is on the query axis" in out.err
-    assert out.err.count("\n") == 1 and out.out == "" and not (tmp_path / "b").exists()
+    argv = [f"--init_from={AUTHORS_TINY}", f"--out={tmp_path}/b"]
+    code, out, err = run_main(argv, capsys, bench.main)
+    assert code == 2 and "needs the gate on the key axis; this model's is on the query axis" in err
+    assert err.count("\n") == 1 and out == "" and not (tmp_path / "b").exists()
     # a folder whose files cannot be reached (no search permission; patched: root has it) or
     # weights that cannot be read: said so, not "neither a model folder nor ..." or "not a
     # complete safetensors file" (told so, a user would look for, or delete, what is there)
@@ -419,7 +419,8 @@ def test_an_export_cut_at_any_write_is_finished_by_its_rerun(tmp_path, monkeypat
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
     export, real = load_command("export.py"), support.write_atomically
-    assert support.cli(export.main, [str(run), str(tmp_path / "whole")]) == 0
+    code, _, err = run_main([str(run), str(tmp_path / "whole")], capsys, export.main)
+    assert code == 0, err
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
     assert sorted(whole) == [".outputs.json", "README.md", "config.json", "model.safetensors"]
     for cut in range(1, 10):  # three files: the record, the file, the record again
@@ -433,14 +434,14 @@ def test_an_export_cut_at_any_write_is_finished_by_its_rerun(tmp_path, monkeypat
 
         with monkeypatch.context() as m:
             m.setattr(support, "write_atomically", write)
-            assert support.cli(export.main, [str(run), str(out)]) == 130
+            code, _, err = run_main([str(run), str(out)], capsys, export.main)
+            assert code == 130, err
         if out.exists():
             (out / "model.safetensors.k2j5x_0q.tmp").write_bytes(b"cut")  # (SIGKILL's leftover)
-        code = support.cli(export.main, [str(run), str(out)])
-        assert code == 0, (cut, capsys.readouterr().err)
+        code, _, err = run_main([str(run), str(out)], capsys, export.main)
+        assert code == 0, (cut, err)
         done = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".tmp")}
         assert done == whole, cut
-    capsys.readouterr()
 
 
 @pytest.mark.slow
@@ -454,13 +455,16 @@ def test_a_signal_during_an_export_over_another_leaves_the_new_one_whole(
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
     export = load_command("export.py")
-    assert support.cli(export.main, [str(run), str(out)]) == 0
+    code, _, err = run_main([str(run), str(out)], capsys, export.main)
+    assert code == 0, err
     code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
     assert code == 0, err
-    assert support.cli(export.main, [str(run), str(tmp_path / "whole")]) == 0
+    code, _, err = run_main([str(run), str(tmp_path / "whole")], capsys, export.main)
+    assert code == 0, err
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
     signal_at_each_write(monkeypatch)
-    assert support.cli(export.main, [str(run), str(out)]) == 130
+    code, _, err = run_main([str(run), str(out)], capsys, export.main)
+    assert code == 130, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == whole
 
 
@@ -501,8 +505,8 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     code, _, err = run_main(base + [f"--run_dir={run}"], capsys)
     assert code == 0, err[-2000:]
     export = load_command("export.py")
-    assert support.cli(export.main, [str(run), str(out)]) == 0, capsys.readouterr().err
-    capsys.readouterr()
+    code, _, err = run_main([str(run), str(out)], capsys, export.main)
+    assert code == 0, err
     ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # bit for bit, the settings as well
         exported, trained = tg.load_model(str(out)).eval(), tg.load_model(str(run)).eval()
@@ -534,20 +538,23 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     torch.save(ckpt, tmp_path / "old" / "checkpoint.pt")
     assert tg.load_model(str(tmp_path / "old")).hp == trained.hp
     # again into its own folder: accepted; a folder with a user's file: refused, untouched
-    assert support.cli(export.main, [str(run), str(out)]) == 0
+    code, _, err = run_main([str(run), str(out)], capsys, export.main)
+    assert code == 0, err
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
-    assert support.cli(export.main, [str(run), str(tmp_path / "mine")]) == 2
-    err = capsys.readouterr().err
-    assert "holds files export did not write (notes.txt)" in err and err.count("\n") == 1
+    code, _, err = run_main([str(run), str(tmp_path / "mine")], capsys, export.main)
+    assert (
+        code == 2 and "holds files export did not write (notes.txt)" in err and err.count("\n") == 1
+    )
     assert os.listdir(tmp_path / "mine") == ["notes.txt"]
     # the run's config.json values of another type are not known: neither shown nor passed on
     odd = {"command": ["python", "x"], "git_commit": 7, "git_dirty": "no", "init_from": 1}
     (run / "config.json").write_text(json.dumps({**logged, **odd}))
     odd_out = tmp_path / "odd\nfolder"  # (a newline in its name: its stdout line is one line)
-    assert support.cli(export.main, [str(run), str(odd_out)]) == 0
+    code, printed, err = run_main([str(run), str(odd_out)], capsys, export.main)
+    assert code == 0, err
     said = f"written to {tmp_path}/odd\\nfolder: model.safetensors, config.json, README.md\n"
-    assert capsys.readouterr().out == said
+    assert printed == said
     passed = json.loads((odd_out / "config.json").read_text())["trained"]
     assert {k: passed[k] for k in odd} == dict.fromkeys(odd)
     card = (odd_out / "README.md").read_text()
@@ -575,8 +582,9 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     # the tools read the exported folder as they read the run
     sampler, texts = load_command("sample.py"), []
     for source in ([str(run)], [f"--init_from={out}"]):
-        assert support.cli(sampler.main, [*source, "--tokens=8", "--seed=3"]) == 0
-        texts.append(capsys.readouterr().out)
+        code, printed, err = run_main([*source, "--tokens=8", "--seed=3"], capsys, sampler.main)
+        assert code == 0, err
+        texts.append(printed)
     assert texts[0] == texts[1] and len(texts[0]) > 8  # the same text sampled
     # a new run from the weights: at step 0 it validates as --eval_only does the source
     sample_val = ["--val_files=data/sample/sample_val_*.bin", "--val_tokens=1024"]
@@ -623,8 +631,8 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     code, _, err = run_main(query + [f"--run_dir={run}", "--stop_step=3"], capsys)
     assert code == 0, err[-2000:]
     export = load_command("export.py")
-    assert support.cli(export.main, [str(run), str(out), "--format=authors"]) == 0
-    assert capsys.readouterr().err == ""
+    code, _, err = run_main([str(run), str(out), "--format=authors"], capsys, export.main)
+    assert code == 0 and err == "", err
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["SkipMiddleModel"] and config["use_scaled_rope"] is False
     assert (config["dim"], config["n_layers"], config["ffn_dim_multiplier"]) == (64, 2, 4)
@@ -646,11 +654,17 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     # a checkpoint alone (no config.json): what is not known is said so
     (tmp_path / "only").mkdir()
     shutil.copy(run / "checkpoint.pt", tmp_path / "only")
-    assert support.cli(export.main, [str(tmp_path / "only"), str(tmp_path / "only_out")]) == 0
+    code, _, err = run_main(
+        [str(tmp_path / "only"), str(tmp_path / "only_out")], capsys, export.main
+    )
+    assert code == 0, err
     card = (tmp_path / "only_out" / "README.md").read_text()
     assert "from unknown (no config.json)" in card and "command: `unknown`" in card, card
     (tmp_path / "only" / "expand.json").write_text("{}")  # (expand.py's record of its weights)
-    assert support.cli(export.main, [str(tmp_path / "only"), str(tmp_path / "only_out")]) == 0
+    code, _, err = run_main(
+        [str(tmp_path / "only"), str(tmp_path / "only_out")], capsys, export.main
+    )
+    assert code == 0, err
     card = (tmp_path / "only_out" / "README.md").read_text()
     assert "from a depth expansion (expand.py) of another run\n" in card  # (its source not said)
     # a run theirs cannot express: refused, naming the setting, nothing written
@@ -660,8 +674,8 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
         (dict(embed_dtype="float32"), "embed_dtype=float32"),
     ):
         torch.save({**ckpt, "hp": {**ckpt["hp"], **change}}, run / "checkpoint.pt")
-        code = support.cli(export.main, [str(run), str(tmp_path / "no"), "--format=authors"])
-        err = capsys.readouterr().err
+        argv = [str(run), str(tmp_path / "no"), "--format=authors"]
+        code, _, err = run_main(argv, capsys, export.main)
         assert code == 2 and message in err and err.count("\n") == 1, err
         assert not (tmp_path / "no").exists()
     # a new run from the export: its card names where it started, and its last validation
@@ -676,7 +690,8 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     assert code == 0, err[-2000:]
     code, _, err = run_main([f"--resume={new}"], capsys)  # (its config.json rewritten)
     assert code == 0, err[-2000:]
-    assert support.cli(export.main, [str(new), str(tmp_path / "new_out")]) == 0
+    code, _, err = run_main([str(new), str(tmp_path / "new_out")], capsys, export.main)
+    assert code == 0, err
     card = (tmp_path / "new_out" / "README.md").read_text()
     val = [m for m in read_metrics(new) if m["kind"] == "val"][-1]
     assert f"from the weights of {out}" in card and f"loss {val['val_loss']:.4f}" in card
@@ -687,7 +702,10 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     for hp, name in ((model.hp, "theirs"), (replace(model.hp, norm_eps=1e-3), "eps")):
         torch.save({**ckpt, "hp": asdict(hp), "model": model.state_dict()}, run / "checkpoint.pt")
-        assert support.cli(export.main, [str(run), str(tmp_path / name), "--format=authors"]) == 0
+        code, _, err = run_main(
+            [str(run), str(tmp_path / name), "--format=authors"], capsys, export.main
+        )
+        assert code == 0, err
     mine = load_file(tmp_path / "theirs" / "model.safetensors")
     assert sorted(mine) == sorted(theirs)
     for name, tensor in theirs.items():

@@ -12,7 +12,6 @@ import torch
 
 import hub
 import sample
-import support
 import train_gpt as tg
 from conftest import (
     AUTHORS_TINY,
@@ -131,9 +130,9 @@ def test_the_sampler_prints_what_its_options_draw_and_what_its_cache_holds(tmp_p
 
     def command(*options):
         argv = [f"--init_from={source}", "--prompt=The", "--tokens=12", *options]
-        assert support.cli(sampler.main, argv) == 0
-        out = capsys.readouterr()
-        return out.out, out.err
+        code, out, err = run_main(argv, capsys, sampler.main)
+        assert code == 0, err
+        return out, err
 
     greedy = list(prompt)
     with torch.no_grad():
@@ -178,8 +177,9 @@ def test_the_sampler_never_draws_an_id_its_tokenizer_lacks(tmp_path, capsys):
         tokens, _ = sample.generate(model, enc.encode_ordinary("Hi"), 8, *draw, vocab=50257)
         assert max(tokens) < 50257, tokens
         argv = [f"--init_from={source}", "--prompt=Hi", "--tokens=8", *options]
-        assert support.cli(sampler.main, argv) == 0, capsys.readouterr().err
-        assert capsys.readouterr().out.splitlines()[0] == enc.decode(tokens)
+        code, out, err = run_main(argv, capsys, sampler.main)
+        assert code == 0, err
+        assert out.splitlines()[0] == enc.decode(tokens)
 
 
 @pytest.mark.parametrize("axis", ["key", "query"])
@@ -247,8 +247,10 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     assert code == 0, err
     text = "The gate decides, per token, how many blocks run.\nA second line & <markup>."
     page = tmp_path / "page.html"
-    assert support.cli(skipview.main, [str(run), f"--text={text}", f"--out={page}"]) == 0
-    terminal = capsys.readouterr().out
+    code, terminal, err = run_main(
+        [str(run), f"--text={text}", f"--out={page}"], capsys, skipview.main
+    )
+    assert code == 0, err
     parser = TokenSpans()
     parser.feed(page.read_text())
     ids = shards.gpt2_encoding().encode_ordinary(text)
@@ -271,23 +273,23 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     rows = re.findall(r"<tr><td>(\d+)</td><td>(\d+)</td>", page.read_text())
     assert rows == [(str(i), str(n)) for i, n in enumerate(per_block)]
     page = tmp_path / "val.html"  # the validation shard's first 7 tokens
-    assert support.cli(skipview.main, [str(run), "--val_tokens=7", f"--out={page}"]) == 0
-    assert "\ntokens 7; blocks run per token" in capsys.readouterr().out
+    code, out, err = run_main([str(run), "--val_tokens=7", f"--out={page}"], capsys, skipview.main)
+    assert code == 0 and "\ntokens 7; blocks run per token" in out, err
     parser = TokenSpans()
     parser.feed(page.read_text())
     first = shards.read_shard(shards.find_shards(model.hp.val_files)[0], 50257)[:7].tolist()
     pieces = skipview.token_pieces(shards.gpt2_encoding(), first)
     assert [t for t, _ in parser.spans] == pieces
-    assert support.cli(skipview.main, [str(run), "--val_tokens=0"]) == 2
-    assert support.cli(skipview.main, [str(run), f"--out={tmp_path}"]) == 2
-    assert capsys.readouterr().err.count("error: ") == 2
+    for argv in ([str(run), "--val_tokens=0"], [str(run), f"--out={tmp_path}"]):
+        code, _, err = run_main(argv, capsys, skipview.main)
+        assert code == 2 and err.count("error: ") == 1, err
     training = another_job_locks(run)  # a page into a folder that a job holds (a run training)
     try:  # refused before the work (no view printed), not at its write
-        assert support.cli(skipview.main, [str(run), "--text=a", f"--out={run / 'p.html'}"]) == 2
+        argv = [str(run), "--text=a", f"--out={run / 'p.html'}"]
+        code, out, err = run_main(argv, capsys, skipview.main)
     finally:
         os.close(training)
-    out, err = capsys.readouterr()
-    assert out == "" and err.startswith(f"error: {run} is in use by another job"), err
+    assert code == 2 and out == "" and err.startswith(f"error: {run} is in use by another job"), err
     # validation shards whose first is empty (a traceback): the tokens after it, as a model
     # folder whose settings name them
     from safetensors.torch import save_file
@@ -300,13 +302,12 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     settings = {**asdict(model.hp), "val_files": str(tmp_path / "v_*.bin")}
     (folder / "config.json").write_text(json.dumps({"format": hub.FORMAT, "settings": settings}))
     page = tmp_path / "after_empty.html"
-    assert (
-        support.cli(skipview.main, [f"--init_from={folder}", "--val_tokens=7", f"--out={page}"])
-        == 0
-    )
+    argv = [f"--init_from={folder}", "--val_tokens=7", f"--out={page}"]
+    code, _, err = run_main(argv, capsys, skipview.main)
+    assert code == 0, err
     parser = TokenSpans()
     parser.feed(page.read_text())
-    assert [t for t, _ in parser.spans] == pieces, capsys.readouterr().err
+    assert [t for t, _ in parser.spans] == pieces
 
 
 def test_skipview_counts_the_recursions_each_token_ran():
@@ -363,16 +364,16 @@ def test_a_prompt_reads_the_separator_and_refuses_bytes_gpt2_cannot_encode(tmp_p
         assert shards.text_ids(gpt2, text, "--prompt") == want, text
     assert shards.text_ids(byte, "é<|endoftext|>\udcff", "--prompt") == [*"é".encode(), 0, 255]
     model = [f"--init_from={AUTHORS_TINY}", "--temperature=0", "--tokens=3"]
-    assert support.cli(sampler.main, [*model, "--prompt=a<|endoftext|>"]) == 0
-    assert " of 16 entries " in capsys.readouterr().err  # 2 prompt tokens + 3, 4 fed, 4 blocks
-    assert support.cli(sampler.main, [*model, "--prompt=é\udcffa"]) == 2
-    assert capsys.readouterr().err == (
+    code, _, err = run_main([*model, "--prompt=a<|endoftext|>"], capsys, sampler.main)
+    assert code == 0 and " of 16 entries " in err, err  # 2 prompt tokens + 3, 4 fed, 4 blocks
+    code, _, err = run_main([*model, "--prompt=é\udcffa"], capsys, sampler.main)
+    assert code == 2 and err == (
         "error: --prompt is not UTF-8 from byte 2 on, and GPT-2's BPE encodes text alone\n"
     )
     skipview = load_command("skipview.py")  # (its --text as the prompt)
     argv = [f"--init_from={AUTHORS_TINY}", "--text=a<|endoftext|>b", f"--out={tmp_path / 'p.html'}"]
-    assert support.cli(skipview.main, argv) == 0
-    assert "\ntokens 3; blocks run per token" in capsys.readouterr().out
+    code, out, err = run_main(argv, capsys, skipview.main)
+    assert code == 0 and "\ntokens 3; blocks run per token" in out, err
 
 
 def test_the_commands_start_from_the_separator_and_keep_to_the_context(tmp_path, capsys):
@@ -381,18 +382,20 @@ def test_the_commands_start_from_the_separator_and_keep_to_the_context(tmp_path,
     # text past the context is cut to it
     sampler, skipview = load_command("sample.py"), load_command("skipview.py")
     model = [f"--init_from={AUTHORS_TINY}", "--temperature=0"]
-    assert support.cli(sampler.main, [*model, "--prompt=", "--tokens=3"]) == 0
-    assert capsys.readouterr().out.startswith("<|endoftext|>")
+    code, out, err = run_main([*model, "--prompt=", "--tokens=3"], capsys, sampler.main)
+    assert code == 0 and out.startswith("<|endoftext|>"), err
     prompt = "a" + " a" * 59
     assert len(shards.gpt2_encoding().encode_ordinary(prompt)) == 60
-    assert support.cli(sampler.main, [*model, f"--prompt={prompt}", "--tokens=10"]) == 0
-    err = capsys.readouterr().err
-    assert "sampling 4 after the 60-token prompt" in err and " of 252 entries " in err, err
+    code, _, err = run_main([*model, f"--prompt={prompt}", "--tokens=10"], capsys, sampler.main)
+    assert (
+        code == 0 and "sampling 4 after the 60-token prompt" in err and " of 252 entries " in err
+    ), err
     for words, status, said in ((63, 0, "sampling 1 after the 63-token prompt"), (64, 2, "no tok")):
-        code = support.cli(sampler.main, [*model, "--prompt=a" + " a" * (words - 1), "--tokens=9"])
-        assert code == status and said in capsys.readouterr().err, words  # (the context: 64)
+        argv = [*model, "--prompt=a" + " a" * (words - 1), "--tokens=9"]
+        code, _, err = run_main(argv, capsys, sampler.main)
+        assert code == status and said in err, (words, err)  # (the context: 64)
     page = tmp_path / "page.html"
     argv = [f"--init_from={AUTHORS_TINY}", "--text=" + " word" * 100, f"--out={page}"]
-    assert support.cli(skipview.main, argv) == 0
-    assert "\ntokens 64; blocks run per token" in capsys.readouterr().out
+    code, out, err = run_main(argv, capsys, skipview.main)
+    assert code == 0 and "\ntokens 64; blocks run per token" in out, err
     assert page.read_text().count('<span class="t"') == 64

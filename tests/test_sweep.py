@@ -22,6 +22,7 @@ from conftest import (
     load_command,
     read_metrics,
     run_command,
+    run_main,
     signal_at_each_write,
     write_shard,
 )
@@ -319,7 +320,7 @@ def test_each_dlo_and_mor_point_of_a_grid_is_paired_with_its_control_in_that_gri
 
 @pytest.mark.slow
 def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_draws_that_table(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     # a record's table comes from its committed runs.csv by the record's own command, cell for
     # cell (p beside Holm p, the largest val SE over seeds, ...); its figure draws that table:
@@ -348,7 +349,8 @@ def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_draws_that
         out, drawn[:] = tmp_path / csv_path.parent.name, []
         out.mkdir()
         shutil.copy(csv_path, out / "runs.csv")
-        assert support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]) == 0
+        code, _, err = run_main([f"--report={out / 'runs.csv'}"], capsys, sweep.main)
+        assert code == 0, err
         table = (out / "table.md").read_text()
         assert table == (csv_path.parent / "table.md").read_text(), csv_path
         rows = table_rows(table, "| run | vs |")
@@ -394,7 +396,7 @@ def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_draws_that
 
 @pytest.mark.slow
 def test_a_signal_during_a_report_leaves_the_table_and_figure_of_one_runs_csv(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     # Ctrl-C as each file of a report is written over another record's: held till the last is
     # written, then the command stops (130), table.md and figure.png both the new runs.csv's
@@ -406,11 +408,13 @@ def test_a_signal_during_a_report_leaves_the_table_and_figure_of_one_runs_csv(
     for folder, csv_path in (("out", old), ("whole", new)):
         (tmp_path / folder).mkdir()
         shutil.copy(csv_path, tmp_path / folder / "runs.csv")
-        assert support.cli(sweep.main, [f"--report={tmp_path / folder / 'runs.csv'}"]) == 0
+        code, _, err = run_main([f"--report={tmp_path / folder / 'runs.csv'}"], capsys, sweep.main)
+        assert code == 0, err
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
     shutil.copy(new, tmp_path / "out" / "runs.csv")
     signal_at_each_write(monkeypatch)
-    assert support.cli(sweep.main, [f"--report={tmp_path / 'out' / 'runs.csv'}"]) == 130
+    code, _, err = run_main([f"--report={tmp_path / 'out' / 'runs.csv'}"], capsys, sweep.main)
+    assert code == 130, err
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == whole
 
 
@@ -572,7 +576,8 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
         f"--runs={tmp_path / 'runs'}",
         f"--out={out}",
     ]
-    assert support.cli(sweep.main, argv) == 0, capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, sweep.main)
+    assert code == 0, err
     rows = sweep.read_runs(str(out / "runs.csv"))
     assert sorted((r["name"], r["seed"]) for r in rows) == sorted(
         (n, s) for n, *_ in grid["runs"] for s in (0, 1)
@@ -642,7 +647,7 @@ def test_a_failed_run_starts_no_other_and_lets_the_one_in_flight_finish(
 
     monkeypatch.setattr(sweep.launch.Trainers, "start", after_those_in_flight)
     argv = ["--grid=tiny", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}", "--jobs=2"]
-    code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, sweep.main)
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: {tmp_path / 'runs' / 'bad_s0'}: train_gpt.py exited 2: error: ")
     assert sweep.run_state(str(tmp_path / "runs" / "dense_2_s0")) == "done"
@@ -659,8 +664,7 @@ def test_a_run_refused_under_torchrun_is_said_by_its_ranks_error_line(
     bad = ["--router=none", "--device_batch_size=4", "--train_files={runs}/none_*.bin"]
     monkeypatch.setitem(sweep.GRIDS, "tiny", dict(base=TINY_GRID, runs=[("bad", bad)]))
     out = [f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
-    code = support.cli(sweep.main, ["--grid=tiny", "--nproc_per_node=2", *out])
-    err = capsys.readouterr().err
+    code, _, err = run_main(["--grid=tiny", "--nproc_per_node=2", *out], capsys, sweep.main)
     assert code == 1 and err.count("\n") == 1, err
     assert f"bad_s0: train_gpt.py exited 1: error: no shards match {tmp_path / 'runs'}/" in err, err
 
@@ -697,7 +701,7 @@ def test_a_finished_run_whose_final_record_was_edited_is_refused_before_any_run_
         (done / "metrics.jsonl").write_text(json.dumps({**record, **edit}) + "\n")
         assert sweep.run_state(str(done)) == "done"
         argv = [f"--runs={runs}", f"--out={out}", "--grid=tiny", "--seeds=2"]
-        code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+        code, _, err = run_main(argv, capsys, sweep.main)
         assert code == 2 and err.count("\n") == 1 and said in err, err
         assert "metrics.jsonl: in its final validation record, " in err
         assert [p.name for p in runs.iterdir()] == ["dense_2_s0"] and not out.exists()  # no run
@@ -743,7 +747,7 @@ def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(
             mine.parent.mkdir()
             make()
         before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-        code, err = support.cli(sweep.main, argv + out), capsys.readouterr().err
+        code, _, err = run_main(argv + out, capsys, sweep.main)
         assert code == 2 and err.count("\n") == 1 and said in err, err
         assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
@@ -790,7 +794,8 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     monkeypatch.setattr(sweep.launch.Trainers, "start", started)
     monkeypatch.setattr(sweep.launch.Trainers, "ended", finished)
     argv = ["--grid=tiny", f"--runs={runs}", f"--out={out}", "--jobs=2"]
-    assert support.cli(sweep.main, argv) == 0
+    code, _, err = run_main(argv, capsys, sweep.main)
+    assert code == 0, err
     # --jobs=2: two processes side by side, never more; a DLO run's expansion after its source
     assert max(n for kind, *_, n in events if kind == "start") == 2, events
     source = ("end", str(runs / "dense_2_s0"), "train_gpt.py")
@@ -857,7 +862,8 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     # the table and figure again from runs.csv alone, by the record's own command
     before = (out / "table.md").read_text()
     (out / "table.md").unlink()
-    assert support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]) == 0
+    code, _, err = run_main([f"--report={out / 'runs.csv'}"], capsys, sweep.main)
+    assert code == 0, err
     assert (out / "table.md").read_text() == before and "| dlo_rho0.5 | dlo_control | 1 |" in before
     d2, d4 = (table[n] for n in ("dense_2", "dense_4"))
 
@@ -884,15 +890,13 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
     with open(runs / "dense_2_s0" / "metrics.jsonl", "a") as f:
         f.write("my note\n[1, 2]\n")
     before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
-    capsys.readouterr()
-    assert support.cli(sweep.main, argv) == 0
-    printed = capsys.readouterr().out
+    code, printed, err = run_main(argv, capsys, sweep.main)
+    assert code == 0, err
     assert printed.count(": done") == 6 and "trained" not in printed
     assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
     # the grid edited (a longer budget): its finished runs are not taken as the new grid's
     monkeypatch.setitem(grid, "base", [a.replace("=1280", "=2560") for a in TINY_GRID])
-    capsys.readouterr()
-    code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, sweep.main)
     assert (
         code == 2
         and "dense_2_s0 was trained with other settings (train_tokens=1280 there, 2560 here)" in err
@@ -908,19 +912,19 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
         (3, (*dlo[:2], [*dlo[2][:-1], "--init=copy"]), "init=identity there, copy here"),
     ):
         monkeypatch.setitem(grid, "runs", runs_of[:i] + [entry] + runs_of[i + 1 :])
-        code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+        code, _, err = run_main(argv, capsys, sweep.main)
         assert code == 2 and f"{entry[0]}_s0 was trained with other settings ({said})" in err, err
     monkeypatch.setitem(grid, "runs", runs_of)
     assert before == {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
     # a file the sweep did not write (or changed since) is never replaced: refused before any run
     (out / "README.md").write_text("my notes")
-    code, err = support.cli(sweep.main, argv), capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, sweep.main)
     assert code == 2 and err.startswith(
         f"error: {out / 'README.md'} is there (a file) and this command did not write it"
     ), err
     (out / "table.md").unlink()
     (out / "table.md").mkdir()
-    code, err = support.cli(sweep.main, [f"--report={out / 'runs.csv'}"]), capsys.readouterr().err
+    code, _, err = run_main([f"--report={out / 'runs.csv'}"], capsys, sweep.main)
     assert code == 2 and "table.md is there (a folder)" in err and err.count("\n") == 1, err
     assert (out / "README.md").read_text() == "my notes" and before == {
         p: p.read_bytes() for p in runs.rglob("*") if p.is_file()
@@ -939,12 +943,12 @@ def test_a_grid_is_not_measured_where_a_training_shard_a_run_read_changed(
     base = TINY_GRID + [f"--train_files={tmp_path}/train_*.bin"]
     monkeypatch.setitem(sweep.GRIDS, "one", dict(base=base, runs=[sweep.dense(2)]))
     argv = ["--grid=one", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
-    assert support.cli(sweep.main, argv) == 0
-    capsys.readouterr()
+    code, _, err = run_main(argv, capsys, sweep.main)
+    assert code == 0, err
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     write_shard(tmp_path / "train_0.bin", tokens[::-1])  # the same size, other tokens
-    assert support.cli(sweep.main, argv) == 2
-    err = capsys.readouterr().err
+    code, _, err = run_main(argv, capsys, sweep.main)
+    assert code == 2, err
     assert err.startswith(f"error: {tmp_path / 'runs' / 'dense_2_s0'}: the run had read train_0")
     assert err.endswith(": measure it on the shards it trained on\n") and err.count("\n") == 1
     assert before == {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
@@ -960,11 +964,11 @@ def test_a_grid_split_over_commands_does_not_lose_the_record_of_another(
     sweep = load_command("sweep.py")
     monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, runs=[sweep.dense(2)]))
     common = ["--grid=one", f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"]
-    assert support.cli(sweep.main, common) == 0
-    capsys.readouterr()
+    code, _, err = run_main(common, capsys, sweep.main)
+    assert code == 0, err
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
-    assert support.cli(sweep.main, common + ["--seeds=2", "--first_seed=1"]) == 2
-    err = capsys.readouterr().err
+    code, _, err = run_main(common + ["--seeds=2", "--first_seed=1"], capsys, sweep.main)
+    assert code == 2, err
     assert (
         err.startswith(
             f"error: {tmp_path / 'out' / 'runs.csv'} holds runs that this command does not measure "
@@ -986,25 +990,25 @@ def test_a_grid_split_over_commands_does_not_lose_the_record_of_another(
 
     monkeypatch.setattr(sweep, "run_grid", beside)
     later = [a for a in common if not a.startswith("--out=")] + [f"--out={tmp_path / 'later'}"]
-    assert support.cli(sweep.main, later + ["--seeds=2", "--first_seed=1"]) == 2
-    assert (
-        "holds runs that this command does not measure (dense_2 seed 0" in capsys.readouterr().err
-    )
+    code, _, err = run_main(later + ["--seeds=2", "--first_seed=1"], capsys, sweep.main)
+    assert code == 2 and "holds runs that this command does not measure (dense_2 seed 0" in err
     assert {p.name: p.read_bytes() for p in (tmp_path / "later").iterdir()} == before
     monkeypatch.setattr(sweep, "run_grid", run_grid)
-    assert support.cli(sweep.main, common + ["--seeds=2"]) == 0
+    code, _, err = run_main(common + ["--seeds=2"], capsys, sweep.main)
+    assert code == 0, err
     rows = sweep.read_runs(str(tmp_path / "out" / "runs.csv"))
     assert [(r["name"], r["seed"]) for r in rows] == [("dense_2", 0), ("dense_2", 1)]
 
 
 @pytest.mark.slow
 def test_a_sweep_started_outside_the_repository_keeps_its_runs_where_it_was_told(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     sweep = load_command("sweep.py")  # (its trainers run in the repository: the paths must agree)
     monkeypatch.setitem(sweep.GRIDS, "one", dict(base=TINY_GRID, runs=[sweep.dense(2)]))
     monkeypatch.chdir(tmp_path)
-    assert support.cli(sweep.main, ["--grid=one", "--runs=runs", "--out=out"]) == 0
+    code, _, err = run_main(["--grid=one", "--runs=runs", "--out=out"], capsys, sweep.main)
+    assert code == 0, err
     assert sweep.run_state(str(tmp_path / "runs" / "dense_2_s0")) == "done"
     row = sweep.read_runs(str(tmp_path / "out" / "runs.csv"))[0]
     assert f"--run_dir={tmp_path / 'runs' / 'dense_2_s0'}" in row["command"]

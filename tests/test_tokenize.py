@@ -822,14 +822,15 @@ def test_byte_shards_round_trip_the_bytes_of_every_document(tmp_path, capsys):
     files = [str(tmp_path / n) for n in ("0.txt", "1.txt", "2.jsonl")]
     for named in ([], ["--name=my_train_set"]):
         argv = [*files, f"--out={tmp_path / 'one'}", "--encoding=bytes", *named]
-        code, err = support.cli(tokenize.main, argv), capsys.readouterr().err
+        code, _, err = run_main(argv, capsys, tokenize.main)
         last = err.split("\n")[-2]  # (after the progress line)
         assert code == 2 and err.count("error: ") == 1, err
         assert last.startswith("error: the 61 tokens fill")
         assert not (tmp_path / "one").exists()  # (made by it: removed)
     # a NAME the documented --train_files='OUT/NAME_train_*.bin' would read as a pattern
-    code = support.cli(tokenize.main, [*files, f"--out={tmp_path / 'one'}", "--name=c[1]"])
-    assert code == 2 and capsys.readouterr().err.endswith("a name, not a pattern (no *, ? or [)\n")
+    argv = [*files, f"--out={tmp_path / 'one'}", "--name=c[1]"]
+    code, _, err = run_main(argv, capsys, tokenize.main)
+    assert code == 2 and err.endswith("a name, not a pattern (no *, ? or [)\n")
     # skipview: a character's bytes show it once, at its first byte; a stray byte as U+FFFD
     pieces = load_command("skipview.py").token_pieces(
         shards.encoding("bytes"), list("aé🙂".encode()) + [0xFF, 98]
@@ -922,12 +923,10 @@ def test_a_model_refuses_shards_of_the_other_encoding_and_trains_and_samples_byt
     assert code == 0, err[-2000:]
     val = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "val"]
     assert val[-1]["val_loss"] < math.log(256)  # better than uniform over the bytes
-    code = support.cli(
-        load_command("sample.py").main,
-        [str(tmp_path / "run"), "--prompt=The ", "--tokens=20", "--seed=1"],
-    )
-    out = capsys.readouterr().out
-    assert code == 0 and out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
+    argv = [str(tmp_path / "run"), "--prompt=The ", "--tokens=20", "--seed=1"]
+    code, out, err = run_main(argv, capsys, load_command("sample.py").main)
+    assert code == 0, err
+    assert out.startswith("The ") and len(out.split("\n--- KV")[0].encode()) >= 20
 
 
 def test_convert_never_replaces_its_inputs_even_through_a_link_and_refuses_a_nul(tmp_path):
