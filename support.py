@@ -282,7 +282,8 @@ class ArgParser(argparse.ArgumentParser):
 
 def parse_fields(classes, argv) -> dict:
     """--field=value pairs for the fields of the dataclasses, each typed against its default
-    (an int may be written 10_000, or 1e6 up to 2**53, where a float holds every integer)."""
+    (an int may be written 10_000, or exactly a whole number as 1e6 up to 2**53, where a float
+    holds every integer: 1.0000000000000001 is refused, not read as the float 1.0)."""
     defaults = {f.name: getattr(cls(), f.name) for cls in classes for f in fields(cls)}
     choices = {
         f.name for cls in classes for f in fields(cls) if type(f.metadata.get("spec")) is tuple
@@ -300,7 +301,8 @@ def parse_fields(classes, argv) -> dict:
         try:
             if kind is int and not re.fullmatch(r"[-+]?[\d_]+", text.strip()):
                 value = float(text.replace("_", ""))
-                if not (value.is_integer() and abs(value) <= 2**53):
+                exact = decimal.Decimal(text.replace("_", ""))
+                if not (value.is_integer() and abs(value) <= 2**53 and exact == value):
                     raise ValueError
                 given[name] = int(value)
             elif kind is str:  # a path unless it has choices: ~ as path_arg reads it
@@ -310,7 +312,7 @@ def parse_fields(classes, argv) -> dict:
             if kind is float and past_floats(text, given[name]):
                 value = given[name]
                 raise UserError(f"--{name}={text}: past a float's range (it reads as {value})")
-        except (ValueError, argparse.ArgumentTypeError):
+        except (ValueError, decimal.InvalidOperation, argparse.ArgumentTypeError):
             raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
     return given
 

@@ -723,7 +723,7 @@ def test_a_whole_number_written_as_a_float_is_an_int_up_to_2_to_the_53():
 
     assert step("1e6") == 10**6 and step("10_000") == 10_000
     assert step(f"{float(2**53)!r}") == 2**53  # 9007199254740992.0: exact
-    for text in ("1.5", "1e-3", f"{float(2**54)!r}", "nan", "inf"):
+    for text in ("1.5", "1e-3", f"{float(2**54)!r}", "nan", "inf", "1.0000000000000001"):
         with pytest.raises(support.UserError, match="expected int"):
             step(text)
 
