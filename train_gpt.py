@@ -1332,10 +1332,11 @@ def validation_loader(hp: Hyperparameters, d: Dist) -> DistributedLoader:
     )
     capacity = sum(val_loader.batches)  # global batches in one pass over all shards
     if val_batches(hp, d.world) > capacity:
+        batch = hp.device_batch_size * hp.seq_len * d.world
         raise UserError(
-            f"val_tokens={hp.val_tokens} is more than the validation shards hold "
-            f"in batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} "
-            f"({capacity} batches); validation would repeat tokens"
+            f"val_tokens={hp.val_tokens} is more than the validation shards hold in whole "
+            f"batches of {hp.device_batch_size} x {hp.seq_len} x {d.world} = {batch} tokens "
+            f"({capacity * batch}); validation would repeat tokens"
         )
     return val_loader
 

@@ -434,7 +434,10 @@ def bad_inputs(tmp_path):
             smoke + [f"--run_dir={tmp_path}/a_file/run"],
             f"{tmp_path}/a_file is a file, not a folder",
         ),
-        (smoke + ["--val_tokens=1048576"], "more than the validation shards hold"),
+        (  # the sample's validation shard: 9,779 tokens, 19 whole batches of 512 (and 1 more)
+            smoke + ["--val_tokens=1048576"],
+            "shards hold in whole batches of 4 x 128 x 1 = 512 tokens (9728); validation would",
+        ),
         (smoke + ["--lr=inf"], "lr=inf must lie in (0, inf)"),
         (smoke + ["--lr=1e400"], "--lr=1e400: past a float's range (it reads as inf)"),
         (smoke + ["--warmup_frac=-1e-400"], "--warmup_frac=-1e-400: past a float's range (it"),
