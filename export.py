@@ -200,11 +200,11 @@ def main(argv):
     out = args.out_dir
     ckpt = tg.load_checkpoint(args.run_dir)  # read once: the weights and what they are
     runs.check_owner(args.run_dir, ckpt)  # (the folder's own run: its logs describe it)
-    hp = tg.saved_settings(ckpt["hp"])
-    tg.check_model(hp)
+    where = os.path.join(args.run_dir, runs.CHECKPOINT)
+    hp = tg.model_settings(ckpt["hp"], where)
     theirs = authors_config(hp) if args.format == "authors" else None
     check_out_dir(out)
-    model = tg.built(hp, (ckpt["model"], os.path.join(args.run_dir, runs.CHECKPOINT), str), "cpu")
+    model = tg.built(hp, (ckpt["model"], where, str), "cpu")
     # config.json's command and commit, or an expansion's not yet trained (expand.json's); what
     # it holds of the wrong type: not known
     expansion = runlog.json_object(os.path.join(args.run_dir, "expand.json"))

@@ -1069,12 +1069,18 @@ def read_source(source: str) -> tuple:
         where = os.path.join(source, CHECKPOINT)
         settings, weights, named = ckpt["hp"], ckpt["model"], where
         label = str  # (a tensor is named as the checkpoint names it)
-    try:  # the source's own settings, named as its file (data paths relative to the repository)
+    return model_settings(settings, named), (weights, where, label)
+
+
+def model_settings(settings: dict, named: str) -> Hyperparameters:
+    """A model file's settings (a checkpoint's, a config.json's), checked as a model's and named
+    as that file in a UserError (data paths relative to the repository)."""
+    try:
         hp = resolve({}, saved_settings(settings))
         check_model(hp)
     except UserError as e:
         raise UserError(f"{named}: {e}") from None
-    return hp, (weights, where, label)
+    return hp
 
 
 def load_model(source: str, device: str = "cpu", **changes) -> GPT:

@@ -667,11 +667,13 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     assert code == 0, err
     card = (tmp_path / "only_out" / "README.md").read_text()
     assert "from a depth expansion (expand.py) of another run\n" in card  # (its source not said)
-    # a run theirs cannot express: refused, naming the setting, nothing written
+    # a run theirs cannot express: refused, naming the setting, nothing written; settings no
+    # model has (an edited checkpoint's): refused, named as the checkpoint's
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     for change, message in (
         (dict(gate_axis="key"), "gate_axis=key: the authors' model has gate_axis=query only"),
         (dict(embed_dtype="float32"), "embed_dtype=float32"),
+        (dict(n_heads=3), f"error: {run / 'checkpoint.pt'}: need dim (64) divisible by n_heads"),
     ):
         torch.save({**ckpt, "hp": {**ckpt["hp"], **change}}, run / "checkpoint.pt")
         argv = [str(run), str(tmp_path / "no"), "--format=authors"]
