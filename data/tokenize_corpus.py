@@ -5,7 +5,7 @@
     python data/tokenize_corpus.py --check=data/fineweb10B             # verify shards
 
     python data/tokenize_corpus.py a.txt --encoding=bytes --val_every=10 --out=data/bytes
-    python data/tokenize_corpus.py --from_shards='data/fineweb10B/*.bin' --encoding=bytes \
+    python data/tokenize_corpus.py --from_shards='data/fineweb10B/*.bin' --encoding=bytes \\
         --out=data/fineweb10B_bytes --name=fineweb                    # FineWeb as bytes
 
 Input: .txt files (each file one document, UTF-8) and .jsonl files (one JSON object per line,
