@@ -553,8 +553,9 @@ def holm(ps: list) -> list:
 
 def detectable(sd: float, n: int, alpha: float, power: float = 0.8) -> float:
     """The smallest true mean difference a paired t-test at level alpha finds with about the given
-    power (the noncentral t taken as a shifted central t, a few points low at n = 5: about 75%
-    for 80%): (t_{1-alpha/2} + t_{power}) sd / sqrt(n), df = n - 1."""
+    power: (t_{1-alpha/2} + t_{power}) sd / sqrt(n), df = n - 1, the noncentral t taken as a
+    shifted central t, which overstates the power at few seeds (at n = 5, 75% for 80% at level
+    0.05 / 6; 79% at 0.05)."""
     return (t_critical(alpha, n - 1) + t_critical(2 * (1 - power), n - 1)) * sd / math.sqrt(n)
 
 
@@ -681,7 +682,7 @@ def verdict(ln: dict) -> str:
     than = "dense" if ln["vs"] == "dense frontier" else ln["vs"]
     if ln["p_holm"] < 0.05:
         return f"{'better' if ln['mean'] < 0 else 'worse'} than {than}"
-    return f"no detectable difference (95% CI [{ln['lo']:+.3f}, {ln['hi']:+.3f}])"
+    return f"no detectable difference (uncorrected 95% CI [{ln['lo']:+.3f}, {ln['hi']:+.3f}])"
 
 
 def verdict_text(lines: list) -> str:
@@ -694,7 +695,7 @@ def verdict_text(lines: list) -> str:
     if not tested:
         return f"no difference can be tested: {untested}." if untested else "no comparison."
     said = [
-        f"{ln['name']} {ln['verdict']} ({ln['mean']:+.3f}, 95% CI [{ln['lo']:+.3f}, "
+        f"{ln['name']} {ln['verdict']} ({ln['mean']:+.3f}, uncorrected 95% CI [{ln['lo']:+.3f}, "
         f"{ln['hi']:+.3f}], Holm p = {ln['p_holm']:.3g})"
         for ln in tested
         if not ln["verdict"].startswith("no detectable")
@@ -864,12 +865,13 @@ def write_report(out: str, rows: list) -> list:
         f"Differences in validation cross-entropy ({unit}), each run minus the same seed's "
         f"dense frontier (the lower envelope of that seed's dense points: those better than "
         f"every cheaper one, linear in log FLOPs between them) or control; mean over seeds, "
-        f"t-based 95% interval (df = n - 1), two-sided paired t-test, Holm-corrected across "
-        f"the {tests} tests. SD: of the per-seed differences. Detectable: the true difference "
-        f"a test at level 0.05 / {tests} finds with 80% power by the shifted-t approximation "
-        f"(exactly, a few points less at n = 5: about 75% at 0.05 / 6). val SE: the largest over "
-        f"seeds of the validation estimate's "
-        f"standard error over documents.",
+        f"t-based 95% interval (df = n - 1, uncorrected), two-sided paired t-test, its p "
+        f"Holm-corrected across the {tests} tests (the verdict reads the corrected p alone). SD: "
+        f"of the per-seed differences. Detectable: the true difference a test at level "
+        f"0.05 / {tests} finds with 80% power, the seeds' SD taken as the true one, by the "
+        f"shifted-t approximation (exactly, fewer at few seeds: 75% at n = 5 and 0.05 / 6). "
+        f"val SE: the largest over seeds of the validation estimate's standard error over "
+        f"documents.",
         "",
         "| run | vs | n | difference | 95% CI | SD | p | Holm p | verdict | detectable | "
         "val CE (mean ± SD) | val SE | sparsity | fwd MFLOPs/token | unique params (M) | "

@@ -110,7 +110,8 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     e = lines[("gated_e", "dense frontier")]
     # (scipy's ttest_1samp)
     assert e["p"] == pytest.approx(0.036167, abs=2e-6) and e["p_holm"] > 0.05
-    assert e["verdict"].startswith("no detectable difference (95% CI [+0.003, +0.053])")
+    # (its interval excludes 0, uncorrected, and says so: the corrected p finds nothing)
+    assert e["verdict"] == "no detectable difference (uncorrected 95% CI [+0.003, +0.053])"
     assert e["detectable"] == pytest.approx(
         (sweep.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3
     )
@@ -130,7 +131,8 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert a["p"] == pytest.approx(p, rel=1e-6) and a["verdict"] == "better than dense"
     b = lines[("gated_b", "dense frontier")]
     assert b["mean"] == pytest.approx(0, abs=1e-12) and b["p"] == pytest.approx(1.0)
-    assert b["verdict"] == f"no detectable difference (95% CI [{b['lo']:+.3f}, {b['hi']:+.3f}])"
+    ci = f"[{b['lo']:+.3f}, {b['hi']:+.3f}]"
+    assert b["verdict"] == f"no detectable difference (uncorrected 95% CI {ci})"
     assert lines[("gated_c", "dense frontier")]["verdict"] == "outside the dense FLOPs range"
     dlo = lines[("dlo_rho0.5", "dlo_control")]  # against its own control, seed by seed
     assert dlo["mean"] == pytest.approx(0.102) and dlo["verdict"] == "worse than dlo_control"
@@ -239,11 +241,11 @@ def test_the_verdict_words_follow_holm_p_below_005_and_name_only_the_differences
     assert sweep.verdict(found) == "better than dense"
     # p < 0.05, strictly: a Holm p of 0.05 finds nothing
     at = dict(found, p=0.0125, p_holm=0.05)
-    assert sweep.verdict(at) == "no detectable difference (95% CI [-0.030, -0.013])"
+    assert sweep.verdict(at) == "no detectable difference (uncorrected 95% CI [-0.030, -0.013])"
     two = dict(mean=0.01, p_holm=None, n=2, vs="dense frontier")  # two seeds are not one
     assert sweep.verdict(two) == "above (the same difference in every seed: no test)"
     none = dict(name="b", vs="dense frontier", n=4, mean=0.0040, lo=-0.0100, hi=0.0180)
-    none.update(p=0.41, p_holm=0.82, verdict="no detectable difference (95% CI [-0.010, +0.018])")
+    none.update(p=0.41, p_holm=0.82, verdict="no detectable difference (uncorrected 95% CI [...])")
     lines = [
         dict(name="dense_2", vs="", n=5, verdict="frontier"),
         dict(found, verdict="better than dense"),
@@ -259,8 +261,9 @@ def test_the_verdict_words_follow_holm_p_below_005_and_name_only_the_differences
     ]
     # the differences found, each with its Holm p (not its raw p); the most seeds any test had
     assert sweep.verdict_text(lines) == (
-        "2 paired comparisons over 5 seeds, Holm-corrected: a better than dense (-0.021, 95% CI "
-        "[-0.030, -0.013], Holm p = 0.0063). Not tested: c above (one seed: no test)."
+        "2 paired comparisons over 5 seeds, Holm-corrected: a better than dense (-0.021, "
+        "uncorrected 95% CI [-0.030, -0.013], Holm p = 0.0063). Not tested: c above (one seed: "
+        "no test)."
     )
     assert sweep.verdict_text(lines[:1] + [none]) == (
         "1 paired comparison over 4 seeds, Holm-corrected: no detectable difference in any."
