@@ -1076,7 +1076,8 @@ def test_validation_takes_what_its_shards_hold_no_token_twice_and_of_its_own_enc
     hp = tiny(val_files=str(tmp_path / "v_*.bin"), device_batch_size=2, seq_len=16)
     loader = tg.validation_loader(replace(hp, val_tokens=3 * 32), ranks.Dist())
     assert sum(loader.batches) == 3
-    with pytest.raises(tg.UserError, match=r"val_tokens=128 is more .* \(3 batches\); valid"):
+    said = r"val_tokens=128 is more .* whole batches of 2 x 16 x 1 = 32 tokens \(96\); valid"
+    with pytest.raises(tg.UserError, match=said):
         tg.validation_loader(replace(hp, val_tokens=4 * 32), ranks.Dist())
     write_shard(tmp_path / "b_0.bin", np.arange(97), encoding=1)
     with pytest.raises(tg.UserError, match="b_0.bin holds bytes tokens, but encoding=gpt2"):
