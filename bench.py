@@ -51,6 +51,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import runlog  # noqa: E402
+import sources  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from routers import fit_lengths  # noqa: E402
 
@@ -118,7 +119,7 @@ def profiled(fn, sync, cuda) -> list:
 
 def source_model(source, device):
     """--init_from's model, refused before any timing unless it has a compact path to time."""
-    model = tg.load_model(source, device)
+    model = sources.load_model(source, device)
     if model.hp.router != "skip_middle":
         raise support.UserError(
             f"{source}: bench.py times skip_middle's compact path; this model's router is "

@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import ranks  # noqa: E402
 import runlog  # noqa: E402
 import runs  # noqa: E402
+import sources  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 EXPAND_INITS = ("random", "copy", "identity", "linear", "slerp")
@@ -226,9 +227,9 @@ def expand(argv):
         p.refuse(p.given(argv) & {"tau"}, f"with --init={args.init}: linear and slerp read it")
     if os.path.abspath(args.out) == os.path.abspath(args.run_dir):
         raise support.UserError("NEW_RUN_DIR must differ from RUN_DIR: a new run is written")
-    src = tg.load_checkpoint(args.run_dir)
+    src = sources.load_checkpoint(args.run_dir)
     runs.check_owner(args.run_dir, src)  # (the folder's own run: expand.json names the folder)
-    base = tg.saved_settings(src["hp"])
+    base = sources.saved_settings(src["hp"])
     try:
         overrides = parse_settings(rest)
     except support.UserError as e:

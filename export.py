@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import hub  # noqa: E402
 import runlog  # noqa: E402
 import runs  # noqa: E402
+import sources  # noqa: E402
 import train_gpt as tg  # noqa: E402
 
 CARD = "README.md"
@@ -198,10 +199,10 @@ LAYOUTS = {  # what the card says of config.json
 def main(argv):
     args = parser().parse_args(argv)
     out = args.out_dir
-    ckpt = tg.load_checkpoint(args.run_dir)  # read once: the weights and what they are
+    ckpt = sources.load_checkpoint(args.run_dir)  # read once: the weights and what they are
     runs.check_owner(args.run_dir, ckpt)  # (the folder's own run: its logs describe it)
     where = os.path.join(args.run_dir, runs.CHECKPOINT)
-    hp = tg.model_settings(ckpt["hp"], where)
+    hp = sources.model_settings(ckpt["hp"], where)
     theirs = authors_config(hp) if args.format == "authors" else None
     check_out_dir(out)
     model = tg.built(hp, (ckpt["model"], where, str), "cpu")

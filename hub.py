@@ -1,7 +1,7 @@
 """Models as Hugging Face folders: config.json and model.safetensors, in this project's layout
 (export.py writes it) or in the authors' (Lawson & Aitchison's released SkipMiddleModel), from
 a local folder or from the Hub (hf:OWNER/NAME[@REVISION], fetched into huggingface_hub's cache,
-which HF_HUB_OFFLINE=1 reads without a network). train_gpt.read_source reads run folders itself
+which HF_HUB_OFFLINE=1 reads without a network). sources.read_source reads run folders itself
 and builds the model; this module never imports train_gpt.
 
 Reading the authors' layout as their code reads it (their projects/skip_middle/model:

@@ -83,6 +83,7 @@ def json_object(path: str) -> dict:
 SOURCES = (
     "train_gpt.py",
     "routers.py",
+    "sources.py",
     "runs.py",
     "support.py",
     "hub.py",

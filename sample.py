@@ -21,6 +21,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import sources  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import encoding, text_ids  # noqa: E402
 
@@ -156,7 +157,7 @@ def main(argv):
     if temperature == 0:
         p.refuse(p.given(argv) & {"top_k", "seed"}, "with --temperature=0 (the likeliest token)")
     device = args.device
-    model = tg.load_model(source, device)
+    model = sources.load_model(source, device)
     hp = model.hp
     enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     prompt = text_ids(enc, args.prompt, "--prompt") or [enc.eot_token]

@@ -24,6 +24,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import sources  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data.shards import encoding, first_tokens, text_ids  # noqa: E402
 
@@ -135,7 +136,7 @@ def main(argv):
     if args.text is not None:
         p.refuse(p.given(argv) & {"val_tokens"}, "with --text (the page shows the text)")
     device = args.device
-    model = tg.load_model(source, device)
+    model = sources.load_model(source, device)
     hp = model.hp
     enc = encoding(hp.encoding, hp.vocab_size)  # the run's: GPT-2 BPE, or UTF-8 bytes
     if args.text is not None:

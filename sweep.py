@@ -46,6 +46,7 @@ import launch  # noqa: E402
 import routers  # noqa: E402
 import runlog  # noqa: E402
 import runs  # noqa: E402
+import sources  # noqa: E402
 import train_gpt as tg  # noqa: E402
 from data import debian_docs, tokenize_corpus  # noqa: E402
 from data.shards import check_fingerprints, find_shards, first_tokens  # noqa: E402
@@ -298,7 +299,7 @@ def check_settings(run_dir: str, plan: list):
             raise support.UserError(f"{source}: not a run's settings (the source of {run_dir})")
         explicit = expand.parse_settings(rest)
         hp = expand.expanded_settings(
-            tg.saved_settings(base), explicit, args.groups, args.per_group, args.init, args.tau
+            sources.saved_settings(base), explicit, args.groups, args.per_group, args.init, args.tau
         )
         there.update(
             (k, v)
@@ -412,8 +413,8 @@ def check_corpus(run_dir: str):
     """The training shards the run read are those there (its checkpoint's fingerprints: names,
     sizes, first and last tokens; not the middles, nor the shards it did not read, nor the
     validation shards), as its row's corpus_sha256 hashes the shards there when measured."""
-    ckpt = tg.load_checkpoint(run_dir)
-    files = find_shards(tg.resolve({}, tg.saved_settings(ckpt["hp"])).train_files)
+    ckpt = sources.load_checkpoint(run_dir)
+    files = find_shards(tg.resolve({}, sources.saved_settings(ckpt["hp"])).train_files)
     try:
         check_fingerprints(files, ckpt["loader"], "measure it on the shards it trained on")
     except support.UserError as e:
@@ -455,7 +456,7 @@ def measure(run_dir: str, device: str) -> dict:
     weights (masked, and compacted where the router allows it)."""
     val = final_validation(run_dir)
     config = runlog.json_object(os.path.join(run_dir, "config.json"))
-    hp, weights = tg.read_source(run_dir)  # (the checkpoint read once, for both models)
+    hp, weights = sources.read_source(run_dir)  # (the checkpoint read once, for both models)
     model = tg.built(hp, weights, device).eval()
     can_compact = not tg.ROUTERS[hp.router].check(replace(hp, compact=True))
     compact = tg.built(replace(hp, compact=True), weights, device).eval() if can_compact else model

@@ -27,6 +27,7 @@ import ranks
 import routers
 import runlog
 import runs
+import sources
 import support
 import train_gpt as tg
 from conftest import (
@@ -1589,7 +1590,7 @@ def test_two_processes_match_one(tmp_path, capsys, router):
     key = "gate_mean" if router == "skip_middle" else "mlp_active"  # the routing, per block
     assert m1[-1][key] == pytest.approx(m2[-1][key], abs=1e-5)
     # MFU: 3x the forward FLOPs of a step's tokens over its time, over both devices' peaks
-    hp = tg.saved_settings(tg.load_checkpoint(str(tmp_path / "two"))["hp"])
+    hp = sources.saved_settings(sources.load_checkpoint(str(tmp_path / "two"))["hp"])
     mfu = re.findall(r"step:(\d)/3 .* mfu:([\d.]+)%", (tmp_path / "two" / "train.log").read_text())
     assert [int(step) for step, _ in mfu] == [1, 2, 3]
     for (_, shown), m in zip(mfu, m2, strict=False):

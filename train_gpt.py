@@ -47,16 +47,16 @@ import collections
 import contextlib
 import math
 import os
-import shlex
 import sys
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache, partial
 from typing import NamedTuple
 
 import support  # (no torch: quick)
 
-if __name__ == "__main__":  # a signal while torch loads: exit at once, quietly
-    support.exit_quietly_on_signals()
+if __name__ == "__main__":
+    support.exit_quietly_on_signals()  # a signal while torch loads: exit at once, quietly
+    sys.modules["train_gpt"] = sys.modules[__name__]  # what imports train_gpt gets this module
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -64,7 +64,6 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
-import hub  # noqa: E402
 import ranks  # noqa: E402
 import runlog  # noqa: E402
 import runs  # noqa: E402
@@ -90,7 +89,7 @@ from routers import (  # noqa: E402
     packed_length,
     ran,
 )
-from runs import CHECKPOINT, RunState  # noqa: E402
+from runs import RunState  # noqa: E402
 from support import STOP, UserError, check_fields, cli, fmt_list, setting  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -764,7 +763,7 @@ on_mor = partial(setting, router="mor")
 class Hyperparameters:
     """What defines a run: a checkpoint stores it, a resume restores it. Each field is a
     support.setting (its docstring: what its facts mean; trains, initial, on_ROUTER: above; what
-    they refuse: check_source). The comments in it are for readers: no code reads them."""
+    they refuse: sources.check_source). The comments in it are for readers: no code reads them."""
 
     # data
     train_files: str = trains("data/fineweb10B/fineweb_train_*.bin", help="training shards (glob)")
@@ -879,8 +878,6 @@ class Job:
 
 FIXED = [f.name for f in fields(Hyperparameters) if f.metadata["fixed"]]
 INITIAL = {f.name for f in fields(Hyperparameters) if f.metadata["use"] == "init"}
-# what training alone reads: the initial weights' settings, and those marked "train"
-TRAINING = INITIAL | {f.name for f in fields(Hyperparameters) if f.metadata["use"] == "train"}
 
 
 def parse_overrides(argv) -> dict:
@@ -1025,140 +1022,15 @@ def lr_at(hp: Hyperparameters, step: int, total: int) -> float:
     return hp.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def load_checkpoint(run_dir: str) -> dict:
-    """RUN_DIR's checkpoint, its counters and settings checked (its weights: runs.check_weights)."""
-
-    def check(state):  # a UserError if the counters or the settings are not a run's
-        runs.check_run_state(RunState(**support.saved_fields(RunState, state)))
-        saved_settings(state["hp"])
-
-    return runs.read_checkpoint(run_dir, runs.CHECKPOINT_KEYS, check)
-
-
-def saved_settings(saved: dict) -> Hyperparameters:
-    """A checkpoint's settings: every field, its type and range checked. Keys that are no longer
-    fields are dropped (older versions' expand_* fields and Job's); older versions knew only
-    GPT-2 shards (no encoding: gpt2), a float32 embedding (no embed_dtype) and RoPE unscaled."""
-    older = {"encoding": "gpt2", "embed_dtype": "float32", "rope_scaling": False}
-    saved = {**older, **saved} if isinstance(saved, dict) else saved
-    hp = Hyperparameters(**support.saved_fields(Hyperparameters, saved))
-    check_fields(hp)
-    return hp
-
-
-def read_source(source: str) -> tuple:
-    """-> (settings, (weights, where, label)) of a model: a run folder's checkpoint, or hub.read's
-    (a folder in Hugging Face layout, or hf:OWNER/NAME[@REVISION]); `where` names it for messages
-    and the record, label(name) a tensor as the file names it (runs.check_weights)."""
-    local = not source.startswith("hf:")
-    if local:
-        support.need(source, "a folder")
-    held = [n for n in (hub.WEIGHTS, CHECKPOINT) if os.path.lexists(os.path.join(source, n))]
-    if local and len(held) != 1:
-        raise UserError(
-            f"{source}: holds both {hub.WEIGHTS} (a model folder) and {CHECKPOINT} (a run "
-            f"folder): which is meant is not clear; move one away"
-            if held
-            else f"{source}: neither a model folder ({hub.WEIGHTS}) nor a run folder ({CHECKPOINT})"
-        )
-    if not local or held == [hub.WEIGHTS]:
-        settings, weights, where, label = hub.read(source, asdict(Hyperparameters()))
-        named = os.path.join(where, hub.CONFIG)
-    else:
-        ckpt = load_checkpoint(source)
-        where = os.path.join(source, CHECKPOINT)
-        settings, weights, named = ckpt["hp"], ckpt["model"], where
-        label = str  # (a tensor is named as the checkpoint names it)
-    return model_settings(settings, named), (weights, where, label)
-
-
-def model_settings(settings: dict, named: str) -> Hyperparameters:
-    """A model file's settings (a checkpoint's, a config.json's), checked as a model's and named
-    as that file in a UserError (data paths relative to the repository)."""
-    try:
-        hp = resolve({}, saved_settings(settings))
-        check_model(hp)
-    except UserError as e:
-        raise UserError(f"{named}: {e}") from None
-    return hp
-
-
-def load_model(source: str, device: str = "cpu", **changes) -> GPT:
-    """The model of SOURCE (read_source) with its weights; model.hp holds its settings, with
-    changes that keep the weights' shapes (compact=True, say)."""
-    hp, weights = read_source(source)
-    hp = replace(hp, **changes)
-    check_model(hp)
-    return built(hp, weights, device)
-
-
 def built(hp: Hyperparameters, init: tuple, device: str) -> GPT:
-    """GPT(hp) on device with init's weights (read_source's (weights, where, label)), checked
-    first against the model built on the meta device (its shapes, no memory): settings that do
-    not fit their tensors build nothing (check_model bounds the memory of those that do)."""
+    """GPT(hp) on device with init's weights (sources.read_source's (weights, where, label)),
+    checked first against the model built on the meta device (its shapes, no memory): settings
+    that do not fit their tensors build nothing (check_model bounds the memory of those that do)."""
     with torch.device("meta"):
         runs.check_weights(GPT(hp).state_dict(), *init)
     model = GPT(hp).to(device)
     model.load_state_dict(init[0])  # (checked: no check again)
     return model
-
-
-def check_source(given: dict, job: Job):
-    """--resume's, --init_from's and --eval_only's company: each field that would do nothing
-    refused (a field of a new model's initial weights, INITIAL; under --eval_only, a job field
-    or one that training alone reads, TRAINING)."""
-    if job.init_from and ({"resume", "preset"} & given.keys()):
-        raise UserError(
-            "--init_from starts from the source's settings: drop --resume (which goes on with a "
-            "run) and --preset (a new run's settings)"
-        )
-    if job.eval_only and not job.init_from:
-        raise UserError("--eval_only validates the model of --init_from=SOURCE: give it")
-    if job.eval_only:
-        idle = sorted(given.keys() & (JOB - {"init_from", "eval_only"} | TRAINING))
-        if idle:
-            raise UserError(f"--eval_only trains nothing: drop --{idle[0]}")
-    start = "resume" if job.resume else "init_from" if job.init_from else ""
-    moot = sorted(given.keys() & INITIAL)
-    if start and moot:
-        raise UserError(
-            f"--{moot[0]} sets a new model's initial weights, and --{start} takes "
-            f"{'the checkpoint' if job.resume else 'the source'}'s: drop it"
-        )
-
-
-def resume_settings(given: dict) -> tuple:
-    """-> (hp, checkpoint): the checkpoint's settings with the given ones on top; none fixed,
-    a step of as many tokens (its sequences may be cut otherwise), and the same val_tokens."""
-    run_dir = given["resume"]
-    if given.get("run_dir", run_dir) != run_dir:
-        raise UserError("--resume continues in its own directory; drop --run_dir")
-    if "preset" in given:  # it would lay a new run's settings over the resumed run's
-        raise UserError("--preset starts a new run; a resume keeps its run's settings (drop it)")
-    ckpt = load_checkpoint(run_dir)
-    runs.check_owner(run_dir, ckpt)  # (a complete run of another folder is not "complete")
-    base = saved_settings(ckpt["hp"])
-    hp = resolve(given, base)
-    changed = [
-        f"{k} {getattr(base, k)} -> {getattr(hp, k)}"
-        for k in FIXED
-        if getattr(base, k) != getattr(hp, k)
-    ]
-    if changed:
-        raise UserError("cannot resume with a different model shape: " + ", ".join(changed))
-    step = base.batch_size * base.seq_len  # the tokens of a step, which num_steps and lr_at count
-    if hp.batch_size * hp.seq_len != step:
-        raise UserError(
-            f"a resume keeps the tokens of a step, batch_size x seq_len = {step} (the schedule "
-            f"counts steps of them): give a batch_size and seq_len whose product is {step}"
-        )
-    if hp.val_tokens != base.val_tokens:
-        raise UserError(
-            f"a resume keeps the run's val_tokens={base.val_tokens}, so that its validation "
-            f"losses are all on one set of tokens: drop --val_tokens (other tokens: --init_from="
-            f"{shlex.quote(run_dir)} --eval_only=true --val_tokens=N)"
-        )
-    return hp, ckpt
 
 
 # -----------------------------------------------------------------------------
@@ -1387,7 +1259,7 @@ def train(
     hp: Hyperparameters, job: Job, d: Dist, ckpt: dict = None, argv: list = (), init=None
 ) -> str:
     """Train (or, given a checkpoint, go on training) and return the run directory.
-    argv: the command-line arguments, for the record; init: read_source's (weights, where,
+    argv: the command-line arguments, for the record; init: sources.read_source's (weights, where,
     label) to start from."""
     raw, opt, run, train_loader, val_loader = prepare(hp, job, d, ckpt, init)
     validated = val_loader.fingerprints(val_batches(hp, d.world))  # (each checkpoint's)
@@ -1555,13 +1427,15 @@ def main(argv):
     if "--help" in argv or "-h" in argv:
         print(support.usage(Hyperparameters, Job, PRESETS))
         return
+    import sources  # (it imports this module: here, once this module is whole)
+
     with STOP:  # from the start: a signal during start-up stops at once (train() arms STOP)
         given = parse_overrides(argv)
         job = job_settings(given)
-        check_source(given, job)
-        base, init = read_source(job.init_from) if job.init_from else (None, None)
+        sources.check_source(given, job)
+        base, init = sources.read_source(job.init_from) if job.init_from else (None, None)
         if job.resume:
-            hp, ckpt = resume_settings(given)
+            hp, ckpt = sources.resume_settings(given)
         else:  # a new run, on the source's settings if any
             hp, ckpt = resolve(given, base), None
         job = replace(job, run_dir=job.resume or job.run_dir)

@@ -797,3 +797,19 @@ def test_a_hung_test_ends_the_suite_naming_where_it_hung(tmp_path):
     done = run_command("-m", "pytest", "-q", "-p", "no:cacheprovider", *limit, hang, timeout=120)
     assert done.returncode != 0 and time.time() - start < 60
     assert re.search(r"test_hang\.py\", line 5 in test_hang", done.stderr)
+
+
+def test_run_as_a_script_train_gpt_is_one_module_to_what_imports_it():
+    # sources.py imports train_gpt, and main calls it: without the alias `python train_gpt.py`
+    # would load the file a second time for it, with its own classes and registries
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['train_gpt.py', '--eval_only=true']\n"
+        "try:\n"
+        "    runpy.run_path('train_gpt.py', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print(e.code, sys.modules['sources'].tg.__name__)\n"
+    )
+    done = run_command("-c", code)
+    assert "--eval_only validates the model of --init_from" in done.stderr  # (sources' check)
+    assert done.stdout.split() == ["2", "__main__"], done.stderr

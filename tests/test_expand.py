@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import expand
+import sources
 import support
 import train_gpt as tg
 from conftest import (
@@ -201,7 +202,7 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
     assert record["expanded_from"] == str(tmp_path / "dense")
     assert record["hp"]["n_layers"] == 2 * (2 // 2 + 1)  # P (R / P + q)
     assert shlex.split(record["command"]) == ["python", "expand.py", *argv]
-    ckpt = tg.load_checkpoint(str(new))
+    ckpt = sources.load_checkpoint(str(new))
     assert (ckpt["step"], ckpt["world_size"], ckpt["hp"]["n_layers"]) == (0, 1, 4)
     # a folder whose checkpoint is another run's (expand.json would name a folder whose logs
     # describe that other run): refused, as export and a resume refuse it; nothing written
@@ -262,7 +263,7 @@ def test_an_expansion_onto_other_shards_starts_at_their_first_global_batch(tmp_p
         load_command("expand.py").main,
     )
     assert code == 0, err
-    loader = tg.load_checkpoint(str(tmp_path / "new"))["loader"]
+    loader = sources.load_checkpoint(str(tmp_path / "new"))["loader"]
     assert (loader["shard"], loader["pos"], loader["laps"]) == (1, 0, 0)
     assert json.loads((tmp_path / "new" / "expand.json").read_text())["data_position"] == loader
     code, _, err = run_main([f"--resume={tmp_path / 'new'}"], capsys)
@@ -301,9 +302,9 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
         "--train_tokens=7680",
     )
     assert code == 0 and f"--resume={shlex.quote(str(tmp_path / 'my dlo'))}\n" in out, err
-    expanded = tg.load_checkpoint(str(tmp_path / "my dlo"))
+    expanded = sources.load_checkpoint(str(tmp_path / "my dlo"))
     assert expanded["step"] == 0  # it reads on where the source stopped: the tokens it has not seen
-    source = tg.load_checkpoint(str(tmp_path / "dense"))["loader"]
+    source = sources.load_checkpoint(str(tmp_path / "dense"))["loader"]
     assert expanded["loader"] == source
     # where the source stopped, by hand: 5120 tokens in steps of 8 x 32, within the sample's
     # one training shard
@@ -371,7 +372,7 @@ def test_train_dense_expand_and_continue_with_dlo(tmp_path, capsys):
             tmp_path / "dense", tmp_path / f"r{seed}", "--init=random", f"--seed={seed}"
         )
         assert code == 0, err
-        new[seed] = tg.load_checkpoint(str(tmp_path / f"r{seed}"))["model"]
+        new[seed] = sources.load_checkpoint(str(tmp_path / f"r{seed}"))["model"]
     assert torch.equal(new[3]["blocks.0.attn.wq.weight"], new[4]["blocks.0.attn.wq.weight"])
     assert not torch.equal(new[3]["blocks.2.attn.wq.weight"], new[4]["blocks.2.attn.wq.weight"])
     # nor onto an aborted run's logs, or a file (or a link) of that name of the user's: neither

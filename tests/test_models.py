@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hub
+import sources
 import support
 import train_gpt as tg
 from conftest import (
@@ -52,7 +53,7 @@ def test_eval_only_prints_the_cross_entropy_written_here(capsys):
     assert code == 0, err
     files = tg.find_shards("data/sample/sample_val_*.bin")
     tokens = torch.from_numpy(tg.read_shard(files[0], 50257)[: N + 1].astype("int64"))
-    model, nll = tg.load_model(str(AUTHORS_TINY)).eval(), []
+    model, nll = sources.load_model(str(AUTHORS_TINY)).eval(), []
     with torch.no_grad():
         for i in range(N // (B * T)):
             batch = tokens[i * B * T : (i + 1) * B * T + 1]
@@ -66,7 +67,7 @@ def test_eval_only_prints_the_cross_entropy_written_here(capsys):
 def test_the_authors_released_model_reproduces_their_logits():
     expected = torch.load(AUTHORS_TINY / "expected.pt", weights_only=True)
     ids = expected["input_ids"]
-    model = tg.load_model(str(AUTHORS_TINY)).eval()
+    model = sources.load_model(str(AUTHORS_TINY)).eval()
     config = json.loads((AUTHORS_TINY / "config.json").read_text())
     hp = model.hp  # sizes, RoPE base and eps from their config; their code's gate axis
     assert (hp.dim, hp.n_layers, hp.n_heads, hp.n_kv_heads) == (32, 4, 4, 2)
@@ -79,7 +80,7 @@ def test_the_authors_released_model_reproduces_their_logits():
     assert (nll - expected["next_token_nll"]).abs().max() < 1e-4
     assert (out.route["gates"] - expected["gates"]).abs().max() < 1e-4
     # the one rounding decides it (their README): without it the logits are 0.1 away
-    unrounded = tg.load_model(str(AUTHORS_TINY), embed_dtype="float32").eval()
+    unrounded = sources.load_model(str(AUTHORS_TINY), embed_dtype="float32").eval()
     with torch.no_grad():
         assert (
             unrounded(ids).logits[..., :1024] - expected["logits_first_1024"]
@@ -92,7 +93,7 @@ def test_the_authors_zero_init_masks_is_our_gate_init_zero_both_ways(tmp_path):
     export = load_command("export.py")
     for flag, ours in ((True, "zero"), (False, "normal")):
         source = authors_copy(tmp_path, ours, config=lambda c, f=flag: {**c, "zero_init_masks": f})
-        hp = tg.read_source(source)[0]
+        hp = sources.read_source(source)[0]
         assert hp.gate_init == ours and export.authors_config(hp)["zero_init_masks"] is flag
 
 
@@ -172,7 +173,7 @@ def test_the_authors_layout_loads_as_their_code_reads_it(case):
     ids = expected["input_ids"]
 
     def outputs(**changes):
-        model = tg.load_model(str(folder), **changes).eval()
+        model = sources.load_model(str(folder), **changes).eval()
         with torch.no_grad():
             out = model(ids)
         return model.hp, out.logits, out.route["gates"]
@@ -509,7 +510,7 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     assert code == 0, err
     ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # bit for bit, the settings as well
-        exported, trained = tg.load_model(str(out)).eval(), tg.load_model(str(run)).eval()
+        exported, trained = sources.load_model(str(out)).eval(), sources.load_model(str(run)).eval()
         assert torch.equal(exported(ids).logits, trained(ids).logits)
     assert exported.hp == trained.hp
     config = json.loads((out / "config.json").read_text())
@@ -526,7 +527,7 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     (long / "config.json").write_text(json.dumps(config))
     said = f"{long}/config.json: seq_len={seq_len} is beyond the RoPE table"
     with pytest.raises(support.UserError, match=re.escape(said)):
-        tg.read_source(str(long))
+        sources.read_source(str(long))
     config["settings"]["seq_len"] = trained.hp.seq_len
     card = (out / "README.md").read_text()
     assert logged["command"] in card and f"loss {val['val_loss']:.4f}" in card
@@ -536,7 +537,7 @@ def test_export_round_trips_and_a_new_run_starts_from_the_weights(tmp_path, caps
     del ckpt["hp"]["embed_dtype"]
     (tmp_path / "old").mkdir()
     torch.save(ckpt, tmp_path / "old" / "checkpoint.pt")
-    assert tg.load_model(str(tmp_path / "old")).hp == trained.hp
+    assert sources.load_model(str(tmp_path / "old")).hp == trained.hp
     # again into its own folder: accepted; a folder with a user's file: refused, untouched
     code, _, err = run_main([str(run), str(out)], capsys, export.main)
     assert code == 0, err
@@ -643,7 +644,7 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
         assert f.metadata() == {"format": "pt"}
     ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        exported, trained = tg.load_model(str(out)).eval(), tg.load_model(str(run)).eval()
+        exported, trained = sources.load_model(str(out)).eval(), sources.load_model(str(run)).eval()
         assert torch.equal(exported(ids).logits, trained(ids).logits)
     card = (out / "README.md").read_text()
     logged = json.loads((run / "config.json").read_text())
@@ -700,7 +701,10 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     # the export of the authors' own model is their file: each tensor bit for bit, each field of
     # their config (transformers' own aside); norm_eps, whose value in their files is our
     # default, is written and read back at another value under its name
-    theirs, model = load_file(AUTHORS_TINY / "model.safetensors"), tg.load_model(str(AUTHORS_TINY))
+    theirs, model = (
+        load_file(AUTHORS_TINY / "model.safetensors"),
+        sources.load_model(str(AUTHORS_TINY)),
+    )
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     for hp, name in ((model.hp, "theirs"), (replace(model.hp, norm_eps=1e-3), "eps")):
         torch.save({**ckpt, "hp": asdict(hp), "model": model.state_dict()}, run / "checkpoint.pt")
@@ -717,7 +721,7 @@ def test_export_in_the_authors_layout_reads_back_as_their_model(tmp_path, capsys
     )
     for key in set(their_config) - {"dtype", "torch_dtype", "transformers_version"}:
         assert config.get(key) == their_config[key], key
-    assert tg.load_model(str(tmp_path / "eps")).hp.norm_eps == 1e-3
+    assert sources.load_model(str(tmp_path / "eps")).hp.norm_eps == 1e-3
 
 
 def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import runs
+import sources
 import support
 import train_gpt as tg
 from conftest import (
@@ -351,7 +352,7 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     ]
     for name in others:
         (run / name).write_bytes(b"not this run's")
-    assert tg.load_model(str(run)).hp.n_layers == ckpt["hp"]["n_layers"]
+    assert sources.load_model(str(run)).hp.n_layers == ckpt["hp"]["n_layers"]
     # resumed from another folder: the relative data path is the repository's
     monkeypatch.chdir(tmp_path)
     code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)

@@ -56,8 +56,9 @@ def test_a_router_owns_the_depth_loop():
 
 def test_one_router_registry_however_train_gpt_is_loaded(tmp_path):
     # by path, with no sys.modules entry (as a tool or notebook may load it): the settings'
-    # choices are the registry's names and each one builds its own router; and no module
-    # beside it imports train_gpt, which would build a second registry beside __main__'s
+    # choices are the registry's names and each one builds its own router; and no module it
+    # imports as it loads imports train_gpt, which would build a second registry beside
+    # __main__'s (sources.py, which main imports, does: test_cli's one-module test)
     code = """
 import importlib.util, sys
 from dataclasses import fields, replace

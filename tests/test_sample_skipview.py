@@ -12,6 +12,7 @@ import torch
 
 import hub
 import sample
+import sources
 import train_gpt as tg
 from conftest import (
     AUTHORS_TINY,
@@ -257,7 +258,7 @@ def test_skipview_page_has_one_element_per_token_with_its_depth(tmp_path, capsys
     assert len(parser.spans) == len(ids) and not parser.external
     assert "".join(t for t, _ in parser.spans) == text  # every token, in order, unescaped
     # the counts against the gates computed here: blocks with g > 0 per token
-    ckpt = tg.load_checkpoint(str(run))
+    ckpt = sources.load_checkpoint(str(run))
     model = tg.GPT(tg.Hyperparameters(**ckpt["hp"]))
     model.load_state_dict(ckpt["model"])
     model.eval()

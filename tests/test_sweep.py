@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sources
 import support
 import train_gpt as tg
 from conftest import (
@@ -602,7 +603,7 @@ def test_the_gpu_byte_grid_dry_runs_at_a_tiny_size_two_at_once(tmp_path, monkeyp
             source = json.loads((folder / "expand.json").read_text())["expanded_from"]
             assert source == str(tmp_path / "runs" / f"dlo_source_3_s{r['seed']}")
         if r["name"].startswith("dense_"):  # the blocks and the two norms (not embed, head)
-            blocks = tg.load_model(str(folder)).blocks.parameters()
+            blocks = sources.load_model(str(folder)).blocks.parameters()
             assert r["params"] == sum(p.numel() for p in blocks) + 2 * 32, folder
     gated = [r for r in rows if r["name"].startswith("gated")]
     for r in gated:
@@ -847,7 +848,7 @@ def test_a_tiny_grid_runs_end_to_end_two_at_once_and_a_killed_one_resumes(
         assert r["ms_per_token_masked"] > 0 and r["ms_per_token_compact"] > 0
         assert (r["steps"], r["tokens"]) == (last["step"], last["step"] * 8 * 32)
     # the standard error over documents, by hand from the dense model's per-token losses
-    model = tg.load_model(str(runs / "dense_4_s0")).eval()
+    model = sources.load_model(str(runs / "dense_4_s0")).eval()
     hp = model.hp
     stream = torch.from_numpy(
         shards.read_shard(shards.find_shards(hp.val_files)[0], hp.vocab_size)[
