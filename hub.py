@@ -122,7 +122,7 @@ def read(source: str, defaults: dict) -> tuple:
 
 
 def local_folder(source: str) -> tuple:
-    """-> (folder, where): a local folder as it is (read_source checked it); hf:OWNER/NAME
+    """-> (folder, where): a local folder as it is (sources.read_source checked it); hf:OWNER/NAME
     [@REVISION] fetched (resumably, the two files only) into the Hub's cache, or found there
     offline."""
     if not source.startswith("hf:"):

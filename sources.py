@@ -1,11 +1,13 @@
 """Where a job's model comes from, for train_gpt.py and the commands beside it: a run folder's
 checkpoint (--resume goes on with its run; --init_from=RUN starts a new run from its weights) or a
-folder in Hugging Face layout (hub.py), its settings and weights read and checked before anything
-is built or written. The checkpoint's own format, its saving and its run folder: runs.py.
+folder in Hugging Face layout, local or hf:OWNER/NAME[@REVISION] (hub.py), its settings and
+weights read and checked before anything is built or written. The checkpoint's own format, its
+saving and its run folder: runs.py.
 
 It builds on train_gpt (its settings, their checks, the model), whose main calls it: train_gpt
 imports it inside main, and run as a script registers itself as train_gpt first, so that the
-import here gets the module that runs, not a second copy of it."""
+import here gets the module that runs, not a second copy of it (train_gpt.py loaded by path under
+another name, as a notebook may, is loaded again as train_gpt when its main runs)."""
 
 import os
 import shlex

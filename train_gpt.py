@@ -56,7 +56,7 @@ import support  # (no torch: quick)
 
 if __name__ == "__main__":
     support.exit_quietly_on_signals()  # a signal while torch loads: exit at once, quietly
-    sys.modules["train_gpt"] = sys.modules[__name__]  # what imports train_gpt gets this module
+    sys.modules["train_gpt"] = sys.modules[__name__]  # sources.py's import: this, not a copy
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -747,7 +747,8 @@ def mfu(hp: "Hyperparameters", step_s: float, world: int, peak: float, stats=Non
 
 
 # -----------------------------------------------------------------------------
-# Settings: the run's (Hyperparameters) and the job's (Job)
+# Settings: the run's (Hyperparameters) and the job's (Job); a model's source, read and checked
+# for --resume, --init_from and --eval_only: sources.py (it reads the names below)
 
 
 trains = partial(setting, use="train")  # a field that training alone reads (not --eval_only)
@@ -1427,7 +1428,7 @@ def main(argv):
     if "--help" in argv or "-h" in argv:
         print(support.usage(Hyperparameters, Job, PRESETS))
         return
-    import sources  # (it imports this module: here, once this module is whole)
+    import sources  # keep it here: it imports this module, whole only once loaded
 
     with STOP:  # from the start: a signal during start-up stops at once (train() arms STOP)
         given = parse_overrides(argv)

@@ -1,5 +1,5 @@
-"""Resume (train_gpt.py's --resume, runs.py's checkpoints), and checkpoints that survive a kill,
-a non-finite step or a full disk (run folders and logs: tests/test_runs.py)."""
+"""Resume (train_gpt.py's --resume, read by sources.py; runs.py's checkpoints), and checkpoints
+that survive a kill, a non-finite step or a full disk (run folders and logs: tests/test_runs.py)."""
 
 import copy
 import errno
