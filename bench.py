@@ -43,6 +43,7 @@ import time
 from dataclasses import asdict, replace
 from functools import partial
 
+import fileio
 import support
 
 if __name__ == "__main__":
@@ -318,7 +319,7 @@ def main(argv):
     # the default: a new name, as a run's (6 random hex digits: two benches started in one second
     # do not share it), the folder made at the first write (bad input makes none)
     name = f"{time.strftime('%Y-%m-%d_%H%M%S')}_skip_bench_{device.split(':')[0]}"
-    out = support.writable_dir(
+    out = fileio.writable_dir(
         out or os.path.join("logs", f"{name}_{os.urandom(3).hex()}"),
         ("bench.md", "bench.json") + (("profile.md",) if args.profile else ()),
         by=__file__,
@@ -353,10 +354,10 @@ def main(argv):
     with support.signals_held():  # a signal waits for the last: one bench's files, not a mix
         if args.profile:  # (before bench.md: no profile of other figures stays beside a new one)
             page = "\n\n".join(profiles).encode() + b"\n"
-            support.write_output(out, "profile.md", page, by=__file__)
+            fileio.write_output(out, "profile.md", page, by=__file__)
         else:  # an earlier --profile's, of other figures
-            support.remove_output(out, "profile.md", by=__file__)
-        support.write_output(
+            fileio.remove_output(out, "profile.md", by=__file__)
+        fileio.write_output(
             out,
             "bench.md",
             (
@@ -365,7 +366,7 @@ def main(argv):
             ).encode(),
             by=__file__,
         )
-        support.write_output(
+        fileio.write_output(
             out,
             "bench.json",
             json.dumps(

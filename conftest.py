@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fileio
 import routers
 import support
 import train_gpt as tg
@@ -317,9 +318,9 @@ def signal_self(signum=signal.SIGINT):
 
 
 def signal_at_each_write(monkeypatch):
-    """Each support.write_atomically (write_output's writes), then a signal to this process
+    """Each fileio.write_atomically (write_output's writes), then a signal to this process
     (signal_self): a Ctrl-C that lands while a command writes its files."""
-    real = support.write_atomically
+    real = fileio.write_atomically
 
     def write(path, data):
         real(path, data)

@@ -33,6 +33,7 @@ import shlex
 import sys
 from dataclasses import asdict
 
+import fileio
 import support
 
 if __name__ == "__main__":
@@ -253,7 +254,7 @@ def expand(argv):
             f"{args.out} already holds {', '.join(dict.fromkeys(taken))}: "
             f"expand into a folder of its own; nothing was written"
         )
-    made = support.first_missing(args.out)
+    made = fileio.first_missing(args.out)
     out = runs.open_run_dir(args.out, "")  # probes it: a full disk is found
     try:
         write_run(out, hp, src, base, args, argv, position)
@@ -263,7 +264,7 @@ def expand(argv):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(out, n))
             with contextlib.suppress(OSError):
-                support.remove_made(out, made)
+                fileio.remove_made(out, made)
         raise
     print(
         f"{args.run_dir} (step {src['step']}, {base.n_layers} layers, {base.router}) -> {out} "
@@ -314,10 +315,8 @@ def write_run(
         **runlog.provenance(),
         "command": " ".join(["python expand.py", *map(shlex.quote, argv)]),
     }
-    support.write_atomically(
-        os.path.join(out, "expand.json"), json.dumps(record, indent=2).encode()
-    )
-    support.write_atomically(
+    fileio.write_atomically(os.path.join(out, "expand.json"), json.dumps(record, indent=2).encode())
+    fileio.write_atomically(
         os.path.join(out, "train.log"),
         (  # train_gpt.py appends its jobs
             f"expanded from {args.run_dir} (step {src['step']}, {base.n_layers} layers) to "

@@ -26,6 +26,7 @@ import re
 import sys
 from dataclasses import asdict
 
+import fileio
 import support
 
 if __name__ == "__main__":
@@ -41,8 +42,8 @@ import train_gpt as tg  # noqa: E402
 
 CARD = "README.md"
 FILES = (hub.WEIGHTS, hub.CONFIG, CARD)
-TEMPORARY = "|".join(  # support.write_atomically's temporary files, of FILES and the record
-    re.escape(name) + r"\.[a-z0-9_]{8}\.tmp" for name in (*FILES, support.OUTPUTS)
+TEMPORARY = "|".join(  # fileio.write_atomically's temporary files, of FILES and the record
+    re.escape(name) + r"\.[a-z0-9_]{8}\.tmp" for name in (*FILES, fileio.OUTPUTS)
 )
 
 
@@ -80,17 +81,17 @@ def repo_id(text: str) -> str:
 
 
 def check_out_dir(out: str):
-    """OUT_DIR holds nothing export did not write (support.writable_dir checks its own files)."""
+    """OUT_DIR holds nothing export did not write (fileio.writable_dir checks its own files)."""
     if os.path.isdir(out):  # (a write cut by SIGKILL leaves its temporary file: NAME.*.tmp)
         cut = {n for n in os.listdir(out) if re.fullmatch(TEMPORARY, n)}
-        foreign = sorted(set(os.listdir(out)) - {*FILES, support.OUTPUTS} - cut)
+        foreign = sorted(set(os.listdir(out)) - {*FILES, fileio.OUTPUTS} - cut)
         if foreign:
             more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
             raise support.UserError(
                 f"{out} holds files export did not write ({', '.join(foreign[:3])}{more}): "
                 "give a new or empty folder; nothing was written"
             )
-    support.writable_dir(out, FILES, by=__file__)
+    fileio.writable_dir(out, FILES, by=__file__)
 
 
 def last_validation(run_dir: str, step: int) -> dict:
@@ -244,7 +245,7 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     with support.signals_held():  # a signal waits for the last: one export's files, not a mix
         for name, data in files.items():
-            support.write_output(out, name, data, by=__file__)
+            fileio.write_output(out, name, data, by=__file__)
     print(f"written to {support.one_line(out)}: {', '.join(FILES)}")
     if args.push_to:
         push(out, args.push_to)

@@ -27,7 +27,8 @@ import json
 import os
 import re
 
-from support import UserError, first_line, out_of_memory, regular
+from fileio import regular
+from support import UserError, first_line, out_of_memory
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 FORMAT = "train_gpt"  # our config.json: {"format": FORMAT, "settings": {...}, "trained": {...}}

@@ -28,21 +28,17 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 import hub
+from fileio import kind_of, need, refuse, writable_dir, write_atomically
 from ranks import Dist
 from runlog import LOGS, RunLog, check_metrics, complete, json_object, provenance
 from support import (
     RunStopped,
     UserError,
     check_fields,
-    kind_of,
     lock_folder,
-    need,
     os_error_text,
     out_of_memory,
-    refuse,
     setting,
-    writable_dir,
-    write_atomically,
 )
 
 # -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import html
 import os
 import sys
 
+import fileio
 import support
 
 if __name__ == "__main__":
@@ -152,9 +153,9 @@ def main(argv):
         there = os.path.lexists(args.out)
         folder_name = os.path.basename(args.out) in ("", ".", "..")  # DIR/, DIR/.: there or not
         if folder_name or (there and not os.path.isfile(args.out)):
-            kind = support.kind_of(args.out) if there else "a folder's name"
+            kind = fileio.kind_of(args.out) if there else "a folder's name"
             raise support.UserError(f"--out={args.out} is {kind}; give a file name")
-        support.writable_dir(folder, (name,), by=__file__)
+        fileio.writable_dir(folder, (name,), by=__file__)
     counts, per_layer, units = token_depths(model, ids, device)
     unit = {"block": "blocks", "mlp": "MLPs", "recursion": "recursions"}[model.router.skips]
     pieces = token_pieces(enc, ids)
@@ -165,7 +166,7 @@ def main(argv):
     )
     if args.out:
         page = html_page(pieces, counts, per_layer, units, f"{source}: {unit} run per token", unit)
-        support.write_output(folder, name, page.encode(), by=__file__)
+        fileio.write_output(folder, name, page.encode(), by=__file__)
         print(f"written to {args.out}")
 
 

@@ -13,6 +13,7 @@ import os
 import shlex
 from dataclasses import asdict, fields, replace
 
+import fileio
 import hub
 import runs
 import support
@@ -51,7 +52,7 @@ def read_source(source: str) -> tuple:
     and the record, label(name) a tensor as the file names it (runs.check_weights)."""
     local = not source.startswith("hf:")
     if local:
-        support.need(source, "a folder")
+        fileio.need(source, "a folder")
     held = [n for n in (hub.WEIGHTS, CHECKPOINT) if os.path.lexists(os.path.join(source, n))]
     if local and len(held) != 1:
         raise UserError(

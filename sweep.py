@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, fields, replace
 
+import fileio
 import support
 
 if __name__ == "__main__":
@@ -364,7 +365,7 @@ def run_grid(grid: dict, runs_dir: str, seeds: range, nproc: int, jobs: int = 1)
                 # line came after other runs began): where it writes (a file there, say), and
                 # the trainer's (an expansion's: at its start) of what its folder holds and of
                 # its settings (validate: not of its data or device) with the world size
-                support.writable_dir(run_dir)
+                fileio.writable_dir(run_dir)
                 if not expansion:
                     runs.check_new_run_dir(run_dir)
                     try:
@@ -760,7 +761,7 @@ def read_runs(path: str) -> list:
     """runs.csv -> its rows, numbers as numbers (an empty field: None). At most MAX_RUNS_CSV
     bytes; a file cut short (its last row unended, or a row short of the header's fields) is
     refused, naming the line."""
-    if os.path.getsize(support.need(path, "a file")) > MAX_RUNS_CSV:
+    if os.path.getsize(fileio.need(path, "a file")) > MAX_RUNS_CSV:
         raise support.UserError(
             f"{path}: over {MAX_RUNS_CSV >> 20} MiB: not a runs.csv of sweep.py"
         )
@@ -851,7 +852,7 @@ def write_runs(out: str, rows: list):
     w = csv.DictWriter(text, list(RUN_KEYS), lineterminator="\n")
     w.writeheader()
     w.writerows({k: "" if r.get(k) is None else r[k] for k in RUN_KEYS} for r in rows)
-    support.write_output(out, "runs.csv", text.getvalue().encode(), by=__file__)
+    fileio.write_output(out, "runs.csv", text.getvalue().encode(), by=__file__)
 
 
 REPORT = ("table.md", "figure.png")  # what write_report writes
@@ -901,7 +902,7 @@ def write_report(out: str, rows: list) -> list:
         if r["gate_zero"]
     ]
     png = figure(lines, unit)  # (drawn before anything is written)
-    support.write_output(
+    fileio.write_output(
         out,
         "table.md",
         (
@@ -912,7 +913,7 @@ def write_report(out: str, rows: list) -> list:
         by=__file__,
     )
     if png is not None:
-        support.write_output(out, "figure.png", png, by=__file__)
+        fileio.write_output(out, "figure.png", png, by=__file__)
     return lines
 
 
@@ -1074,7 +1075,7 @@ def main(argv):
     if args.report:  # the table and figure again, from a record's runs.csv
         p.refuse(p.given(argv) - {"report", "out"}, "with --report (runs.csv is the study)")
         rows = read_runs(args.report)
-        out = support.writable_dir(
+        out = fileio.writable_dir(
             args.out or os.path.dirname(os.path.abspath(args.report)), REPORT, by=__file__
         )
         with support.signals_held():  # (as a grid's record below)
@@ -1092,14 +1093,14 @@ def main(argv):
     grid = GRIDS[args.grid]
     # absolute: the trainers run in the repository, this command wherever it was started
     runs_dir = os.path.abspath(args.runs or os.path.join("logs", f"sweep_{args.grid}"))
-    out = support.writable_dir(
+    out = fileio.writable_dir(
         args.out or os.path.join("records", f"{time.strftime('%Y-%m-%d')}_figure2_{args.grid}"),
         ("runs.csv", "README.md", *REPORT),
         by=__file__,
     )
     seeds = range(args.first_seed, args.seeds)
     check_record(out, grid, seeds)
-    support.writable_dir(runs_dir)
+    fileio.writable_dir(runs_dir)
     t0 = time.time()
     try:
         done = run_grid(grid, runs_dir, seeds, args.nproc_per_node, args.jobs)
@@ -1135,7 +1136,7 @@ def main(argv):
             f"its train.log; the evaluation timed in this process, with the threads below):\n\n"
             f"```\n{runlog.describe_system()}\n```\n"
         )
-        support.write_output(out, "README.md", readme.encode(), by=__file__)
+        fileio.write_output(out, "README.md", readme.encode(), by=__file__)
     print(said, verdict_text(lines), sep="\n")
     print(f"{len(done)} runs, {time.time() - t0:.0f} s; written to {out}")
 

@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
+from fileio import HASH_BLOCK, kind_of, sync_folder, writable_dir  # noqa: E402
 from support import (  # noqa: E402
-    HASH_BLOCK,
     MAX_PROCESSES,
     ArgParser,
     RunStopped,
@@ -43,11 +43,8 @@ from support import (  # noqa: E402
     exit_quietly_on_signals,
     first_line,
     in_range,
-    kind_of,
     lock_folder,
     path_arg,
-    sync_folder,
-    writable_dir,
 )
 
 if __name__ == "__main__":

@@ -39,19 +39,21 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/, no torch
-from support import (  # noqa: E402
+from fileio import (  # noqa: E402
     MAX_RECORD_BYTES,
+    first_missing,
+    kind_of,
+    need,
+    remove_made,
+    writable_dir,
+)
+from support import (  # noqa: E402
     ArgParser,
     UserError,
     cli,
     exit_quietly_on_signals,
-    first_missing,
-    kind_of,
-    need,
     path_arg,
-    remove_made,
     signals_held,
-    writable_dir,
 )
 
 if __name__ == "__main__":

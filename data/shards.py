@@ -24,7 +24,8 @@ if __name__ == "__main__":  # a library: run as a script, it could not even impo
     )
     sys.exit(2)
 
-from support import UserError, kind_of, named, regular  # noqa: E402
+from fileio import kind_of, named, regular  # noqa: E402
+from support import UserError  # noqa: E402
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1

@@ -58,25 +58,27 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
+from fileio import (  # noqa: E402
+    first_missing,
+    named,
+    need,
+    remove_made,
+    sha256_of,
+    writable_dir,
+    write_atomically,
+)
 from support import (  # noqa: E402
     MAX_PROCESSES,
     ArgParser,
     UserError,
     cli,
     exit_quietly_on_signals,
-    first_missing,
     in_range,
-    named,
-    need,
     nonempty,
     out_of_memory,
     path_arg,
-    remove_made,
-    sha256_of,
     signals_held,
     usable_cpus,
-    writable_dir,
-    write_atomically,
 )
 
 if __name__ == "__main__":

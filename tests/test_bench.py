@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 import torch
 
+import fileio
 import support
 import train_gpt as tg
 from conftest import TINY_RUN, load_command, run_main, signal_at_each_write
@@ -355,5 +356,5 @@ def test_bench_profile_gives_each_rows_operators_per_model(tmp_path, monkeypatch
             (tmp_path / "profile.md").write_text(edit)
         assert run_main(argv[:2] + [f"--out={tmp_path}"], capsys, bench.main)[0] == 0
         assert (tmp_path / "profile.md").exists() == kept  # (and recorded as ours no more)
-        assert "profile.md" not in support.written_outputs(str(tmp_path))
+        assert "profile.md" not in fileio.written_outputs(str(tmp_path))
         assert "--profile" not in (tmp_path / "bench.md").read_text().split("\n")[0]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import expand
+import fileio
 import sources
 import support
 import train_gpt as tg
@@ -222,7 +223,7 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
     assert f"- commit: {record['git_commit']}" in card and record["git_commit"] != "unknown"
     assert not json.loads((tmp_path / "card" / "config.json").read_text())["trained"]["logged"]
     # a signal (Ctrl-C) during the last write: what it wrote is taken back, the folder too
-    real = support.write_atomically
+    real = fileio.write_atomically
 
     def interrupted(path, *args, **kwargs):
         if os.path.basename(path) == "train.log":

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fileio
 import ranks
 import runlog
 import runs
@@ -199,7 +200,7 @@ def test_an_outputs_record_that_is_not_ours_is_refused_before_any_work(tmp_path,
     for i, (what, make) in enumerate(variants.items()):
         out = tmp_path / f"out{i}"
         out.mkdir()
-        make(out / support.OUTPUTS)
+        make(out / fileio.OUTPUTS)
         before = sorted(os.listdir(out))
         code, _, err = run_main([f"--out={out}"], capsys, bench.main)
         assert code == 2 and err.count("\n") == 1, (what, err)
@@ -263,16 +264,16 @@ def test_remove_output_removes_only_an_unchanged_file_of_ours(tmp_path):
     (tmp_path / "x.md").write_text("ours")  # (the link's target)
     for i, (what, (change, kept)) in enumerate(cases.items()):
         out = tmp_path / f"out{i}"
-        support.write_output(str(out), "profile.md", b"ours", by="bench.py")
-        support.write_output(str(out), "bench.md", b"table", by="bench.py")
+        fileio.write_output(str(out), "profile.md", b"ours", by="bench.py")
+        fileio.write_output(str(out), "bench.md", b"table", by="bench.py")
         change(out / "profile.md")
-        support.remove_output(str(out), "profile.md", by="bench.py")
+        fileio.remove_output(str(out), "profile.md", by="bench.py")
         assert os.path.lexists(out / "profile.md") == kept, what
         assert (out / "bench.md").read_bytes() == b"table"  # (and its digest kept)
-        entry = support.written_outputs(str(out)).get("bench.md")
+        entry = fileio.written_outputs(str(out)).get("bench.md")
         assert entry == {"by": "bench.py", "sha256": sha256(b"table")}, what
         # (a digest kept matches no file there: a later run refuses the file, as a user's)
-        assert ("profile.md" in support.written_outputs(str(out))) == kept, what
+        assert ("profile.md" in fileio.written_outputs(str(out))) == kept, what
     assert (tmp_path / "x.md").read_text() == "ours"
 
 
@@ -282,33 +283,33 @@ def test_a_command_replaces_or_removes_only_the_outputs_it_wrote_itself(tmp_path
     # wrote one): refused, at the start and at the write, never replaced nor removed. A command is
     # named by its file's name; an older version's record named none: its files are no command's
     out = str(tmp_path / "out")
-    support.write_output(out, "profile.md", b"a page", by="skipview.py")
-    support.write_output(out, "bench.md", b"a table", by=os.path.join(REPO, "bench.py"))
+    fileio.write_output(out, "profile.md", b"a page", by="skipview.py")
+    fileio.write_output(out, "bench.md", b"a table", by=os.path.join(REPO, "bench.py"))
     with pytest.raises(support.UserError, match="profile.md is there .a file. and this command"):
-        support.writable_dir(out, ("bench.md", "profile.md"), by="bench.py")
-    support.remove_output(out, "profile.md", by="bench.py")
+        fileio.writable_dir(out, ("bench.md", "profile.md"), by="bench.py")
+    fileio.remove_output(out, "profile.md", by="bench.py")
     assert (tmp_path / "out" / "profile.md").read_bytes() == b"a page"
-    support.writable_dir(out, ("profile.md",), by="skipview.py")  # each its own
-    support.writable_dir(out, ("bench.md",), by="bench.py")
-    support.write_output(out, "bench.md", b"another table", by="bench.py")
-    support.remove_output(out, "profile.md", by="skipview.py")
-    assert sorted(os.listdir(out)) == [support.OUTPUTS, "bench.md"]
-    assert support.written_outputs(out) == {
+    fileio.writable_dir(out, ("profile.md",), by="skipview.py")  # each its own
+    fileio.writable_dir(out, ("bench.md",), by="bench.py")
+    fileio.write_output(out, "bench.md", b"another table", by="bench.py")
+    fileio.remove_output(out, "profile.md", by="skipview.py")
+    assert sorted(os.listdir(out)) == [fileio.OUTPUTS, "bench.md"]
+    assert fileio.written_outputs(out) == {
         "bench.md": {"by": "bench.py", "sha256": sha256(b"another table")}
     }
     late = str(tmp_path / "late")  # checked at a long run's start, another's by its end
-    support.writable_dir(late, ("table.md",), by="sweep.py")
-    support.write_output(late, "table.md", b"a page", by="skipview.py")
+    fileio.writable_dir(late, ("table.md",), by="sweep.py")
+    fileio.write_output(late, "table.md", b"a page", by="skipview.py")
     with pytest.raises(support.UserError, match="did not write it, or it changed since: not repl"):
-        support.write_output(late, "table.md", b"a table", by="sweep.py")
+        fileio.write_output(late, "table.md", b"a table", by="sweep.py")
     assert (tmp_path / "late" / "table.md").read_bytes() == b"a page"
     old = tmp_path / "old"  # as an older version left it
     old.mkdir()
     (old / "bench.md").write_text("a table")
-    (old / support.OUTPUTS).write_text(json.dumps({"bench.md": sha256(b"a table")}))
+    (old / fileio.OUTPUTS).write_text(json.dumps({"bench.md": sha256(b"a table")}))
     with pytest.raises(support.UserError, match="is an older version's, which names no command"):
-        support.writable_dir(str(old), ("bench.md",), by="bench.py")
-    support.remove_output(str(old), "bench.md", by="bench.py")
+        fileio.writable_dir(str(old), ("bench.md",), by="bench.py")
+    fileio.remove_output(str(old), "bench.md", by="bench.py")
     assert (old / "bench.md").read_text() == "a table"
 
 
@@ -321,12 +322,12 @@ def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path, monkeypatch,
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("a user's file")
-    support.writable_dir(str(out / "new"), ("bench.md",), by="bench.py")  # (none there to lock)
+    fileio.writable_dir(str(out / "new"), ("bench.md",), by="bench.py")  # (none there to lock)
     other = another_job_locks(out)
     calls = {
-        "check": lambda: support.writable_dir(str(out), ("bench.md",), by="bench.py"),
-        "write": lambda: support.write_output(str(out), "bench.md", b"table", by="bench.py"),
-        "remove": lambda: support.remove_output(str(out), "mine.txt", by="bench.py"),
+        "check": lambda: fileio.writable_dir(str(out), ("bench.md",), by="bench.py"),
+        "write": lambda: fileio.write_output(str(out), "bench.md", b"table", by="bench.py"),
+        "remove": lambda: fileio.remove_output(str(out), "mine.txt", by="bench.py"),
     }
     try:
         for when, call in calls.items():
@@ -335,10 +336,10 @@ def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path, monkeypatch,
             assert os.listdir(out) == ["mine.txt"], when
     finally:
         os.close(other)
-    support.writable_dir(str(out), ("bench.md",), by="bench.py")
+    fileio.writable_dir(str(out), ("bench.md",), by="bench.py")
     assert another_job_locks(out) is None  # held by this job till it is over
-    support.write_output(str(out), "bench.md", b"table", by="bench.py")
-    support.write_output(str(out), "bench.json", b"{}", by="bench.py")  # (its own: no refusal)
+    fileio.write_output(str(out), "bench.md", b"table", by="bench.py")
+    fileio.write_output(str(out), "bench.json", b"{}", by="bench.py")  # (its own: no refusal)
     support.release_locks()
     os.close(another_job_locks(out))
 
@@ -346,8 +347,8 @@ def test_one_command_at_a_time_writes_a_folder_of_outputs(tmp_path, monkeypatch,
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(support.fcntl, "flock", no_locks)
-    support.write_output(str(out), "bench.md", b"another table", by="bench.py")
-    support.write_output(str(out), "bench.json", b"[]", by="bench.py")
+    fileio.write_output(str(out), "bench.md", b"another table", by="bench.py")
+    fileio.write_output(str(out), "bench.json", b"[]", by="bench.py")
     assert (out / "bench.md").read_bytes() == b"another table"
     assert capsys.readouterr().err == (  # (once)
         f"note: {out} cannot be locked (No locks available): nothing keeps another job from "
@@ -421,7 +422,7 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
     code, _, err = run_main(argv, capsys, skipview.main)
     assert code == 2 and "did not write it" in err, err
     assert (tmp_path / "notes.html").read_text() == "mine"
-    support.write_output(str(tmp_path / "e"), "model.safetensors", b"weights", by="export.py")
+    fileio.write_output(str(tmp_path / "e"), "model.safetensors", b"weights", by="export.py")
     argv[-1] = f"--out={tmp_path}/e/model.safetensors"  # nor another command's (an export's)
     code, _, err = run_main(argv, capsys, skipview.main)
     assert code == 2 and "did not write it" in err, err
@@ -431,7 +432,7 @@ def test_what_a_command_did_not_write_stays_as_it_is(tmp_path, capsys, monkeypat
         code, _, err = run_main(argv, capsys, skipview.main)
         assert code == 2 and "is a folder's name; give a file name" in err, err
         assert not (tmp_path / "pages").exists()
-    argv[-1] = f"--out={tmp_path}/page/{support.OUTPUTS}"  # nor the record of what it wrote
+    argv[-1] = f"--out={tmp_path}/page/{fileio.OUTPUTS}"  # nor the record of what it wrote
     code, _, err = run_main(argv, capsys, skipview.main)
     assert code == 2 and "that name is the folder's record" in err, err
     assert not (tmp_path / "page").exists()
@@ -558,11 +559,11 @@ def test_counts_have_bounds_and_messages_name_what_the_user_has(tmp_path, capsys
     assert "--name" not in r.stderr and r.stderr.count("\n") == 1
     # a symbolic link is called one
     (tmp_path / "link").symlink_to(tmp_path / "a.txt")
-    assert support.kind_of(str(tmp_path / "link")) == "a symbolic link to a file"
+    assert fileio.kind_of(str(tmp_path / "link")) == "a symbolic link to a file"
     # an error writing a file names it, never the temporary file beside it (deleted by then)
     (tmp_path / "target").mkdir()
     with pytest.raises(OSError) as e:
-        support.write_atomically(str(tmp_path / "target"), b"data")
+        fileio.write_atomically(str(tmp_path / "target"), b"data")
     assert e.value.filename == str(tmp_path / "target") and ".tmp" not in str(e.value)
     assert not glob.glob(str(tmp_path / "target.*.tmp"))
     # a named pipe where debian_docs.py's manifest would be: refused at once, never opened
@@ -638,7 +639,7 @@ def test_sha256_of_streams_a_large_file_in_bounded_memory(tmp_path):
         f.write(b"tail")
     tracemalloc.start()
     try:
-        digest = support.sha256_of(str(path))
+        digest = fileio.sha256_of(str(path))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -667,7 +668,7 @@ def test_a_write_cut_by_a_signal_leaves_the_old_file_and_no_temporary(tmp_path):
             return b"new part"
 
     with pytest.raises(KeyboardInterrupt):
-        support.write_atomically(str(target), Signalled())
+        fileio.write_atomically(str(target), Signalled())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
     assert target.read_bytes() == b"old"
 
@@ -687,7 +688,7 @@ def test_a_file_written_atomically_is_on_disk_before_its_name_and_its_name_after
     note_syncs(monkeypatch, events)
     monkeypatch.setattr(os, "replace", renamed)
     (tmp_path / "out.bin").write_bytes(b"old")
-    support.write_atomically(str(tmp_path / "out.bin"), b"new")
+    fileio.write_atomically(str(tmp_path / "out.bin"), b"new")
     monkeypatch.undo()
     new, folder = (tmp_path / "out.bin").stat().st_ino, tmp_path.stat().st_ino
     assert events == [(new, 3), ("rename", new), (folder, None)]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fileio
 import hub
 import sources
 import support
@@ -419,7 +420,7 @@ def test_an_export_cut_at_any_write_is_finished_by_its_rerun(tmp_path, monkeypat
     run = tmp_path / "run"
     code, _, err = run_main(RESUME_RUN + [f"--run_dir={run}", "--stop_step=1"], capsys)
     assert code == 0, err
-    export, real = load_command("export.py"), support.write_atomically
+    export, real = load_command("export.py"), fileio.write_atomically
     code, _, err = run_main([str(run), str(tmp_path / "whole")], capsys, export.main)
     assert code == 0, err
     whole = {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir()}
@@ -495,7 +496,7 @@ def test_an_export_into_a_folder_another_export_is_writing_writes_nothing(
     os.close(others[0])
     monkeypatch.undo()
     code, _, err = run_main([run, out], capsys, export.main)
-    assert code == 0 and sorted(os.listdir(out)) == sorted([*export.FILES, support.OUTPUTS]), err
+    assert code == 0 and sorted(os.listdir(out)) == sorted([*export.FILES, fileio.OUTPUTS]), err
     os.close(another_job_locks(out))  # free once the command is over (support.cli)
 
 
@@ -732,7 +733,7 @@ def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors.k2j5x_0q.tmp").write_bytes(b"cut")
-    (out / f"{support.OUTPUTS}.k2j5x_0q.tmp").write_bytes(b"cut")  # (the record's)
+    (out / f"{fileio.OUTPUTS}.k2j5x_0q.tmp").write_bytes(b"cut")  # (the record's)
     export.check_out_dir(str(out))
     for mine, message in (
         ("notes.txt", "holds files export did not write (notes.txt)"),
@@ -752,7 +753,7 @@ def test_export_accepts_only_its_own_files_in_out_dir_and_touches_none(tmp_path)
             export.check_out_dir(str(out))
         for name in names:
             (out / name).unlink()
-    cut = [f"{support.OUTPUTS}.k2j5x_0q.tmp", "model.safetensors.k2j5x_0q.tmp"]
+    cut = [f"{fileio.OUTPUTS}.k2j5x_0q.tmp", "model.safetensors.k2j5x_0q.tmp"]
     assert sorted(os.listdir(out)) == cut
     for bad in ("a--b/c", "a/b..c", "-a/b", "a/b.", "a/b/c"):  # the Hub's rule for --push_to
         with pytest.raises(argparse.ArgumentTypeError, match="expected OWNER/NAME"):
