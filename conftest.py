@@ -326,7 +326,7 @@ def signal_at_each_write(monkeypatch):
         real(path, data)
         signal_self()
 
-    monkeypatch.setattr(support, "write_atomically", write)
+    monkeypatch.setattr(fileio, "write_atomically", write)
 
 
 def another_job_locks(folder):

@@ -154,7 +154,7 @@ def test_benches_started_in_one_second_each_write_a_folder_of_their_own(monkeypa
         raise support.UserError("stop here")
 
     monkeypatch.setattr(bench.time, "strftime", lambda *args: "2026-11-30_093000")
-    monkeypatch.setattr(bench.support, "writable_dir", writable_dir)
+    monkeypatch.setattr(bench.fileio, "writable_dir", writable_dir)
     for _ in range(2):
         with pytest.raises(support.UserError, match="stop here"):
             bench.main([])

@@ -230,7 +230,7 @@ def test_an_expansion_records_how_it_was_made_and_a_signal_while_writing_leaves_
             raise support.Interrupted(signal.SIGINT)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(support, "write_atomically", interrupted)
+    monkeypatch.setattr(fileio, "write_atomically", interrupted)
     code, _, err = run_main(argv[:1] + [str(tmp_path / "x" / "y")], capsys, expand_main)
     assert code == 128 + signal.SIGINT and err == "", err
     assert not (tmp_path / "x").exists()

@@ -435,7 +435,7 @@ def test_an_export_cut_at_any_write_is_finished_by_its_rerun(tmp_path, monkeypat
             real(path, data)
 
         with monkeypatch.context() as m:
-            m.setattr(support, "write_atomically", write)
+            m.setattr(fileio, "write_atomically", write)
             code, _, err = run_main([str(run), str(out)], capsys, export.main)
             assert code == 130, err
         if out.exists():

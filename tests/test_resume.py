@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+import fileio
 import runs
 import sources
-import support
 import train_gpt as tg
 from conftest import (
     REPO,
@@ -816,7 +816,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys
                 return FullDisk(f)
         return f
 
-    monkeypatch.setattr(support, "open", fake_open, raising=False)
+    monkeypatch.setattr(fileio, "open", fake_open, raising=False)
     code, _, err = run_main(RESUME_RUN + ["--save_every=2", f"--run_dir={tmp_path}"], capsys)
     assert code == 1
     assert err == (
