@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import sources
+import stats
 import support
 import train_gpt as tg
 from conftest import (
@@ -30,11 +31,10 @@ from conftest import (
 from data import shards
 from data.tokenize_corpus import shard_bytes
 
-# --------------------------------------------- sweep.py: the statistics of Figure 2
+# --------------------------------------------- stats.py: the statistics of Figure 2
 
 
 def test_student_t_and_holm_against_tables_and_closed_forms():
-    sweep = load_command("sweep.py")
     for df, t975 in (
         (1, 12.706),
         (2, 4.303),
@@ -42,20 +42,20 @@ def test_student_t_and_holm_against_tables_and_closed_forms():
         (9, 2.262),
         (30, 2.042),
     ):  # printed tables
-        assert sweep.t_critical(0.05, df) == pytest.approx(t975, abs=6e-4)
-        assert sweep.t_tail(t975, df) == pytest.approx(0.05, abs=2e-4)
-    assert sweep.t_critical(0.4, 4) == pytest.approx(0.941, abs=6e-4)  # one-sided 0.80, df 4
+        assert stats.t_critical(0.05, df) == pytest.approx(t975, abs=6e-4)
+        assert stats.t_tail(t975, df) == pytest.approx(0.05, abs=2e-4)
+    assert stats.t_critical(0.4, 4) == pytest.approx(0.941, abs=6e-4)  # one-sided 0.80, df 4
     for t in (0.3, 1.0, 3.0, 20.0):  # closed forms: Cauchy (df 1) and df 2
-        assert sweep.t_tail(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-9)
-        assert sweep.t_tail(-t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), abs=1e-9)
+        assert stats.t_tail(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-9)
+        assert stats.t_tail(-t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), abs=1e-9)
     # Holm by hand: sorted 0.005 0.01 0.03 0.04 times 4 3 2 1, then the running maximum
-    assert sweep.holm([0.01, 0.04, 0.03, None, 0.005]) == pytest.approx(
+    assert stats.holm([0.01, 0.04, 0.03, None, 0.005]) == pytest.approx(
         [0.03, 0.06, 0.06, None, 0.02]
     )
-    assert sweep.holm([0.5, 0.9]) == [1.0, 1.0]
+    assert stats.holm([0.5, 0.9]) == [1.0, 1.0]
     # differences equal up to rounding are not tested; ones a ten-millionth apart are (df 2)
-    assert sweep.paired([0.1 + 0.2, 0.3, 0.3])["p"] is None
-    close = sweep.paired([1.0, 1.0 + 1e-7, 1.0 + 2e-7])
+    assert stats.paired([0.1 + 0.2, 0.3, 0.3])["p"] is None
+    close = stats.paired([1.0, 1.0 + 1e-7, 1.0 + 2e-7])
     assert close["sd"] == pytest.approx(1e-7) and close["p"] < 1e-9
 
 
@@ -114,7 +114,7 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     # (its interval excludes 0, uncorrected, and says so: the corrected p finds nothing)
     assert e["verdict"] == "no detectable difference (uncorrected 95% CI [+0.003, +0.053])"
     assert e["detectable"] == pytest.approx(
-        (sweep.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3
+        (stats.t_critical(0.05 / 6, 4) + 0.941) * e["sd"] / math.sqrt(5), rel=1e-3
     )
     assert (
         lines[("gated_f", "dense frontier")]["verdict"]
@@ -140,7 +140,7 @@ def test_frontier_and_verdict_on_hand_made_numbers():
     assert lines[("dlo_control", "dense frontier")]["p"] == pytest.approx(1.0)
     tested = [ln for ln in lines.values() if ln.get("p") is not None]
     assert len(tested) == 6  # gated_a, gated_b, gated_e, dlo_control, dlo_rho0.5 twice
-    holm = sweep.holm([ln["p"] for ln in tested])
+    holm = stats.holm([ln["p"] for ln in tested])
     assert [ln["p_holm"] for ln in tested] == pytest.approx(holm)
     assert lines[("dense_4", "")]["verdict"] == "frontier"
     assert a["dense_ms_at_equal_flops"] == pytest.approx(2.5e-3)  # (1e-3 + 4e-3) / 2, log midpoint
@@ -212,24 +212,24 @@ def test_the_statistics_and_the_frontier_at_their_edges_against_closed_forms():
     # a p-value is a probability even where t is huge (seeds that differ by a hair)
     for df in range(1, 10):
         for t in (1e4, 1e6, 1e9, 1e12):
-            assert 0.0 <= sweep.t_tail(t, df) <= 1.0, (t, df)
+            assert 0.0 <= stats.t_tail(t, df) <= 1.0, (t, df)
     # two seeds (df 1, Cauchy: P(|T| >= t) = 1 - 2 atan(t) / pi) and many tests (0.05 / 20)
     for tail in (0.05 / 8, 0.05 / 20, 1e-4):
         t = math.tan(math.pi / 2 * (1 - tail))
-        assert sweep.t_critical(tail, 1) == pytest.approx(t, rel=1e-6)
+        assert stats.t_critical(tail, 1) == pytest.approx(t, rel=1e-6)
     # a small spread is still a spread: three seeds, df 2 (P(|T| >= t) = 1 - t / sqrt(t^2 + 2))
     deltas = [0.0200, 0.0205, 0.0210]
     mean = sum(deltas) / 3
     sd = math.sqrt(sum((d - mean) ** 2 for d in deltas) / 2)
     t = mean / (sd / math.sqrt(3))
-    got = sweep.paired(deltas)
+    got = stats.paired(deltas)
     assert got["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-6)
     assert got["hi"] - got["mean"] == pytest.approx(4.303 * sd / math.sqrt(3), rel=1e-3)
     # no seed (every point outside the frontier's range) or one: a mean at most, no test
-    assert sweep.paired([]) == dict(n=0, mean=None, sd=None, lo=None, hi=None, p=None)
-    assert sweep.paired([0.5]) == dict(n=1, mean=0.5, sd=None, lo=None, hi=None, p=None)
+    assert stats.paired([]) == dict(n=0, mean=None, sd=None, lo=None, hi=None, p=None)
+    assert stats.paired([0.5]) == dict(n=1, mean=0.5, sd=None, lo=None, hi=None, p=None)
     # Holm by hand: 0.6 x 2 = 1.2 is capped at 1, then 0.9 x 1 below the running maximum
-    assert sweep.holm([0.6, 0.9, None]) == [1.0, 1.0, None]
+    assert stats.holm([0.6, 0.9, None]) == [1.0, 1.0, None]
     # a dense point only as good as a cheaper one is no step of the envelope either
     env = sweep.frontier([(1e6, 4.0), (2e6, 4.0), (4e6, 3.0)])
     assert env(2e6) == pytest.approx(3.5)  # half way in log FLOPs from 4.0 at 1e6 to 3.0 at 4e6
