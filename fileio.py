@@ -4,7 +4,8 @@ command wrote, recorded by digest in the folder (OUTPUTS) so that it replaces or
 those.
 
 Guarantees: a file is replaced only whole (write_atomically), and a command replaces or deletes
-only what it wrote itself (write_output, writable_dir, remove_output)."""
+only what it wrote itself (write_output, writable_dir, remove_output). None of it is torch (the
+data scripts import it); it imports support (UserError, the folder locks), never the reverse."""
 
 import contextlib
 import errno

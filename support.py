@@ -1,8 +1,8 @@
 """What every command here shares, none of it torch: command lines (exit statuses, one error
 line, options typed from dataclass fields and the facts each field carries), folders held by
-one job at a time, and the stop signals that a training job saves on (files, written whole and
-only a command's own: fileio.py). The data scripts import it and start at once; check_device
-imports torch, as its callers have already.
+one job at a time, and the stop signals that a training job saves on. Files, written whole and
+only a command's own, are fileio.py's (it imports this module, never the reverse). The data
+scripts import it and start at once; check_device imports torch, as its callers have already.
 
 Guarantees: bad input is one `error: ...` line and exit status 2, raised before anything is
 written; a folder a job writes is locked for it alone, the lock dropped however it ends."""

@@ -32,7 +32,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
+sys.path.insert(0, os.path.dirname(HERE))  # the repository: support, fileio, data/shards (no torch)
 from fileio import HASH_BLOCK, kind_of, sync_folder, writable_dir  # noqa: E402
 from support import (  # noqa: E402
     MAX_PROCESSES,

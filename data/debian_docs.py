@@ -38,7 +38,7 @@ import tarfile
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/, no torch
+sys.path.insert(0, os.path.dirname(HERE))  # the repository: support, fileio and data/ (no torch)
 from fileio import (  # noqa: E402
     MAX_RECORD_BYTES,
     first_missing,

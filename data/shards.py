@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-if __name__ == "__main__":  # a library: run as a script, it could not even import support
+if __name__ == "__main__":  # a library: run as a script, it could not even import fileio
     print(
         "error: data/shards.py is the shard format's library, not a command; shards are written"
         " and checked by data/tokenize_corpus.py (--check=DIR)",

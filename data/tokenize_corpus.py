@@ -57,7 +57,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the repository: support.py and data/shards.py, no torch
+sys.path.insert(0, os.path.dirname(HERE))  # the repository: support, fileio, data/shards (no torch)
 from fileio import (  # noqa: E402
     first_missing,
     named,
