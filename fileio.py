@@ -273,9 +273,19 @@ def named(path: str, always: bool = False):
         raise
 
 
+def open_mode(path: str) -> int:
+    """The mode of the file that open(path, "wb") leaves: the file's own where one is there (a
+    user's chmod 600 stays), else 0o666 less the umask."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    umask = os.umask(0)  # the only way to read it is to set it: put it back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_atomically(path: str, data, tag: str = ""):
     """Write data (bytes, or a file open to read: copied in pieces) to path so that a reader sees
-    the old file or all of the new one: a temporary file beside it (mode as open() would give),
+    the old file or all of the new one: a temporary file beside it (its mode open_mode's),
     fsynced, renamed over it, the rename fsynced.
     The temporary file: PATH.<8 random>.tmp, or PATH.<tag>.<8 random>.tmp (a run's checkpoint:
     its run_id, so that a kill's leftover is known as the run's)."""
@@ -285,10 +295,8 @@ def write_atomically(path: str, data, tag: str = ""):
     with named(path, always=True):
         handle, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
     os.close(handle)
-    umask = os.umask(0)  # the only way to read it is to set it: put it back at once
-    os.umask(umask)
     try:
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, open_mode(path))
         with named(path, always=True), open(tmp, "wb") as f:
             if hasattr(data, "read"):
                 shutil.copyfileobj(data, f)

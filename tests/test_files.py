@@ -695,6 +695,21 @@ def test_a_file_written_atomically_is_on_disk_before_its_name_and_its_name_after
     assert (tmp_path / "out.bin").read_bytes() == b"new"
 
 
+def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_what_open_gives(tmp_path):
+    # as open(path, "wb") leaves them: a user's chmod 600 on a checkpoint or a config stays
+    mask = os.umask(0)
+    os.umask(mask)
+    kept, new = tmp_path / "kept.json", tmp_path / "new.json"
+    kept.write_bytes(b"old")
+    for mode in (0o600, 0o640):
+        kept.chmod(mode)
+        for path in (kept, new):
+            fileio.write_atomically(str(path), b"new")
+        assert kept.stat().st_mode & 0o777 == mode and kept.read_bytes() == b"new"
+        assert new.stat().st_mode & 0o777 == 0o666 & ~mask
+        new.unlink()
+
+
 def test_the_put_back_moves_nothing_when_the_newest_does_not_load(tmp_path):
     # (beside test_the_put_back_takes_only_an_older_checkpoint_of_the_same_run)
     torch.save({"run_id": "aa", "step": 5}, tmp_path / runs.PREVIOUS)

@@ -353,6 +353,7 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     for name in others:
         (run / name).write_bytes(b"not this run's")
     assert sources.load_model(str(run)).hp.n_layers == ckpt["hp"]["n_layers"]
+    (run / "checkpoint.pt").chmod(0o600)  # (its user's)
     # resumed from another folder: the relative data path is the repository's
     monkeypatch.chdir(tmp_path)
     code, _, err = run_main([f"--resume={run}", "--stop_step=2"], capsys)
@@ -361,7 +362,9 @@ def test_older_checkpoints_and_a_save_killed_half_way(tmp_path, monkeypatch, cap
     assert {(run / name).read_bytes() for name in others} == {b"not this run's"}
     mask = os.umask(0)
     os.umask(mask)
-    for name in ("checkpoint.pt", "config.json", "metrics.jsonl"):  # as open() would make them
+    # each file replaced as open() would leave it: its own mode (the user's 600), or a new one's
+    assert (run / "checkpoint.pt").stat().st_mode & 0o777 == 0o600
+    for name in ("config.json", "metrics.jsonl"):
         assert (run / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
 
 
