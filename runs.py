@@ -444,7 +444,8 @@ def logged(run_dir: str, key: str = "run_id"):
 
 def check_moments(model, opt, where: str):
     """Each parameter's AdamW state, where it has one (a parameter that never had a gradient has
-    none), as a step reads it: a step count and two dense floating moments of its shape.
+    none), as a step reads it: a step count of at least 0 and two dense floating moments of its
+    shape, the second (of squares) at least 0 everywhere.
     load_state_dict checks none of it; the fused step read a moment of another shape out of
     bounds (a crash, after the run's files were written)."""
     for name, p in model.named_parameters():
@@ -457,8 +458,10 @@ def check_moments(model, opt, where: str):
             set(state) == {"step", "exp_avg", "exp_avg_sq"}
             and all(torch.is_tensor(m) and m.is_floating_point() for m in moments)
             and all(m.shape == p.shape and m.layout == torch.strided for m in moments)
+            and not bool((moments[1] < 0).any())  # (a step takes its square root; NaN: later)
             and torch.is_tensor(step)
             and step.numel() == 1
+            and not float(step) < 0
         ):
             raise UserError(
                 f"{where}: the optimiser's state of {name} is not AdamW's for that parameter "

@@ -487,6 +487,8 @@ def test_edited_counters_and_settings_are_checked_for_value_and_completeness(
             lambda s: s.update(exp_avg=s["exp_avg"].to_sparse()),
             lambda s: s.update(step=torch.zeros(2, 2)),
             lambda s: s.update(max_exp_avg_sq=s["exp_avg_sq"]),
+            lambda s: s["exp_avg_sq"].neg_().sub_(1),  # (a step takes its square root)
+            lambda s: s.update(step=torch.tensor(-3.0)),  # (and the bias correction's power)
         )
     ):
         edited = copy.deepcopy(good)
