@@ -10,18 +10,20 @@ import statistics
 def t_tail(t: float, df: int) -> float:
     """P(|T| >= |t|) for Student's t with df degrees of freedom. With x = sqrt(df) tan(u) the
     density becomes c cos(u)^(df - 1), c = Gamma((df + 1) / 2) / (sqrt(pi) Gamma(df / 2)), on
-    [0, pi / 2): Simpson's rule over [0, atan(|t| / sqrt(df))] on 2,000 panels."""
+    [0, pi / 2): 2c times its integral over [atan(|t| / sqrt(df)), pi / 2], that is of
+    sin(v)^(df - 1) over [0, atan2(sqrt(df), |t|)], by Simpson's rule on 2,000 panels (the tail
+    itself, from 0: a small p keeps its digits, as 1 less the rest would not)."""
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
-    end, n = math.atan(abs(t) / math.sqrt(df)), 2000
+    span, n = math.atan2(math.sqrt(df), abs(t)), 2000
     simpson = (
         sum(
-            (1 if i in (0, n) else 4 if i % 2 else 2) * math.cos(i * end / n) ** (df - 1)
+            (1 if i in (0, n) else 4 if i % 2 else 2) * math.sin(i * span / n) ** (df - 1)
             for i in range(n + 1)
         )
-        * end
+        * span
         / (3 * n)
     )
-    return min(1.0, max(0.0, 1 - 2 * c * simpson))
+    return min(1.0, 2 * c * simpson)
 
 
 def t_critical(tail: float, df: int) -> float:

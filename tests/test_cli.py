@@ -783,6 +783,8 @@ def test_an_error_line_is_one_line_and_a_second_signal_exits_128_plus_its_number
 
 def test_a_field_is_given_only_as_dash_dash_name_equals_value():
     assert support.parse_fields([runs.RunState], ["--step=5"]) == {"step": 5}
+    # given twice, the later (--help says so): a script's overrides come last
+    assert support.parse_fields([runs.RunState], ["--step=5", "--step=7"]) == {"step": 7}
     for arg in ("step=5", "xxstep=5", "-step=5", "--step"):
         with pytest.raises(support.UserError, match="use --field=value"):
             support.parse_fields([runs.RunState], [arg])

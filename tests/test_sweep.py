@@ -48,6 +48,10 @@ def test_student_t_and_holm_against_tables_and_closed_forms():
     for t in (0.3, 1.0, 3.0, 20.0):  # closed forms: Cauchy (df 1) and df 2
         assert stats.t_tail(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, abs=1e-9)
         assert stats.t_tail(-t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), abs=1e-9)
+    for t in (1e3, 1e6, 1e9):  # small tails to their digits (1 - 2 atan(t) / pi would be 0)
+        s = math.sqrt(t * t + 2)
+        assert stats.t_tail(t, 1) == pytest.approx(2 * math.atan(1 / t) / math.pi, rel=1e-9, abs=0)
+        assert stats.t_tail(t, 2) == pytest.approx(2 / (s * (s + t)), rel=1e-9, abs=0)
     # Holm by hand: sorted 0.005 0.01 0.03 0.04 times 4 3 2 1, then the running maximum
     assert stats.holm([0.01, 0.04, 0.03, None, 0.005]) == pytest.approx(
         [0.03, 0.06, 0.06, None, 0.02]
