@@ -387,10 +387,14 @@ def check_new_run_dir(run_dir: str) -> list:
             f"(nothing was moved)"
         )
     if old and not (isinstance(logged(run_dir), str) and isinstance(logged(run_dir, "job"), dict)):
+        why = (
+            f"its {LOGS[2]} holds no run_id and job"
+            if LOGS[2] in old
+            else f"no {LOGS[2]}, which a run writes first"
+        )
         raise UserError(
-            f"{run_dir} holds {', '.join(old)} but no config.json of a run of this project "
-            f"(one with its run_id and job): not a run's to take over; give another run_dir "
-            f"(nothing was moved)"
+            f"{run_dir} holds {', '.join(old)}, not a run's of this project ({why}): not one to "
+            f"take over; give another run_dir (nothing was moved)"
         )
     if complete(run_dir):  # (its checkpoint removed, or a record's folder: a result)
         raise UserError(

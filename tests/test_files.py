@@ -57,14 +57,20 @@ def test_a_folder_that_is_not_a_runs_is_refused_as_run_dir_nothing_moved(tmp_pat
             "checkpoint.pt.ab12.abcdefgh.tmp": b"mine",
         },
     }
+    said = {}
     for name, files in folders.items():
         folder = tmp_path / name
         folder.mkdir()
         for file, data in files.items():
             (folder / file).write_bytes(data)
-        code, out, err = run_main(TINY_RUN + [f"--run_dir={folder}"], capsys)
-        assert code == 2 and err.count("\n") == 1 and "nothing was moved" in err, (name, err)
+        code, out, said[name] = run_main(TINY_RUN + [f"--run_dir={folder}"], capsys)
+        assert code == 2 and said[name].count("\n") == 1, (name, said[name])
+        assert "nothing was moved" in said[name], (name, said[name])
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == files, name
+    # why not a run's: said of the config.json that is there, or of the one that is not
+    users, logs = said["users"], said["logs_only"]
+    assert "users holds config.json, not a run's of this project (its config.json holds no" in users
+    assert "logs_only holds train.log, not a run's of this project (no config.json" in logs
     model = Path(authors_copy(tmp_path, "model"))  # a run from a model, into its own folder
     before = {p.name: p.read_bytes() for p in model.iterdir()}
     code, _, err = run_main(

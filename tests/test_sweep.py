@@ -748,7 +748,11 @@ def test_settings_a_run_would_refuse_are_refused_before_any_run_starts(
         (["--grid=cpu", "--nproc_per_node=3"], "_s0: val_tokens=4096 is not a whole number", None),
         (["--grid=tiny"], "bad_s0: need dim (32) divisible by n_heads (3)", None),
         (["--grid=tiny_ok", "--seeds=2"], f"{mine} is a file, not a folder", a_file),
-        (["--grid=tiny_ok", "--seeds=2"], f"{mine} holds train.log but no config.json", my_log),
+        (
+            ["--grid=tiny_ok", "--seeds=2"],
+            f"{mine} holds train.log, not a run's of this project (no config",
+            my_log,
+        ),
     ):
         shutil.rmtree(tmp_path / "runs", ignore_errors=True)
         if make:
