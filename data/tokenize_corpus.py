@@ -571,18 +571,23 @@ def convert(pattern, out, name):
 
 def check(folder):
     """Verify every *.bin shard in folder: header, size, token range, and none of a corpus half
-    replaced (check_whole). Prints the counts."""
+    replaced (check_whole). Prints the counts, and a note where the shards are of two encodings
+    (a run reads one: its train_files and val_files must match shards of that one alone)."""
     files = sorted(glob.glob(os.path.join(glob.escape(need(folder, "a folder")), "*.bin")))
     if not files:
         raise UserError(f"{folder}: no .bin shards")
     check_whole(files)
-    total = 0
+    total, encodings = 0, collections.Counter()
     for path in files:
         enc = shard_encoding(path)
         n = len(read_shard(path, encoding(enc).n_vocab if enc == "bytes" else GPT2_VOCAB))
         total += n
+        encodings[enc] += 1
         print(f"{os.path.basename(path)}: {n:,} tokens ({enc})")
     print(f"{len(files)} shards, {total:,} tokens, all valid")
+    if len(encodings) > 1:
+        held = ", ".join(f"{enc}: {n}" for enc, n in sorted(encodings.items()))
+        print(f"note: shards of two encodings ({held}): a run reads one, from files of it alone")
     return total
 
 

@@ -86,6 +86,15 @@ def test_check_command_counts_and_rejects(tmp_path):
     r = run_command("data/tokenize_corpus.py", "--check=data/sample")
     total = sum((os.path.getsize(p) - 1024) // 2 for p in glob.glob(f"{REPO}/data/sample/*.bin"))
     assert r.returncode == 0 and f"2 shards, {total:,} tokens, all valid" in r.stdout
+    assert "note" not in r.stdout
+    # two encodings in one folder: each shard valid, and a note that a run reads one of them
+    (tmp_path / "mixed").mkdir()
+    write_shard(tmp_path / "mixed" / "a_000000.bin", range(10))
+    write_shard(tmp_path / "mixed" / "b_000000.bin", range(3), encoding=1)
+    r = run_command("data/tokenize_corpus.py", f"--check={tmp_path / 'mixed'}")
+    assert r.returncode == 0 and "2 shards, 13 tokens, all valid\n" in r.stdout, r.stderr
+    note = "note: shards of two encodings (bytes: 1, gpt2: 1): a run reads one, from files of it"
+    assert r.stdout.endswith(f"{note} alone\n"), r.stdout
     write_shard(tmp_path / "x_000000.bin", range(10))
     write_shard(tmp_path / "x_000001.bin", [5, 60000])
     r = run_command("data/tokenize_corpus.py", f"--check={tmp_path}")
