@@ -274,19 +274,20 @@ def named(path: str, always: bool = False):
 
 
 def open_mode(path: str) -> int:
-    """The mode of the file that open(path, "wb") leaves: the file's own where one is there (a
-    user's chmod 600 stays), else 0o666 less the umask."""
+    """The permissions that open(path, "wb") leaves a file with: the file's own where one is there
+    (a user's chmod 600 stays; setuid and the like do not), else 0o666 less the umask."""
     with contextlib.suppress(OSError):
-        return stat.S_IMODE(os.stat(path).st_mode)
+        return os.stat(path).st_mode & 0o777
     umask = os.umask(0)  # the only way to read it is to set it: put it back at once
     os.umask(umask)
     return 0o666 & ~umask
 
 
-def write_atomically(path: str, data, tag: str = ""):
+def write_atomically(path: str, data, tag: str = "", mode: int = None):
     """Write data (bytes, or a file open to read: copied in pieces) to path so that a reader sees
-    the old file or all of the new one: a temporary file beside it (its mode open_mode's),
-    fsynced, renamed over it, the rename fsynced.
+    the old file or all of the new one: a temporary file beside it (mkstemp's 0o600 while it is
+    written, then mode, by default open_mode(path): a read-only file is replaced too), fsynced,
+    renamed over it, the rename fsynced.
     The temporary file: PATH.<8 random>.tmp, or PATH.<tag>.<8 random>.tmp (a run's checkpoint:
     its run_id, so that a kill's leftover is known as the run's)."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -295,14 +296,15 @@ def write_atomically(path: str, data, tag: str = ""):
     with named(path, always=True):
         handle, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
     os.close(handle)
+    mode = open_mode(path) if mode is None else mode
     try:
-        os.chmod(tmp, open_mode(path))
         with named(path, always=True), open(tmp, "wb") as f:
             if hasattr(data, "read"):
                 shutil.copyfileobj(data, f)
             else:
                 f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         with named(path, always=True):
             os.replace(tmp, path)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 import hub
-from fileio import kind_of, need, refuse, writable_dir, write_atomically
+from fileio import kind_of, need, open_mode, refuse, writable_dir, write_atomically
 from ranks import Dist
 from runlog import LOGS, RunLog, check_metrics, complete, json_object, provenance
 from support import (
@@ -93,7 +93,7 @@ def save_checkpoint(run_dir: str, state: dict, keep: bool = False):
         except OSError:  # no hard links here: a copy, streamed; none if it fails (a full disk:
             # the new checkpoint comes first), as where there is none to keep
             with contextlib.suppress(OSError), open(path, "rb") as f:
-                write_atomically(prev, f, tag=state["run_id"])
+                write_atomically(prev, f, tag=state["run_id"], mode=open_mode(path))
     write_atomically(path, buf.getvalue(), tag=state["run_id"])
 
 
@@ -388,7 +388,7 @@ def check_new_run_dir(run_dir: str) -> list:
         )
     if old and not (isinstance(logged(run_dir), str) and isinstance(logged(run_dir, "job"), dict)):
         why = (
-            f"its {LOGS[2]} holds no run_id and job"
+            f"its {LOGS[2]} lacks a run's run_id and job"
             if LOGS[2] in old
             else f"no {LOGS[2]}, which a run writes first"
         )

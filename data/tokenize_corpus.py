@@ -587,7 +587,10 @@ def check(folder):
     print(f"{len(files)} shards, {total:,} tokens, all valid")
     if len(encodings) > 1:
         held = ", ".join(f"{enc}: {n}" for enc, n in sorted(encodings.items()))
-        print(f"note: shards of two encodings ({held}): a run reads one, from files of it alone")
+        print(
+            f"note: shards of two encodings ({held}): a run reads one; give it train_files and "
+            f"val_files that match only that one's shards"
+        )
     return total
 
 

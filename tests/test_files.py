@@ -1,6 +1,7 @@
 """Files that are not ours: never rewritten, replaced, moved or read without bound; a full disk
 leaves what was there."""
 
+import builtins
 import csv
 import errno
 import glob
@@ -69,7 +70,7 @@ def test_a_folder_that_is_not_a_runs_is_refused_as_run_dir_nothing_moved(tmp_pat
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == files, name
     # why not a run's: said of the config.json that is there, or of the one that is not
     users, logs = said["users"], said["logs_only"]
-    assert "users holds config.json, not a run's of this project (its config.json holds no" in users
+    assert "users holds config.json, not a run's of this project (its config.json lacks a" in users
     assert "logs_only holds train.log, not a run's of this project (no config.json" in logs
     model = Path(authors_copy(tmp_path, "model"))  # a run from a model, into its own folder
     before = {p.name: p.read_bytes() for p in model.iterdir()}
@@ -701,19 +702,41 @@ def test_a_file_written_atomically_is_on_disk_before_its_name_and_its_name_after
     assert (tmp_path / "out.bin").read_bytes() == b"new"
 
 
-def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_what_open_gives(tmp_path):
+def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_what_open_gives(tmp_path, monkeypatch):
     # as open(path, "wb") leaves them: a user's chmod 600 on a checkpoint or a config stays
+    # (setuid and the like not); a read-only file is replaced too: its temporary file is written
+    # at mkstemp's 0o600, then given the mode
     mask = os.umask(0)
     os.umask(mask)
-    kept, new = tmp_path / "kept.json", tmp_path / "new.json"
+    kept, new, opened = tmp_path / "kept.json", tmp_path / "new.json", []
+
+    def noting_open(path, *args, **kwargs):  # the temporary file's mode as it is opened
+        opened.append(os.stat(path).st_mode & 0o777)
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(fileio, "open", noting_open, raising=False)
     kept.write_bytes(b"old")
-    for mode in (0o600, 0o640):
+    for mode, left in ((0o600, 0o600), (0o640, 0o640), (0o444, 0o444), (0o4755, 0o755)):
         kept.chmod(mode)
         for path in (kept, new):
             fileio.write_atomically(str(path), b"new")
-        assert kept.stat().st_mode & 0o777 == mode and kept.read_bytes() == b"new"
-        assert new.stat().st_mode & 0o777 == 0o666 & ~mask
+        assert kept.stat().st_mode & 0o7777 == left and kept.read_bytes() == b"new"
+        assert new.stat().st_mode & 0o7777 == 0o666 & ~mask
         new.unlink()
+    assert set(opened) == {0o600}  # (writable as it is written, by whoever runs it)
+    # the previous checkpoint, copied where the file system has no hard links, keeps it too
+    monkeypatch.undo()
+    runs.save_checkpoint(str(tmp_path), {"run_id": "ab12", "step": 1})
+    (tmp_path / runs.CHECKPOINT).chmod(0o600)
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(runs.os, "link", no_links)
+    runs.save_checkpoint(str(tmp_path), {"run_id": "ab12", "step": 2}, keep=True)
+    for name, step in ((runs.PREVIOUS, 1), (runs.CHECKPOINT, 2)):
+        assert torch.load(tmp_path / name, weights_only=True)["step"] == step, name
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
 
 
 def test_the_put_back_moves_nothing_when_the_newest_does_not_load(tmp_path):

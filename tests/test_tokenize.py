@@ -93,8 +93,8 @@ def test_check_command_counts_and_rejects(tmp_path):
     write_shard(tmp_path / "mixed" / "b_000000.bin", range(3), encoding=1)
     r = run_command("data/tokenize_corpus.py", f"--check={tmp_path / 'mixed'}")
     assert r.returncode == 0 and "2 shards, 13 tokens, all valid\n" in r.stdout, r.stderr
-    note = "note: shards of two encodings (bytes: 1, gpt2: 1): a run reads one, from files of it"
-    assert r.stdout.endswith(f"{note} alone\n"), r.stdout
+    note = "note: shards of two encodings (bytes: 1, gpt2: 1): a run reads one; give it train_files"
+    assert r.stdout.endswith(f"{note} and val_files that match only that one's shards\n"), r.stdout
     write_shard(tmp_path / "x_000000.bin", range(10))
     write_shard(tmp_path / "x_000001.bin", [5, 60000])
     r = run_command("data/tokenize_corpus.py", f"--check={tmp_path}")
