@@ -19,8 +19,7 @@ import time
 import numpy as np
 import torch
 
-import fileio
-from fileio import named, sha256_of, write_atomically
+from fileio import MAX_RECORD_BYTES, named, regular, sha256_of, write_atomically
 from support import HERE, RunStopped, UserError, fmt_list, one_line, os_error_text, out_of_memory
 
 LOGS = ("train.log", "metrics.jsonl", "config.json")  # a run directory's record (RunLog)
@@ -38,7 +37,7 @@ def run_records(run_dir: str, kind: str) -> list:
     permission, not a regular file) is its OSError: its records are not known to be none."""
     out = []
     path = os.path.join(run_dir, LOGS[1])
-    with contextlib.suppress(FileNotFoundError), open(fileio.regular(path), "rb") as f:
+    with contextlib.suppress(FileNotFoundError), open(regular(path), "rb") as f:
         for line in f:
             m = None  # a line that does not parse: a user's
             with contextlib.suppress(ValueError, RecursionError):  # (too deep: a user's too)
@@ -57,13 +56,13 @@ def complete(run_dir: str) -> bool:
 
 def json_object(path: str) -> dict:
     """The JSON object in path, a run's small record (config.json, expand.json); {} where there is
-    none: not a regular file, over fileio.MAX_RECORD_BYTES, not JSON, not an object."""
+    none: not a regular file, over MAX_RECORD_BYTES, not JSON, not an object."""
     with (
         contextlib.suppress(OSError, ValueError, RecursionError),
-        open(fileio.regular(path), "rb") as f,
+        open(regular(path), "rb") as f,
     ):
-        data = f.read(fileio.MAX_RECORD_BYTES + 1)
-        if len(data) <= fileio.MAX_RECORD_BYTES:
+        data = f.read(MAX_RECORD_BYTES + 1)
+        if len(data) <= MAX_RECORD_BYTES:
             obj = json.loads(data.decode("utf-8-sig"))  # (a BOM: an editor's, kept)
             return obj if isinstance(obj, dict) else {}
     return {}
