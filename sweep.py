@@ -819,8 +819,9 @@ def write_report(out: str, rows: list) -> list:
     for ln in lines:
         ci = f"[{ln['lo']:+.4f}, {ln['hi']:+.4f}]" if ln.get("lo") is not None else ""
         table.append(
-            f"| {ln['name']} | {ln['vs']} | {ln['seeds']} | {fmt(ln.get('mean'), '+.4f')} | {ci} | "
-            f"{fmt(ln.get('sd'))} | {fmt(ln.get('p'), '.3g')} | {fmt(ln.get('p_holm'), '.3g')} | "
+            f"| {cell(ln['name'])} | {cell(ln['vs'])} | {ln['seeds']} | "
+            f"{fmt(ln.get('mean'), '+.4f')} | {ci} | {fmt(ln.get('sd'))} | "
+            f"{fmt(ln.get('p'), '.3g')} | {fmt(ln.get('p_holm'), '.3g')} | "
             f"{ln['verdict']} | {fmt(ln.get('detectable'))} | {ln['val_loss']:.4f}"
             f"{' ± ' + fmt(ln['val_loss_sd']) if ln['val_loss_sd'] is not None else ''} | "
             f"{fmt(ln['val_se'])} | {ln['sparsity']:.3f} | {ln['flops_per_token'] / 1e6:.3f} | "
@@ -833,7 +834,8 @@ def write_report(out: str, rows: list) -> list:
         "|---|---|---|---|---|",
     ]
     per_block += [
-        f"| {r['name']} | {r['seed']} | {r['gate_zero']} | {r['target_zero']} | {off_target(r)} |"
+        f"| {cell(r['name'])} | {r['seed']} | {r['gate_zero']} | {r['target_zero']} | "
+        f"{off_target(r)} |"
         for r in rows
         if r["gate_zero"]
     ]
@@ -851,6 +853,12 @@ def write_report(out: str, rows: list) -> list:
     if png is not None:
         fileio.write_output(out, "figure.png", png, by=__file__)
     return lines
+
+
+def cell(text: str) -> str:
+    """text as one cell of a markdown table: its pipes escaped, its line breaks spaces (a run's
+    name is any text of runs.csv)."""
+    return " ".join(text.splitlines()).replace("|", "\\|")
 
 
 def off_target(row: dict) -> str:

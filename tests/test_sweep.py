@@ -402,6 +402,23 @@ def test_each_record_regenerates_its_table_to_the_byte_and_its_figure_draws_that
     assert tested_in_all >= 18
 
 
+def test_a_run_named_with_a_pipe_or_a_line_break_keeps_its_table_rows_whole(tmp_path, capsys):
+    # a name is any text of runs.csv: a pipe is escaped and a line break is a space, so that every
+    # row of both tables holds its columns (a row with one more cell fails table_rows' zip)
+    sweep = load_command("sweep.py")
+    record = Path(REPO, "records", "2026-11-26_figure2_bytes_core_5seeds_v3_cpu", "runs.csv")
+    text = record.read_text()
+    assert text.count("\ngated_mu0.5,") == 5
+    (tmp_path / "runs.csv").write_text(text.replace("\ngated_mu0.5,", '\n"gated|mu\n0.5",'))
+    code, _, err = run_main([f"--report={tmp_path / 'runs.csv'}"], capsys, sweep.main)
+    assert code == 0, err
+    table = (tmp_path / "table.md").read_text()
+    for header, column, n in (("| run | vs |", "run", 1), ("| run | seed |", "run", 5)):
+        rows = table_rows(table, header)
+        assert [r[column] for r in rows].count("gated\\|mu 0.5") == n, header
+    assert "gated_mu0.5" not in table
+
+
 @pytest.mark.slow
 def test_a_signal_during_a_report_leaves_the_table_and_figure_of_one_runs_csv(
     tmp_path, monkeypatch, capsys
@@ -428,7 +445,7 @@ def test_a_signal_during_a_report_leaves_the_table_and_figure_of_one_runs_csv(
 
 def table_rows(text: str, header: str) -> list:
     """The rows of the markdown table in text whose header line starts with header, each a dict
-    by column name (cells stripped)."""
+    by column name (cells stripped; an escaped pipe is a cell's own)."""
     lines = text.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith(header))
     names = [c.strip() for c in lines[at].strip("|").split("|")]
@@ -436,7 +453,8 @@ def table_rows(text: str, header: str) -> list:
     for ln in lines[at + 2 :]:
         if not ln.startswith("|"):
             break
-        rows.append(dict(zip(names, (c.strip() for c in ln.strip("|").split("|")), strict=True)))
+        cells = re.split(r"(?<!\\)\|", ln.strip("|"))
+        rows.append(dict(zip(names, (c.strip() for c in cells), strict=True)))
     return rows
 
 
