@@ -24,8 +24,9 @@ DLO (Tan et al. 2024), `router=dlo`:
     only a token with r exactly beta / 2 differs, every token of the zero-initialised routers.
   - Labels (eq. 5) rank the R' x S similarities (R' = n_layers) within each sequence, keeping
     floor((1 - rho^t) R' S) at the annealed rate (Algorithm 1 line 46; eq. 5 prints the target
-    rho); eqs. 6 and 8 average over the global batch. Top-k ties (every r is 1 at routers' zero
-    init) go to the earlier token.
+    rho); eqs. 6 and 8 average over the global batch. The top-k by r is ranked by the router
+    logit z, which r rises with (in fp32 r is one value past z = 14); ties (every z is 0 at the
+    routers' zero init) go to the earlier token.
     Training runs every MLP (labels need every similarity) and drops the skipped outputs; only
     evaluation and decoding skip the work.
 Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
@@ -340,9 +341,10 @@ class DLO(Router):
         z = self.routers[layer](x).float()  # (B, T, 1) router logit h W
         r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2  # eq. (1)
         a = block.attend(x, None, mask, pos, cache)
-        if self.training:  # the top floor((1 - rho_i) S) of each sequence by r
+        if self.training:  # the top floor((1 - rho_i) S) of each sequence by r, ranked by z:
+            # r rises with z, but in fp32 it is one value for every z past about 14
             k = torch.floor((1 - self.rates[layer]) * x.size(1))  # a tensor: no host read
-            order = r[..., 0].argsort(dim=1, descending=True, stable=True)  # (B, T) by rank
+            order = z[..., 0].argsort(dim=1, descending=True, stable=True)  # (B, T) by rank
             first = torch.arange(x.size(1), device=x.device) < k  # (T,) per rank: in the top k
             run = torch.empty_like(order, dtype=torch.bool).scatter(
                 1, order, first.expand_as(order)

@@ -11,8 +11,10 @@ names the modules beside it. Importing it has no side effects.
 
 Deviations from Llama 3 (the paper's base model, Section 3.1): sandwich norm x +
 Norm(Module(Norm(x))) (Section 2.3; `sandwich_norm=False`: pre-norm); an RMSNorm after the
-embedding as well as before the untied head; SwiGLU hidden ffn_mult * dim (3072 at 768, as the
-authors' models, not 2/3 of it); every weight N(0, 0.02), norms 1, biases only on gate linears.
+embedding as well as before the untied head; SwiGLU hidden ffn_mult * dim, 3072 at 768, as the
+authors' models (Table 2's ffn_dim_multiplier 4 and multiple_of 256 through Llama 3's formula
+would give 8192; their code reads neither); every weight N(0, 0.02), norms 1, biases only on
+gate linears; the embedding in float32 (`embed_dtype=bfloat16`: the authors').
 
 Skip-middle, our choices where the paper is open or the authors' code differs:
   - Gate linears N(0, init_std), bias 0, like every weight (Section 3.1; at the paper's width
@@ -34,6 +36,8 @@ Skip-middle, our choices where the paper is open or the authors' code differs:
   - Table 1's fixed coefficients (the paper gives none): alpha = fixed_coef, 0.1 for each
     sparsity* controller (the authors': 0.01, 0.01, 0.1); `sparsity_variance` sets beta =
     -fixed_coef, rewarding variance as Section 2.4 means it to (some gates zero, not all).
+    `sparsity_variance_l2` is Table 1's squared deviation per layer (the authors' code: one
+    unsquared L2 norm over the layers).
   - Validation reads val_tokens, 10,485,760 (modded-nanogpt's), at each val_every; Figure 2
     measured 100M: `--init_from=RUN --eval_only=true --val_tokens=99876864` (whole batches on 1, 2,
     4 or 8 ranks; the validation shard holds 100M).
@@ -440,7 +444,10 @@ class SkipMiddle(Router):
     def idle(cls, hp):  # and the controller knobs its controller does not read
         knobs = {k for read in CONTROLLERS.values() for k in read.split()}
         unread = knobs - set(CONTROLLERS[hp.controller].split())
-        return {**super().idle(hp), **dict.fromkeys(unread, f"controller={hp.controller}")}
+        idle = {**super().idle(hp), **dict.fromkeys(unread, f"controller={hp.controller}")}
+        if hp.n_layers == 2 and "mu_end" not in idle:  # (mean_targets: one block, at mu_start)
+            idle["mu_end"] = "n_layers=2: one gated block, its target mu_start"
+        return idle
 
     def loss(self, route, step):
         g = route["gates"].detach().double()

@@ -307,6 +307,8 @@ def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
         (dict(fixed_coef=0.5), "fixed_coef=0.5 has no effect"),
         (dict(router="mod", mod_every=5), "mod_every=5 routes no block"),
         (dict(controller="sparsity", mu_end=0.25), "mu_end=0.25 has no effect"),
+        (dict(n_layers=2, mu_end=0.25), "mu_end=0.25 has no effect with n_layers=2: one gated"),
+        (dict(n_layers=2, controller="none", mu_end=0.25), "no effect with controller=none"),
         (dict(router="mod", mod_aux_coef=0.0), "mod_aux_coef=0.0 must lie in (0"),
         (dict(router="dlo", dlo_rho=0.0, dlo_anneal_steps=9), "=9 has no effect with dlo_rho=0"),
     ]:
@@ -317,6 +319,7 @@ def test_a_knob_without_effect_under_the_chosen_settings_is_refused():
         dict(router="dlo", compact=True),
         dict(controller="sparsity", fixed_coef=0.5),
         dict(controller="proportional", gamma=0.5),
+        dict(n_layers=2, mu_start=0.5),
     ):
         tg.validate(tiny(**ok, **kw), 1)
 

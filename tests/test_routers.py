@@ -178,12 +178,13 @@ def test_dlo_training_runs_the_top_tokens_by_score():
     assert runs.tolist() == [[11, 11, 11], [4, 4, 4]]
 
 
-@pytest.mark.parametrize("std", [0.5, 0.0])
+@pytest.mark.parametrize("std", [0.5, 0.0, 20.0])
 def test_dlo_training_forward_written_from_its_weights(std):
     # eqs. 1-3 in training, by hand: r = (beta + (2 sigmoid(h.w) - 1) gamma) / 2 from the routers'
     # weights; attention for every token; the top floor((1 - rho_i) T) of each sequence by r run
-    # the MLP, scaled by r, the others none of it. std 0: every r ties (the routers' zero init,
-    # each run's first step): the earlier tokens run (the docstring's rule)
+    # the MLP, scaled by r, the others none of it. r's order is z's, exactly (std 20: most z past
+    # 14, where fp32 r is one value). std 0: every r ties (the routers' zero init, each run's
+    # first step): the earlier tokens run (the docstring's rule)
     torch.manual_seed(0)
     hp = tiny(router="dlo", n_layers=2)
     model = tg.GPT(hp).train()
@@ -201,8 +202,8 @@ def test_dlo_training_forward_written_from_its_weights(std):
             r = (hp.dlo_beta + (2 * torch.sigmoid(z) - 1) * hp.dlo_gamma) / 2
             k = math.floor((1 - rates[layer]) * 16)
             run = torch.zeros_like(r, dtype=torch.bool)
-            for b, rb in enumerate(r.tolist()):  # by r, then the earlier token
-                ranked = [t for _, t in sorted((-rb[t], t) for t in range(16))]
+            for b, zb in enumerate(z.tolist()):  # by r (as z: exact), then the earlier token
+                ranked = [t for _, t in sorted((-zb[t], t) for t in range(16))]
                 run[b, ranked[:k]] = True
             runs.append(run)
             a = block.attend(x, None, None)
