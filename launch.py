@@ -4,7 +4,8 @@ CPUs); a signal that reaches the sweep is passed on once to every trainer in fli
 and stops; a failed command starts nothing more and is raised with its error line (run_plans).
 
 Guarantees: no trainer is left running where a Ctrl-C no longer reaches it (Trainers: an error
-here stops them as a signal would); under torchrun a signal goes to the workers, not torchrun
+here stops them as a signal would; on Linux a sweep ended by any means, SIGKILL too, sends each
+a SIGTERM: ORPHAN_STOP); under torchrun a signal goes to the workers, not torchrun
 (which would send them a second one that cuts their save), where /proc lists them (Linux)."""
 
 import contextlib
@@ -112,6 +113,8 @@ class Trainers:
         cmd = [sys.executable, script]
         if nproc > 1:
             cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if sys.platform.startswith("linux"):  # (elsewhere: no PR_SET_PDEATHSIG)
+            cmd[1:1] = ["-c", ORPHAN_STOP, str(os.getpid())]
         files = [tempfile.TemporaryFile("w+") for _ in range(2)]
         proc = subprocess.Popen(
             cmd + args,
@@ -134,6 +137,18 @@ class Trainers:
                     trainer = self.live.pop(proc)
                     return trainer, proc.returncode, *map(read_back, trainer.files)
             time.sleep(0.05)
+
+
+# a trainer's start (Linux): a SIGTERM once the sweep ends, however it ends (a SIGKILL that no
+# handler sees), so that it saves and stops rather than train on unseen; set before the exec,
+# which keeps it (prctl's PR_SET_PDEATHSIG, 1), then the trainer's command (argv[2:]) in its place
+ORPHAN_STOP = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):  # (the sweep ended before)
+    sys.exit(128 + signal.SIGTERM)
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 
 
 def children(pid: int):

@@ -315,6 +315,46 @@ time.sleep(60)
         signal.signal(signal.SIGHUP, before)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
+def test_a_sweep_killed_outright_leaves_its_trainer_a_sigterm_not_training_on(tmp_path):
+    # a SIGKILL to the sweep runs no handler of its: the trainer, in a session of its own, gets a
+    # SIGTERM from the kernel (ORPHAN_STOP) and saves and stops; it runs its own command, the
+    # sweep's pid its parent's
+    begun, saved = tmp_path / "begun", tmp_path / "saved"
+    trainer = script(
+        tmp_path / "trainer.py",
+        f"""import os, pathlib, signal, sys, time
+def save(signum, _):
+    pathlib.Path({str(saved)!r}).write_text(str(signum))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, save)
+pathlib.Path({str(begun)!r}).write_text(" ".join([str(os.getppid()), *sys.argv[1:]]))
+time.sleep(60)
+""",
+    )
+    sweep = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import launch; launch.run_plans([launch.Plan('run', [({trainer!r}, ['a b'])])], 1)",
+        ],
+        cwd=support.HERE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not begun.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert begun.read_text() == f"{sweep.pid} a b"
+        assert not saved.exists()
+        sweep.kill()
+        while not saved.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert saved.read_text() == str(int(signal.SIGTERM))
+    finally:
+        sweep.kill()
+        sweep.wait()
+
+
 def test_an_error_in_the_sweep_stops_its_trainers_as_a_signal_would(tmp_path, monkeypatch):
     # run_plans fails while starting its second command: the first, in flight, is not left
     # running where no Ctrl-C reaches it (a session of its own); it gets SIGTERM and is waited for
