@@ -34,7 +34,8 @@ Mixture-of-Depths (Raposo et al. 2024), `router=mod`:
     the paper's best capacity, 12.5% of each sequence.
   - r = w.h (no bias) scales both residual branches of a chosen token, as g does in our block
     (the MLP reads x + r Attn, not the block output scaled once). Tokens not chosen are neither
-    queries nor keys there (weight gate_eps masked, 0 when compacted: train_gpt's deviations).
+    queries nor keys there (weight gate_eps masked, 0 when compacted or decoding: train_gpt's
+    deviations).
   - Causal inference: the paper's first method, BCE (mod_aux_coef, our 0.01) teaching
     sigmoid(r) the top-k; evaluation and decoding run r > 0 (validation reports that share).
 Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
@@ -43,14 +44,15 @@ Mixture-of-Recursions (Bae et al. 2025), `router=mor`:
     (Middle-Cycle): 2 + (L - 2) / N_r unique blocks; L - 2 must be a multiple of N_r.
   - Expert-choice, hierarchical filtering: recursion r keeps floor((N_r - r) / N_r T) tokens
     of each sequence (all, 2/3, 1/3 for N_r = 3). Recursion 0 (share 1) keeps every token in
-    inference too and has no BCE term.
+    inference too and has no BCE term (the authors' code: one, every target 1).
   - A kept token moves by g = sigmoid(z) times the recursion's update, h + g (f(h) - h) (no
     extra scale; the authors' code adds alpha sigmoid(z) times the stack's output, residual
     included). In the stack the kept tokens run ungated; the others are neither queries nor
     keys (weight gate_eps masked, 0 when compacted or decoding: train_gpt's deviations).
   - Causal inference: BCE (mor_aux_coef, our 0.1: at 0.01 the CPU smoke run kept almost no
     token past recursion 0) of z, one mean over the routed recursions' active tokens (the
-    authors' code: 0.001 times the sum of each recursion's mean); inference keeps z > 0.
+    authors' code: 0.001 times the sum of each recursion's mean); inference keeps z > 0 (the
+    authors' evaluation: the top-k over the whole sequence, which sees later tokens).
     Recursion-wise KV caching; no KV-sharing variant, z-loss or capacity warm-up.
 """
 
