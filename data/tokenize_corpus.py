@@ -8,8 +8,9 @@
     python data/tokenize_corpus.py --from_shards='data/fineweb10B/*.bin' --encoding=bytes \\
         --out=data/fineweb10B_bytes --name=fineweb                    # FineWeb as bytes
 
-Input: .txt files (each file one document, UTF-8) and .jsonl files (one JSON object per line,
-its "text" field one document). Each document is encoded with the GPT-2 BPE (tiktoken) and
+Input: .jsonl files (one JSON object per line, its "text" field one document) and text files:
+any other name, .txt say, is one document, UTF-8 (a .json file's raw JSON text too: give JSON
+Lines). Each document is encoded with the GPT-2 BPE (tiktoken) and
 preceded by <|endoftext|> (50256), as in FineWeb; or, with --encoding=bytes, as its bytes (ids
 0-255) preceded by a NUL byte (0): a .txt file's bytes exactly as they are, invalid UTF-8
 included (decoding shows those as U+FFFD; a document holding a NUL byte is refused), a JSON
@@ -601,7 +602,8 @@ def parser() -> ArgParser:
         nargs="*",
         type=path_arg,
         metavar="FILE",
-        help=".txt or .jsonl files to encode (none: regenerate the embedded sample)",
+        help=".jsonl files and text files (any other name: one document each) to encode (none: "
+        "regenerate the embedded sample)",
     )
     p.add_argument(
         "--out",
