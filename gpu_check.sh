@@ -299,8 +299,7 @@ if (( ${#failed[@]} )); then
         "$out/NAME.txt)"
     exit 1
 elif (( ${#left_over[@]} )); then
-    echo "stopped by the budget in $SECONDS s, ${left_over[*]} left: run 'bash gpu_check.sh $out'" \
-        "again"
+    echo "stopped by the budget in $SECONDS s, ${left_over[*]} left: run '$again' again"
 else
     echo "done in $SECONDS s: $out (commit it)"
 fi

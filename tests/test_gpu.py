@@ -7,6 +7,7 @@ benchmarks, and writes a record.
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -237,8 +238,9 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     # GPU_CHECK_DRY_RUN=1: gpu_check.sh on CPU at a tiny size. A call ends within its budget
     # (GPU_CHECK_SECONDS; a stage in flight is cut, its status not taken for a result, and no
     # other starts); the next call runs what is left; with room, one call runs every stage; a
-    # failed stage is run again by the next call, which exits 1
-    out = tmp_path / "check"
+    # failed stage is run again by the next call, which exits 1. OUT holds a space: the command
+    # each call says to run again reads back as the same OUT
+    out = tmp_path / "check out"
     (tmp_path / "tmp").mkdir()  # its runs' folders go here (TMPDIR), removed once used
     env = {"GPU_CHECK_DRY_RUN": "1", "OMP_NUM_THREADS": "2", "TMPDIR": str(tmp_path / "tmp")}
 
@@ -266,6 +268,8 @@ def test_gpu_check_dry_runs_every_stage_on_cpu_in_one_call_within_its_budget(tmp
     assert left and all(re.search(r"cut at \d+ s|not run, the budget of 8 s", ln) for ln in left)
     assert sorted(p.stem for p in out.glob("*.done")) == sorted(done)
     assert said.startswith("stopped by the budget in "), said
+    again = re.fullmatch(r".* left: run '(.*)' again", said)
+    assert again and shlex.split(again[1]) == ["bash", "gpu_check.sh", str(out)], said
     assert said.split(", ")[1].split(" left:")[0].split() == stages[len(done) :], said
     said, second, _ = call(600)
     assert [line.split(":")[0] for line in second] == stages[len(done) :], said
