@@ -7,8 +7,11 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -630,6 +633,21 @@ def test_the_other_commands_refuse_bad_input_with_one_line(tmp_path, capsys):
             r = run_command(*cmd, stdout=full, timeout=300, env={"PYTHONUNBUFFERED": unbuffered})
         assert r.returncode == 1 and r.stderr.count("\n") == 1, (cmd, r.stderr)
         assert r.stderr.startswith("error: No space left on device"), (cmd, r.stderr)
+    # a pipe whose reader is gone: status 1 (not bad input), after the work (the report written)
+    record = Path(REPO, "records", "2026-11-26_figure2_bytes_core_5seeds_v3_cpu", "runs.csv")
+    shutil.copy(record, tmp_path / "runs.csv")
+    reader, writer = os.pipe()
+    os.close(reader)
+    r = run_command("sweep.py", f"--report={tmp_path / 'runs.csv'}", stdout=writer)
+    os.close(writer)
+    assert r.returncode == 1 and r.stderr == "error: Broken pipe\n", r.stderr
+    assert (tmp_path / "table.md").exists()
+    # standard output (or error) closed as the command starts: what it says is lost, status 0
+    piped = dict(cwd=REPO, capture_output=True, text=True, timeout=300)
+    for closed in (">&-", "2>&-"):
+        check = [sys.executable, "data/tokenize_corpus.py", "--check=data/sample"]
+        r = subprocess.run(["bash", "-c", f'exec "$@" {closed}', "_", *check], **piped)
+        assert r.returncode == 0 and not r.stderr, (closed, r)
     # one boolean spelling everywhere, as train_gpt.py's fields: 1/0, true/false, yes/no
     assert [support.parse_bool(v) for v in ("1", "TRUE", "Yes", "0", "false", "NO")] == [
         True
