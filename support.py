@@ -61,11 +61,12 @@ RAN_OUT = re.compile(
 
 def cli(main, argv, end_line=None) -> int:
     """main(argv) as a command: 0; 2 bad input (a UserError, an OS error on a user's path); 1 a
-    full disk, a pipe whose reader is gone, memory run out (out_of_memory), RunStopped, or a failure once a training job has a
-    run directory (the error's `checkpoint`, runs.Ledger: the line names it); 128+N on signal N. At
-    most one error line. Once main has returned (its work done), a signal (say, during the
-    interpreter's shutdown) changes neither the output nor the status. end_line: called as it
-    stops early (an error, a signal), to end a line left open (the tokenizer's progress line)."""
+    full disk, a pipe whose reader is gone, memory run out (out_of_memory), RunStopped, or a
+    failure once a training job has a run directory (the error's `checkpoint`, runs.Ledger: the
+    line names it); 128+N on signal N. At most one error line. Once main has returned (its work
+    done), a signal (say, during the interpreter's shutdown) changes neither the output nor the
+    status. end_line: called as it stops early (an error, a signal), to end a line left open (the
+    tokenizer's progress line)."""
     for sig in SAVE_SIGNALS:  # each unwinds: a command takes back what it was writing
         signal.signal(sig, interrupted)
     for name in ("stdout", "stderr"):  # closed as the process began (None): what it says is lost

@@ -9,14 +9,15 @@ through the Hugging Face cache (HF_HOME / HF_HUB_CACHE) and are hard-linked into
 folder when both are on one filesystem, so they take the space once; otherwise they are
 copied. Set HF_HUB_CACHE next to the data folder if you want to be sure.
 
-A file already in the data folder with a valid header and size is skipped, so an interrupted
-fetch resumes where it stopped. Every file is checked after download (magic, version, token
-count against the file size) before it takes its final name; a bad one is reported and fetched
-again. So a file of a shard's name in the data folder that is not a whole shard was not written
-here: it is refused before anything is fetched, never replaced; a NAME.part left by a fetch cut
-short is replaced, and any other file of that name keeps that shard from being placed (a reason
-at the end, as a failed download's). Several files download at once
-(--workers, default 8). One fetch at a time writes a folder: a second is refused while it runs.
+A file already in the data folder with a valid header and size, of GPT-2 tokens, is skipped
+(its tokens are not compared with the Hub's), so an interrupted fetch resumes where it stopped.
+Every file is checked after download (magic, version, token count against the file size) before
+it takes its final name; a bad one is reported and fetched again. So a file of a shard's name in
+the data folder that is not a whole shard (or holds bytes) was not written here: it is refused
+before anything is fetched, never replaced; a NAME.part left by a fetch cut short is replaced,
+and any other file of that name keeps that shard from being placed (a reason at the end, as a
+failed download's). Several files download at once (--workers, default 8). One fetch at a time
+writes a folder: a second is refused while it runs.
 
 Why not huggingface_hub.snapshot_download(local_dir=...): in that mode (huggingface_hub 2.4)
 a file found in the Hugging Face cache is copied, not linked (20.8 GB twice); offline it does
@@ -50,23 +51,24 @@ from support import (  # noqa: E402
 if __name__ == "__main__":
     exit_quietly_on_signals()
 
-from data.shards import shard_tokens  # noqa: E402
+from data.shards import shard_header, shard_tokens  # noqa: E402
 
 REPO = "kjj0/fineweb10B-gpt2"
 N_TRAIN = 103
 
 
 def damage(path: str) -> str:
-    """Why the file at path is not a whole shard (named), or "" where it is one (a link to a
-    file is one: the Hugging Face cache's files are links to its blobs). One that cannot be read
-    (a permission) is its OSError: not known to be damaged."""
+    """Why the file at path is not a whole FineWeb shard (named), or "" where it is one: its
+    header, size and encoding (GPT-2; a byte shard of the name is not one), not its tokens. A link
+    to a file is one (the Hugging Face cache's files are links to its blobs). One that cannot be
+    read (a permission) is its OSError: not known to be damaged."""
     if not os.path.isfile(path):
         return f"{path} is {kind_of(path)}"
     try:
-        shard_tokens(path)
+        encoding = shard_header(path)[1]
     except UserError as e:
         return str(e)
-    return ""
+    return "" if encoding == "gpt2" else f"{path} holds {encoding} tokens, not FineWeb's GPT-2"
 
 
 def left_by_place(part: str, src: str) -> bool:
@@ -189,8 +191,8 @@ def main(argv) -> None:
         problem = damage(path) if os.path.lexists(path) else ""
         if problem:
             raise UserError(
-                f"{problem}: it is there and is not a whole shard, so this command did not "
-                f"write it: move it away and run this again; nothing was fetched"
+                f"{problem}: it is there and is not a whole FineWeb shard, so this command did "
+                f"not write it: move it away and run this again; nothing was fetched"
             )
     from huggingface_hub.utils import logging as hub_logging
 

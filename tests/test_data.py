@@ -81,10 +81,18 @@ def test_fetch_uses_the_hub_cache_offline_and_resumes(tmp_path):
     assert r.stderr.startswith(
         f"error: {out / 'fineweb_train_000001.bin'}: "
     ) and r.stderr.endswith(
-        ": it is there and is not a whole shard, so this command did not write it: move it away "
-        "and run this again; nothing was fetched\n"
+        ": it is there and is not a whole FineWeb shard, so this command did not write it: move "
+        "it away and run this again; nothing was fetched\n"
     )
     assert (out / "fineweb_train_000001.bin").read_bytes() == damaged
+    # a whole shard of bytes under that name is not FineWeb's either: refused the same way
+    write_shard(out / "fineweb_train_000001.bin", range(0, 200, 7), encoding=1)
+    r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
+    assert r.returncode == 2 and r.stderr == (
+        f"error: {out / 'fineweb_train_000001.bin'} holds bytes tokens, not FineWeb's GPT-2: it "
+        f"is there and is not a whole FineWeb shard, so this command did not write it: move it "
+        f"away and run this again; nothing was fetched\n"
+    ), r.stderr
     assert not (out / "fineweb_val_000000.bin").exists()
     (out / "fineweb_train_000001.bin").unlink()
     r = run_command("data/cached_fineweb10B.py", "1", f"--out={out}", env=env)
@@ -911,7 +919,7 @@ def test_fineweb_a_shard_it_cannot_read_is_named_not_a_traceback(tmp_path, monke
     def unreadable(path):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    monkeypatch.setattr(fetch, "shard_tokens", unreadable)
+    monkeypatch.setattr(fetch, "shard_header", unreadable)
     monkeypatch.setattr(fetch, "fetch", lambda *args: calls.append(args))
     code, _, err = run_main(["0", f"--out={tmp_path}"], capsys, fetch.main)
     assert code == 2 and err == f"error: {shard}: Permission denied\n" and calls == []
