@@ -187,7 +187,7 @@ def in_range(kind, low, high=math.inf):
 
     def convert(text: str):
         with contextlib.suppress(ValueError, OverflowError):
-            value = kind(text)
+            value = parse_int(text) if kind is int else kind(text)
             if (
                 math.isfinite(value)
                 and low <= value <= high
@@ -288,10 +288,23 @@ class ArgParser(argparse.ArgumentParser):
         return args.run_dir or args.init_from
 
 
+def parse_int(text: str) -> int:
+    """An int as every command reads one: digits (10_000), or exactly a whole number as 1e6 up
+    to 2**53, where a float holds every integer (1.0000000000000001 is refused, not read as the
+    float 1.0). ValueError if it is not one."""
+    if re.fullmatch(r"[-+]?[\d_]+", text.strip()):
+        return int(text)
+    value = float(text.replace("_", ""))
+    with contextlib.suppress(decimal.InvalidOperation):
+        exact = decimal.Decimal(text.replace("_", ""))
+        if value.is_integer() and abs(value) <= 2**53 and exact == value:
+            return int(value)
+    raise ValueError(f"not an int: {text!r}")
+
+
 def parse_fields(classes, argv) -> dict:
     """--field=value pairs for the fields of the dataclasses, each typed against its default
-    (an int may be written 10_000, or exactly a whole number as 1e6 up to 2**53, where a float
-    holds every integer: 1.0000000000000001 is refused, not read as the float 1.0)."""
+    (an int: parse_int)."""
     defaults = {f.name: getattr(cls(), f.name) for cls in classes for f in fields(cls)}
     choices = {
         f.name for cls in classes for f in fields(cls) if type(f.metadata.get("spec")) is tuple
@@ -307,12 +320,8 @@ def parse_fields(classes, argv) -> dict:
         if not text:
             raise UserError(f"--{name}=: expected a value (leave the field out for its default)")
         try:
-            if kind is int and not re.fullmatch(r"[-+]?[\d_]+", text.strip()):
-                value = float(text.replace("_", ""))
-                exact = decimal.Decimal(text.replace("_", ""))
-                if not (value.is_integer() and abs(value) <= 2**53 and exact == value):
-                    raise ValueError
-                given[name] = int(value)
+            if kind is int:
+                given[name] = parse_int(text)
             elif kind is str:  # a path unless it has choices: ~ as path_arg reads it
                 given[name] = text if name in choices else os.path.expanduser(text)
             else:
@@ -320,7 +329,7 @@ def parse_fields(classes, argv) -> dict:
             if kind is float and past_floats(text, given[name]):
                 value = given[name]
                 raise UserError(f"--{name}={text}: past a float's range (it reads as {value})")
-        except (ValueError, decimal.InvalidOperation, argparse.ArgumentTypeError):
+        except (ValueError, argparse.ArgumentTypeError):
             raise UserError(f"--{name}={text}: expected {kind.__name__}") from None
     return given
 

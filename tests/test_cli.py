@@ -1,6 +1,7 @@
 """Command lines: the settings' facts and checks, bad input to train_gpt.py, and the other
 commands' options and errors (one line, status 2)."""
 
+import argparse
 import contextlib
 import math
 import os
@@ -741,15 +742,18 @@ def test_every_option_of_every_command_refuses_bad_values_with_one_line(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "run", "t.txt"]
 
 
-def test_a_whole_number_written_as_a_float_is_an_int_up_to_2_to_the_53():
-    def step(text):
+def test_a_whole_number_written_as_a_float_is_an_int_up_to_2_to_the_53_in_every_command():
+    # a field (train_gpt.py's, expand.py's) and an option (the other commands') read alike
+    def field(text):
         return support.parse_fields([runs.RunState], [f"--step={text}"])["step"]
 
-    assert step("1e6") == 10**6 and step("10_000") == 10_000
-    assert step(f"{float(2**53)!r}") == 2**53  # 9007199254740992.0: exact
-    for text in ("1.5", "1e-3", f"{float(2**54)!r}", "nan", "inf", "1.0000000000000001"):
-        with pytest.raises(support.UserError, match="expected int"):
-            step(text)
+    option = support.in_range(int, 0)
+    for read, refusal in ((field, support.UserError), (option, argparse.ArgumentTypeError)):
+        assert read("1e6") == 10**6 and read("10_000") == 10_000 and read("+7") == 7
+        assert read(f"{float(2**53)!r}") == 2**53  # 9007199254740992.0: exact
+        for text in ("1.5", "1e-3", f"{float(2**54)!r}", "nan", "inf", "1.0000000000000001"):
+            with pytest.raises(refusal, match="expected int"):
+                read(text)
 
 
 def test_saved_fields_take_an_int_for_a_float_but_nothing_else_for_its_type():
