@@ -413,7 +413,8 @@ def usage(run, job, presets: dict) -> str:
         [
             "usage: python train_gpt.py [--field=value ...]  (or torchrun ... train_gpt.py ...)",
             "Every field of Hyperparameters and Job, with its default; booleans take true/false "
-            "(1/0, yes/no); a field given twice takes the later value (a script's overrides last).",
+            "(1/0, yes/no), integers 10_000 or 1e4; a field given twice takes the later value (a "
+            "script's overrides last).",
             "(fixed): a resume may not change it; (router=NAME): read by that router only; "
             "(train only): read by training alone; (init only): by a new model's initial weights.",
             "",
