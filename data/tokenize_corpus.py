@@ -12,7 +12,7 @@ Input: .jsonl files (one JSON object per line, its "text" field one document) an
 any other name, .txt say, is one document, UTF-8 (a .json file's raw JSON text too: give JSON
 Lines). Each document is encoded with the GPT-2 BPE (tiktoken) and
 preceded by <|endoftext|> (50256), as in FineWeb; or, with --encoding=bytes, as its bytes (ids
-0-255) preceded by a NUL byte (0): a .txt file's bytes exactly as they are, invalid UTF-8
+0-255) preceded by a NUL byte (0): a text file's bytes exactly as they are, invalid UTF-8
 included (decoding shows those as U+FFFD; a document holding a NUL byte is refused), a JSON
 text's UTF-8. Tokens go into shards of --shard_tokens tokens (the last one shorter) in the
 modded-nanogpt format that train_gpt.py reads, the encoding in the header; the first shard is
@@ -276,7 +276,7 @@ class Corpus:
 
 def documents(paths, raw: bool = False):
     """Yield (name, text) for every document; a malformed one is an error naming it. raw: a
-    .txt file's bytes as they are, not decoded (byte encoding: any bytes round-trip)."""
+    text file's bytes as they are, not decoded (byte encoding: any bytes round-trip)."""
     for path in paths:
         if path.lower().endswith(".jsonl"):  # (data.JSONL too: not one text of raw JSON)
             with open(path, "rb") as f:  # bytes: a bad line is named, not a decoder traceback
@@ -392,7 +392,7 @@ def _encode(item):
     name, text, enc = item
     _enc = _encodings.get(enc) or _encodings.setdefault(enc, encoding(enc))
     try:
-        if enc == "bytes":  # the bytes themselves: a .txt file's as read, JSON text's UTF-8
+        if enc == "bytes":  # the bytes themselves: a text file's as read, JSON text's UTF-8
             data = text if isinstance(text, bytes) else text.encode("utf-8")
             if b"\0" in data:
                 return name, "holds a NUL byte, the document separator of byte shards"
@@ -635,7 +635,7 @@ def parser() -> ArgParser:
         "--encoding",
         choices=("gpt2", "bytes"),
         default="gpt2",
-        help="GPT-2 BPE ids, or UTF-8 bytes (vocabulary 256; a .txt file's bytes as "
+        help="GPT-2 BPE ids, or UTF-8 bytes (vocabulary 256; a text file's bytes as "
         "they are, valid UTF-8 or not) (default: %(default)s)",
     )
     p.add_argument(
